@@ -1,0 +1,246 @@
+"""Exact attention-probability tiles within a memory budget, folded into reducers.
+
+Two paths compute the same numbers:
+
+* ``rows``: a tile of ``r`` query rows × all ``S`` keys × ``h`` heads is formed with one matmul and an
+  in-place float32 softmax. Serves every kind; key-pooled sums come from ``tile @ indicator``.
+* ``sdpa``: key-pooled sums without forming P. ``Σ_{j∈group} P[i, j] = (P·V)[i, group]`` with the
+  indicator ``V[j, g] = 1`` for key ``j`` in group ``g``, so one fused SDPA call on ``V`` (padded to
+  the head dimension) gives multi-key groups; the same call returns the log-sum-exp of every row, from
+  which single-key columns are ``exp(q·kᵀ·scale − lse)`` at a cost of ``S·C·D``.
+
+The planner picks head and row chunk sizes so that the transient float32 working set stays within the
+budget; the reducers' results are not counted (they are what the user asked for).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .reducers import KeyGroups, Reducer
+
+__all__ = ["TilePlan", "plan_tiles", "capture", "sdpa_supported", "PATHS"]
+
+PATHS = ("auto", "rows", "sdpa")
+_F32 = 4
+_MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Chunk sizes for one layer call.
+
+    Args:
+        path (`str`): ``"rows"`` or ``"sdpa"``, how key-pooled kinds are computed.
+        row_heads (`int`): heads per row tile.
+        row_rows (`int`): query rows per row tile.
+        sdpa_heads (`int`): heads per SDPA call (0 when the SDPA path is not used).
+        sdpa_rows (`int`): query rows per single-key-column tile on the SDPA path.
+        peak_bytes (`int`): predicted peak transient bytes.
+    """
+
+    path: str
+    row_heads: int
+    row_rows: int
+    sdpa_heads: int
+    sdpa_rows: int
+    peak_bytes: int
+
+
+def sdpa_supported(device: torch.device) -> bool:
+    """Whether a fused SDPA kernel that also returns the log-sum-exp exists for ``device``."""
+    return device.type in ("cpu", "cuda")
+
+
+def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Fused attention ``(1, h, S, D)`` returning ``(out, lse)`` with ``lse`` of shape ``(1, h, S)`` in float32."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[:2]
+    elif q.device.type == "cuda":
+        # Memory-efficient kernel: supports float32 and returns lse padded to a multiple of 32 rows.
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)[
+            :2
+        ]
+    else:
+        raise RuntimeError(f"no fused attention kernel with log-sum-exp for device {q.device}")
+    return out, lse[..., : q.shape[2]]
+
+
+def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int) -> int:
+    # fp32 K for the head chunk + q rows + scores (softmax in place) + pooled sums
+    return _F32 * (h * S * D + h * r * D + h * r * S + h * r * C)
+
+
+def _sdpa_bytes(h: int, r: int, S: int, D: int, n_single: int) -> int:
+    # fp32 q and k, the indicator V (shared over heads), out, lse, then single-key tiles of r rows
+    return _F32 * (2 * h * S * D + S * D + h * S * D + h * S + h * r * (D + 2 * n_single))
+
+
+def _largest(fits, upper: int) -> int:
+    """Largest n in [1, upper] with fits(n) (fits is monotone), or 0."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def plan_tiles(
+    reducers: list[Reducer], seq_len: int, num_heads: int, head_dim: int, budget: int, path: str, device
+) -> TilePlan:
+    """Choose chunk sizes for ``reducers`` within ``budget`` bytes; raises `ValueError` when nothing fits."""
+    S, H, D = seq_len, num_heads, head_dim
+    pooled = [r for r in reducers if r.key_groups is not None]
+    if path == "auto":
+        wants_all_rows = any(r.rows is not None and len(r.rows) == S for r in reducers)
+        path = "rows" if (wants_all_rows or not sdpa_supported(torch.device(device))) else "sdpa"
+    row_cols = sum(r.key_groups.num_groups for r in pooled) if path == "rows" else 0
+    need_rows = any(r.rows is not None for r in reducers) or (pooled and path == "rows")
+    n_single = sum(r.key_groups.num_groups for r in pooled if r.key_groups.single_keys)
+
+    def row_plan(h: int) -> int:
+        return _largest(lambda r: _row_tile_bytes(h, r, S, D, row_cols) <= budget, min(S, _MAX_ROWS))
+
+    row_heads = row_rows = 0
+    if need_rows:
+        # Prefer all heads per tile (one pass folds the head mean) with a reasonable row count.
+        for h in range(H, 0, -1):
+            row_rows = row_plan(h)
+            if row_rows >= min(64, S) or h == 1:
+                row_heads = h
+                break
+        if row_rows == 0:
+            raise _too_small(budget, _row_tile_bytes(1, 1, S, D, row_cols), S, D)
+    sdpa_heads = sdpa_rows = 0
+    if pooled and path == "sdpa":
+        sdpa_heads = _largest(lambda h: _sdpa_bytes(h, 1, S, D, n_single) <= budget, H)
+        if sdpa_heads == 0:
+            raise _too_small(budget, _sdpa_bytes(1, 1, S, D, n_single), S, D)
+        sdpa_rows = _largest(lambda r: _sdpa_bytes(sdpa_heads, r, S, D, n_single) <= budget, S)
+    peak = max(
+        _row_tile_bytes(row_heads, row_rows, S, D, row_cols) if need_rows else 0,
+        _sdpa_bytes(sdpa_heads, sdpa_rows, S, D, n_single) if sdpa_heads else 0,
+    )
+    return TilePlan(path, row_heads, row_rows, sdpa_heads, sdpa_rows, peak)
+
+
+def _too_small(budget: int, need: int, S: int, D: int) -> ValueError:
+    return ValueError(
+        f"memory_budget={budget} bytes is too small for one tile at sequence length S={S}, head dim {D}: "
+        f"the smallest tile needs {need} bytes. Raise memory_budget to at least {need} (e.g. '1GiB')."
+    )
+
+
+@torch.no_grad()
+def capture(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    reducers: list[Reducer],
+    outs: list[torch.Tensor],
+    plan: TilePlan,
+    scale: float | None = None,
+) -> None:
+    """Fold exact float32 attention probabilities of one batch item into ``outs``.
+
+    Args:
+        q (`torch.Tensor`): queries ``(H, S, D)`` of the selected heads, any float dtype.
+        k (`torch.Tensor`): keys ``(H, S, D)``.
+        reducers (`list[Reducer]`): what to compute.
+        outs (`list[torch.Tensor]`): one float32 result per reducer for this batch item, ``(H_out, ...)``, zeroed.
+        plan (`TilePlan`): chunk sizes from :func:`plan_tiles`.
+        scale (`float | None`): softmax scale, defaults to ``1/sqrt(D)`` as in SDPA.
+    """
+    H, S, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None]
+    row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
+
+    all_rows = [(r, o) for r, o in row_kinds if len(r.rows) == S]
+    if all_rows or (pooled and plan.path == "rows"):
+        _row_pass(q, k, None, all_rows, pooled if plan.path == "rows" else [], plan, scale)
+    for red, out in row_kinds:
+        if len(red.rows) != S:
+            _row_pass(q, k, red.rows, [(red, out)], [], plan, scale)
+    if pooled and plan.path == "sdpa":
+        _sdpa_pass(q, k, pooled, plan, scale)
+
+
+def _concat_indicator(groups: list[KeyGroups], S: int, device) -> tuple[torch.Tensor, list[int]]:
+    """Indicator ``(S, ΣC)`` of several reducers' key groups side by side, and each one's column offset."""
+    cols = [g.indicator(S, device=device) for g in groups]
+    offsets = [0]
+    for c in cols:
+        offsets.append(offsets[-1] + c.shape[1])
+    return torch.cat(cols, dim=1), offsets
+
+
+def _row_pass(q, k, rows, row_kinds, pooled, plan: TilePlan, scale: float) -> None:
+    """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, via the indicator, pooled kinds."""
+    H, S, D = q.shape
+    n_rows = S if rows is None else len(rows)
+    if pooled:
+        indicator, offsets = _concat_indicator([r.key_groups for r, _ in pooled], S, q.device)
+    for h0 in range(0, H, plan.row_heads):
+        h1 = min(H, h0 + plan.row_heads)
+        kt = k[h0:h1].float().transpose(1, 2)  # (h, D, S)
+        for r0 in range(0, n_rows, plan.row_rows):
+            r1 = min(n_rows, r0 + plan.row_rows)
+            idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
+            scores = torch.matmul(q[h0:h1, idx].float(), kt).mul_(scale)  # (h, r, S)
+            probs = _softmax_(scores)
+            for red, out in row_kinds:
+                red.fold_rows(out, h0, r0, probs)
+            if pooled:
+                sums = torch.matmul(probs, indicator)  # (h, r, ΣC)
+                for (red, out), c0, c1 in zip(pooled, offsets, offsets[1:]):
+                    red.fold_pooled(out, h0, r0, sums[..., c0:c1])
+
+
+def _softmax_(scores: torch.Tensor) -> torch.Tensor:
+    """Float32 softmax over the last dim, in place (a tile is the largest buffer; do not copy it)."""
+    scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+    return scores.div_(scores.sum(-1, keepdim=True))
+
+
+def _sdpa_pass(q, k, pooled, plan: TilePlan, scale: float) -> None:
+    """Key-pooled sums through fused SDPA on indicator values, plus single-key columns from the lse."""
+    H, S, D = q.shape
+    multi = [(r, o) for r, o in pooled if not r.key_groups.single_keys]
+    single = [(r, o) for r, o in pooled if r.key_groups.single_keys]
+    if multi:
+        indicator, offsets = _concat_indicator([r.key_groups for r, _ in multi], S, q.device)
+    else:  # only single-key columns: one pass for the lse; zero values cost the same as any
+        indicator, offsets = torch.zeros(S, 0, device=q.device), [0]
+    n_cols = indicator.shape[1]
+    # Values must have the head dimension for the fused kernels: pad, and use ceil(C / D) calls.
+    n_calls = max(1, math.ceil(n_cols / D))
+    v_all = torch.zeros(S, n_calls * D, device=q.device)
+    v_all[:, :n_cols] = indicator
+    del indicator
+    for h0 in range(0, H, plan.sdpa_heads):
+        h1 = min(H, h0 + plan.sdpa_heads)
+        qf = q[None, h0:h1].float().contiguous()
+        kf = k[None, h0:h1].float().contiguous()
+        sums, lse = [], None
+        for c in range(n_calls):
+            v = v_all[:, c * D : (c + 1) * D].expand(1, h1 - h0, S, D).contiguous()
+            out, lse = _sdpa_with_lse(qf, kf, v, scale)
+            sums.append(out[0])
+            del v
+        sums = torch.cat(sums, dim=-1) if len(sums) > 1 else sums[0]
+        for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
+            red.fold_pooled(o, h0, 0, sums[..., c0:c1])
+        del sums
+        for red, o in single:
+            keys = red.key_groups.keys.to(q.device)
+            k_sel = kf[0][:, keys].transpose(1, 2)  # (h, D, C)
+            for r0 in range(0, S, plan.sdpa_rows):
+                r1 = min(S, r0 + plan.sdpa_rows)
+                s = torch.matmul(qf[0, :, r0:r1], k_sel).mul_(scale)
+                red.fold_pooled(o, h0, r0, s.sub_(lse[0, :, r0:r1, None]).exp_())

@@ -1,0 +1,269 @@
+"""Recording: follows a generation step by step and keeps the maps the selection asks for.
+
+``record(pipe, ...)`` is the one-line entry point: it builds a :class:`Recording`, installs cogattn's
+processors on every attention layer, and on exit (also on an exception or KeyboardInterrupt) puts the
+original processors back and removes its hook. A forward pre-hook on the transformer (no patching of
+pipeline or block classes) tells the recording the step index, timestep, batch size and latent grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .engine import TilePlan, capture, plan_tiles
+from .layout import TokenLayout
+from .models import find_transformer
+from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
+from .reducers import REDUCERS, Reducer
+from .selection import Resolved, Selection
+
+__all__ = ["Recording", "record"]
+
+
+class Recording:
+    """Attention maps of one generation, keyed by ``(kind, step, layer)``.
+
+    Building a recording validates the selection against the model and registers its forward
+    pre-hook; it installs no processors (see :func:`record`, or set
+    :class:`CogVideoXAttnMapProcessor` yourself). Use it as a context manager or call :meth:`close`.
+
+    Args: see :func:`record`.
+    """
+
+    def __init__(
+        self,
+        target,
+        *,
+        kinds: Sequence[str] | str = ("frame",),
+        layers: str | Sequence[int] = "all",
+        steps: str | Sequence[int] = "all",
+        batch: str | Sequence[int] = "all",
+        heads: str | Sequence[int] = "mean",
+        queries: Sequence[int | tuple[int, int, int]] | None = None,
+        memory_budget: int | str = "1GiB",
+        path: str = "auto",
+    ):
+        self.transformer, self.pipeline, self._spec = find_transformer(target)
+        self._modules = self._spec.attention_modules(self.transformer)
+        self._layer_of = {id(m): i for i, m in enumerate(self._modules)}
+        num_heads = self._modules[0].heads
+        self.selection = Selection.build(
+            kinds=kinds, layers=layers, steps=steps, batch=batch, heads=heads, queries=queries,
+            memory_budget=memory_budget, path=path, num_layers=len(self._modules), num_heads=num_heads,
+        )  # fmt: skip
+        if isinstance(self.selection.batch, str) and self.selection.batch != "all" and self.pipeline is None:
+            raise ValueError(
+                f"batch={self.selection.batch!r} needs a pipeline to know whether classifier-free guidance "
+                "is on; with a bare transformer pass batch indices (under guidance the batch is "
+                "[uncond..., cond...])."
+            )
+        self.timesteps: list[float] = []
+        self.layout: TokenLayout | None = None
+        self._results: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._resolved: Resolved | None = None
+        self._reducers: list[Reducer] = []
+        self._plans: dict[tuple[int, int, str], TilePlan] = {}
+        self._batch_size: int | None = None
+        self._originals: dict | None = None
+        self._hook = self.transformer.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+
+    # -- results ---------------------------------------------------------------------------------
+    def get(self, kind: str, step: int, layer: int) -> torch.Tensor:
+        """The float32 CPU result of ``kind`` at denoising step ``step`` and block ``layer``."""
+        try:
+            return self._results[(kind, step, layer)]
+        except KeyError:
+            have = sorted(self._results)
+            hint = f"; recorded: {have[:6]}{' ...' if len(have) > 6 else ''}" if have else "; nothing was recorded"
+            raise KeyError(f"no record ({kind!r}, step={step}, layer={layer}){hint}") from None
+
+    def keys(self) -> list[tuple[str, int, int]]:
+        """Every recorded ``(kind, step, layer)``, sorted."""
+        return sorted(self._results)
+
+    def __contains__(self, key) -> bool:
+        return key in self._results
+
+    # -- step tracking -----------------------------------------------------------------------------
+    @property
+    def step(self) -> int | None:
+        """Index of the denoising step now running (or last run), `None` before the first."""
+        return len(self.timesteps) - 1 if self.timesteps else None
+
+    def _on_forward(self, module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[1]
+        t = kwargs["timestep"] if "timestep" in kwargs else args[2]
+        t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
+        layout = TokenLayout.from_latents(tuple(hidden.shape), text.shape[1], self.transformer.config)
+        batch_size = hidden.shape[0]
+        if self.timesteps:
+            num_steps = self._pipeline_attr("num_timesteps")
+            same = layout == self.layout and batch_size == self._batch_size and t <= self.timesteps[-1]
+            if not same or (num_steps is not None and len(self.timesteps) >= num_steps):
+                raise RuntimeError(
+                    f"a second generation started inside one recording (it already holds "
+                    f"{len(self.timesteps)} steps of a {self._batch_size}×{self.layout.grid} generation); "
+                    "use one `cogattn.record(...)` per pipeline call so results are never mixed."
+                )
+        else:
+            self._start(layout, batch_size)
+        self.timesteps.append(t)
+
+    def _pipeline_attr(self, name: str):
+        try:
+            return getattr(self.pipeline, name) if self.pipeline is not None else None
+        except AttributeError:
+            return None
+
+    def _start(self, layout: TokenLayout, batch_size: int) -> None:
+        """First call of the generation: make the selection concrete and plan tiles (errors before any block runs)."""
+        guidance = None
+        if self.pipeline is not None:
+            scale = self._pipeline_attr("guidance_scale")
+            guidance = bool(scale is not None and scale > 1)
+        num_heads = self._modules[0].heads
+        resolved = self.selection.resolve(layout, batch_size, guidance, self._pipeline_attr("num_timesteps"), num_heads)
+        reducers = [
+            REDUCERS[k](layout, len(resolved.heads), resolved.mean_heads, resolved.queries)
+            for k in self.selection.kinds
+        ]
+        head_dim = self._modules[0].inner_dim // num_heads
+        # Fail now, not inside the first block, when the budget cannot fit one tile.
+        self._plan(reducers, layout.seq_len, len(resolved.heads), head_dim, self.transformer.device)
+        self.layout, self._batch_size, self._resolved, self._reducers = layout, batch_size, resolved, reducers
+
+    def _plan(self, reducers, S, H, D, device) -> TilePlan:
+        key = (S, D, torch.device(device).type)
+        if key not in self._plans:
+            sel = self.selection
+            self._plans[key] = plan_tiles(reducers, S, H, D, sel.memory_budget, sel.path, device)
+        return self._plans[key]
+
+    # -- called by the processors ------------------------------------------------------------------
+    def layer_of(self, attn) -> int:
+        """Block index of an attention module of this transformer."""
+        try:
+            return self._layer_of[id(attn)]
+        except KeyError:
+            raise ValueError("this processor serves an attention module outside the recorded transformer") from None
+
+    def wants(self, layer: int) -> bool:
+        """Whether the current step and ``layer`` are selected."""
+        return self.step is not None and self.selection.wants_layer(layer) and self.selection.wants_step(self.step)
+
+    def capture(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Compute every selected kind for ``layer`` at the current step from ``query``, ``key`` ``(B, H, S, D)``."""
+        res = self._resolved
+        B, H, S, D = query.shape
+        if S != res.layout.seq_len:
+            raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
+        plan = self._plan(self._reducers, S, len(res.heads), D, query.device)
+        outs = [torch.zeros(r.shape(len(res.batch)), device=query.device) for r in self._reducers]
+        heads = None if len(res.heads) == H else torch.tensor(res.heads, device=query.device)
+        for i, b in enumerate(res.batch):
+            q, k = query[b], key[b]
+            if heads is not None:
+                q, k = q.index_select(0, heads), k.index_select(0, heads)
+            capture(q, k, self._reducers, [o[i] for o in outs], plan)
+        for red, out in zip(self._reducers, outs):
+            self._results[(red.kind, self.step, layer)] = out.cpu()
+
+    # -- processors and cleanup --------------------------------------------------------------------
+    def install_processors(self) -> None:
+        """Replace the stock CogVideoX processors of every layer; :meth:`close` restores them."""
+        current = self.transformer.attn_processors
+        replacement = {}
+        for i in range(len(self._modules)):
+            name = self._spec.processor_name(i)
+            proc = current[name]
+            if isinstance(proc, CogVideoXAttnMapProcessor):
+                raise ValueError(f"{name} already runs a cogattn processor; close the other recording first.")
+            if type(proc) is self._spec.fused:
+                replacement[name] = FusedCogVideoXAttnMapProcessor(self, layer=i)
+            elif type(proc) is self._spec.plain:
+                replacement[name] = CogVideoXAttnMapProcessor(self, layer=i)
+            else:
+                raise TypeError(
+                    f"{name} is a {type(proc).__name__}; cogattn captures through the stock "
+                    f"{self._spec.plain.__name__} or {self._spec.fused.__name__}. Reset with "
+                    f"`transformer.set_attn_processor({self._spec.plain.__name__}())`."
+                )
+        self._originals = current
+        self.transformer.set_attn_processor({**current, **replacement})
+
+    def close(self) -> None:
+        """Remove the hook and restore the original processors (idempotent)."""
+        self._hook.remove()
+        if self._originals is not None:
+            self.transformer.set_attn_processor(self._originals)
+            self._originals = None
+
+    def __enter__(self) -> "Recording":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        sel = self.selection
+        return (
+            f"Recording(kinds={list(sel.kinds)}, steps={len(self.timesteps)}, records={len(self._results)}, "
+            f"layout={self.layout})"
+        )
+
+
+def record(
+    target,
+    *,
+    kinds: Sequence[str] | str = ("frame",),
+    layers: str | Sequence[int] = "all",
+    steps: str | Sequence[int] = "all",
+    batch: str | Sequence[int] = "all",
+    heads: str | Sequence[int] = "mean",
+    queries: Sequence[int | tuple[int, int, int]] | None = None,
+    memory_budget: int | str = "1GiB",
+    path: str = "auto",
+) -> Recording:
+    """Record exact attention maps of a CogVideoX pipeline or transformer while it runs.
+
+    ```python
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond") as rec:
+        pipe(prompt_embeds=..., num_inference_steps=4)
+    rec.get("frame", step=0, layer=1)  # (B, H, G, G) float32 on CPU
+    ```
+
+    Args:
+        target: a CogVideoX pipeline (text-to-video or image-to-video) or a ``CogVideoXTransformer3DModel``.
+        kinds (`str | Sequence[str]`, defaults to ``("frame",)``): any of ``"full"``, ``"frame"``,
+            ``"video_to_text"``, ``"text_to_video"``, ``"query"`` (shapes in DESIGN.md / the README).
+        layers (`"all" | Sequence[int]`, defaults to ``"all"``): 0-based block indices.
+        steps (`"all" | Sequence[int]`, defaults to ``"all"``): 0-based denoising-step indices.
+        batch (`"all" | "cond" | "uncond" | Sequence[int]`, defaults to ``"all"``): transformer batch
+            items. Under classifier-free guidance the batch is ``[uncond..., cond...]``; ``"cond"`` and
+            ``"uncond"`` need a pipeline target.
+        heads (`"all" | "mean" | Sequence[int]`, defaults to ``"mean"``): ``"mean"`` averages all heads
+            into one head slot.
+        queries (`Sequence[int | tuple[int, int, int]] | None`): for ``"query"``: token indices or
+            video coordinates ``(frame, row, col)`` on the latent patch grid.
+        memory_budget (`int | str`, defaults to ``"1GiB"``): bound on the transient working memory of
+            capture (results excluded), e.g. ``"512MiB"``.
+        path (`"auto" | "rows" | "sdpa"`, defaults to ``"auto"``): how key-pooled kinds (``frame``,
+            ``video_to_text``) are computed: ``"sdpa"`` through a fused attention call on an indicator
+            matrix, ``"rows"`` from row tiles of P. Both are exact; ``"auto"`` picks the faster.
+
+    Returns:
+        `Recording`: a context manager; on exit the original processors are back and the hook is gone.
+    """
+    rec = Recording(
+        target, kinds=kinds, layers=layers, steps=steps, batch=batch, heads=heads, queries=queries,
+        memory_budget=memory_budget, path=path,
+    )  # fmt: skip
+    try:
+        rec.install_processors()
+    except BaseException:
+        rec.close()
+        raise
+    return rec

@@ -1,0 +1,200 @@
+"""Reducers: each folds exact attention-probability tiles of one layer call into one small result.
+
+A reducer asks the engine for one of two things:
+
+* ``rows``: exact probability rows ``P[i, :]`` for the query tokens ``i`` it lists, delivered to
+  :meth:`Reducer.fold_rows` as tiles ``(h, r, S)``;
+* ``key_groups``: for every query token, the sums of ``P[i, j]`` over keys ``j`` in each of its key
+  groups, delivered to :meth:`Reducer.fold_pooled` as tiles ``(h, r, C)``. Key-pooled sums are what the
+  engine can compute without forming P (attention applied to an indicator matrix, see DESIGN.md).
+
+Every result is float32 with shape ``(B, H, ...)``; ``H`` is 1 when heads are averaged. To add a kind,
+subclass :class:`Reducer`, implement ``shape`` and one ``fold_*`` method, and register it in ``REDUCERS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .layout import TokenLayout
+
+__all__ = [
+    "KeyGroups",
+    "Reducer",
+    "FullReducer",
+    "FrameReducer",
+    "VideoToTextReducer",
+    "TextToVideoReducer",
+    "QueryReducer",
+    "REDUCERS",
+]
+
+
+@dataclass(frozen=True)
+class KeyGroups:
+    """Key ``keys[n]`` belongs to group ``groups[n]`` (``0 <= groups[n] < num_groups``); a key may be left out."""
+
+    keys: torch.Tensor
+    groups: torch.Tensor
+    num_groups: int
+
+    @property
+    def single_keys(self) -> bool:
+        """True when every group holds exactly one key (column ``c`` is then ``P[:, keys[c]]``)."""
+        return len(self.keys) == self.num_groups and bool((self.groups == torch.arange(self.num_groups)).all())
+
+    def indicator(self, seq_len: int, dtype=torch.float32, device=None) -> torch.Tensor:
+        """Dense indicator ``V`` of shape ``(S, C)``: ``V[j, c] = 1`` if key ``j`` is in group ``c``."""
+        v = torch.zeros(seq_len, self.num_groups, dtype=dtype, device=device)
+        v[self.keys.to(device), self.groups.to(device)] = 1
+        return v
+
+
+class Reducer:
+    """Base class: one kind of result for one layer call.
+
+    Args:
+        layout (`TokenLayout`): the token layout of this call.
+        num_heads (`int`): heads the engine delivers (the selected heads).
+        mean_heads (`bool`): average over the delivered heads into a single head slot.
+        queries (`torch.Tensor | None`): query token indices, for kinds that take them.
+    """
+
+    kind: ClassVar[str]
+    rows: torch.Tensor | None = None  # query tokens whose full rows this kind needs
+    key_groups: KeyGroups | None = None  # key pooling this kind needs for every query
+
+    def __init__(self, layout: TokenLayout, num_heads: int, mean_heads: bool, queries: torch.Tensor | None = None):
+        self.layout = layout
+        self.num_heads = num_heads
+        self.mean_heads = mean_heads
+        self.out_heads = 1 if mean_heads else num_heads
+
+    def shape(self, num_batch: int) -> tuple[int, ...]:
+        """Shape of the result for ``num_batch`` selected batch items."""
+        raise NotImplementedError
+
+    def nbytes(self, num_batch: int) -> int:
+        """Bytes of the float32 result."""
+        return 4 * int(torch.Size(self.shape(num_batch)).numel())
+
+    def fold_rows(self, out: torch.Tensor, h0: int, r0: int, probs: torch.Tensor) -> None:
+        """Fold ``probs`` ``(h, r, S)``: heads ``h0:h0+h`` of rows ``self.rows[r0:r0+r]``, into ``out`` (one batch item)."""
+        raise NotImplementedError
+
+    def fold_pooled(self, out: torch.Tensor, h0: int, r0: int, pooled: torch.Tensor) -> None:
+        """Fold ``pooled`` ``(h, r, C)``: key-group sums of heads ``h0:h0+h``, query tokens ``r0:r0+r``."""
+        raise NotImplementedError
+
+    def _accumulate(self, dest: torch.Tensor, h0: int, values: torch.Tensor) -> None:
+        # dest: (H_out, ...) view of the result; values: (h, ...) for heads h0:h0+h.
+        if self.mean_heads:
+            dest[0] += values.sum(0) / self.num_heads
+        else:
+            dest[h0 : h0 + values.shape[0]] += values
+
+
+class FullReducer(Reducer):
+    """``full``: ``(B, H, S, S)``, every ``P[i, j]``. Only for small sequences or when you mean it."""
+
+    kind = "full"
+
+    def __init__(self, layout, num_heads, mean_heads, queries=None):
+        super().__init__(layout, num_heads, mean_heads)
+        self.rows = torch.arange(layout.seq_len)
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.layout.seq_len, self.layout.seq_len)
+
+    def fold_rows(self, out, h0, r0, probs):
+        self._accumulate(out[:, r0 : r0 + probs.shape[1]], h0, probs)
+
+
+class QueryReducer(Reducer):
+    """``query``: ``(B, H, Q, S)``, ``P[i, :]`` for the chosen query tokens ``i``."""
+
+    kind = "query"
+
+    def __init__(self, layout, num_heads, mean_heads, queries=None):
+        super().__init__(layout, num_heads, mean_heads)
+        if queries is None or len(queries) == 0:
+            raise ValueError("kind 'query' needs `queries`: token indices or (frame, row, col) coordinates.")
+        self.rows = queries
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, len(self.rows), self.layout.seq_len)
+
+    def fold_rows(self, out, h0, r0, probs):
+        self._accumulate(out[:, r0 : r0 + probs.shape[1]], h0, probs)
+
+
+class TextToVideoReducer(Reducer):
+    """``text_to_video``: ``(B, H, T, F, Hp, Wp)``, ``P[text query t, video key (f, y, x)]``."""
+
+    kind = "text_to_video"
+
+    def __init__(self, layout, num_heads, mean_heads, queries=None):
+        super().__init__(layout, num_heads, mean_heads)
+        self.rows = torch.arange(layout.text_len)
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.layout.text_len, *self.layout.grid)
+
+    def fold_rows(self, out, h0, r0, probs):
+        T = self.layout.text_len
+        flat = out.view(self.out_heads, T, self.layout.video_len)
+        self._accumulate(flat[:, r0 : r0 + probs.shape[1]], h0, probs[..., T:])
+
+
+class FrameReducer(Reducer):
+    """``frame``: ``(B, H, G, G)``, mean over queries in group g of ``Σ_{j in group h} P[i, j]``; rows sum to 1."""
+
+    kind = "frame"
+
+    def __init__(self, layout, num_heads, mean_heads, queries=None):
+        super().__init__(layout, num_heads, mean_heads)
+        group = layout.group_of_token()
+        self.key_groups = KeyGroups(torch.arange(layout.seq_len), group, layout.num_groups)
+        self._query_group = group
+        self._inv_size = 1.0 / torch.tensor(layout.group_sizes(), dtype=torch.float32)
+
+    def shape(self, num_batch):
+        G = self.layout.num_groups
+        return (num_batch, self.out_heads, G, G)
+
+    def fold_pooled(self, out, h0, r0, pooled):
+        h, r, G = pooled.shape
+        qg = self._query_group[r0 : r0 + r].to(pooled.device)
+        sums = torch.zeros(h, G, G, dtype=pooled.dtype, device=pooled.device).index_add_(1, qg, pooled)
+        self._accumulate(out, h0, sums * self._inv_size.to(pooled.device)[:, None])
+
+
+class VideoToTextReducer(Reducer):
+    """``video_to_text``: ``(B, H, T, F, Hp, Wp)``, ``P[video query (f, y, x), text key t]``."""
+
+    kind = "video_to_text"
+
+    def __init__(self, layout, num_heads, mean_heads, queries=None):
+        super().__init__(layout, num_heads, mean_heads)
+        T = layout.text_len
+        self.key_groups = KeyGroups(torch.arange(T), torch.arange(T), T)
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.layout.text_len, *self.layout.grid)
+
+    def fold_pooled(self, out, h0, r0, pooled):
+        T = self.layout.text_len
+        start = max(r0, T)  # text queries are not part of this kind
+        if start >= r0 + pooled.shape[1]:
+            return
+        video = pooled[:, start - r0 :].transpose(1, 2)  # (h, T, r')
+        flat = out.view(self.out_heads, T, self.layout.video_len)
+        self._accumulate(flat[:, :, start - T : start - T + video.shape[2]], h0, video)
+
+
+REDUCERS: dict[str, type[Reducer]] = {
+    cls.kind: cls for cls in (FullReducer, FrameReducer, VideoToTextReducer, TextToVideoReducer, QueryReducer)
+}
