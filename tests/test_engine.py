@@ -1,0 +1,89 @@
+"""The engine on random q, k against the naive float64 softmax, on every path and many budgets."""
+
+import pytest
+import torch
+
+from cogattn.engine import capture, plan_tiles
+from cogattn.layout import TokenLayout
+from cogattn.reducers import REDUCERS
+from reference import naive_kind, naive_probs
+
+LAYOUTS = [TokenLayout(8, 3, 3, 5), TokenLayout(5, 2, 7, 3), TokenLayout(3, 1, 1, 1)]
+KINDS = list(REDUCERS)
+
+
+def _run(q, k, layout, kinds, heads_mean, budget, path, queries=None):
+    H, S, D = q.shape
+    reducers = [REDUCERS[kd](layout, H, heads_mean, queries) for kd in kinds]
+    plan = plan_tiles(reducers, S, H, D, budget, path, q.device)
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    capture(q, k, reducers, outs, plan)
+    return dict(zip(kinds, outs)), plan
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"T{l.text_len}-{l.frames}x{l.height}x{l.width}")
+@pytest.mark.parametrize("path", ["rows", "sdpa"])
+@pytest.mark.parametrize("mean", [False, True])
+def test_every_kind_matches_naive_softmax(layout, path, mean):
+    torch.manual_seed(0)
+    H, S, D = 3, layout.seq_len, 16
+    q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2  # peaked rows, like trained attention
+    queries = torch.tensor([0, S - 1, layout.text_len])
+    got, _ = _run(q, k, layout, KINDS, mean, 2**30, path, queries)
+    P = naive_probs(q[None], k[None])
+    for kind in KINDS:
+        ref = naive_kind(P, kind, layout.text_len, layout.grid, queries.tolist())[0]
+        ref = ref.mean(0, keepdim=True) if mean else ref
+        assert got[kind].dtype == torch.float32
+        assert got[kind].shape == ref.shape, kind
+        assert (got[kind].double() - ref).abs().max() <= 1e-5, kind
+
+
+@pytest.mark.parametrize("budget", [30_000, 60_000, 200_000, 2**30])
+@pytest.mark.parametrize("path", ["rows", "sdpa"])
+def test_results_do_not_depend_on_budget(budget, path):
+    torch.manual_seed(1)
+    layout = TokenLayout(8, 3, 3, 5)
+    H, S, D = 4, layout.seq_len, 16
+    q, k = torch.randn(H, S, D), torch.randn(H, S, D)
+    queries = torch.tensor([1, 9, 30])
+    small, plan = _run(q, k, layout, KINDS, False, budget, path, queries)
+    big, _ = _run(q, k, layout, KINDS, False, 2**30, path, queries)
+    assert plan.peak_bytes <= budget
+    for kind in KINDS:
+        assert (small[kind] - big[kind]).abs().max() <= 1e-6, kind
+
+
+def test_budget_splits_heads_and_rows():
+    layout = TokenLayout(8, 3, 3, 5)
+    reducers = [REDUCERS["full"](layout, 4, False)]
+    S, D = layout.seq_len, 16
+    plan = plan_tiles(reducers, S, 4, D, 8_000, "rows", "cpu")
+    assert plan.row_heads < 4 and plan.row_rows < S and plan.peak_bytes <= 8_000
+
+
+def test_budget_too_small_names_the_minimum():
+    layout = TokenLayout(8, 3, 3, 5)
+    reducers = [REDUCERS["frame"](layout, 2, True)]
+    with pytest.raises(ValueError, match=r"memory_budget=100 bytes is too small.*at least \d+"):
+        plan_tiles(reducers, layout.seq_len, 2, 16, 100, "sdpa", "cpu")
+
+
+def test_auto_prefers_sdpa_for_pooled_kinds_and_rows_with_full():
+    layout = TokenLayout(8, 3, 3, 5)
+    pooled = [REDUCERS["frame"](layout, 2, True), REDUCERS["video_to_text"](layout, 2, True)]
+    assert plan_tiles(pooled, layout.seq_len, 2, 16, 2**30, "auto", "cpu").path == "sdpa"
+    with_full = pooled + [REDUCERS["full"](layout, 2, True)]
+    assert plan_tiles(with_full, layout.seq_len, 2, 16, 2**30, "auto", "cpu").path == "rows"
+
+
+def test_frame_rows_sum_to_one_and_many_groups():
+    """More frame groups than the head dimension: the SDPA path needs several indicator passes."""
+    torch.manual_seed(2)
+    layout = TokenLayout(4, 20, 1, 2)  # G = 21 > D = 8 columns per pass
+    H, S, D = 2, layout.seq_len, 8
+    q, k = torch.randn(H, S, D), torch.randn(H, S, D)
+    got, _ = _run(q, k, layout, ["frame"], False, 2**30, "sdpa")
+    ref = naive_kind(naive_probs(q[None], k[None]), "frame", 4, layout.grid)[0]
+    assert (got["frame"].double() - ref).abs().max() <= 1e-5
+    assert torch.allclose(got["frame"].sum(-1), torch.ones(H, 21), atol=1e-5)

@@ -1,0 +1,129 @@
+"""Bad input is refused before any block runs, with a message naming the value and the allowed ones;
+processors and hooks are always put back."""
+
+import pytest
+import torch
+
+import cogattn
+from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline, tiny_transformer
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_pipeline()
+
+
+def _call(pipe, steps=2, guidance=6.0, **kw):
+    emb = torch.randn(1, TINY_TEXT_LEN, 16)
+    return pipe(prompt_embeds=emb, negative_prompt_embeds=emb, num_frames=9, num_inference_steps=steps,
+                guidance_scale=guidance, max_sequence_length=TINY_TEXT_LEN, output_type="pt", **kw)  # fmt: skip
+
+
+def _assert_clean(pipe, originals):
+    procs = pipe.transformer.attn_processors
+    assert all(procs[n] is originals[n] for n in originals)
+    assert not pipe.transformer._forward_pre_hooks
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(kinds=("frames",)), ValueError, r"unknown kind 'frames'; the kinds are \['full', 'frame'"),
+        (dict(kinds=()), ValueError, "kinds is empty"),
+        (dict(layers=[0, 2]), ValueError, r"layers index 2 is out of range; valid indices are 0..1"),
+        (dict(layers="some"), ValueError, r"layers='some' is not allowed; use one of \['all'\]"),
+        (dict(heads=[5]), ValueError, r"heads index 5 is out of range; valid indices are 0..1"),
+        (dict(heads="max"), ValueError, r"heads='max'.*\['all', 'mean'\]"),
+        (dict(steps=[-1]), ValueError, "steps index -1 is out of range"),
+        (dict(batch="both"), ValueError, r"batch='both'.*\['all', 'cond', 'uncond'\]"),
+        (dict(layers=[1.5]), TypeError, "integer indices"),
+        (dict(kinds=("query",)), ValueError, "needs queries"),
+        (dict(kinds=("frame",), queries=[1]), ValueError, "'query' is not in kinds"),
+        (dict(kinds=("query",), queries=[(1, 2)]), TypeError, r"query \(1, 2\) is neither"),
+        (dict(memory_budget="lots"), ValueError, "memory_budget='lots' is not a byte size"),
+        (dict(memory_budget=0), ValueError, "memory_budget must be positive"),
+        (dict(path="fast"), ValueError, r"path='fast' is not one of \['auto', 'rows', 'sdpa'\]"),
+    ],
+)
+def test_bad_selection_refused_at_record(pipe, kwargs, error, match):
+    originals = pipe.transformer.attn_processors
+    with pytest.raises(error, match=match):
+        cogattn.record(pipe, **kwargs)
+    _assert_clean(pipe, originals)
+
+
+@pytest.mark.parametrize(
+    "kwargs,call,match",
+    [
+        (dict(steps=[5]), {}, r"steps=\[5\] asks for step 5, but this generation has 2 denoising steps"),
+        (dict(kinds=("query",), queries=[(3, 0, 0)]), {}, r"\(3, 0, 0\) is outside the latent grid \(F, Hp, Wp\) = \(3, 3, 5\)"),
+        (dict(kinds=("query",), queries=[53]), {}, "query token 53 is outside the sequence: S = 53"),
+        (dict(batch="cond"), dict(guidance=1.0), "without classifier-free guidance"),
+        (dict(batch=[2]), {}, "batch index 2 is out of range: the transformer batch has 2 items"),
+        (dict(memory_budget=1000), {}, r"memory_budget=1000 bytes is too small .* at least \d+"),
+    ],
+)
+def test_bad_selection_for_this_call_refused_before_any_block(pipe, kwargs, call, match):
+    originals = pipe.transformer.attn_processors
+    calls = []
+    hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=match):
+        with cogattn.record(pipe, **kwargs):
+            _call(pipe, **call)
+    hook.remove()
+    assert calls == []  # refused before the first block ran
+    _assert_clean(pipe, originals)
+
+
+def test_not_a_cogvideox_model():
+    with pytest.raises(TypeError, match="Linear is not a CogVideoX-like pipeline or transformer"):
+        cogattn.record(torch.nn.Linear(2, 2))
+
+
+def test_foreign_processor_refused(pipe):
+    from diffusers.models.attention_processor import AttnProcessor2_0, CogVideoXAttnProcessor2_0
+
+    pipe.transformer.set_attn_processor(AttnProcessor2_0())
+    try:
+        with pytest.raises(TypeError, match="is a AttnProcessor2_0; cogattn captures through the stock"):
+            cogattn.record(pipe)
+        assert not pipe.transformer._forward_pre_hooks
+    finally:
+        pipe.transformer.set_attn_processor(CogVideoXAttnProcessor2_0())
+
+
+def test_nested_recording_refused(pipe):
+    originals = pipe.transformer.attn_processors
+    with cogattn.record(pipe):
+        with pytest.raises(ValueError, match="already runs a cogattn processor"):
+            cogattn.record(pipe)
+    _assert_clean(pipe, originals)
+
+
+def test_cond_needs_a_pipeline():
+    with pytest.raises(ValueError, match="batch='cond' needs a pipeline"):
+        cogattn.record(tiny_transformer(), batch="cond")
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_processors_restored_after_exception_mid_generation(pipe, exc):
+    originals = pipe.transformer.attn_processors
+
+    def boom(p, i, t, kw):
+        if i == 1:
+            raise exc("stop")
+        return kw
+
+    with pytest.raises(exc):
+        with cogattn.record(pipe, kinds=("frame",)) as rec:
+            _call(pipe, steps=3, callback_on_step_end=boom)
+    assert len(rec.timesteps) == 2 and ("frame", 1, 1) in rec  # what ran is kept
+    _assert_clean(pipe, originals)
+
+
+def test_second_generation_is_not_mixed(pipe):
+    with cogattn.record(pipe, kinds=("frame",)) as rec:
+        _call(pipe)
+        with pytest.raises(RuntimeError, match="a second generation started inside one recording"):
+            _call(pipe)
+    assert len(rec.timesteps) == 2

@@ -1,0 +1,163 @@
+"""End to end on tiny random pipelines: outputs bit-identical, every kind equal to the naive reference."""
+
+import pytest
+import torch
+
+import cogattn
+from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
+from reference import QKSpy, naive_kind, naive_probs, select
+
+KINDS = cogattn.KINDS
+QUERIES = [0, (1, 2, 4), (0, 0, 0), 20]
+
+
+def _call(pipe, *, steps=2, videos=1, guidance=6.0, height=48, width=80, **extra):
+    g = torch.Generator().manual_seed(0)
+    if videos > 1:
+        # CogVideoX pipelines set num_videos_per_prompt = 1 internally; a list of prompts gives the
+        # same transformer batch [uncond..., cond...] that several videos per prompt would.
+        extra.update(prompt=["a red fox running in the snow"] * videos, negative_prompt=["blue sky"] * videos)
+    else:
+        emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=g).to(pipe.transformer.dtype)
+        extra.update(prompt_embeds=emb, negative_prompt_embeds=-emb)
+    if pipe.__class__.__name__ == "CogVideoXImageToVideoPipeline":
+        extra["image"] = torch.rand(3, height, width, generator=g)
+    return pipe(
+        num_frames=9, num_inference_steps=steps,
+        guidance_scale=guidance, height=height, width=width,
+        max_sequence_length=TINY_TEXT_LEN, output_type="pt", generator=torch.Generator().manual_seed(1), **extra,
+    ).frames  # fmt: skip
+
+
+CONFIGS = [
+    pytest.param(task, version, dtype, fused, id=f"{task[:5]}-{version}-{str(dtype)[6:]}-{'fused' if fused else 'plain'}")
+    for task in ("text-to-video", "image-to-video")
+    for version in ("1.0", "1.5")
+    for dtype in (torch.float32, torch.bfloat16)
+    for fused in (False, True)
+]
+
+
+@pytest.mark.parametrize("task,version,dtype,fused", CONFIGS)
+def test_output_bit_identical_with_every_kind(task, version, dtype, fused):
+    pipe = tiny_pipeline(task, version, dtype=dtype)
+    if fused:
+        pipe.transformer.fuse_qkv_projections()
+    stock = _call(pipe)
+    originals = pipe.transformer.attn_processors
+    with cogattn.record(pipe, kinds=KINDS, queries=QUERIES, heads="all", memory_budget="64MiB") as rec:
+        captured = _call(pipe)
+    assert torch.equal(captured, stock)
+    assert len(rec.keys()) == len(KINDS) * 2 * len(pipe.transformer.transformer_blocks)
+    assert rec.get("frame", 1, 1).dtype == torch.float32
+    restored = pipe.transformer.attn_processors
+    assert all(restored[n] is originals[n] for n in originals)
+
+
+def _check_against_naive(pipe, rec, spy, batch, heads, kinds=KINDS, queries=None):
+    lay = rec.layout
+    for layer, calls in enumerate(spy.calls):
+        for step, (q, k) in enumerate(calls):
+            P = naive_probs(q, k)
+            for kind in kinds:
+                qi = [lay.token_index(*x) if isinstance(x, tuple) else x for x in queries] if queries else None
+                ref = select(naive_kind(P, kind, lay.text_len, lay.grid, qi), batch, heads)
+                got = rec.get(kind, step, layer)
+                assert got.shape == ref.shape, (kind, got.shape, ref.shape)
+                err = (got.double() - ref).abs().max().item()
+                assert err <= 1e-5, (kind, step, layer, err)
+
+
+@pytest.mark.parametrize("path", ["rows", "sdpa"])
+@pytest.mark.parametrize(
+    "batch,heads,expect_batch",
+    [("cond", "all", [2, 3]), ("uncond", "mean", [0, 1]), ([3, 0], [1], [0, 3]), ("all", "mean", [0, 1, 2, 3])],
+)
+def test_cfg_two_videos_per_prompt_match_naive(path, batch, heads, expect_batch):
+    """Odd, non-square 3x7 grid; CFG with two videos gives the batch [u, u, c, c]."""
+    pipe = tiny_pipeline(num_heads=3)
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds=KINDS, batch=batch, heads=heads, queries=QUERIES, path=path) as rec:
+        _call(pipe, videos=2, width=112)
+    spy.remove()
+    assert rec.layout.grid == (3, 3, 7) and rec._resolved.batch == tuple(expect_batch)
+    _check_against_naive(pipe, rec, spy, expect_batch, heads, queries=QUERIES)
+
+
+@pytest.mark.parametrize(
+    "task,version,rotary,fused",
+    [
+        ("text-to-video", "1.0", False, False),  # sincos positions (2b style)
+        ("text-to-video", "1.5", True, False),  # temporal patches
+        ("image-to-video", "1.5", True, True),  # I2V with ofs embedding, fused QKV
+        ("image-to-video", "1.0", True, False),
+    ],
+)
+def test_model_variants_match_naive(task, version, rotary, fused):
+    pipe = tiny_pipeline(task, version, rotary=rotary)
+    if fused:
+        pipe.transformer.fuse_qkv_projections()
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds=KINDS, batch="cond", heads="mean", queries=QUERIES, memory_budget=20_000) as rec:
+        _call(pipe)
+    spy.remove()
+    expected_frames = 2 if version == "1.5" else 3
+    assert rec.layout.grid == (expected_frames, 3, 5)
+    _check_against_naive(pipe, rec, spy, [1], "mean", queries=QUERIES)
+
+
+def test_layers_steps_selection_and_timesteps():
+    pipe = tiny_pipeline(num_layers=3)
+    with cogattn.record(pipe, kinds="frame", layers=[2, 0], steps=[1, 2]) as rec:
+        _call(pipe, steps=3)
+    assert rec.keys() == [("frame", s, l) for s in (1, 2) for l in (0, 2)]
+    assert len(rec.timesteps) == 3 and rec.timesteps == sorted(rec.timesteps, reverse=True)
+    assert rec.timesteps == [float(t) for t in pipe.scheduler.timesteps]
+    with pytest.raises(KeyError, match="step=0"):
+        rec.get("frame", 0, 0)
+
+
+def test_bf16_maps_are_float32_and_match_naive():
+    pipe = tiny_pipeline(dtype=torch.bfloat16)
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all") as rec:
+        _call(pipe)
+    spy.remove()
+    _check_against_naive(pipe, rec, spy, [1], "all", kinds=("frame", "video_to_text"))
+
+
+def test_bare_transformer_target():
+    pipe = tiny_pipeline()
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe.transformer, kinds=("query",), queries=[3, (2, 2, 4)], batch=[1]) as rec:
+        _call(pipe, steps=1)
+    spy.remove()
+    _check_against_naive(pipe, rec, spy, [1], "mean", kinds=("query",), queries=[3, (2, 2, 4)])
+
+
+def test_hand_wired_processor():
+    pipe = tiny_pipeline()
+    stock = _call(pipe, steps=1)
+    spy = QKSpy(pipe.transformer)
+    rec = cogattn.Recording(pipe, kinds=("frame",), batch="cond")
+    pipe.transformer.set_attn_processor(cogattn.CogVideoXAttnMapProcessor(rec))
+    out = _call(pipe, steps=1)
+    rec.close()
+    spy.remove()
+    assert torch.equal(out, stock)
+    _check_against_naive(pipe, rec, spy, [1], "mean", kinds=("frame",))
+
+
+def test_loaded_from_pretrained_folder(tmp_path):
+    from diffusers import CogVideoXPipeline
+
+    tiny_pipeline().save_pretrained(tmp_path)
+    pipe = CogVideoXPipeline.from_pretrained(tmp_path)
+    pipe.set_progress_bar_config(disable=True)
+    stock = pipe(prompt="a red fox", num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN,
+                 output_type="pt", generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+    with cogattn.record(pipe, kinds=("frame",), batch="cond") as rec:
+        out = pipe(prompt="a red fox", num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN,
+                   output_type="pt", generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+    assert torch.equal(out, stock)
+    assert rec.get("frame", 0, 1).shape == (1, 1, 4, 4)
