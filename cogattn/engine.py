@@ -74,9 +74,12 @@ def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int) -> int:
     return _F32 * (h * S * D + h * r * D + h * r * S + h * r * C)
 
 
-def _sdpa_bytes(h: int, r: int, S: int, D: int, n_single: int) -> int:
-    # fp32 q and k, the indicator V (shared over heads), out, lse, then single-key tiles of r rows
-    return _F32 * (2 * h * S * D + S * D + h * S * D + h * S + h * r * (D + 2 * n_single))
+def _sdpa_bytes(h: int, r: int, S: int, D: int, n_multi: int, n_single: int) -> int:
+    # fp32 q and k, the indicator V (shared over heads), the outputs (one per D columns, gathered in a
+    # buffer when there are several), lse, then single-key tiles of r rows
+    calls = max(1, math.ceil(n_multi / D))
+    outs = calls + 1 if calls > 1 else 1
+    return _F32 * (2 * h * S * D + S * D * (calls + 1) + h * S * D * outs + h * S + h * r * (D + 2 * n_single))
 
 
 def _largest(fits, upper: int) -> int:
@@ -103,6 +106,7 @@ def plan_tiles(
     row_cols = sum(r.key_groups.num_groups for r in pooled) if path == "rows" else 0
     need_rows = any(r.rows is not None for r in reducers) or (pooled and path == "rows")
     n_single = sum(r.key_groups.num_groups for r in pooled if r.key_groups.single_keys)
+    n_multi = sum(r.key_groups.num_groups for r in pooled if not r.key_groups.single_keys)
 
     def row_plan(h: int) -> int:
         return _largest(lambda r: _row_tile_bytes(h, r, S, D, row_cols) <= budget, min(S, _MAX_ROWS))
@@ -119,13 +123,13 @@ def plan_tiles(
             raise _too_small(budget, _row_tile_bytes(1, 1, S, D, row_cols), S, D)
     sdpa_heads = sdpa_rows = 0
     if pooled and path == "sdpa":
-        sdpa_heads = _largest(lambda h: _sdpa_bytes(h, 1, S, D, n_single) <= budget, H)
+        sdpa_heads = _largest(lambda h: _sdpa_bytes(h, 1, S, D, n_multi, n_single) <= budget, H)
         if sdpa_heads == 0:
-            raise _too_small(budget, _sdpa_bytes(1, 1, S, D, n_single), S, D)
-        sdpa_rows = _largest(lambda r: _sdpa_bytes(sdpa_heads, r, S, D, n_single) <= budget, S)
+            raise _too_small(budget, _sdpa_bytes(1, 1, S, D, n_multi, n_single), S, D)
+        sdpa_rows = _largest(lambda r: _sdpa_bytes(sdpa_heads, r, S, D, n_multi, n_single) <= budget, S)
     peak = max(
         _row_tile_bytes(row_heads, row_rows, S, D, row_cols) if need_rows else 0,
-        _sdpa_bytes(sdpa_heads, sdpa_rows, S, D, n_single) if sdpa_heads else 0,
+        _sdpa_bytes(sdpa_heads, sdpa_rows, S, D, n_multi, n_single) if sdpa_heads else 0,
     )
     return TilePlan(path, row_heads, row_rows, sdpa_heads, sdpa_rows, peak)
 
@@ -144,20 +148,24 @@ def capture(
     reducers: list[Reducer],
     outs: list[torch.Tensor],
     plan: TilePlan,
+    heads: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> None:
     """Fold exact float32 attention probabilities of one batch item into ``outs``.
 
     Args:
-        q (`torch.Tensor`): queries ``(H, S, D)`` of the selected heads, any float dtype.
+        q (`torch.Tensor`): queries ``(H, S, D)``, any float dtype.
         k (`torch.Tensor`): keys ``(H, S, D)``.
         reducers (`list[Reducer]`): what to compute.
         outs (`list[torch.Tensor]`): one float32 result per reducer for this batch item, ``(H_out, ...)``, zeroed.
         plan (`TilePlan`): chunk sizes from :func:`plan_tiles`.
+        heads (`torch.Tensor | None`): indices of the selected heads, `None` for all; chunks are
+            gathered one at a time so no copy of all selected heads is made.
         scale (`float | None`): softmax scale, defaults to ``1/sqrt(D)`` as in SDPA.
     """
-    H, S, D = q.shape
+    S, D = q.shape[1:]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    q, k = _HeadView(q, heads), _HeadView(k, heads)
     pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None]
     row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
 
@@ -169,6 +177,20 @@ def capture(
             _row_pass(q, k, red.rows, [(red, out)], [], plan, scale)
     if pooled and plan.path == "sdpa":
         _sdpa_pass(q, k, pooled, plan, scale)
+
+
+class _HeadView:
+    """Selected heads of a ``(H, S, D)`` tensor, gathered chunk by chunk in float32."""
+
+    def __init__(self, x: torch.Tensor, heads: torch.Tensor | None):
+        self.x, self.heads = x, None if heads is None else heads.to(x.device)
+        self.shape = (x.shape[0] if heads is None else len(heads), *x.shape[1:])
+        self.device = x.device
+
+    def chunk(self, h0: int, h1: int, rows=slice(None)) -> torch.Tensor:
+        """Heads ``h0:h1`` (of the selection), query rows ``rows``: one contiguous float32 copy at most."""
+        x = self.x[h0:h1] if self.heads is None else self.x.index_select(0, self.heads[h0:h1])
+        return x[:, rows].to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def _concat_indicator(groups: list[KeyGroups], S: int, device) -> tuple[torch.Tensor, list[int]]:
@@ -184,22 +206,24 @@ def _row_pass(q, k, rows, row_kinds, pooled, plan: TilePlan, scale: float) -> No
     """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, via the indicator, pooled kinds."""
     H, S, D = q.shape
     n_rows = S if rows is None else len(rows)
-    if pooled:
-        indicator, offsets = _concat_indicator([r.key_groups for r, _ in pooled], S, q.device)
+    # Single-key groups are a gather of columns; multi-key groups a product with their indicator.
+    gathers = [r.key_groups.keys.to(q.device) if r.key_groups.single_keys else None for r, _ in pooled]
+    indicators = [None if g is not None else r.key_groups.indicator(S, device=q.device) for (r, _), g in
+                  zip(pooled, gathers)]  # fmt: skip
     for h0 in range(0, H, plan.row_heads):
         h1 = min(H, h0 + plan.row_heads)
-        kt = k[h0:h1].float().transpose(1, 2)  # (h, D, S)
+        kt = k.chunk(h0, h1).transpose(1, 2)  # (h, D, S), a transposed view: bmm reads it without a copy
         for r0 in range(0, n_rows, plan.row_rows):
             r1 = min(n_rows, r0 + plan.row_rows)
             idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
-            scores = torch.matmul(q[h0:h1, idx].float(), kt).mul_(scale)  # (h, r, S)
+            scores = torch.matmul(q.chunk(h0, h1, idx), kt).mul_(scale)  # (h, r, S)
             probs = _softmax_(scores)
             for red, out in row_kinds:
                 red.fold_rows(out, h0, r0, probs)
-            if pooled:
-                sums = torch.matmul(probs, indicator)  # (h, r, ΣC)
-                for (red, out), c0, c1 in zip(pooled, offsets, offsets[1:]):
-                    red.fold_pooled(out, h0, r0, sums[..., c0:c1])
+            for (red, out), keys, ind in zip(pooled, gathers, indicators):
+                sums = probs.index_select(-1, keys) if keys is not None else torch.matmul(probs, ind)
+                red.fold_pooled(out, h0, r0, sums)
+            del scores, probs  # free this tile before the next one is allocated
 
 
 def _softmax_(scores: torch.Tensor) -> torch.Tensor:
@@ -225,15 +249,16 @@ def _sdpa_pass(q, k, pooled, plan: TilePlan, scale: float) -> None:
     del indicator
     for h0 in range(0, H, plan.sdpa_heads):
         h1 = min(H, h0 + plan.sdpa_heads)
-        qf = q[None, h0:h1].float().contiguous()
-        kf = k[None, h0:h1].float().contiguous()
-        sums, lse = [], None
+        qf, kf = q.chunk(h0, h1)[None], k.chunk(h0, h1)[None]
+        sums = torch.empty(h1 - h0, S, n_calls * D, device=q.device) if n_calls > 1 else None
         for c in range(n_calls):
-            v = v_all[:, c * D : (c + 1) * D].expand(1, h1 - h0, S, D).contiguous()
+            v = v_all[:, c * D : (c + 1) * D].contiguous().expand(1, h1 - h0, S, D)  # shared over heads
             out, lse = _sdpa_with_lse(qf, kf, v, scale)
-            sums.append(out[0])
-            del v
-        sums = torch.cat(sums, dim=-1) if len(sums) > 1 else sums[0]
+            if sums is None:
+                sums = out[0]
+            else:
+                sums[..., c * D : (c + 1) * D] = out[0]
+            del out
         for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
             red.fold_pooled(o, h0, 0, sums[..., c0:c1])
         del sums
@@ -244,3 +269,5 @@ def _sdpa_pass(q, k, pooled, plan: TilePlan, scale: float) -> None:
                 r1 = min(S, r0 + plan.sdpa_rows)
                 s = torch.matmul(qf[0, :, r0:r1], k_sel).mul_(scale)
                 red.fold_pooled(o, h0, r0, s.sub_(lse[0, :, r0:r1, None]).exp_())
+                del s
+        del qf, kf, lse

@@ -162,12 +162,9 @@ class Recording:
             raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
         plan = self._plan(self._reducers, S, len(res.heads), D, query.device)
         outs = [torch.zeros(r.shape(len(res.batch)), device=query.device) for r in self._reducers]
-        heads = None if len(res.heads) == H else torch.tensor(res.heads, device=query.device)
+        heads = None if len(res.heads) == H else torch.tensor(res.heads)
         for i, b in enumerate(res.batch):
-            q, k = query[b], key[b]
-            if heads is not None:
-                q, k = q.index_select(0, heads), k.index_select(0, heads)
-            capture(q, k, self._reducers, [o[i] for o in outs], plan)
+            capture(query[b], key[b], self._reducers, [o[i] for o in outs], plan, heads)
         for red, out in zip(self._reducers, outs):
             self._results[(red.kind, self.step, layer)] = out.cpu()
 

@@ -1,0 +1,12 @@
+#!/usr/bin/env python
+"""Generate with a CogVideoX pipeline and save its attention maps (see `python scripts/dump_maps.py -h`)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from cogattn.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
