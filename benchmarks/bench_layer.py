@@ -133,7 +133,8 @@ def main() -> None:
         "",
         f"Stock layer (projections + fused SDPA + output projection): **{t_stock:.2f} s** "
         f"(its SDPA call alone: {t_sdpa:.2f} s).",
-        f"Naive full P = softmax(QKᵀ) for this layer: {naive / 2**30:.1f} GiB in float32 (not run).",
+        f"Naive full P = softmax(QKᵀ) for this layer: {naive / 1e9:.1f} GB ({naive / 2**30:.1f} GiB) in float32, "
+        "before any softmax temporaries (not run).",
         "",
         "| kind | path | capture time (s) | × stock layer | peak extra memory (MiB) | planned working set (MiB) | result (MiB) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",

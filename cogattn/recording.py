@@ -8,6 +8,7 @@ pipeline or block classes) tells the recording the step index, timestep, batch s
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -67,6 +68,7 @@ class Recording:
         self._plans: dict[tuple[int, int, str], TilePlan] = {}
         self._batch_size: int | None = None
         self._originals: dict | None = None
+        self._closed = False
         self._hook = self.transformer.register_forward_pre_hook(self._on_forward, with_kwargs=True)
 
     # -- results ---------------------------------------------------------------------------------
@@ -193,10 +195,17 @@ class Recording:
 
     def close(self) -> None:
         """Remove the hook and restore the original processors (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self._hook.remove()
         if self._originals is not None:
             self.transformer.set_attn_processor(self._originals)
             self._originals = None
+        steps = self.selection.steps
+        if self.timesteps and steps != "all" and max(steps) >= len(self.timesteps):
+            missing = [s for s in steps if s >= len(self.timesteps)]
+            warnings.warn(f"steps {missing} were selected but the generation ran {len(self.timesteps)} steps.")
 
     def __enter__(self) -> "Recording":
         return self

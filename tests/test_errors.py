@@ -127,3 +127,11 @@ def test_second_generation_is_not_mixed(pipe):
         with pytest.raises(RuntimeError, match="a second generation started inside one recording"):
             _call(pipe)
     assert len(rec.timesteps) == 2
+
+
+def test_steps_beyond_a_bare_transformer_run_warn():
+    pipe = tiny_pipeline()
+    with pytest.warns(UserWarning, match=r"steps \[4\] were selected but the generation ran 2 steps"):
+        with cogattn.record(pipe.transformer, steps=[0, 4]) as rec:
+            _call(pipe)
+    assert [k[1] for k in rec.keys()] == [0, 0]
