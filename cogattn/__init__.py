@@ -4,6 +4,7 @@ from .layout import TokenLayout
 from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
 from .recording import Recording, record
 from .reducers import REDUCERS
+from .store import Run, StoreError, load
 
 __version__ = "0.1.0"
 KINDS = tuple(REDUCERS)
@@ -13,7 +14,10 @@ __all__ = [
     "CogVideoXAttnMapProcessor",
     "FusedCogVideoXAttnMapProcessor",
     "Recording",
+    "Run",
+    "StoreError",
     "TokenLayout",
+    "load",
     "record",
     "__version__",
 ]

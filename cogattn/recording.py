@@ -9,7 +9,10 @@ pipeline or block classes) tells the recording the step index, timestep, batch s
 from __future__ import annotations
 
 import warnings
+import dataclasses
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -19,6 +22,7 @@ from .models import find_transformer
 from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
 from .reducers import REDUCERS, Reducer
 from .selection import Resolved, Selection
+from .store import STORAGE_DTYPES, MemoryStore, RunWriter, StoreError, prepare_folder, record_file_bytes
 
 __all__ = ["Recording", "record"]
 
@@ -45,6 +49,10 @@ class Recording:
         queries: Sequence[int | tuple[int, int, int]] | None = None,
         memory_budget: int | str = "1GiB",
         path: str = "auto",
+        out: str | os.PathLike | None = None,
+        overwrite: bool = False,
+        storage_dtype: str = "float32",
+        info: dict | None = None,
     ):
         self.transformer, self.pipeline, self._spec = find_transformer(target)
         self._modules = self._spec.attention_modules(self.transformer)
@@ -62,31 +70,35 @@ class Recording:
             )
         self.timesteps: list[float] = []
         self.layout: TokenLayout | None = None
-        self._results: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.out = None if out is None else Path(out)
+        self.info = dict(info or {})
         self._resolved: Resolved | None = None
         self._reducers: list[Reducer] = []
         self._plans: dict[tuple[int, int, str], TilePlan] = {}
         self._batch_size: int | None = None
         self._originals: dict | None = None
         self._closed = False
+        if self.out is None:
+            self._store: MemoryStore | RunWriter = MemoryStore()
+        else:
+            if storage_dtype not in STORAGE_DTYPES:
+                raise ValueError(f"storage_dtype={storage_dtype!r}; choose one of {list(STORAGE_DTYPES)}.")
+            self._store = RunWriter(prepare_folder(self.out, overwrite), storage_dtype)
+            self._store.write_meta(self._meta(complete=False))
         self._hook = self.transformer.register_forward_pre_hook(self._on_forward, with_kwargs=True)
 
     # -- results ---------------------------------------------------------------------------------
     def get(self, kind: str, step: int, layer: int) -> torch.Tensor:
-        """The float32 CPU result of ``kind`` at denoising step ``step`` and block ``layer``."""
-        try:
-            return self._results[(kind, step, layer)]
-        except KeyError:
-            have = sorted(self._results)
-            hint = f"; recorded: {have[:6]}{' ...' if len(have) > 6 else ''}" if have else "; nothing was recorded"
-            raise KeyError(f"no record ({kind!r}, step={step}, layer={layer}){hint}") from None
+        """The float32 CPU result of ``kind`` at denoising step ``step`` and block ``layer`` (read back
+        from disk when recording to ``out``)."""
+        return self._store.get(kind, step, layer)
 
     def keys(self) -> list[tuple[str, int, int]]:
         """Every recorded ``(kind, step, layer)``, sorted."""
-        return sorted(self._results)
+        return self._store.keys()
 
     def __contains__(self, key) -> bool:
-        return key in self._results
+        return key in self.keys()
 
     # -- step tracking -----------------------------------------------------------------------------
     @property
@@ -133,9 +145,46 @@ class Recording:
             for k in self.selection.kinds
         ]
         head_dim = self._modules[0].inner_dim // num_heads
-        # Fail now, not inside the first block, when the budget cannot fit one tile.
+        # Fail now, not inside the first block, when the budget cannot fit one tile or the disk.
         self._plan(reducers, layout.seq_len, len(resolved.heads), head_dim, self.transformer.device)
         self.layout, self._batch_size, self._resolved, self._reducers = layout, batch_size, resolved, reducers
+        if isinstance(self._store, RunWriter):
+            self._store.check_space(self.expected_bytes(self._pipeline_attr("num_timesteps")))
+            self._store.write_meta(self._meta(complete=False))
+
+    def expected_bytes(self, num_steps: int | None) -> int:
+        """Bytes of record files this generation writes (all selected steps of ``num_steps``; one step
+        when the number of steps is unknown, as with a bare transformer)."""
+        sel = self.selection
+        layers = len(self._modules) if sel.layers == "all" else len(sel.layers)
+        if sel.steps == "all":
+            steps = num_steps or 1
+        else:
+            steps = len([s for s in sel.steps if num_steps is None or s < num_steps])
+        dtype = getattr(self._store, "dtype", torch.float32)
+        per_step = sum(record_file_bytes(r.shape(len(self._resolved.batch)), dtype) for r in self._reducers)
+        return per_step * layers * steps
+
+    def _meta(self, complete: bool) -> dict:
+        """What run.json says about this recording."""
+        import diffusers
+
+        from . import __version__
+
+        sel, res = self.selection, self._resolved
+        return {
+            "complete": complete,
+            "layout": None if self.layout is None else dataclasses.asdict(self.layout),
+            "timesteps": self.timesteps,
+            "selection": {**dataclasses.asdict(sel), "batch_resolved": res and list(res.batch),
+                          "heads_resolved": res and list(res.heads)},  # fmt: skip
+            "model": {"class": type(self.transformer).__name__, "config": dict(self.transformer.config),
+                      "dtype": str(self.transformer.dtype).removeprefix("torch."),
+                      "pipeline": None if self.pipeline is None else type(self.pipeline).__name__},  # fmt: skip
+            "storage_dtype": str(getattr(self._store, "dtype", torch.float32)).removeprefix("torch."),
+            "info": self.info,
+            "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
+        }
 
     def _plan(self, reducers, S, H, D, device) -> TilePlan:
         key = (S, D, torch.device(device).type)
@@ -168,7 +217,7 @@ class Recording:
         for i, b in enumerate(res.batch):
             capture(query[b], key[b], self._reducers, [o[i] for o in outs], plan, heads)
         for red, out in zip(self._reducers, outs):
-            self._results[(red.kind, self.step, layer)] = out.cpu()
+            self._store.put(red.kind, self.step, layer, self.timesteps[-1], out)
 
     # -- processors and cleanup --------------------------------------------------------------------
     def install_processors(self) -> None:
@@ -193,8 +242,10 @@ class Recording:
         self._originals = current
         self.transformer.set_attn_processor({**current, **replacement})
 
-    def close(self) -> None:
-        """Remove the hook and restore the original processors (idempotent)."""
+    def close(self, complete: bool = True) -> None:
+        """Remove the hook, restore the original processors, and finish writing (idempotent).
+
+        Raises `StoreError` if a record could not be written; the committed ones stay readable."""
         if self._closed:
             return
         self._closed = True
@@ -202,6 +253,7 @@ class Recording:
         if self._originals is not None:
             self.transformer.set_attn_processor(self._originals)
             self._originals = None
+        self._store.close(self._meta(complete=complete and bool(self.timesteps)))
         steps = self.selection.steps
         if self.timesteps and steps != "all" and max(steps) >= len(self.timesteps):
             missing = [s for s in steps if s >= len(self.timesteps)]
@@ -210,13 +262,19 @@ class Recording:
     def __enter__(self) -> "Recording":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is on its way out: finish what can be finished, and let it through
+            self.close(complete=False)
+        except StoreError:
+            pass
 
     def __repr__(self) -> str:
         sel = self.selection
         return (
-            f"Recording(kinds={list(sel.kinds)}, steps={len(self.timesteps)}, records={len(self._results)}, "
+            f"Recording(kinds={list(sel.kinds)}, steps={len(self.timesteps)}, records={len(self.keys())}, "
             f"layout={self.layout})"
         )
 
@@ -232,6 +290,10 @@ def record(
     queries: Sequence[int | tuple[int, int, int]] | None = None,
     memory_budget: int | str = "1GiB",
     path: str = "auto",
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    storage_dtype: str = "float32",
+    info: dict | None = None,
 ) -> Recording:
     """Record exact attention maps of a CogVideoX pipeline or transformer while it runs.
 
@@ -259,13 +321,21 @@ def record(
         path (`"auto" | "rows" | "sdpa"`, defaults to ``"auto"``): how key-pooled kinds (``frame``,
             ``video_to_text``) are computed: ``"sdpa"`` through a fused attention call on an indicator
             matrix, ``"rows"`` from row tiles of P. Both are exact; ``"auto"`` picks the faster.
+        out (`str | os.PathLike | None`, defaults to `None`): a folder to stream every record to as soon
+            as it exists (see ``cogattn.load``); `None` keeps results in memory.
+        overwrite (`bool`, defaults to `False`): replace a cogattn run already in ``out``; a non-empty
+            ``out`` is refused otherwise.
+        storage_dtype (`str`, defaults to ``"float32"``): on-disk dtype, ``"float16"`` or ``"bfloat16"``
+            halve the size.
+        info (`dict | None`): JSON-able facts to keep in ``run.json`` (prompt, seed, ...).
 
     Returns:
         `Recording`: a context manager; on exit the original processors are back and the hook is gone.
     """
     rec = Recording(
         target, kinds=kinds, layers=layers, steps=steps, batch=batch, heads=heads, queries=queries,
-        memory_budget=memory_budget, path=path,
+        memory_budget=memory_budget, path=path, out=out, overwrite=overwrite, storage_dtype=storage_dtype,
+        info=info,
     )  # fmt: skip
     try:
         rec.install_processors()

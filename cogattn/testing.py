@@ -141,6 +141,7 @@ def tiny_pipeline(
     rotary: bool = True,
     num_layers: int = 2,
     num_heads: int = 2,
+    head_dim: int = 16,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ):
@@ -156,7 +157,7 @@ def tiny_pipeline(
             image or a ``(3, H, W)`` tensor in [0, 1]).
         version (`str`, defaults to ``"1.0"``): ``"1.0"`` or ``"1.5"`` (``patch_size_t=2``).
         rotary (`bool`, defaults to `True`): rotary (5b-style) or sincos (2b-style, version 1.0) positions.
-        num_layers, num_heads (`int`): transformer size.
+        num_layers, num_heads, head_dim (`int`): transformer size.
         dtype (`torch.dtype`, defaults to `torch.float32`): dtype of every component.
         seed (`int`, defaults to 0): seed of the random weights.
     """
@@ -172,7 +173,7 @@ def tiny_pipeline(
     )  # fmt: skip
     transformer = tiny_transformer(
         version, rotary=rotary, image_to_video=task == "image-to-video", num_layers=num_layers,
-        num_heads=num_heads, dtype=dtype, seed=seed,
+        num_heads=num_heads, head_dim=head_dim, dtype=dtype, seed=seed,
     )  # fmt: skip
     pipe = tasks[task](
         tokenizer=tiny_tokenizer(),

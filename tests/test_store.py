@@ -1,0 +1,178 @@
+"""Runs on disk: round trip, listing, partial reads, crashes, write failures, refusals."""
+
+import collections
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import cogattn
+import cogattn.store as store
+from cogattn.store import RunWriter, record_file_bytes
+from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
+
+KINDS = cogattn.KINDS
+QUERIES = [0, (1, 2, 4)]
+
+
+def _call(pipe, steps=2, **kw):
+    emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
+    return pipe(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=steps,
+                max_sequence_length=TINY_TEXT_LEN, output_type="pt", generator=torch.Generator().manual_seed(1),
+                **kw).frames  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_pipeline()
+
+
+@pytest.mark.parametrize("storage_dtype", ["float32", "float16", "bfloat16"])
+def test_round_trip_equals_in_memory_for_every_kind(pipe, tmp_path, storage_dtype):
+    with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES) as mem:
+        stock = _call(pipe)
+    with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES, out=tmp_path / "run",
+                        storage_dtype=storage_dtype, info={"prompt": "random embeddings"}) as disk:  # fmt: skip
+        streamed = _call(pipe)
+    assert torch.equal(streamed, stock)
+    run = cogattn.load(tmp_path / "run")
+    assert run.keys() == mem.keys() == disk.keys() and len(run) == len(KINDS) * 2 * 2
+    for key in mem.keys():
+        expected = mem.get(*key).to(getattr(torch, storage_dtype)).float()
+        assert torch.equal(run.get(*key), expected), key
+        assert torch.equal(disk.get(*key), expected), key
+    assert run.complete and run.timesteps == mem.timesteps and run.layout == mem.layout
+    assert run.meta["info"] == {"prompt": "random embeddings"}
+    assert run.meta["model"]["class"] == "CogVideoXTransformer3DModel"
+    assert set(run.meta["versions"]) == {"cogattn", "diffusers", "torch"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_record_files_are_standard_safetensors(tmp_path, dtype):
+    from safetensors.torch import load_file, save_file
+
+    t = torch.randn(2, 3, 5, 7).to(dtype)
+    store.write_record(tmp_path / "ours.safetensors", t)
+    save_file({"map": t}, tmp_path / "reference.safetensors")
+    assert torch.equal(load_file(tmp_path / "ours.safetensors")["map"], t)
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    assert (tmp_path / "ours.safetensors").stat().st_size == record_file_bytes(tuple(t.shape), dtype)
+
+
+def test_listing_sizes_and_lazy_partial_reads(pipe, tmp_path):
+    with cogattn.record(pipe, kinds=("query", "video_to_text"), heads="all", queries=QUERIES, out=tmp_path) as rec:
+        _call(pipe)
+    run = cogattn.load(tmp_path)
+    for info in run.records():
+        path = tmp_path / info.file
+        assert info.nbytes == path.stat().st_size == record_file_bytes(info.shape, torch.float32)
+        assert info.timestep == rec.timesteps[info.step]
+        assert tuple(run.get(info.kind, info.step, info.layer).shape) == info.shape
+    full = run.get("query", 1, 0)
+    assert torch.equal(run.get("query", 1, 0, index=(0, 1, slice(0, 1))), full[0, 1, 0:1])
+    assert torch.equal(run.get("video_to_text", 0, 1, index=(slice(None), 0, 3)), run.get("video_to_text", 0, 1)[:, 0, 3])
+
+
+def test_non_empty_folder_refused_unless_overwrite(pipe, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(cogattn.StoreError, match="is not empty; choose another `out`, or pass overwrite=True"):
+        cogattn.record(pipe, out=tmp_path)
+    with pytest.raises(cogattn.StoreError, match="holds no cogattn run, so overwrite=True will not delete it"):
+        cogattn.record(pipe, out=tmp_path, overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    run_dir = tmp_path / "run"
+    with cogattn.record(pipe, kinds="frame", out=run_dir):
+        _call(pipe, steps=2)
+    with cogattn.record(pipe, kinds="frame", out=run_dir, overwrite=True):
+        _call(pipe, steps=1)
+    assert len(cogattn.load(run_dir)) == 2  # the old run's 4 records are gone
+    assert not pipe.transformer._forward_pre_hooks
+
+
+def test_run_too_big_for_the_disk_is_refused_with_both_numbers(pipe, tmp_path, monkeypatch):
+    free = 10_000
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda path: usage(free, 0, free))
+    expected = 2 * 2 * record_file_bytes((2, 2, 53, 53), torch.float32)  # 2 steps x 2 layers, full, heads all
+    with pytest.raises(cogattn.StoreError, match=rf"will write {expected:,} bytes .* has {free:,} bytes .* free"):
+        with cogattn.record(pipe, kinds="full", heads="all", out=tmp_path / "r"):
+            _call(pipe)
+    assert len(cogattn.load(tmp_path / "r")) == 0
+
+
+def test_write_failure_mid_run_stops_with_clear_error_and_keeps_committed(pipe, tmp_path, monkeypatch):
+    real, calls = store.write_record, []
+
+    def failing(path, tensor):
+        calls.append(path)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, tensor)
+
+    monkeypatch.setattr(store, "write_record", failing)
+    originals = pipe.transformer.attn_processors
+    with pytest.raises(cogattn.StoreError, match=r"No space left on device.*the 3 records committed before it"):
+        with cogattn.record(pipe, kinds=("frame", "video_to_text"), out=tmp_path):
+            _call(pipe, steps=4)
+    run = cogattn.load(tmp_path)
+    assert len(run) == 3 and not run.complete
+    for info in run.records():
+        run.get(info.kind, info.step, info.layer)
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert all(pipe.transformer.attn_processors[n] is originals[n] for n in originals)
+
+
+def test_writer_memory_is_bounded_while_the_disk_is_slow(tmp_path, monkeypatch):
+    real, peak = store.write_record, []
+
+    def slow(path, tensor):
+        time.sleep(0.02)
+        real(path, tensor)
+
+    monkeypatch.setattr(store, "write_record", slow)
+    writer = RunWriter(store.prepare_folder(tmp_path, False), max_pending_bytes=3 * 2**20)
+    t = torch.ones(2**18)  # 1 MiB
+    t0 = time.perf_counter()
+    for step in range(12):
+        writer.put("frame", step, 0, 1.0, t * step)
+        peak.append(writer._pending_bytes)
+    writer.close({"complete": True})
+    assert max(peak) <= 3 * 2**20  # generation waited instead of queueing everything
+    assert time.perf_counter() - t0 >= 12 * 0.02
+    run = cogattn.load(tmp_path)
+    assert [k[1] for k in run.keys()] == list(range(12)) and torch.equal(run.get("frame", 11, 0), t * 11)
+
+
+def test_sigkill_at_several_moments_leaves_a_readable_run(tmp_path):
+    child = Path(__file__).with_name("crash_child.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    for i, wait_lines in enumerate([0, 1, 7, 40]):
+        out = tmp_path / f"run{i}"
+        proc = subprocess.Popen([sys.executable, str(child), str(out)], stdout=subprocess.PIPE, env=env)
+        assert proc.stdout.readline().strip() == b"started"
+        deadline = time.time() + 60
+        manifest = out / "manifest.jsonl"
+        while time.time() < deadline and manifest.read_text().count("\n") < wait_lines:
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        run = cogattn.load(out)
+        assert len(run) >= wait_lines and not run.complete
+        for info in run.records():
+            assert (out / info.file).stat().st_size == info.nbytes == record_file_bytes(info.shape, torch.float32)
+            t = run.get(info.kind, info.step, info.layer)
+            assert t.shape == info.shape and torch.isfinite(t).all()
+        listed = {out / r.file for r in run.records()}
+        unlisted = [p for p in out.rglob("*.safetensors") if p not in listed]
+        assert len(unlisted) + len(list((out / "records").rglob("*.tmp"))) <= 1  # only the record in flight is lost
+        meta = json.loads((out / "run.json").read_text())
+        assert meta["complete"] is False
+        if len(run):
+            assert run.timesteps[0] == 999.0
