@@ -69,17 +69,21 @@ def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out, lse[..., : q.shape[2]]
 
 
-def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int) -> int:
-    # fp32 K for the head chunk + q rows + scores (softmax in place) + pooled sums
-    return _F32 * (h * S * D + h * r * D + h * r * S + h * r * C)
+def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool) -> int:
+    # float32 K of the head chunk (when the input must be copied), the q rows, the scores (the softmax
+    # runs in place), the pooled sums
+    return _F32 * (h * S * D * copies + h * r * D + h * r * S + h * r * C)
 
 
-def _sdpa_bytes(h: int, r: int, S: int, D: int, n_multi: int, n_single: int) -> int:
-    # fp32 q and k, the indicator V (shared over heads), the outputs (one per D columns, gathered in a
-    # buffer when there are several), lse, then single-key tiles of r rows
+def _sdpa_bytes(h: int, r: int, S: int, D: int, n_multi: int, n_single: int, copies: bool) -> int:
+    # Held throughout: float32 q and k (when copied), the padded indicator (plus a per-call slice when
+    # there are several calls), lse. Then first the outputs (gathered in a buffer when there are several
+    # calls), freed before the single-key tiles of r rows.
     calls = max(1, math.ceil(n_multi / D))
-    outs = calls + 1 if calls > 1 else 1
-    return _F32 * (2 * h * S * D + S * D * (calls + 1) + h * S * D * outs + h * S + h * r * (D + 2 * n_single))
+    held = 2 * h * S * D * copies + S * D * (calls + (calls > 1)) + h * S
+    outputs = h * S * D * (calls + 1 if calls > 1 else 1)
+    single = h * r * n_single + h * D * n_single
+    return _F32 * (held + max(outputs, single))
 
 
 def _largest(fits, upper: int) -> int:
@@ -95,42 +99,62 @@ def _largest(fits, upper: int) -> int:
 
 
 def plan_tiles(
-    reducers: list[Reducer], seq_len: int, num_heads: int, head_dim: int, budget: int, path: str, device
+    reducers: list[Reducer],
+    seq_len: int,
+    num_heads: int,
+    head_dim: int,
+    budget: int,
+    path: str,
+    device,
+    copies_inputs: bool = True,
 ) -> TilePlan:
-    """Choose chunk sizes for ``reducers`` within ``budget`` bytes; raises `ValueError` when nothing fits."""
+    """Choose chunk sizes for ``reducers`` within ``budget`` bytes; raises `ValueError` when nothing fits.
+
+    Args:
+        reducers (`list[Reducer]`): what one layer call computes.
+        seq_len, num_heads, head_dim (`int`): S, the selected heads H, D.
+        budget (`int`): bytes of transient working memory allowed.
+        path (`str`): ``"auto"``, ``"rows"`` or ``"sdpa"``.
+        device: where the capture runs (``"auto"`` needs to know whether a fused kernel exists).
+        copies_inputs (`bool`, defaults to `True`): whether q and k must be copied to float32 per head chunk
+            (not for contiguous float32 inputs with every head selected).
+    """
     S, H, D = seq_len, num_heads, head_dim
     pooled = [r for r in reducers if r.key_groups is not None]
-    if path == "auto":
+    if not pooled:
+        path = "rows"  # every kind is served by row tiles
+    elif path == "auto":
         wants_all_rows = any(r.rows is not None and len(r.rows) == S for r in reducers)
         path = "rows" if (wants_all_rows or not sdpa_supported(torch.device(device))) else "sdpa"
     row_cols = sum(r.key_groups.num_groups for r in pooled) if path == "rows" else 0
-    need_rows = any(r.rows is not None for r in reducers) or (pooled and path == "rows")
+    row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and path == "rows" else [])
     n_single = sum(r.key_groups.num_groups for r in pooled if r.key_groups.single_keys)
     n_multi = sum(r.key_groups.num_groups for r in pooled if not r.key_groups.single_keys)
 
-    def row_plan(h: int) -> int:
-        return _largest(lambda r: _row_tile_bytes(h, r, S, D, row_cols) <= budget, min(S, _MAX_ROWS))
+    def row_bytes(h: int, r: int) -> int:
+        return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs)
+
+    def sdpa_bytes(h: int, r: int) -> int:
+        return _sdpa_bytes(h, r, S, D, n_multi, n_single, copies_inputs)
 
     row_heads = row_rows = 0
-    if need_rows:
+    if row_sets:
+        most_rows = min(max(row_sets), _MAX_ROWS)
         # Prefer all heads per tile (one pass folds the head mean) with a reasonable row count.
         for h in range(H, 0, -1):
-            row_rows = row_plan(h)
-            if row_rows >= min(64, S) or h == 1:
+            row_rows = _largest(lambda r: row_bytes(h, r) <= budget, most_rows)
+            if row_rows >= min(64, most_rows) or h == 1:
                 row_heads = h
                 break
         if row_rows == 0:
-            raise _too_small(budget, _row_tile_bytes(1, 1, S, D, row_cols), S, D)
+            raise _too_small(budget, row_bytes(1, 1), S, D)
     sdpa_heads = sdpa_rows = 0
     if pooled and path == "sdpa":
-        sdpa_heads = _largest(lambda h: _sdpa_bytes(h, 1, S, D, n_multi, n_single) <= budget, H)
+        sdpa_heads = _largest(lambda h: sdpa_bytes(h, 1) <= budget, H)
         if sdpa_heads == 0:
-            raise _too_small(budget, _sdpa_bytes(1, 1, S, D, n_multi, n_single), S, D)
-        sdpa_rows = _largest(lambda r: _sdpa_bytes(sdpa_heads, r, S, D, n_multi, n_single) <= budget, S)
-    peak = max(
-        _row_tile_bytes(row_heads, row_rows, S, D, row_cols) if need_rows else 0,
-        _sdpa_bytes(sdpa_heads, sdpa_rows, S, D, n_multi, n_single) if sdpa_heads else 0,
-    )
+            raise _too_small(budget, sdpa_bytes(1, 1), S, D)
+        sdpa_rows = _largest(lambda r: sdpa_bytes(sdpa_heads, r) <= budget, S) if n_single else S
+    peak = max(row_bytes(row_heads, row_rows) if row_sets else 0, sdpa_bytes(sdpa_heads, sdpa_rows) if sdpa_heads else 0)
     return TilePlan(path, row_heads, row_rows, sdpa_heads, sdpa_rows, peak)
 
 

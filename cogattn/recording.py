@@ -146,7 +146,8 @@ class Recording:
         ]
         head_dim = self._modules[0].inner_dim // num_heads
         # Fail now, not inside the first block, when the budget cannot fit one tile or the disk.
-        self._plan(reducers, layout.seq_len, len(resolved.heads), head_dim, self.transformer.device)
+        copies = self.transformer.dtype != torch.float32 or len(resolved.heads) != num_heads
+        self._plan(reducers, layout.seq_len, len(resolved.heads), head_dim, self.transformer.device, copies)
         self.layout, self._batch_size, self._resolved, self._reducers = layout, batch_size, resolved, reducers
         if isinstance(self._store, RunWriter):
             self._store.check_space(self.expected_bytes(self._pipeline_attr("num_timesteps")))
@@ -186,11 +187,11 @@ class Recording:
             "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
         }
 
-    def _plan(self, reducers, S, H, D, device) -> TilePlan:
-        key = (S, D, torch.device(device).type)
+    def _plan(self, reducers, S, H, D, device, copies: bool = True) -> TilePlan:
+        key = (S, D, torch.device(device).type, copies)
         if key not in self._plans:
             sel = self.selection
-            self._plans[key] = plan_tiles(reducers, S, H, D, sel.memory_budget, sel.path, device)
+            self._plans[key] = plan_tiles(reducers, S, H, D, sel.memory_budget, sel.path, device, copies)
         return self._plans[key]
 
     # -- called by the processors ------------------------------------------------------------------
@@ -211,7 +212,9 @@ class Recording:
         B, H, S, D = query.shape
         if S != res.layout.seq_len:
             raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
-        plan = self._plan(self._reducers, S, len(res.heads), D, query.device)
+        # The engine copies q and k per head chunk unless they already are contiguous float32 with every head.
+        copies = query.dtype != torch.float32 or len(res.heads) != H or not query[0].is_contiguous()
+        plan = self._plan(self._reducers, S, len(res.heads), D, query.device, copies)
         outs = [torch.zeros(r.shape(len(res.batch)), device=query.device) for r in self._reducers]
         heads = None if len(res.heads) == H else torch.tensor(res.heads)
         for i, b in enumerate(res.batch):

@@ -1,0 +1,134 @@
+"""Predicted vs measured: peak extra memory of capture, and bytes written, for several plans.
+
+A CogVideoX-2b transformer with one block (random weights) runs one forward pass at 480×720 and 5
+latent frames (S = 226 + 5·30·45 = 6,976), under ``cogattn.record`` with ``out=`` a temporary run
+folder. For each plan the script compares ``cogattn.estimate(...)`` with
+
+* the measured peak extra memory of each layer capture: on CPU the rise of the process's peak
+  resident memory (Linux ``VmHWM``, reset before the capture; large allocations are mmapped so freed
+  memory leaves at once), on CUDA ``torch.cuda.max_memory_allocated`` over the capture;
+* the bytes of the record files written.
+
+    python benchmarks/bench_estimate.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform.startswith("linux"):
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+import argparse
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+from diffusers import CogVideoXTransformer3DModel
+
+import cogattn
+from cogattn.estimate import estimate
+
+MiB = 2**20
+
+PLANS = [
+    dict(kinds=("frame",), path="sdpa"),
+    dict(kinds=("frame",), path="rows"),
+    dict(kinds=("video_to_text",), path="sdpa"),
+    dict(kinds=("frame", "video_to_text"), path="sdpa", heads=[0, 5, 7, 11]),
+    dict(kinds=("text_to_video",)),
+    dict(kinds=("query",), queries=list(range(300, 6900, 103))),
+    dict(kinds=("full",), heads="mean"),
+    dict(kinds=("frame", "video_to_text"), path="sdpa", dtype=torch.bfloat16),
+    dict(kinds=("frame", "text_to_video"), path="rows", dtype=torch.bfloat16, heads="all"),
+]
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def measure_captures(rec, device: str) -> list[int]:
+    """Wrap ``rec.capture`` to record the peak extra memory of every layer capture."""
+    peaks, inner = [], rec.capture
+
+    def measured(layer, query, key):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            inner(layer, query, key)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            base = _status("VmRSS")
+            inner(layer, query, key)
+            peaks.append(_status("VmHWM") - base)
+
+    rec.capture = measured
+    return peaks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frames", type=int, default=5, help="latent frames")
+    ap.add_argument("--budget", default="256MiB")
+    ap.add_argument("--out", default="benchmarks/results/estimate_cpu.md")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    rows = []
+    models = {}
+    for plan in PLANS:
+        plan = dict(plan)
+        dtype = plan.pop("dtype", torch.float32)
+        if dtype not in models:
+            models[dtype] = CogVideoXTransformer3DModel(num_layers=1).to(device, dtype).eval()  # CogVideoX-2b shape
+        model = models[dtype]
+        opts = {"batch": "all", "heads": "mean", "memory_budget": args.budget, **plan}
+        pred = estimate(model, num_frames=(args.frames - 1) * 4 + 1, height=480, width=720, num_inference_steps=1,
+                        guidance_scale=1.0, text_len=226, dtype=dtype, device=device, **opts)  # fmt: skip
+        latents = torch.randn(1, args.frames, 16, 60, 90, device=device, dtype=dtype)
+        text = torch.randn(1, 226, 4096, device=device, dtype=dtype)
+        with tempfile.TemporaryDirectory(dir=".") as tmp, torch.no_grad():
+            rec = cogattn.record(model, out=Path(tmp) / "run", **opts)
+            peaks = measure_captures(rec, device)
+            with rec:
+                model(hidden_states=latents, encoder_hidden_states=text, timestep=torch.tensor([500], device=device))
+            written = sum(r.nbytes for r in cogattn.load(Path(tmp) / "run").records())
+        name = " + ".join(opts["kinds"])
+        heads = f"heads {opts['heads']}" if isinstance(opts["heads"], str) else f"{len(opts['heads'])} heads"
+        label = f"{name} ({pred.plan.path}, {heads}, {str(dtype)[6:]})"
+        rows.append((label, pred.peak_extra_memory, max(peaks), pred.record_bytes, written))
+        print(f"{label:>60}: memory predicted {pred.peak_extra_memory / MiB:8.1f} MiB, measured "
+              f"{max(peaks) / MiB:8.1f} MiB; bytes predicted {pred.record_bytes:,} written {written:,}", flush=True)
+
+    S = 226 + args.frames * 30 * 45
+    lines = [
+        f"One CogVideoX-2b block (30 heads × 64, random weights), one forward pass at S = {S:,} "
+        f"({args.frames} latent frames × 30×45 + 226 text), batch 1, memory_budget = {args.budget}, {device} "
+        f"({platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}.",
+        "",
+        "| plan | predicted peak extra (MiB) | measured (MiB) | measured / predicted | predicted bytes | written bytes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, pm, mm, pb, wb in rows:
+        lines.append(f"| {label} | {pm / MiB:.1f} | {mm / MiB:.1f} | {mm / pm:.2f} | {pb:,} | {wb:,} |")
+    lines += ["", f"Command: `python {' '.join(sys.argv)}`"]
+    table = "\n".join(lines)
+    print("\n" + table)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    Path(args.out).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
