@@ -1,0 +1,152 @@
+"""Animations of a plot over steps, layers or frames (GIF with pillow, MP4 with ffmpeg), and sliders
+over step, layer, head and frame in a notebook."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from .plot_frames import frame_heatmap
+from .plot_maps import aggregate, recorded, recorded_heads
+from .plot_overlays import query_map, word_heatmap
+from .plot_style import MAP_GID
+from .plot_video import video_array, write_animation
+
+__all__ = ["animate", "explore"]
+
+
+# -- animations ------------------------------------------------------------------------------------
+_PLOT_KIND = {frame_heatmap: "frame", word_heatmap: "video_to_text", query_map: "query"}  # the kind each draws
+
+
+def _render(fig: Figure) -> np.ndarray:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # a canvas of its own: no global backend is touched
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def animate(
+    plot: Callable[..., Figure],
+    source,
+    path: str | os.PathLike,
+    *,
+    over: str = "step",
+    values: Sequence[int] | None = None,
+    fps: float = 2.0,
+    dpi: int = 80,
+    **kwargs,
+) -> Path:
+    """Redraw a plot for each step, layer or frame and write the frames as a GIF (pillow) or MP4 (ffmpeg).
+
+    With the default ``limits="shared"``, colour limits are shared by all frames of the animation, so
+    a colour means the same value throughout.
+
+    Args:
+        plot (`Callable`): :func:`frame_heatmap`, :func:`word_heatmap` or :func:`query_map`.
+        source: a `Recording` or a `Run`.
+        path (`str | os.PathLike`): ``.gif`` or ``.mp4``.
+        over (`str`, defaults to ``"step"``): ``"step"``, ``"layer"``, or ``"frame"`` (pixel frames of
+            ``video``, for :func:`word_heatmap`).
+        values (`Sequence[int] | None`): the steps/layers/frames, in order; default: all recorded (all
+            frames of the video).
+        fps (`float`, defaults to 2.0): frames per second.
+        dpi (`int`, defaults to 80): resolution of the rendered frames.
+        **kwargs: passed to ``plot`` (e.g. ``tokens=``, ``video=``, ``tokenizer=``, ``heads=``).
+
+    Returns:
+        `Path`: the file written.
+    """
+    if plot not in _PLOT_KIND:
+        raise ValueError(f"animate draws {[p.__name__ for p in _PLOT_KIND]}; got {plot!r}.")
+    if over not in ("step", "layer", "frame"):
+        raise ValueError(f"over={over!r}; choose 'step', 'layer' or 'frame'.")
+    kind = kwargs.get("kind", _PLOT_KIND[plot])
+    if over == "frame":
+        if plot is not word_heatmap:
+            raise ValueError("over='frame' animates word_heatmap over the frames of the video.")
+        if values is None:
+            video = kwargs.get("video")
+            values = range(len(video_array(video))) if video is not None else range(source.layout.frames)
+    elif values is None:
+        if plot is query_map and kind == "query" and not any(k[0] == "query" for k in source.keys()):
+            kind = "full"
+        values = recorded(source, kind, over)
+    key = {"step": "steps", "layer": "layers", "frame": "frames"}[over]
+    limits = kwargs.pop("limits", "shared")
+
+    def draw(v, limits) -> Figure:
+        return plot(source, **{**kwargs, key: [v] if over == "frame" else v, "limits": limits})
+
+    if limits == "shared":  # a first pass finds the range over all frames: a colour means one value throughout
+        clims = [im.get_clim() for v in values for ax in draw(v, "shared").axes for im in ax.images
+                 if im.get_gid() == MAP_GID]  # fmt: skip
+        limits = (min(lo for lo, _ in clims), max(hi for _, hi in clims))
+    frames = []
+    for v in values:
+        fig = draw(v, limits)
+        fig.set_dpi(dpi)
+        frames.append(_render(fig))
+    return write_animation(frames, path, fps)
+
+
+# -- interactive -----------------------------------------------------------------------------------
+def explore(source, video=None, *, view: str = "word", static: bool | None = None, **kwargs):
+    """Sliders over step, layer, head (and frame, for word maps) when ipywidgets is installed; a static
+    figure otherwise.
+
+    Args:
+        source: a `Recording` or a `Run`.
+        video: the decoded video (word and query views draw on it).
+        view (`str`, defaults to ``"word"``): ``"frame"`` (:func:`frame_heatmap`), ``"word"``
+            (:func:`word_heatmap`, pass ``tokens=``) or ``"query"`` (:func:`query_map`).
+        static (`bool | None`): force the static figure (`True`) or the widgets (`False`); default:
+            widgets when ipywidgets imports.
+        **kwargs: passed to the plot function.
+
+    Returns:
+        `ipywidgets.interactive | Figure`: the widget, or the figure of the last step (mean over
+        layers and heads) when static.
+    """
+    plots = {"frame": frame_heatmap, "word": word_heatmap, "query": query_map}
+    if view not in plots:
+        raise ValueError(f"view={view!r}; choose one of {list(plots)}.")
+    plot = plots[view]
+    if view != "frame":
+        kwargs["video"] = video
+    kind = kwargs.get("kind", _PLOT_KIND[plot])
+    if view == "query" and not any(k[0] == "query" for k in source.keys()):
+        kind = "full"
+    steps, layers = recorded(source, kind, "step"), recorded(source, kind, "layer")
+    held = recorded_heads(source)
+    if static is None:
+        try:
+            import ipywidgets  # noqa: F401
+        except ImportError:
+            static = True
+    if static:
+        return plot(source, **{"steps": steps[-1], **kwargs})
+    import ipywidgets as widgets
+
+    n_heads = aggregate(source, kind, steps=steps[0], layers=layers[0], heads="all").shape[0]
+    head_options = ["mean"] + ([] if held == "mean" else (list(range(n_heads)) if held == "all" else list(held)))
+    controls = {
+        "step": widgets.SelectionSlider(options=steps, value=steps[-1], description="step"),
+        "layer": widgets.SelectionSlider(options=["mean", *layers], value="mean", description="layer"),
+        "head": widgets.SelectionSlider(options=head_options, value="mean", description="head"),
+    }
+    if view == "word":
+        n = len(video_array(video)) if video is not None else source.layout.frames
+        controls["frame"] = widgets.IntSlider(min=0, max=n - 1, value=n // 2, description="frame")
+
+    def show(step, layer, head, frame=None):
+        extra = {} if frame is None else {"frames": [frame]}
+        return plot(source, **{**kwargs, "steps": step, "layers": "all" if layer == "mean" else layer,
+                               "heads": head, **extra})  # fmt: skip
+
+    return widgets.interactive(show, **controls)

@@ -1,0 +1,199 @@
+"""Frame-level figures: the frame-to-frame heatmap (per-head small multiples) and a grid of any 2-D
+view of a kind over layers × steps."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from .plot_maps import KIND_DIMS, aggregate, choose
+from .plot_style import (
+    CMAP,
+    MAP_GID,
+    add_colorbars,
+    color_norms,
+    describe,
+    frame_label,
+    frame_unit,
+    head_labels,
+    heads_text,
+    new_figure,
+    pixel_ranges,
+    set_title,
+    single_head,
+)
+
+__all__ = ["frame_heatmap", "layer_step_grid"]
+
+
+# -- frame to frame --------------------------------------------------------------------------------
+def frame_heatmap(
+    source,
+    *,
+    steps: str | int | Sequence[int] = "all",
+    layers: str | int | Sequence[int] = "all",
+    heads: str | int | Sequence[int] = "mean",
+    batch: int = 0,
+    num_pixel_frames: int | None = None,
+    scale: str = "linear",
+    limits: str | tuple[float, float] = "shared",
+    annotate: bool | None = None,
+    fig: Figure | None = None,
+) -> Figure:
+    """Frame-to-frame attention (kind ``frame``): how much of each query group's attention goes to each
+    key group, where group 0 is the text and group f + 1 is latent frame f.
+
+    Ticks name each group: ``text``, then ``f<k>`` with the pixel frames latent frame k covers. With
+    ``heads="all"`` (or a list), one panel per head (small multiples).
+
+    Args:
+        source: a `Recording` or a `Run` holding kind ``frame``.
+        steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): steps, averaged.
+        layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers, averaged.
+        heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): heads; ``"all"`` or a
+            list draws one panel per head.
+        batch (`int`, defaults to 0): position among the recorded batch items.
+        num_pixel_frames (`int | None`): frames of the decoded video, to name the pixel frames of each
+            latent frame (CogVideoX 1.0 infers it; 1.5 needs it).
+        scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
+        limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits shared by
+            all panels, per panel, or fixed ``(vmin, vmax)``.
+        annotate (`bool | None`): write each value in its cell; default when G ≤ 8 and at most 8 panels.
+        fig (`Figure | None`): draw into this (empty) figure.
+    """
+    layout = source.layout
+    m = aggregate(source, "frame", steps=steps, layers=layers, heads=heads, batch=batch)
+    maps = m[None] if m.ndim == 2 else m
+    labels = head_labels(source, heads, maps.shape[0])
+    ranges = pixel_ranges(layout, num_pixel_frames)
+    ticks = ["text"] + [frame_label(f, ranges) for f in range(layout.frames)]
+    G = layout.num_groups
+    n = maps.shape[0]
+    many = n > 8  # e.g. 48 heads of CogVideoX-5b: smaller panels, 8 to a row, no numbers
+    ncols = 8 if many else min(n, 4)
+    nrows = math.ceil(n / ncols)
+    side = 0.2 * G + 1.0 if many else max(3.0, 0.42 * G + 1.4)
+    fig = new_figure(fig, (side * ncols + 1.2, side * nrows + 0.7))
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    arrays = [maps[i].numpy() for i in range(n)]
+    norms = color_norms(arrays, scale, limits)
+    annotate = G <= 8 and not many if annotate is None else annotate
+    images = []
+    unit = frame_unit(layout)
+    for i, ax in enumerate(axes):
+        if i >= n:
+            ax.set_visible(False)
+            continue
+        im = ax.imshow(arrays[i], cmap=CMAP, norm=norms[i], interpolation="nearest", gid=MAP_GID)
+        images.append(im)
+        ax.set_xticks(range(G), ticks, fontsize=7, rotation=90 if G > 8 else 0)
+        ax.set_yticks(range(G), ticks, fontsize=7)
+        ax.set_xlabel(f"key: text or {unit}", fontsize=8)
+        ax.set_ylabel(f"query: text or {unit}", fontsize=8)
+        if heads != "mean":  # one mean panel: the title above says it
+            ax.set_title(labels[i], fontsize=9)
+        if annotate:
+            for (r, c), v in np.ndenumerate(arrays[i]):
+                light = norms[i](v) < 0.5  # white text on the dark end of the colour map
+                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if light else "k")
+    add_colorbars(fig, images, [a for a in axes[:n]], "frame", limits)
+    set_title(fig, "frame → frame attention", describe(source, "frame", steps, layers, heads))
+    return fig
+
+
+# -- grid over layers × steps ----------------------------------------------------------------------
+def layer_step_grid(
+    source,
+    kind: str = "frame",
+    *,
+    index: tuple = (),
+    steps: str | Sequence[int] = "all",
+    layers: str | Sequence[int] = "all",
+    heads: str | int = "mean",
+    batch: int = 0,
+    scale: str = "linear",
+    limits: str | tuple[float, float] = "shared",
+    fig: Figure | None = None,
+) -> Figure:
+    """A grid of any 2-D view of a kind: one row per layer, one column per step.
+
+    ``index`` cuts the kind's per-item map (after the head axis is chosen) down to two dimensions
+    (one dimension is drawn as a strip), e.g. ``kind="video_to_text", index=(3, 1)`` shows text token
+    3 over the patch grid of latent frame 1.
+
+    Args:
+        source: a `Recording` or a `Run`.
+        kind (`str`, defaults to ``"frame"``): any recorded kind.
+        index (`tuple`, defaults to ``()``): ints and slices applied to the map ``(dims of the kind)``.
+        steps, layers (`"all" | Sequence[int]`, defaults to ``"all"``): the columns and rows (pick a few
+            for a real model: 50 steps × 30 layers is 1,500 panels).
+        heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
+        batch (`int`, defaults to 0): position among the recorded batch items.
+        scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
+        limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits.
+        fig (`Figure | None`): draw into this (empty) figure.
+    """
+    single_head(heads, "layer_step_grid")
+    step_list = choose(source, kind, "step", steps)
+    layer_list = choose(source, kind, "layer", layers)
+    index = index if isinstance(index, tuple) else (index,)
+    dims = list(KIND_DIMS[kind])
+    kept = [d for i, d in enumerate(dims) if i >= len(index) or not isinstance(index[i], int)]
+    arrays = []
+    for layer in layer_list:
+        for s in step_list:
+            m = aggregate(source, kind, steps=s, layers=layer, heads=heads, batch=batch)
+            try:
+                a = m[index]
+            except IndexError as e:
+                raise ValueError(
+                    f"index={index!r} does not fit the {kind} map of shape {tuple(m.shape)} ({dims}): {e}"
+                ) from None
+            if a.ndim not in (1, 2):
+                raise ValueError(
+                    f"index={index!r} leaves the {kind} map {a.ndim}-D {tuple(a.shape)}; index its dimensions "
+                    f"{dims} down to 2 (or 1)."
+                )
+            arrays.append((a[None] if a.ndim == 1 else a).numpy())
+    if arrays[0].shape[0] == 1 and len(kept) == 1:
+        kept = ["", kept[0]]
+    nrows, ncols = len(layer_list), len(step_list)
+    h, w = arrays[0].shape
+    pw = 2.2
+    ph = max(0.6, min(2.6, (pw - 0.35) * h / w)) + 0.3  # the panel's drawn width is pw less its tick labels
+    fig = new_figure(fig, (pw * ncols + 1.4, ph * nrows + 0.8))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    norms = color_norms(arrays, scale, limits)
+    images = []
+    group_ticks = ["text"] + [f"f{f}" for f in range(source.layout.frames)]
+    for r, layer in enumerate(layer_list):
+        for c, s in enumerate(step_list):
+            ax = axes[r, c]
+            k = r * ncols + c
+            aspect = "auto" if h == 1 else "equal"
+            images.append(ax.imshow(arrays[k], cmap=CMAP, norm=norms[k], interpolation="nearest", aspect=aspect,
+                                    gid=MAP_GID))  # fmt: skip
+            if kind == "frame" and not index:
+                ax.set_xticks(range(len(group_ticks)), group_ticks if r == nrows - 1 else [], fontsize=6)
+                ax.set_yticks(range(len(group_ticks)), group_ticks if c == 0 else [], fontsize=6)
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.tick_params(labelsize=6, labelbottom=r == nrows - 1, labelleft=c == 0)
+                if h == 1:
+                    ax.set_yticks([])
+            if r == 0:
+                t = source.timesteps[s] if s < len(source.timesteps) else None
+                ax.set_title(f"step {s}" + ("" if t is None else f" (t={t:g})"), fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"layer {layer}\n{kept[0]}", fontsize=8)
+            if r == nrows - 1:
+                ax.set_xlabel(kept[1], fontsize=8)
+    add_colorbars(fig, images, list(axes.ravel()), kind, limits)
+    head = heads_text(source, heads)
+    set_title(fig, f"{kind}{'' if not index else ' ' + repr(index)} over layers × steps", head)
+    return fig

@@ -1,0 +1,331 @@
+"""Maps on the decoded video: where the video attends to each word (and the reverse), and where one
+video point attends, with each pixel frame showing the latent frame that covers it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+from .plot_maps import aggregate, recorded_queries, source_prompt, text_tokens, word_positions
+from .plot_style import (
+    CMAP,
+    MAP_GID,
+    POINT_GID,
+    add_colorbars,
+    color_norms,
+    describe,
+    frame_label,
+    hide_ticks,
+    new_figure,
+    patch_ticks,
+    pixel_ranges,
+    set_title,
+    single_head,
+)
+from .plot_video import latent_of_pixel, pixel_frames, upsample_to_video, video_array
+
+__all__ = ["query_map", "word_heatmap"]
+
+
+def _text_ticks(source, tokenizer, prompt: str | None, limit: int = 40) -> tuple[list[int], list[str]]:
+    """Tick positions and labels of the text keys. Past ``limit`` tokens (226 in CogVideoX, mostly
+    padding) only the prompt's own tokens are named, plus every tenth of the axis by index."""
+    T = source.layout.text_len
+    names = text_tokens(tokenizer, prompt, T) if tokenizer is not None and prompt is not None else None
+    if T <= limit:
+        return list(range(T)), names or [str(t) for t in range(T)]
+    pad = getattr(tokenizer, "pad_token", None)
+    named = [i for i, n in enumerate(names) if n != pad][:limit] if names else []
+    keep = sorted(set(named) | set(range(0, T, max(1, T // 10))))
+    return keep, [names[i] if i in named else str(i) for i in keep]
+
+
+def _resolve_tokens(source, tokens, tokenizer, prompt) -> list[tuple[list[int], str]]:
+    """``[(positions, label), ...]`` for token indices and words."""
+    T = source.layout.text_len
+    items = [tokens] if isinstance(tokens, (int, str)) else list(tokens)
+    if not items:
+        raise ValueError("tokens is empty; pass token indices or words of the prompt.")
+    names = text_tokens(tokenizer, prompt, T) if tokenizer is not None and prompt is not None else None
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if tokenizer is None or prompt is None:
+                raise ValueError(
+                    f"token {item!r} is a word: pass tokenizer= (pipe.tokenizer) and prompt= (the generation's "
+                    f"prompt), or token indices 0..{T - 1}."
+                )
+            pos = word_positions(item, tokenizer, prompt, T)
+            where = f"token {pos[0]}" if len(pos) == 1 else f"tokens {', '.join(map(str, pos))}"
+            out.append((pos, f'"{item}" ({where})'))
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if not 0 <= item < T:
+                raise ValueError(
+                    f"text token index {item} is out of range; this layout has T = {T} tokens (0..{T - 1})."
+                )
+            out.append(([item], f'"{names[item]}" (token {item})' if names else f"token {item}"))
+        else:
+            raise TypeError(f"tokens must hold token indices or words, got {item!r}.")
+    return out
+
+
+# -- word maps on the video ------------------------------------------------------------------------
+def _video_panels(layout, video, frames, num_pixel_frames):
+    """``(pixel video or None, [(panel frame, latent frame)], pixel ranges or None)``."""
+    frames = [frames] if isinstance(frames, int) else frames
+    if video is not None:
+        pixels = video_array(video)
+        ranges = pixel_frames(layout, len(pixels))
+        owner = latent_of_pixel(layout, len(pixels))
+        if frames is None:
+            frames = [r[len(r) // 2] for r in ranges]  # the middle pixel frame of each latent frame
+        elif frames == "all":
+            frames = list(range(len(pixels)))
+        for n in frames:
+            if not 0 <= n < len(pixels):
+                raise ValueError(
+                    f"pixel frame {n} is out of range; the video has {len(pixels)} frames (0..{len(pixels) - 1})."
+                )
+        return pixels, [(n, owner[n]) for n in frames], ranges
+    ranges = pixel_ranges(layout, num_pixel_frames)
+    frames = list(range(layout.frames)) if frames in (None, "all") else list(frames)
+    for f in frames:
+        if not 0 <= f < layout.frames:
+            raise ValueError(
+                f"latent frame {f} is out of range; the layout has F = {layout.frames} (0..{layout.frames - 1})."
+            )
+    return None, [(f, f) for f in frames], ranges
+
+
+def _draw_panel(ax, heat: np.ndarray, norm, pixels, n: int, alpha: float):
+    """The heat map over pixel frame ``n`` of the video (same extent), or alone on the patch grid."""
+    if pixels is None:
+        return ax.imshow(heat, cmap=CMAP, norm=norm, interpolation="nearest", gid=MAP_GID)
+    H, W = pixels.shape[1:3]
+    ax.imshow(pixels[n], extent=(0, W, H, 0), interpolation="nearest")
+    im = ax.imshow(heat, cmap=CMAP, norm=norm, alpha=alpha, extent=(0, W, H, 0), interpolation="nearest", gid=MAP_GID)
+    ax.set_xlim(0, W)
+    ax.set_ylim(H, 0)
+    return im
+
+
+def word_heatmap(
+    source,
+    tokens: int | str | Sequence[int | str],
+    video=None,
+    *,
+    kind: str = "video_to_text",
+    tokenizer=None,
+    prompt: str | None = None,
+    frames: int | Sequence[int] | str | None = None,
+    steps: str | int | Sequence[int] = "all",
+    layers: str | int | Sequence[int] = "all",
+    heads: str | int = "mean",
+    batch: int = 0,
+    num_pixel_frames: int | None = None,
+    scale: str = "linear",
+    limits: str | tuple[float, float] = "shared",
+    alpha: float = 0.6,
+    interpolation: str = "nearest",
+    fig: Figure | None = None,
+) -> Figure:
+    """Where the video attends to each word (``video_to_text``), or where each word attends in the
+    video (``text_to_video``): one row per word, one column per frame, over the decoded video.
+
+    A word of several tokens shows the sum of its tokens for ``video_to_text`` (the attention mass on
+    the word) and their mean for ``text_to_video`` (each token's row is its own distribution). On the
+    video, pixel frame n shows the map of the latent frame covering it (:func:`pixel_frames`),
+    upsampled from patches to pixels.
+
+    Args:
+        source: a `Recording` or a `Run` holding ``kind``.
+        tokens (`int | str | Sequence[int | str]`): text-token indices, or words of the prompt.
+        video: the decoded video of the generation (``pipe(...).frames[0]``, any output type), or
+            `None` for maps on the patch grid alone.
+        kind (`str`, defaults to ``"video_to_text"``): or ``"text_to_video"``.
+        tokenizer: the pipeline's tokenizer, to find words and name tokens.
+        prompt (`str | None`): the prompt; defaults to ``info["prompt"]`` of the recording or run.
+        frames (`int | Sequence[int] | "all" | None`): pixel frames to show (latent frames without a video);
+            default: the middle pixel frame of every latent frame.
+        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
+        heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
+        batch (`int`, defaults to 0): position among the recorded batch items.
+        num_pixel_frames (`int | None`): frames of the decoded video when no video is given (names the
+            pixel frames of each latent frame).
+        scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
+        limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits.
+        alpha (`float`, defaults to 0.6): opacity of the map over the video.
+        interpolation (`str`, defaults to ``"nearest"``): patch-to-pixel upsampling, or ``"bilinear"``.
+        fig (`Figure | None`): draw into this (empty) figure.
+    """
+    if kind not in ("video_to_text", "text_to_video"):
+        raise ValueError(f"kind={kind!r}; word maps come from 'video_to_text' or 'text_to_video'.")
+    single_head(heads, "word_heatmap")
+    layout = source.layout
+    prompt = prompt if prompt is not None else source_prompt(source)
+    chosen = _resolve_tokens(source, tokens, tokenizer, prompt)
+    m = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)  # (T, F, Hp, Wp)
+    per_word = [m[pos].sum(0) if kind == "video_to_text" else m[pos].mean(0) for pos, _ in chosen]
+    pixels, panels, ranges = _video_panels(layout, video, frames, num_pixel_frames)
+    arrays = []
+    for word_map in per_word:
+        if pixels is None:
+            arrays += [word_map[f].numpy() for _, f in panels]
+        else:
+            up = upsample_to_video(word_map, layout, len(pixels), pixels.shape[1:3], interpolation)
+            arrays += [up[n].numpy() for n, _ in panels]
+    norms = color_norms(arrays, scale, limits)
+    nrows, ncols = len(chosen), len(panels)
+    h, w = (pixels.shape[1:3] if pixels is not None else (layout.height, layout.width))
+    pw = min(2.0, 16 / ncols)  # a long video still fits a page: at most 16 inches of panels
+    per_map = 0.8 if limits == "per-map" else 0.0  # room for a colour bar beside every panel
+    fig = new_figure(fig, ((pw + per_map) * ncols + 1.4, ((pw - 0.25) * h / w + 0.3) * nrows + 0.8))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    images = []
+    for r, (_, label) in enumerate(chosen):
+        for c, (n, f) in enumerate(panels):
+            ax = axes[r, c]
+            k = r * ncols + c
+            images.append(_draw_panel(ax, arrays[k], norms[k], pixels, n, alpha))
+            if pixels is None:
+                ax.set_xlabel("patch column", fontsize=7)
+                patch_ticks(ax, layout)
+                title = frame_label(f, ranges, " · ")
+            else:
+                hide_ticks(ax)
+                title = f"px {n} · f{f}"
+            if r == 0:
+                ax.set_title(title, fontsize=8)
+            if c == 0:
+                ax.set_ylabel(label + ("\npatch row" if pixels is None else ""), fontsize=8)
+    add_colorbars(fig, images, list(axes.ravel()), kind, limits)
+    what = ("video → text: where the video attends to each word" if kind == "video_to_text"
+            else "text → video: where each word attends in the video")  # fmt: skip
+    set_title(fig, what, describe(source, kind, steps, layers, heads))
+    return fig
+
+
+# -- query maps ------------------------------------------------------------------------------------
+def _query_row(source, query, steps, layers, heads, batch) -> tuple[torch.Tensor, int]:
+    """The attention row ``(S,)`` of one query token and its token index."""
+    layout = source.layout
+    held = recorded_queries(source)
+    tokens = [q if isinstance(q, int) else layout.token_index(*q) for q in held]
+    has_query = any(k[0] == "query" for k in source.keys())
+    if isinstance(query, int) and not isinstance(query, bool):
+        if not has_query or not 0 <= query < len(held):
+            raise ValueError(
+                f"query={query} is a position among the recorded queries {held}; pass one of "
+                f"0..{len(held) - 1}, or a (frame, row, col) coordinate."
+            )
+        pos, token = query, tokens[query]
+    elif isinstance(query, (tuple, list)) and len(query) == 3:
+        token = layout.token_index(*query)
+        pos = tokens.index(token) if token in tokens and has_query else None
+        if pos is None:
+            if any(k[0] == "full" for k in source.keys()):  # a full map holds every query's row
+                return aggregate(source, "full", steps=steps, layers=layers, heads=heads, batch=batch)[token], token
+            raise ValueError(
+                f"query {tuple(query)} was not recorded; recorded queries are {held}. Record it with "
+                f"queries=[{tuple(query)}, ...] (or record kind 'full')."
+            )
+    else:
+        raise TypeError(f"query must be a position among the recorded queries or (frame, row, col), got {query!r}.")
+    return aggregate(source, "query", steps=steps, layers=layers, heads=heads, batch=batch)[pos], token
+
+
+def query_map(
+    source,
+    query: int | tuple[int, int, int] = 0,
+    video=None,
+    *,
+    tokenizer=None,
+    prompt: str | None = None,
+    steps: str | int | Sequence[int] = "all",
+    layers: str | int | Sequence[int] = "all",
+    heads: str | int = "mean",
+    batch: int = 0,
+    num_pixel_frames: int | None = None,
+    scale: str = "linear",
+    limits: str | tuple[float, float] = "shared",
+    alpha: float = 0.6,
+    interpolation: str = "nearest",
+    fig: Figure | None = None,
+) -> Figure:
+    """Where one video point attends: a strip over every latent frame (the point marked with a cross in
+    its own frame) and, below, its attention to each text token.
+
+    Args:
+        source: a `Recording` or a `Run` holding kind ``query`` (or ``full``).
+        query (`int | tuple[int, int, int]`, defaults to 0): a position among the recorded queries, or a
+            video coordinate (latent frame, patch row, patch column).
+        video: the decoded video, or `None` for maps on the patch grid alone.
+        tokenizer, prompt: name the text tokens (prompt defaults to ``info["prompt"]``).
+        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
+        heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
+        batch (`int`, defaults to 0): position among the recorded batch items.
+        num_pixel_frames (`int | None`): frames of the decoded video when no video is given.
+        scale (`str`, defaults to ``"linear"``): ``"log"`` shows the long tail.
+        limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits (text and video
+            panels share them unless ``"per-map"``).
+        alpha (`float`, defaults to 0.6): opacity over the video.
+        interpolation (`str`, defaults to ``"nearest"``): patch-to-pixel upsampling, or ``"bilinear"``.
+        fig (`Figure | None`): draw into this (empty) figure.
+    """
+    single_head(heads, "query_map")
+    layout = source.layout
+    row, token = _query_row(source, query, steps, layers, heads, batch)
+    point = layout.coordinates(token)
+    T = layout.text_len
+    grid = row[T:].reshape(layout.grid)
+    pixels, panels, ranges = _video_panels(layout, video, None, num_pixel_frames)
+    if pixels is None:
+        arrays = [grid[f].numpy() for _, f in panels]
+    else:
+        up = upsample_to_video(grid, layout, len(pixels), pixels.shape[1:3], interpolation)
+        arrays = [up[n].numpy() for n, _ in panels]
+    arrays.append(row[:T].numpy()[None])
+    norms = color_norms(arrays, scale, limits)
+    ncols = len(panels)
+    h, w = (pixels.shape[1:3] if pixels is not None else (layout.height, layout.width))
+    pw = min(2.0, 16 / ncols)  # a long video still fits a page: at most 16 inches of panels
+    fig = new_figure(fig, (pw * ncols + 1.6, pw * h / w + 2.0))
+    gs = fig.add_gridspec(2, ncols, height_ratios=[pw * h / w, 0.6])
+    axes = [fig.add_subplot(gs[0, c]) for c in range(ncols)]
+    images = []
+    for c, (n, f) in enumerate(panels):
+        ax = axes[c]
+        images.append(_draw_panel(ax, arrays[c], norms[c], pixels, n, alpha))
+        if pixels is None:
+            ax.set_title(frame_label(f, ranges, " · "), fontsize=8)
+            ax.set_xlabel("patch column", fontsize=7)
+            patch_ticks(ax, layout)
+        else:
+            ax.set_title(f"px {n} · f{f}", fontsize=8)
+            hide_ticks(ax)
+        if point is not None and f == point[0]:
+            _, y, x = point
+            if pixels is not None:  # patch centre in pixels
+                x, y = (x + 0.5) * w / layout.width, (y + 0.5) * h / layout.height
+            ax.plot([x], [y], marker="x", color="cyan", markersize=9, mew=2, gid=POINT_GID)
+    axes[0].set_ylabel("patch row" if pixels is None else "video keys", fontsize=8)
+    text_ax = fig.add_subplot(gs[1, :])
+    images.append(text_ax.imshow(arrays[-1], cmap=CMAP, norm=norms[-1], aspect="auto", interpolation="nearest",
+                                 gid=MAP_GID))  # fmt: skip
+    ticks, labels = _text_ticks(source, tokenizer, prompt if prompt is not None else source_prompt(source))
+    text_ax.set_xticks(ticks, labels, fontsize=6, rotation=90 if len(ticks) > 16 else 0)
+    text_ax.set_yticks([])
+    text_ax.set_xlabel("text keys")
+    add_colorbars(fig, images, axes + [text_ax], "query", limits)
+    who = f"text token {token}" if point is None else f"video point (frame, row, col) = {point}"
+    set_title(fig, f"where {who} attends", describe(source, _kind_of_query(source, token), steps, layers, heads))
+    return fig
+
+
+def _kind_of_query(source, token: int) -> str:
+    layout = source.layout
+    held = [q if isinstance(q, int) else layout.token_index(*q) for q in recorded_queries(source)]
+    return "query" if token in held and any(k[0] == "query" for k in source.keys()) else "full"

@@ -1,0 +1,184 @@
+"""Latent frames ↔ decoded video: which pixel frames each latent frame covers, maps upsampled to
+pixels, decoded videos as arrays, and writing rendered frames to GIF or MP4.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["pixel_frames", "upsample_to_video", "video_array", "write_animation"]
+
+
+def pixel_frames(layout, num_pixel_frames: int, temporal_compression: int = 4) -> list[range]:
+    """The decoded pixel frames each latent frame (temporal patch, for CogVideoX 1.5) of ``layout`` covers.
+
+    The VAE keeps pixel frame 0 as latent frame 0 and packs each later group of ``temporal_compression``
+    pixel frames into one latent frame, so ``N`` pixel frames are ``L = (N - 1) // 4 + 1`` latent
+    frames and latent frame ``l ≥ 1`` covers pixel frames ``4(l - 1) + 1 … 4l``. With
+    ``patch_size_t = p`` (CogVideoX 1.5) the pipeline pads ``(-L) % p`` latent frames at the start and
+    drops them before decoding; temporal patch ``k`` covers padded latent frames ``kp … kp + p - 1``.
+
+    Args:
+        layout (`TokenLayout`): the recorded layout (``frames`` F and ``patch_size_t``).
+        num_pixel_frames (`int`): frames N of the decoded video (``num_frames`` of the call).
+        temporal_compression (`int`, defaults to 4): the VAE's ``vae_scale_factor_temporal``.
+
+    Returns:
+        `list[range]`: F ranges of pixel-frame indices, in order, together covering ``0 … N - 1``.
+    """
+    n, tc = int(num_pixel_frames), int(temporal_compression)
+    if n < 1 or tc < 1:
+        raise ValueError(f"num_pixel_frames={num_pixel_frames} and temporal_compression={tc} must be ≥ 1.")
+    latent = (n - 1) // tc + 1
+    p = layout.patch_size_t or 1
+    padding = (-latent) % p  # CogVideoX 1.5 pipelines prepend this many latent frames, dropped before decoding
+    if (latent + padding) // p != layout.frames:
+        what = f"{(latent + padding) // p} temporal patches of {p}" if p > 1 else f"{latent} latent frames"
+        raise ValueError(
+            f"a video of {n} pixel frames has {what}, but the layout has F = {layout.frames}; pass the "
+            "number of frames of the video this recording generated."
+        )
+
+    def covered(lat: int) -> range:
+        return range(0, 1) if lat == 0 else range(tc * (lat - 1) + 1, min(tc * lat + 1, n))
+
+    out = []
+    for k in range(layout.frames):
+        lats = [j - padding for j in range(k * p, (k + 1) * p) if j >= padding]
+        out.append(range(covered(lats[0]).start, covered(lats[-1]).stop))
+    return out
+
+
+def latent_of_pixel(layout, num_pixel_frames: int, temporal_compression: int = 4) -> list[int]:
+    """For each pixel frame, the latent frame (temporal patch) that covers it."""
+    owner = [-1] * num_pixel_frames
+    for f, frames in enumerate(pixel_frames(layout, num_pixel_frames, temporal_compression)):
+        for n in frames:
+            owner[n] = f
+    return owner
+
+
+def video_array(video) -> np.ndarray:
+    """A decoded video as a float ``(N, H, W, 3)`` array in [0, 1].
+
+    Args:
+        video: the pipeline's ``.frames`` for one video in any output type: a tensor or array
+            ``(N, 3, H, W)`` / ``(N, H, W, 3)`` (a leading batch of 1 is dropped), float in [0, 1] or
+            uint8, or a list of PIL images.
+    """
+    if isinstance(video, (list, tuple)):
+        if len(video) == 1 and isinstance(video[0], (list, tuple)):
+            video = video[0]
+        arr = np.stack([np.asarray(im.convert("RGB") if hasattr(im, "convert") else im) for im in video])
+    elif isinstance(video, torch.Tensor):
+        arr = video.detach().float().cpu().numpy()
+    else:
+        arr = np.asarray(video)
+    if arr.ndim == 5:
+        if arr.shape[0] != 1:
+            raise ValueError(f"video has a batch of {arr.shape[0]}; pass one video, e.g. frames[0].")
+        arr = arr[0]
+    if arr.ndim != 4 or 3 not in (arr.shape[1], arr.shape[-1]):
+        raise ValueError(f"video of shape {arr.shape}: expected (N, 3, H, W) or (N, H, W, 3).")
+    if arr.shape[-1] != 3:
+        arr = arr.transpose(0, 2, 3, 1)
+    arr = arr.astype(np.float32) / (255.0 if arr.dtype == np.uint8 else 1.0)
+    return np.clip(arr, 0.0, 1.0)
+
+
+def upsample_to_video(
+    maps: torch.Tensor,
+    layout,
+    num_pixel_frames: int,
+    size: tuple[int, int],
+    mode: str = "nearest",
+    temporal_compression: int = 4,
+) -> torch.Tensor:
+    """Patch-grid maps placed on the decoded video: one map per pixel frame, upsampled to pixels.
+
+    Pixel frame ``n`` gets the map of the latent frame (temporal patch) covering it (see
+    :func:`pixel_frames`), resized from ``(Hp, Wp)`` patches to ``(H, W)`` pixels; one patch is
+    ``H / Hp`` pixels high (16 for CogVideoX: 2 latent pixels of 8).
+
+    Args:
+        maps (`torch.Tensor`): ``(F, Hp, Wp)``, e.g. ``aggregate(rec, "video_to_text")[token]``.
+        layout (`TokenLayout`): the recorded layout.
+        num_pixel_frames (`int`): frames N of the decoded video.
+        size (`tuple[int, int]`): ``(H, W)`` of the decoded video.
+        mode (`str`, defaults to ``"nearest"``): ``"nearest"`` (every pixel of a patch shows the patch's
+            value) or ``"bilinear"`` (smooth).
+        temporal_compression (`int`, defaults to 4): the VAE's temporal compression.
+
+    Returns:
+        `torch.Tensor`: ``(N, H, W)`` float32.
+    """
+    if tuple(maps.shape) != layout.grid:
+        raise ValueError(f"maps of shape {tuple(maps.shape)}; expected the latent grid (F, Hp, Wp) = {layout.grid}.")
+    if mode not in ("nearest", "bilinear"):
+        raise ValueError(f"mode={mode!r}; choose 'nearest' or 'bilinear'.")
+    extra = {} if mode == "nearest" else {"align_corners": False}
+    up = F.interpolate(maps.float()[None], size=tuple(size), mode=mode, **extra)[0]
+    return up[latent_of_pixel(layout, num_pixel_frames, temporal_compression)]
+
+
+def _ffmpeg() -> str | None:
+    exe = shutil.which("ffmpeg")
+    if exe is None:
+        try:
+            import imageio_ffmpeg
+
+            exe = imageio_ffmpeg.get_ffmpeg_exe()
+        except (ImportError, RuntimeError):
+            return None
+    return exe
+
+
+def write_animation(frames: Sequence[np.ndarray], path: str | os.PathLike, fps: float = 2.0) -> Path:
+    """Write RGB ``uint8`` frames ``(H, W, 3)`` to ``path``: ``.gif`` with pillow, ``.mp4`` with ffmpeg.
+
+    Args:
+        frames (`Sequence[np.ndarray]`): rendered frames, all the same size.
+        path (`str | os.PathLike`): ending in ``.gif`` or ``.mp4``.
+        fps (`float`, defaults to 2.0): frames per second.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".gif", ".mp4"):
+        raise ValueError(f"cannot write {str(path)!r}: animations are written as .gif or .mp4.")
+    if not frames:
+        raise ValueError("no frames to write.")
+    if len({f.shape for f in frames}) != 1:
+        raise ValueError(f"frames differ in size: {sorted({f.shape for f in frames})}.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".gif":
+        from PIL import Image
+
+        images = [Image.fromarray(np.ascontiguousarray(f, dtype=np.uint8)) for f in frames]
+        # One palette for all frames, from a sample of them, keeps colours from flickering between frames.
+        sample = np.concatenate([np.asarray(im) for im in images[:: max(1, len(images) // 8)]], axis=0)
+        palette = Image.fromarray(sample).quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+        images = [im.quantize(palette=palette, dither=Image.Dither.NONE) for im in images]
+        images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0,
+                       optimize=False, disposal=1)  # fmt: skip
+        return path
+    exe = _ffmpeg()
+    if exe is None:
+        raise RuntimeError(
+            f"writing {str(path)!r} needs ffmpeg: install it on PATH or `pip install imageio-ffmpeg`, or write a .gif."
+        )
+    h, w, _ = frames[0].shape
+    # yuv420p (what players expect) needs even sizes, hence the pad.
+    cmd = [exe, "-y", "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{w}x{h}", "-r", str(fps),
+           "-i", "-", "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2", "-c:v", "libx264", "-pix_fmt", "yuv420p",
+           str(path)]  # fmt: skip
+    data = b"".join(np.ascontiguousarray(f, dtype=np.uint8).tobytes() for f in frames)
+    subprocess.run(cmd, input=data, check=True)
+    return path

@@ -1,0 +1,195 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # A tour of cogattn: exact attention maps from CogVideoX
+#
+# This notebook generates one video, records exact attention maps while it is generated, and draws
+# them: frame-to-frame attention, where the video attends to each word (and the reverse), where one
+# video point attends, grids over layers × steps, an animation, and interactive sliders.
+#
+# It runs end to end on the embedded **tiny random CogVideoX** (no download, CPU, well under two
+# minutes). Its weights are random, so the video is noise and the maps carry no meaning; the shapes,
+# the token layout and the pipeline are those of the real models. To run it on a real checkpoint,
+# change `MODEL` below to a hub id (`"THUDM/CogVideoX-2b"`, `"THUDM/CogVideoX-5b"`,
+# `"THUDM/CogVideoX1.5-5B"`) or a local folder; a GPU is then strongly recommended.
+
+# %%
+import tempfile
+from pathlib import Path
+
+import torch
+from IPython.display import Image, display
+
+import cogattn
+from cogattn import plot
+
+# %%
+MODEL = "tiny"  # or "THUDM/CogVideoX-2b", "THUDM/CogVideoX1.5-5B", or a local folder of a checkpoint
+PROMPT = "a red fox running in the snow"
+SEED = 0
+OUT = None  # a folder to stream the maps to disk (then plotted from `cogattn.load(OUT)`); None keeps them in memory
+
+# %%
+TINY = MODEL == "tiny"
+device = "cuda" if torch.cuda.is_available() else "cpu"
+if TINY:
+    from cogattn.testing import tiny_pipeline
+
+    pipe = tiny_pipeline().to(device)
+else:
+    from diffusers import CogVideoXPipeline
+
+    pipe = CogVideoXPipeline.from_pretrained(MODEL, torch_dtype=torch.bfloat16).to(device)
+config = pipe.transformer.config
+version_15 = config.patch_size_t is not None
+
+# %% [markdown]
+# ## What to record
+#
+# The tiny model records every step, layer and head. A real model's text maps are large
+# (`video_to_text` is T × F × Hp × Wp per head: 226 × 17,550 floats for CogVideoX-2b), so there we
+# take a few steps and layers and the mean over heads; `heads="all"` gives per-head panels at
+# heads × the memory.
+
+# %%
+if TINY:
+    from cogattn.testing import TINY_TEXT_LEN
+
+    call = dict(num_frames=9, height=48, width=80, num_inference_steps=4, max_sequence_length=TINY_TEXT_LEN)
+    steps, layers, heads = "all", "all", "all"
+else:
+    frames, height, width = (81, 768, 1360) if version_15 else (49, 480, 720)
+    call = dict(num_frames=frames, height=height, width=width, num_inference_steps=50)
+    steps = [0, 10, 25, 49]
+    layers = list(range(0, config.num_layers, max(1, config.num_layers // 4)))
+    heads = "mean"
+    pipe.vae.enable_tiling()  # decoding a real video at full size needs tens of GB otherwise
+
+# The latent grid of this call, to choose a video point to follow: the centre of the middle frame.
+latent_frames = (call["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
+F = -(-latent_frames // (config.patch_size_t or 1))
+Hp = call["height"] // (pipe.vae_scale_factor_spatial * config.patch_size)
+Wp = call["width"] // (pipe.vae_scale_factor_spatial * config.patch_size)
+QUERY = (F // 2, Hp // 2, Wp // 2)
+print(f"latent grid (F, Hp, Wp) = {(F, Hp, Wp)}; following the video point {QUERY}")
+
+# %%
+with cogattn.record(
+    pipe,
+    kinds=("frame", "video_to_text", "text_to_video", "query"),
+    steps=steps,
+    layers=layers,
+    batch="cond",
+    heads=heads,
+    queries=[QUERY],
+    info={"prompt": PROMPT, "seed": SEED},
+    out=OUT,
+    overwrite=True,
+) as rec:
+    video = pipe(prompt=PROMPT, generator=torch.Generator(device).manual_seed(SEED), output_type="pt", **call).frames[0]
+
+source = rec if OUT is None else cogattn.load(OUT)  # every plot takes either
+print(source)
+print("video (frames, channels, height, width):", tuple(video.shape), "· layout:", source.layout)
+
+# %% [markdown]
+# ## Frame to frame
+#
+# Row g, column h: the share of attention that queries in group g give to keys in group h (group
+# `text`, then latent frame `f<k>`; the ticks name the pixel frames each latent frame covers: latent
+# frame 0 is pixel frame 0, each later one the next 4; with CogVideoX 1.5 a temporal patch covers
+# two latent frames). Rows sum to 1. Averaged over the recorded steps and layers.
+
+# %%
+plot.frame_heatmap(source)
+
+# %% [markdown]
+# One panel per head (small multiples), here at the last recorded step, on a log colour scale:
+
+# %%
+last_step = max(s for kind, s, _ in source.keys() if kind == "frame")
+plot.frame_heatmap(source, heads="all", steps=last_step, scale="log")
+
+# %% [markdown]
+# ## Any 2-D view over layers × steps
+#
+# `index` cuts a map down to two dimensions: here the frame map itself, then text token 2 (`fox`)
+# over the patch grid of the middle latent frame.
+
+# %%
+plot.layer_step_grid(source, "frame")
+
+# %%
+fox = plot.word_positions("fox", pipe.tokenizer, PROMPT, source.layout.text_len)
+plot.layer_step_grid(source, "video_to_text", index=(fox[0], F // 2))
+
+# %% [markdown]
+# ## Words on the video
+#
+# `video_to_text`: where the video attends to each word, upsampled from patches (16 × 16 pixels) to
+# pixels and laid over the decoded frame (pixel frame n shows the map of the latent frame that covers
+# it). Words are found with the pipeline's tokenizer; a word of several sentencepiece tokens sums
+# them.
+
+# %%
+plot.word_heatmap(source, ["fox", "snow"], video, tokenizer=pipe.tokenizer)
+
+# %% [markdown]
+# The reverse direction, `text_to_video`: where each word attends in the video. Attention is
+# heavy-tailed; a log scale with limits per map shows the structure of each one.
+
+# %%
+plot.word_heatmap(source, ["fox", "snow"], video, kind="text_to_video", tokenizer=pipe.tokenizer,
+                  scale="log", limits="per-map")
+
+# %% [markdown]
+# ## Where one video point attends
+#
+# The point (latent frame, patch row, patch column) is marked with a cross; the strip shows its
+# attention over every frame, the bar below its attention to each text token.
+
+# %%
+plot.query_map(source, QUERY, video, tokenizer=pipe.tokenizer, scale="log")
+
+# %% [markdown]
+# ## The numbers behind a plot
+#
+# `aggregate` averages over steps and/or layers and picks heads; indexing rules: an int drops the
+# head axis, a list or `"all"` keeps it, `"mean"` averages it.
+
+# %%
+m = plot.aggregate(source, "video_to_text", steps="all", layers="all", heads="mean")
+print("video_to_text, mean over steps and layers:", tuple(m.shape), "(T, F, Hp, Wp)")
+print("attention mass on 'fox', per latent frame:", m[fox].sum(0).mean((-1, -2)).tolist())
+print("pixel frames of each latent frame:", plot.pixel_frames(source.layout, video.shape[0]))
+
+# %% [markdown]
+# ## An animation over denoising steps
+#
+# `animate` redraws a plot for each step (or layer, or frame) with one colour scale for all frames
+# and writes a GIF (or an MP4 where ffmpeg exists).
+
+# %%
+gif = plot.animate(plot.word_heatmap, source, Path(tempfile.gettempdir()) / "cogattn_fox_steps.gif", over="step",
+                   tokens="fox", video=video, tokenizer=pipe.tokenizer)
+display(Image(filename=str(gif)))
+
+# %% [markdown]
+# ## Explore
+#
+# With ipywidgets installed: sliders over step, layer (or their mean), head (or the mean) and frame.
+# Without it, the same call returns a static figure of the last step.
+
+# %%
+plot.explore(source, video, view="word", tokens=["fox", "snow"], tokenizer=pipe.tokenizer)
