@@ -1,7 +1,14 @@
-"""``scripts/dump_maps.py``: generate a video with a CogVideoX pipeline and save its attention maps.
+"""``scripts/dump_maps.py``: attention maps for many prompts, resumable, sharded over processes.
 
-With no arguments it runs the embedded tiny random pipeline (no download) and writes
-``runs/tiny/maps.safetensors``; ``--model`` takes a hub id or a local folder of a real checkpoint.
+    python scripts/dump_maps.py                                  # configs/tiny.yaml: the tiny random pipeline
+    python scripts/dump_maps.py configs/cogvideox-5b.yaml --set steps=20 --set out=runs/5b
+    python scripts/dump_maps.py configs/cogvideox-5b.yaml --dry-run   # the plan, without loading weights
+    accelerate launch scripts/dump_maps.py configs/cogvideox-5b.yaml  # prompts split over GPUs
+
+Each prompt gets ``<out>/<index>-<hash>/`` with ``maps/`` (a run: ``cogattn.load`` reads it), the video,
+``previews/*.png`` and ``prompt.json``, written last; a rerun skips prompts whose ``prompt.json`` says
+complete and redoes the others. A prompt that fails does not stop the rest; failures are listed at the
+end and the exit code is 1. Bad input exits with code 2 before anything is written.
 """
 
 from __future__ import annotations
@@ -9,99 +16,176 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
+import traceback
+from pathlib import Path
 
 import torch
 
-from . import KINDS, __version__
-from .recording import record
+from .config import ConfigError, DumpConfig, Prompt, load_config, read_prompts
+from .estimate import estimate
 
-__all__ = ["main", "load_pipeline"]
+__all__ = ["main", "load_pipeline", "DEFAULT_CONFIG"]
 
-TINY = "tiny"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_pipeline(model: str, task: str = "text-to-video", dtype: torch.dtype = torch.bfloat16):
-    """A CogVideoX pipeline from a hub id or a local folder, or the tiny random one for ``model="tiny"``."""
+def load_pipeline(cfg: DumpConfig, device: str):
+    """The pipeline of ``cfg``: from the hub or a folder (weights in ``cfg.dtype``), or the tiny random one."""
     from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
 
-    if model == TINY:
+    dtype = _DTYPES[cfg.dtype]
+    if cfg.model == "tiny":
         from .testing import tiny_pipeline
 
-        return tiny_pipeline(task, dtype=dtype)
-    cls = CogVideoXImageToVideoPipeline if task == "image-to-video" else CogVideoXPipeline
-    return cls.from_pretrained(model, torch_dtype=dtype)
+        pipe = tiny_pipeline(cfg.task, cfg.tiny_version, dtype=dtype)
+    else:
+        cls = CogVideoXImageToVideoPipeline if cfg.task == "image-to-video" else CogVideoXPipeline
+        pipe = cls.from_pretrained(cfg.model, torch_dtype=dtype)
+    if cfg.offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif cfg.offload == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    else:
+        pipe.to(device)
+    if cfg.vae_tiling:
+        pipe.vae.enable_tiling()
+    pipe.set_progress_bar_config(leave=False, desc="steps", disable=None)  # no bar when not a terminal
+    return pipe
 
 
 def _parse(argv):
-    ap = argparse.ArgumentParser(prog="dump_maps", description=__doc__)
-    ap.add_argument("--model", default=TINY, help="hub id, local folder, or 'tiny' (default)")
-    ap.add_argument("--prompt", default="a red fox running in the snow")
-    ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: 4 tiny, 50 real)")
-    ap.add_argument("--frames", type=int, default=None, help="pixel frames (default: 9 tiny, 49 real)")
-    ap.add_argument("--height", type=int, default=None)
-    ap.add_argument("--width", type=int, default=None)
-    ap.add_argument("--guidance", type=float, default=6.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=list(_DTYPES), default=None, help="default: float32 tiny, bfloat16 real")
-    ap.add_argument("--kinds", default="frame,video_to_text,text_to_video", help=f"comma list of {list(KINDS)}")
-    ap.add_argument("--layers", default="all", help="'all' or comma list of block indices")
-    ap.add_argument("--batch", default="cond", help="all, cond, uncond, or comma list")
-    ap.add_argument("--heads", default="mean", help="all, mean, or comma list")
-    ap.add_argument("--memory-budget", default="1GiB")
-    ap.add_argument("--out", default=None, help="output folder (default: runs/<model name>)")
+    ap = argparse.ArgumentParser(prog="dump_maps", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", nargs="?", default=None, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (value parsed as YAML); repeatable")  # fmt: skip
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit without loading weights")
     return ap.parse_args(argv)
 
 
-def _indices(text: str):
-    return text if not text[:1].isdigit() else [int(x) for x in text.split(",")]
+def _validate(cfg: DumpConfig, prompts: list[Prompt]):
+    """Every check that needs no weights: the selection against the model config and the call."""
+    if cfg.offload != "none" and cfg.device == "cpu":
+        raise ConfigError(f"offload: {cfg.offload!r} needs a GPU device, but device is 'cpu'.")
+    return estimate(
+        cfg.model, num_frames=cfg.num_frames, height=cfg.height, width=cfg.width, num_inference_steps=cfg.steps,
+        guidance_scale=cfg.guidance, text_len=cfg.max_sequence_length, num_prompts=len(prompts), dtype=cfg.dtype,
+        device="cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu", **cfg.capture_options(),
+    )  # fmt: skip
+
+
+def _complete(folder: Path) -> bool:
+    try:
+        return json.loads((folder / "prompt.json").read_text()).get("complete") is True
+    except (OSError, ValueError):
+        return False
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _save_video(frames, path_stem: Path, cfg: DumpConfig) -> Path:
+    from diffusers.utils import export_to_gif, export_to_video
+
+    fmt = cfg.video_format
+    if fmt == "auto":
+        try:
+            import imageio_ffmpeg  # noqa: F401
+
+            fmt = "mp4"
+        except ImportError:
+            fmt = "gif"
+    path = path_stem.with_suffix("." + fmt)
+    (export_to_video(frames, str(path), fps=cfg.fps) if fmt == "mp4" else export_to_gif(frames, str(path), fps=cfg.fps))
+    return path
+
+
+def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int) -> None:
+    """Generate one video with capture into ``folder`` (a fresh or incomplete one is (re)made)."""
+    from .recording import record
+
+    if folder.exists():
+        shutil.rmtree(folder)  # an incomplete earlier attempt
+    folder.mkdir(parents=True)
+    seed = cfg.seed if prompt.seed is None else prompt.seed
+    meta = {"complete": False, "index": prompt.index, "prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt,
+            "seed": seed, "image": prompt.image, "model": cfg.model, "process": process, "config": cfg.to_dict()}  # fmt: skip
+    _write_json(folder / "prompt.json", meta)
+    device = pipe._execution_device
+    call = dict(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt, num_frames=cfg.num_frames,
+                height=cfg.height, width=cfg.width, num_inference_steps=cfg.steps, guidance_scale=cfg.guidance,
+                max_sequence_length=cfg.max_sequence_length, output_type="pil",
+                generator=torch.Generator(device).manual_seed(seed))  # fmt: skip
+    if cfg.task == "image-to-video":
+        from diffusers.utils import load_image
+
+        call["image"] = load_image(prompt.image)
+    t0 = time.perf_counter()
+    info = {k: meta[k] for k in ("index", "prompt", "negative_prompt", "seed", "image", "model")}
+    with record(pipe, **cfg.capture_options(), out=folder / "maps", info=info):
+        frames = pipe(**call).frames[0]
+    meta["seconds"] = round(time.perf_counter() - t0, 3)
+    meta["video"] = _save_video(frames, folder / "video", cfg).name
+    if cfg.previews:
+        from .previews import write_previews
+
+        written = write_previews(folder / "maps", folder / "previews", frames, pipe.tokenizer, prompt.prompt)
+        meta["previews"] = [p.name for p in written]
+    meta["complete"] = True
+    _write_json(folder / "prompt.json", meta)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    tiny = args.model == TINY
-    dtype = _DTYPES[args.dtype or ("float32" if tiny else "bfloat16")]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = args.out or os.path.join("runs", os.path.basename(args.model.rstrip("/")) or "model")
-    if os.path.isdir(out) and os.listdir(out):
-        print(f"dump_maps: output folder {out!r} is not empty; choose another --out.", file=sys.stderr)
+    try:
+        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        prompts = read_prompts(cfg)
+        plan = _validate(cfg, prompts)
+    except (ConfigError, ValueError, TypeError) as err:
+        print(f"dump_maps: {err}", file=sys.stderr)
         return 2
-    pipe = load_pipeline(args.model, dtype=dtype).to(device)
-    pipe.set_progress_bar_config(disable=False)
-    call = dict(
-        prompt=args.prompt, num_inference_steps=args.steps or (4 if tiny else 50), guidance_scale=args.guidance,
-        num_frames=args.frames or (9 if tiny else 49), generator=torch.Generator(device).manual_seed(args.seed),
-        output_type="pt",
-    )  # fmt: skip
-    call.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v})
-    if tiny:
-        from .testing import TINY_TEXT_LEN
+    if args.dry_run:
+        print(f"model {cfg.model} ({cfg.task}), {len(prompts)} prompts, {cfg.steps} steps, "
+              f"{cfg.num_frames} frames at {cfg.height}×{cfg.width}")  # fmt: skip
+        print(plan.table())
+        return 0
 
-        call["max_sequence_length"] = TINY_TEXT_LEN
-    t0 = time.perf_counter()
-    with record(pipe, kinds=args.kinds.split(","), layers=_indices(args.layers), batch=_indices(args.batch),
-                heads=_indices(args.heads), memory_budget=args.memory_budget) as rec:  # fmt: skip
-        frames = pipe(**call).frames
-    elapsed = time.perf_counter() - t0
+    from accelerate import PartialState
+    from tqdm.auto import tqdm
 
-    from safetensors.torch import save_file
-
-    os.makedirs(out, exist_ok=True)
-    tensors = {f"{kind}/step{step}/layer{layer}": rec.get(kind, step, layer) for kind, step, layer in rec.keys()}
-    meta = {"cogattn": __version__, "model": args.model, "prompt": args.prompt, "seed": str(args.seed),
-            "timesteps": json.dumps(rec.timesteps), "layout": json.dumps(rec.layout.__dict__)}  # fmt: skip
-    path = os.path.join(out, "maps.safetensors")
-    save_file(tensors, path, metadata=meta)
-    nbytes = sum(t.numel() * 4 for t in tensors.values())
-    print(f"video {tuple(frames.shape)} in {elapsed:.1f} s; latent grid (F, Hp, Wp) = {rec.layout.grid}, "
-          f"{rec.layout.text_len} text tokens")  # fmt: skip
-    print(f"{len(tensors)} records, {nbytes / 2**20:.2f} MiB -> {path}")
-    for kind in rec.selection.kinds:
-        step, layer = max(s for k, s, _ in rec.keys() if k == kind), 0
-        print(f"  {kind:>14} step {step} layer {layer}: shape {tuple(rec.get(kind, step, layer).shape)}")
-    return 0
+    # On a machine without GPUs (or device: cpu) the processes of `accelerate launch` share prompts over gloo.
+    state = PartialState(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    device = str(state.device) if cfg.device == "auto" else cfg.device
+    out = Path(cfg.out)
+    with state.split_between_processes(prompts) as mine:
+        todo = [p for p in mine if not _complete(out / p.key())]
+        skipped = len(mine) - len(todo)
+        if skipped:
+            print(f"[process {state.process_index}] {skipped} prompts already complete, skipped", flush=True)
+        failures = []
+        if todo:
+            pipe = load_pipeline(cfg, device)
+            bar = tqdm(todo, desc=f"prompts [process {state.process_index}]", position=0, disable=None)
+            for prompt in bar:
+                try:
+                    run_prompt(pipe, cfg, prompt, out / prompt.key(), state.process_index)
+                except Exception as err:  # noqa: BLE001 - one prompt's failure must not stop the others
+                    failures.append((prompt, err))
+                    print(f"prompt {prompt.index} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+                    if os.environ.get("COGATTN_DEBUG"):
+                        traceback.print_exc()
+    done = len(todo) - len(failures)
+    print(f"[process {state.process_index}] {done} prompts written, {skipped} skipped, {len(failures)} failed "
+          f"-> {out}", flush=True)  # fmt: skip
+    for prompt, err in failures:
+        print(f"  failed: prompt {prompt.index} ({prompt.prompt[:40]!r}): {type(err).__name__}: {err}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""Preview images of a finished run, for a quick look at what ``dump_maps.py`` wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import plot
+from .store import load
+
+__all__ = ["write_previews"]
+
+_SPECIAL = {"</s>", "<pad>", "<unk>", "<s>"}
+
+
+def _words(run, tokenizer, prompt: str | None, limit: int = 4) -> list[int]:
+    """The first ``limit`` text tokens that are neither special nor padding (their indices)."""
+    T = run.layout.text_len
+    if tokenizer is None or prompt is None:
+        return list(range(min(limit, T)))
+    tokens = plot.text_tokens(tokenizer, prompt, T)
+    return [i for i, t in enumerate(tokens) if t not in _SPECIAL and t.strip("▁")][:limit] or [0]
+
+
+def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None = None, dpi: int = 90) -> list[Path]:
+    """Write one PNG per recorded kind (averaged over the recorded steps, layers and heads).
+
+    Args:
+        run_path: a run folder written by ``cogattn.record(..., out=...)``.
+        folder: where the PNGs go (created).
+        video: the decoded frames of the generation (list of PIL images or a tensor).
+        tokenizer, prompt: to label text tokens with their words.
+        dpi (`int`, defaults to 90): resolution of the images.
+
+    Returns:
+        `list[Path]`: the files written.
+    """
+    run = load(run_path)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    kinds = {k for k, _, _ in run.keys()}
+    text = dict(tokenizer=tokenizer, prompt=prompt)
+    figures = {}
+    if "frame" in kinds:
+        figures["frame"] = plot.frame_heatmap(run, num_pixel_frames=len(video))
+    for kind in ("video_to_text", "text_to_video"):
+        if kind in kinds:
+            figures[kind] = plot.word_heatmap(run, _words(run, tokenizer, prompt), video, kind=kind, **text)
+    if "query" in kinds:
+        figures["query"] = plot.query_map(run, 0, video, **text)
+    paths = []
+    for name, fig in figures.items():
+        path = folder / f"{name}.png"
+        fig.savefig(path, dpi=dpi)
+        paths.append(path)
+    return paths
