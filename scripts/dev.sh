@@ -4,7 +4,8 @@
 # VENV (default .venv) and PIP_EXTRA (extra pip arguments, e.g. pins) choose the environment.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${VENV:-$root/.venv}"
+venv="${VENV:-.venv}"
+case "$venv" in /*) ;; *) venv="$root/$venv" ;; esac  # absolute: tools that record sys.executable need it
 if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.cogattn-ready" ]; then
   echo "setting up $venv ..." >&2
   python3 -m venv "$venv"
