@@ -14,6 +14,7 @@ end and the exit code is 1. Bad input exits with code 2 before anything is writt
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -67,21 +68,45 @@ def _parse(argv):
 
 
 def _validate(cfg: DumpConfig, prompts: list[Prompt]):
-    """Every check that needs no weights: the selection against the model config and the call."""
+    """Every check that needs no weights: the selection against the model config and the call, the
+    output folder, the free disk space, the video writer."""
     if cfg.offload != "none" and cfg.device == "cpu":
         raise ConfigError(f"offload: {cfg.offload!r} needs a GPU device, but device is 'cpu'.")
-    return estimate(
+    if cfg.video_format == "mp4" and importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise ConfigError("video_format: 'mp4' needs imageio-ffmpeg (pip install 'cogattn[video]'); or use 'gif'.")
+    out = Path(cfg.out)
+    key = cfg.output_key()
+    for folder in (out / p.key() for p in prompts):
+        meta = _prompt_meta(folder)
+        if meta.get("complete") and meta.get("config_key") != key:
+            raise ConfigError(
+                f"{str(folder)!r} was made with other settings (config key {meta.get('config_key')} ≠ {key}); "
+                "write to another out, or delete it to redo it."
+            )
+    plan = estimate(
         cfg.model, num_frames=cfg.num_frames, height=cfg.height, width=cfg.width, num_inference_steps=cfg.steps,
         guidance_scale=cfg.guidance, text_len=cfg.max_sequence_length, num_prompts=len(prompts), dtype=cfg.dtype,
         device="cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu", **cfg.capture_options(),
     )  # fmt: skip
+    todo = sum(1 for p in prompts if not _prompt_meta(out / p.key()).get("complete"))
+    need = plan.record_bytes * todo // max(1, len(prompts))
+    existing = next(p for p in [out, *out.absolute().parents] if p.exists())
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise ConfigError(f"the remaining prompts will write {need:,} bytes of maps but {str(existing)!r} has "
+                          f"{free:,} bytes free; select less, use storage_dtype float16, or write elsewhere.")  # fmt: skip
+    return plan
+
+
+def _prompt_meta(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "prompt.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _complete(folder: Path) -> bool:
-    try:
-        return json.loads((folder / "prompt.json").read_text()).get("complete") is True
-    except (OSError, ValueError):
-        return False
+    return _prompt_meta(folder).get("complete") is True
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -114,7 +139,7 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
         shutil.rmtree(folder)  # an incomplete earlier attempt
     folder.mkdir(parents=True)
     seed = cfg.seed if prompt.seed is None else prompt.seed
-    meta = {"complete": False, "index": prompt.index, "prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt,
+    meta = {"complete": False, "config_key": cfg.output_key(), "index": prompt.index, "prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt,
             "seed": seed, "image": prompt.image, "model": cfg.model, "process": process, "config": cfg.to_dict()}  # fmt: skip
     _write_json(folder / "prompt.json", meta)
     device = pipe._execution_device
@@ -125,7 +150,7 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
     if cfg.task == "image-to-video":
         from diffusers.utils import load_image
 
-        call["image"] = load_image(prompt.image)
+        call["image"] = load_image(prompt.image_path)
     t0 = time.perf_counter()
     info = {k: meta[k] for k in ("index", "prompt", "negative_prompt", "seed", "image", "model")}
     with record(pipe, **cfg.capture_options(), out=folder / "maps", info=info):

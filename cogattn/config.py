@@ -96,6 +96,15 @@ class DumpConfig:
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "config_dir"}
 
+    def output_key(self) -> str:
+        """A hash of every setting that changes what a prompt's folder holds (not device, offload,
+        memory budget or path, which change only how it is computed)."""
+        import hashlib
+
+        same = {"device", "offload", "vae_tiling", "memory_budget", "path", "out", "prompts"}
+        settings = {k: v for k, v in self.to_dict().items() if k not in same}
+        return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
 
 _CHOICES = {"task": TASKS, "dtype": DTYPES, "offload": OFFLOAD, "video_format": VIDEO_FORMATS,
             "tiny_version": ("1.0", "1.5"), "path": ("auto", "rows", "sdpa"),
@@ -160,13 +169,20 @@ class Prompt:
     prompt: str
     negative_prompt: str | None = None
     seed: int | None = None
-    image: str | None = None
+    image: str | None = None  # as written in the prompts file
+    base: str = field(default=".", compare=False)  # the prompts file's folder: relative images start here
+
+    @property
+    def image_path(self) -> str | None:
+        return None if self.image is None else str(Path(self.base, self.image))
 
     def key(self) -> str:
-        """Folder name: the prompt's index and a short hash of what it asks for (stable across reruns)."""
+        """Folder name: the prompt's index and a short hash of what it asks for (stable across reruns,
+        whatever folder the command runs from)."""
         import hashlib
 
-        digest = hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:8]
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "base"}
+        digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
         return f"{self.index:04d}-{digest}"
 
 
@@ -191,12 +207,11 @@ def read_prompts(cfg: DumpConfig) -> list[Prompt]:
             extra = sorted(set(obj) - allowed)
             if extra:
                 raise ConfigError(f"{path}:{n}: unknown keys {extra}; allowed: {sorted(allowed)}.")
-            image = obj.get("image")
-            if image is not None:
-                image = str(Path(path.parent, image))  # relative to the prompts file (absolute stays)
-                if not Path(image).is_file():
-                    raise ConfigError(f"{path}:{n}: image {image!r} does not exist.")
-            prompts.append(Prompt(len(prompts), obj["prompt"], obj.get("negative_prompt"), obj.get("seed"), image))
+            prompt = Prompt(len(prompts), obj["prompt"], obj.get("negative_prompt"), obj.get("seed"), obj.get("image"),
+                            base=str(path.parent))  # fmt: skip
+            if prompt.image is not None and not Path(prompt.image_path).is_file():
+                raise ConfigError(f"{path}:{n}: image {prompt.image_path!r} does not exist.")
+            prompts.append(prompt)
     elif path.suffix == ".txt":
         prompts = [Prompt(i, p) for i, p in enumerate(line.strip() for line in lines if line.strip())]
     else:

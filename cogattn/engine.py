@@ -8,6 +8,10 @@ Two paths compute the same numbers:
   indicator ``V[j, g] = 1`` for key ``j`` in group ``g``, so one fused SDPA call on ``V`` (padded to
   the head dimension) gives multi-key groups; the same call returns the log-sum-exp of every row, from
   which single-key columns are ``exp(q·kᵀ·scale − lse)`` at a cost of ``S·C·D``.
+* ``triton``: as ``sdpa``, but multi-key groups come from a fused Triton kernel that, given the lse
+  (from the output kernel with ``reuse_lse``, else one lse-only pass), accumulates
+  ``exp(q·kᵀ·scale − lse)·V`` tile by tile in the model's dtype with float32 accumulation
+  (:mod:`cogattn.kernels`). ``auto`` picks it on CUDA where Triton is installed.
 
 The planner picks head and row chunk sizes so that the transient float32 working set stays within the
 budget; the reducers' results are not counted (they are what the user asked for).
@@ -20,11 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .reducers import KeyGroups, Reducer
 
-__all__ = ["TilePlan", "plan_tiles", "capture", "sdpa_supported", "PATHS"]
+__all__ = ["TilePlan", "plan_tiles", "capture", "attention_with_lse", "sdpa_supported", "PATHS"]
 
-PATHS = ("auto", "rows", "sdpa")
+PATHS = ("auto", "rows", "sdpa", "triton")
 _F32 = 4
 _MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
 
@@ -55,6 +60,12 @@ def sdpa_supported(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
+def _auto_path(device: torch.device, wants_all_rows: bool) -> str:
+    if wants_all_rows or not sdpa_supported(device):
+        return "rows"
+    return "triton" if device.type == "cuda" and kernels.available(device) else "sdpa"
+
+
 def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Fused attention ``(1, h, S, D)`` returning ``(out, lse)`` with ``lse`` of shape ``(1, h, S)`` in float32."""
     if q.device.type == "cpu":
@@ -67,6 +78,24 @@ def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     else:
         raise RuntimeError(f"no fused attention kernel with log-sum-exp for device {q.device}")
     return out, lse[..., : q.shape[2]]
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The layer's attention output and the float32 log-sum-exp of every row, ``(B, H, S)``, from the
+    flash kernel ``F.scaled_dot_product_attention`` usually dispatches to (no mask, no dropout): on the
+    CPU it is the kernel SDPA uses (bit-identical output, tested); on CUDA, for fp16/bf16, SDPA may pick
+    another backend (cuDNN on Hopper), so the output can differ in the last bits. Returns
+    ``(F.scaled_dot_product_attention(q, k, v), None)`` where no such kernel applies."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[:2]
+        return out, lse
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False)[:2]
+            return out, lse
+        except RuntimeError:  # no flash kernel on this GPU: stay on the stock call
+            pass
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v), None
 
 
 def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool) -> int:
@@ -124,8 +153,13 @@ def plan_tiles(
     if not pooled:
         path = "rows"  # every kind is served by row tiles
     elif path == "auto":
-        wants_all_rows = any(r.rows is not None and len(r.rows) == S for r in reducers)
-        path = "rows" if (wants_all_rows or not sdpa_supported(torch.device(device))) else "sdpa"
+        wants_all_rows = any(_all_rows(r, S) for r in reducers)
+        path = _auto_path(torch.device(device), wants_all_rows)
+    elif path == "triton" and not kernels.available(torch.device(device)):
+        raise ValueError(
+            f"path='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); device is {device}, Triton "
+            f"{'is' if kernels.triton is not None else 'is not'} installed. Use path='auto'."
+        )
     row_cols = sum(r.key_groups.num_groups for r in pooled) if path == "rows" else 0
     row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and path == "rows" else [])
     n_single = sum(r.key_groups.num_groups for r in pooled if r.key_groups.single_keys)
@@ -149,7 +183,7 @@ def plan_tiles(
         if row_rows == 0:
             raise _too_small(budget, row_bytes(1, 1), S, D)
     sdpa_heads = sdpa_rows = 0
-    if pooled and path == "sdpa":
+    if pooled and path in ("sdpa", "triton"):  # the Triton pass holds less than the SDPA pass
         sdpa_heads = _largest(lambda h: sdpa_bytes(h, 1) <= budget, H)
         if sdpa_heads == 0:
             raise _too_small(budget, sdpa_bytes(1, 1), S, D)
@@ -174,6 +208,7 @@ def capture(
     plan: TilePlan,
     heads: torch.Tensor | None = None,
     scale: float | None = None,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """Fold exact float32 attention probabilities of one batch item into ``outs``.
 
@@ -185,6 +220,8 @@ def capture(
         plan (`TilePlan`): chunk sizes from :func:`plan_tiles`.
         heads (`torch.Tensor | None`): indices of the selected heads, `None` for all; chunks are
             gathered one at a time so no copy of all selected heads is made.
+        lse (`torch.Tensor | None`): the rows' log-sum-exp ``(H, S)`` (all heads) when the output path
+            provides it; single-key columns then need no attention pass of their own.
         scale (`float | None`): softmax scale, defaults to ``1/sqrt(D)`` as in SDPA.
     """
     S, D = q.shape[1:]
@@ -193,14 +230,22 @@ def capture(
     pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None]
     row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
 
-    all_rows = [(r, o) for r, o in row_kinds if len(r.rows) == S]
+    all_rows = [(r, o) for r, o in row_kinds if _all_rows(r, S)]
     if all_rows or (pooled and plan.path == "rows"):
         _row_pass(q, k, None, all_rows, pooled if plan.path == "rows" else [], plan, scale)
     for red, out in row_kinds:
-        if len(red.rows) != S:
+        if not _all_rows(red, S):
             _row_pass(q, k, red.rows, [(red, out)], [], plan, scale)
-    if pooled and plan.path == "sdpa":
-        _sdpa_pass(q, k, pooled, plan, scale)
+    if pooled and plan.path in ("sdpa", "triton"):
+        if lse is not None and heads is not None:
+            lse = lse.index_select(0, heads.to(lse.device))
+        _sdpa_pass(q, k, pooled, plan, scale, lse, fused=plan.path == "triton")
+
+
+def _all_rows(reducer: Reducer, S: int) -> bool:
+    """Whether a reducer asks for every query row in order (then one pass over all rows serves it)."""
+    rows = reducer.rows
+    return rows is not None and len(rows) == S and bool(torch.equal(rows.cpu(), torch.arange(S)))
 
 
 class _HeadView:
@@ -211,10 +256,12 @@ class _HeadView:
         self.shape = (x.shape[0] if heads is None else len(heads), *x.shape[1:])
         self.device = x.device
 
-    def chunk(self, h0: int, h1: int, rows=slice(None)) -> torch.Tensor:
-        """Heads ``h0:h1`` (of the selection), query rows ``rows``: one contiguous float32 copy at most."""
-        x = self.x[h0:h1] if self.heads is None else self.x.index_select(0, self.heads[h0:h1])
-        return x[:, rows].to(torch.float32, memory_format=torch.contiguous_format)
+    def chunk(self, h0: int, h1: int, rows=slice(None), dtype=torch.float32) -> torch.Tensor:
+        """Heads ``h0:h1`` (of the selection), query rows ``rows``, contiguous, in ``dtype`` (`None`: the
+        input's): one copy at most."""
+        x = self.x[:, rows]  # rows first: a head subset then copies only these rows
+        x = x[h0:h1] if self.heads is None else x.index_select(0, self.heads[h0:h1])
+        return x.to(dtype or x.dtype, memory_format=torch.contiguous_format)
 
 
 def _concat_indicator(groups: list[KeyGroups], S: int, device) -> tuple[torch.Tensor, list[int]]:
@@ -250,14 +297,28 @@ def _row_pass(q, k, rows, row_kinds, pooled, plan: TilePlan, scale: float) -> No
             del scores, probs  # free this tile before the next one is allocated
 
 
+def _lse_only(qm, km, qf, kf, scale: float) -> torch.Tensor:
+    """Log-sum-exp of every row ``(1, h, S)``: from the flash kernel in the model's dtype where there is
+    one (fp32 accumulation), else from the float32 SDPA pass."""
+    if qm.dtype != torch.float32 or qm.device.type == "cpu":
+        _, lse = attention_with_lse(qm, km, torch.zeros(1, 1, 1, qm.shape[-1], dtype=qm.dtype,
+                                                         device=qm.device).expand_as(qm))  # fmt: skip
+        if lse is not None:
+            return lse
+    return _sdpa_with_lse(qf, kf, torch.zeros(1, 1, 1, qf.shape[-1], device=qf.device).expand_as(qf), scale)[1]
+
+
 def _softmax_(scores: torch.Tensor) -> torch.Tensor:
     """Float32 softmax over the last dim, in place (a tile is the largest buffer; do not copy it)."""
     scores.sub_(scores.amax(-1, keepdim=True)).exp_()
     return scores.div_(scores.sum(-1, keepdim=True))
 
 
-def _sdpa_pass(q, k, pooled, plan: TilePlan, scale: float) -> None:
-    """Key-pooled sums through fused SDPA on indicator values, plus single-key columns from the lse."""
+def _sdpa_pass(q, k, pooled, plan: TilePlan, scale: float, given_lse: torch.Tensor | None = None,
+               fused: bool = False) -> None:  # fmt: skip
+    """Key-pooled sums through fused SDPA on indicator values (or the Triton kernel when ``fused``), plus
+    single-key columns from the lse (``given_lse`` ``(H, S)`` when the output path computed it: no
+    attention pass for single keys)."""
     H, S, D = q.shape
     multi = [(r, o) for r, o in pooled if not r.key_groups.single_keys]
     single = [(r, o) for r, o in pooled if r.key_groups.single_keys]
@@ -274,18 +335,31 @@ def _sdpa_pass(q, k, pooled, plan: TilePlan, scale: float) -> None:
     for h0 in range(0, H, plan.sdpa_heads):
         h1 = min(H, h0 + plan.sdpa_heads)
         qf, kf = q.chunk(h0, h1)[None], k.chunk(h0, h1)[None]
-        sums = torch.empty(h1 - h0, S, n_calls * D, device=q.device) if n_calls > 1 else None
-        for c in range(n_calls):
-            v = v_all[:, c * D : (c + 1) * D].contiguous().expand(1, h1 - h0, S, D)  # shared over heads
-            out, lse = _sdpa_with_lse(qf, kf, v, scale)
-            if sums is None:
-                sums = out[0]
-            else:
-                sums[..., c * D : (c + 1) * D] = out[0]
-            del out
-        for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
-            red.fold_pooled(o, h0, 0, sums[..., c0:c1])
-        del sums
+        # The output kernel's lse when given (the same numbers), else the indicator pass's own.
+        lse = None if given_lse is None else given_lse[None, h0:h1].float()
+        if multi and fused:
+            qm, km = q.chunk(h0, h1, dtype=None), k.chunk(h0, h1, dtype=None)  # the model's dtype
+            if lse is None:
+                lse = _lse_only(qm[None], km[None], qf, kf, scale)
+            sums = kernels.pooled_sums(qm, km, lse[0], v_all[:, :n_cols], scale)
+            del qm, km
+            for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
+                red.fold_pooled(o, h0, 0, sums[..., c0:c1])
+            del sums
+        elif multi or lse is None:
+            sums = torch.empty(h1 - h0, S, n_calls * D, device=q.device) if n_calls > 1 else None
+            for c in range(n_calls):
+                v = v_all[:, c * D : (c + 1) * D].contiguous().expand(1, h1 - h0, S, D)  # shared over heads
+                out, pass_lse = _sdpa_with_lse(qf, kf, v, scale)
+                if sums is None:
+                    sums = out[0]
+                else:
+                    sums[..., c * D : (c + 1) * D] = out[0]
+                del out
+            lse = pass_lse if lse is None else lse
+            for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
+                red.fold_pooled(o, h0, 0, sums[..., c0:c1])
+            del sums, pass_lse
         for red, o in single:
             keys = red.key_groups.keys.to(q.device)
             k_sel = kf[0][:, keys].transpose(1, 2)  # (h, D, C)

@@ -3,7 +3,9 @@
 The output path is diffusers' own ``CogVideoXAttnProcessor2_0`` / ``FusedCogVideoXAttnProcessor2_0``
 line for line: the same projections, norms, RoPE on video tokens and the same
 ``F.scaled_dot_product_attention`` call, so generated videos are bit-identical with and without
-capture. The capture path only reads ``q`` and ``k`` and hands them to the recording.
+capture. The capture path only reads ``q`` and ``k`` and hands them to the recording. (With the opt-in
+``reuse_lse=True`` the output comes from the fused kernel that SDPA itself dispatches to, called
+directly so that it also returns each row's log-sum-exp.)
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from .engine import attention_with_lse
 
 if TYPE_CHECKING:
     from .recording import Recording
@@ -83,15 +87,21 @@ class CogVideoXAttnMapProcessor:
             if not attn.is_cross_attention:
                 key[:, :, text_seq_length:] = apply_rotary_emb(key[:, :, text_seq_length:], image_rotary_emb)
 
-        hidden_states = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False
-        )
-
         layer = self.layer if self.layer is not None else self.recording.layer_of(attn)
-        if self.recording.wants(layer):
-            if attention_mask is not None:
-                raise ValueError("cogattn cannot capture attention that uses an attention mask.")
-            self.recording.capture(layer, query, key)
+        capture = self.recording.wants(layer)
+        if capture and attention_mask is not None:
+            raise ValueError("cogattn cannot capture attention that uses an attention mask.")
+        lse = None
+        if capture and self.recording.reuse_lse:
+            # Opt-in: the fused kernel SDPA dispatches to, called directly to also return the log-sum-exp.
+            hidden_states, lse = attention_with_lse(query, key, value)
+        else:
+            hidden_states = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False
+            )
+
+        if capture:
+            self.recording.capture(layer, query, key, lse)
 
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
 

@@ -9,6 +9,7 @@ pipeline or block classes) tells the recording the step index, timestep, batch s
 from __future__ import annotations
 
 import warnings
+import contextlib
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -22,9 +23,22 @@ from .models import find_transformer
 from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
 from .reducers import REDUCERS, Reducer
 from .selection import Resolved, Selection
-from .store import STORAGE_DTYPES, MemoryStore, RunWriter, StoreError, prepare_folder, record_file_bytes
+from .store import STORAGE_DTYPES, MemoryStore, RunWriter, StoreError, prepare_folder, record_file_bytes, remove_run
 
 __all__ = ["Recording", "record"]
+
+
+@contextlib.contextmanager
+def _full_fp32_matmul():
+    """Maps are exact float32: no TF32 in capture's matmuls, whatever the script set for the model."""
+    precision, tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 class Recording:
@@ -44,7 +58,7 @@ class Recording:
         kinds: Sequence[str] | str = ("frame",),
         layers: str | Sequence[int] = "all",
         steps: str | Sequence[int] = "all",
-        batch: str | Sequence[int] = "all",
+        batch: str | Sequence[int] = "auto",
         heads: str | Sequence[int] = "mean",
         queries: Sequence[int | tuple[int, int, int]] | None = None,
         memory_budget: int | str = "1GiB",
@@ -53,6 +67,7 @@ class Recording:
         overwrite: bool = False,
         storage_dtype: str = "float32",
         info: dict | None = None,
+        reuse_lse: bool = False,
     ):
         self.transformer, self.pipeline, self._spec = find_transformer(target)
         self._modules = self._spec.attention_modules(self.transformer)
@@ -62,7 +77,7 @@ class Recording:
             kinds=kinds, layers=layers, steps=steps, batch=batch, heads=heads, queries=queries,
             memory_budget=memory_budget, path=path, num_layers=len(self._modules), num_heads=num_heads,
         )  # fmt: skip
-        if isinstance(self.selection.batch, str) and self.selection.batch != "all" and self.pipeline is None:
+        if self.selection.batch in ("cond", "uncond") and self.pipeline is None:
             raise ValueError(
                 f"batch={self.selection.batch!r} needs a pipeline to know whether classifier-free guidance "
                 "is on; with a bare transformer pass batch indices (under guidance the batch is "
@@ -72,6 +87,7 @@ class Recording:
         self.layout: TokenLayout | None = None
         self.out = None if out is None else Path(out)
         self.info = dict(info or {})
+        self.reuse_lse = bool(reuse_lse)
         self._resolved: Resolved | None = None
         self._reducers: list[Reducer] = []
         self._plans: dict[tuple[int, int, str], TilePlan] = {}
@@ -123,7 +139,7 @@ class Recording:
                     "use one `cogattn.record(...)` per pipeline call so results are never mixed."
                 )
         else:
-            self._start(layout, batch_size)
+            self._start(layout, batch_size, hidden.device)
         self.timesteps.append(t)
 
     def _pipeline_attr(self, name: str):
@@ -132,7 +148,7 @@ class Recording:
         except AttributeError:
             return None
 
-    def _start(self, layout: TokenLayout, batch_size: int) -> None:
+    def _start(self, layout: TokenLayout, batch_size: int, device: torch.device) -> None:
         """First call of the generation: make the selection concrete and plan tiles (errors before any block runs)."""
         guidance = None
         if self.pipeline is not None:
@@ -147,7 +163,7 @@ class Recording:
         head_dim = self._modules[0].inner_dim // num_heads
         # Fail now, not inside the first block, when the budget cannot fit one tile or the disk.
         copies = self.transformer.dtype != torch.float32 or len(resolved.heads) != num_heads
-        self._plan(reducers, layout.seq_len, len(resolved.heads), head_dim, self.transformer.device, copies)
+        self._plan(reducers, layout.seq_len, len(resolved.heads), head_dim, device, copies)
         self.layout, self._batch_size, self._resolved, self._reducers = layout, batch_size, resolved, reducers
         if isinstance(self._store, RunWriter):
             self._store.check_space(self.expected_bytes(self._pipeline_attr("num_timesteps")))
@@ -204,10 +220,16 @@ class Recording:
 
     def wants(self, layer: int) -> bool:
         """Whether the current step and ``layer`` are selected."""
-        return self.step is not None and self.selection.wants_layer(layer) and self.selection.wants_step(self.step)
+        return (
+            not self._closed
+            and self.step is not None
+            and self.selection.wants_layer(layer)
+            and self.selection.wants_step(self.step)
+        )
 
-    def capture(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        """Compute every selected kind for ``layer`` at the current step from ``query``, ``key`` ``(B, H, S, D)``."""
+    def capture(self, layer: int, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+        """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
+        ``(B, H, S, D)`` (and the output kernel's log-sum-exp ``(B, H, S)`` when it gave one)."""
         res = self._resolved
         B, H, S, D = query.shape
         if S != res.layout.seq_len:
@@ -217,8 +239,10 @@ class Recording:
         plan = self._plan(self._reducers, S, len(res.heads), D, query.device, copies)
         outs = [torch.zeros(r.shape(len(res.batch)), device=query.device) for r in self._reducers]
         heads = None if len(res.heads) == H else torch.tensor(res.heads)
-        for i, b in enumerate(res.batch):
-            capture(query[b], key[b], self._reducers, [o[i] for o in outs], plan, heads)
+        with _full_fp32_matmul():
+            for i, b in enumerate(res.batch):
+                capture(query[b], key[b], self._reducers, [o[i] for o in outs], plan, heads,
+                        lse=None if lse is None else lse[b])  # fmt: skip
         for red, out in zip(self._reducers, outs):
             self._store.put(red.kind, self.step, layer, self.timesteps[-1], out)
 
@@ -256,11 +280,28 @@ class Recording:
         if self._originals is not None:
             self.transformer.set_attn_processor(self._originals)
             self._originals = None
-        self._store.close(self._meta(complete=complete and bool(self.timesteps)))
+        complete = complete and bool(self.timesteps)
+        self._store.close(self._meta(complete=complete))
+        if isinstance(self._store, RunWriter) and not complete and self._store.committed == 0:
+            remove_run(self.out)  # nothing was captured (refused at the first step, say): leave no run behind
+        self._warn_missing()
         steps = self.selection.steps
         if self.timesteps and steps != "all" and max(steps) >= len(self.timesteps):
             missing = [s for s in steps if s >= len(self.timesteps)]
             warnings.warn(f"steps {missing} were selected but the generation ran {len(self.timesteps)} steps.")
+
+    def _warn_missing(self) -> None:
+        """Layers a cache (PAB, FasterCache, FirstBlockCache, ...) skipped produce no record: say so."""
+        if self._resolved is None:
+            return
+        sel = self.selection
+        layers = len(self._modules) if sel.layers == "all" else len(sel.layers)
+        steps = sum(1 for s in range(len(self.timesteps)) if sel.wants_step(s))
+        expected = layers * steps * len(sel.kinds)
+        have = len(self.keys()) if isinstance(self._store, MemoryStore) else self._store.committed
+        if have < expected:
+            warnings.warn(f"{expected - have} of {expected} selected records were not produced (attention "
+                          "skipped by a cache, or the generation stopped early).")  # fmt: skip
 
     def __enter__(self) -> "Recording":
         return self
@@ -288,7 +329,7 @@ def record(
     kinds: Sequence[str] | str = ("frame",),
     layers: str | Sequence[int] = "all",
     steps: str | Sequence[int] = "all",
-    batch: str | Sequence[int] = "all",
+    batch: str | Sequence[int] = "auto",
     heads: str | Sequence[int] = "mean",
     queries: Sequence[int | tuple[int, int, int]] | None = None,
     memory_budget: int | str = "1GiB",
@@ -297,6 +338,7 @@ def record(
     overwrite: bool = False,
     storage_dtype: str = "float32",
     info: dict | None = None,
+    reuse_lse: bool = False,
 ) -> Recording:
     """Record exact attention maps of a CogVideoX pipeline or transformer while it runs.
 
@@ -312,8 +354,9 @@ def record(
             ``"video_to_text"``, ``"text_to_video"``, ``"query"`` (shapes in DESIGN.md / the README).
         layers (`"all" | Sequence[int]`, defaults to ``"all"``): 0-based block indices.
         steps (`"all" | Sequence[int]`, defaults to ``"all"``): 0-based denoising-step indices.
-        batch (`"all" | "cond" | "uncond" | Sequence[int]`, defaults to ``"all"``): transformer batch
-            items. Under classifier-free guidance the batch is ``[uncond..., cond...]``; ``"cond"`` and
+        batch (`"auto" | "all" | "cond" | "uncond" | Sequence[int]`, defaults to ``"auto"``): transformer
+            batch items. Under classifier-free guidance the batch is ``[uncond..., cond...]``; ``"auto"``
+            is ``"cond"`` when a pipeline runs with guidance and ``"all"`` otherwise; ``"cond"`` and
             ``"uncond"`` need a pipeline target.
         heads (`"all" | "mean" | Sequence[int]`, defaults to ``"mean"``): ``"mean"`` averages all heads
             into one head slot.
@@ -331,6 +374,12 @@ def record(
         storage_dtype (`str`, defaults to ``"float32"``): on-disk dtype, ``"float16"`` or ``"bfloat16"``
             halve the size.
         info (`dict | None`): JSON-able facts to keep in ``run.json`` (prompt, seed, ...).
+        reuse_lse (`bool`, defaults to `False`): opt-in. In captured layers, compute the output with the
+            fused kernel that ``F.scaled_dot_product_attention`` dispatches to (flash: CPU, and CUDA for
+            fp16/bf16), called directly so it also returns each row's log-sum-exp, and reuse that for
+            ``video_to_text``, which then needs no attention pass of its own. On the CPU the output is
+            bit-identical (tested); on CUDA it is the same kernel but not verified bit for bit, hence
+            opt-in.
 
     Returns:
         `Recording`: a context manager; on exit the original processors are back and the hook is gone.
@@ -338,7 +387,7 @@ def record(
     rec = Recording(
         target, kinds=kinds, layers=layers, steps=steps, batch=batch, heads=heads, queries=queries,
         memory_budget=memory_budget, path=path, out=out, overwrite=overwrite, storage_dtype=storage_dtype,
-        info=info,
+        info=info, reuse_lse=reuse_lse,
     )  # fmt: skip
     try:
         rec.install_processors()

@@ -92,7 +92,7 @@ class Reducer:
     def _accumulate(self, dest: torch.Tensor, h0: int, values: torch.Tensor) -> None:
         # dest: (H_out, ...) view of the result; values: (h, ...) for heads h0:h0+h.
         if self.mean_heads:
-            dest[0] += values.sum(0) / self.num_heads
+            dest[0].add_(values.sum(0), alpha=1.0 / self.num_heads)
         else:
             dest[h0 : h0 + values.shape[0]] += values
 

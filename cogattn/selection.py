@@ -21,7 +21,7 @@ __all__ = ["Selection", "Resolved", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-BATCH_WORDS = ("all", "cond", "uncond")
+BATCH_WORDS = ("auto", "all", "cond", "uncond")
 
 
 def parse_bytes(value: int | str) -> int:
@@ -100,9 +100,9 @@ class Selection:
                 raise ValueError(f"unknown kind {kind!r}; the kinds are {list(REDUCERS)}.")
         if path not in PATHS:
             raise ValueError(f"path={path!r} is not one of {list(PATHS)}.")
-        if "query" in kinds and not queries:
+        if "query" in kinds and (queries is None or (not isinstance(queries, int) and len(queries) == 0)):
             raise ValueError("kind 'query' needs queries=[...]: token indices or (frame, row, col) coordinates.")
-        if queries and "query" not in kinds:
+        if queries is not None and "query" not in kinds:
             raise ValueError("queries were given but 'query' is not in kinds; add it or drop queries.")
         return cls(
             kinds=tuple(dict.fromkeys(kinds)),
@@ -139,7 +139,7 @@ class Selection:
         )
 
     def _resolve_batch(self, batch_size: int, guidance: bool | None) -> tuple[int, ...]:
-        if self.batch == "all":
+        if self.batch == "all" or (self.batch == "auto" and not guidance):
             return tuple(range(batch_size))
         if isinstance(self.batch, tuple):
             if max(self.batch) >= batch_size:
@@ -159,8 +159,13 @@ class Selection:
                 f"batch={self.batch!r} but this generation runs without classifier-free guidance "
                 "(guidance_scale <= 1), so there is no separate cond/uncond half; use batch='all'."
             )
+        if batch_size < 2 or batch_size % 2:
+            raise ValueError(
+                f"batch={self.batch!r} needs the guidance batch [uncond..., cond...], but the transformer got "
+                f"a batch of {batch_size}; pass batch indices instead."
+            )
         half = batch_size // 2
-        return tuple(range(half, batch_size)) if self.batch == "cond" else tuple(range(half))
+        return tuple(range(half)) if self.batch == "uncond" else tuple(range(half, batch_size))
 
     def _resolve_queries(self, layout: TokenLayout) -> torch.Tensor | None:
         if self.queries is None:

@@ -132,6 +132,20 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def _is_run(path: Path) -> bool:
+    try:
+        return json.loads((path / META).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def remove_run(path: Path) -> None:
+    """Delete the files of a cogattn run (nothing else) from ``path``."""
+    for name in (MANIFEST, META, RECORDS):
+        p = path / name
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+
+
 def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
     """Create ``path``, refusing a non-empty folder unless ``overwrite`` and it holds a cogattn run."""
     path = Path(path)
@@ -143,14 +157,12 @@ def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
                 f"output folder {str(path)!r} is not empty; choose another `out`, or pass overwrite=True "
                 "to replace the cogattn run in it."
             )
-        if not (path / MANIFEST).exists() and not (path / META).exists():
+        if not _is_run(path):
             raise StoreError(
                 f"output folder {str(path)!r} is not empty and holds no cogattn run, so overwrite=True will "
                 "not delete it; choose another `out`."
             )
-        for name in (MANIFEST, META, RECORDS):
-            p = path / name
-            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        remove_run(path)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -235,6 +247,8 @@ class RunWriter:
     def put(self, kind: str, step: int, layer: int, timestep: float | None, tensor: torch.Tensor) -> None:
         """Queue one result; waits while the queue is full; raises `StoreError` if writing has failed."""
         self.raise_if_failed()
+        if self._closing:
+            raise StoreError(f"the run {str(self.path)!r} is closed; start a new recording to write more.")
         if kind not in self._kinds_seen:
             (self.path / RECORDS / kind).mkdir(parents=True, exist_ok=True)
             self._kinds_seen.add(kind)
@@ -264,6 +278,7 @@ class RunWriter:
             self._cond.notify_all()
         self._thread.join()
         self._manifest.close()
+        self._pinned.clear()  # page-locked host memory goes back now, not when the object dies
         if meta is not None and self._error is None:
             self.write_meta(meta)
         self.raise_if_failed()
@@ -297,9 +312,11 @@ class RunWriter:
             buf = pool.pop() if pool else None
         if buf is None:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        buf.copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.device(t.device):  # the copy and its event on the tensor's own device and stream
+            stream = torch.cuda.current_stream(t.device)
+            buf.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
         return buf, event
 
     # -- writer thread -----------------------------------------------------------------------------

@@ -1,4 +1,11 @@
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter on the CPU (set before Triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):
@@ -6,8 +13,6 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     skip_slow = pytest.mark.skip(reason="slow: pass --runslow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -183,3 +183,12 @@ def test_every_shipped_config_plans_offline(config, tmp_path):
                            f"out={tmp_path / 'x'}"], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "predicted peak extra memory" in proc.stdout and not (tmp_path / "x").exists()
+
+
+def test_rerun_with_other_settings_into_the_same_out_is_refused(tmp_path):
+    out = tmp_path / "runs"
+    dump("--set", f"out={out}", "--set", "steps=1", "--set", "previews=false", check=0)
+    again = dump("--set", f"out={out}", "--set", "steps=1", "--set", "previews=false", check=0)
+    assert "3 prompts already complete, skipped" in again.stdout
+    other = dump("--set", f"out={out}", "--set", "steps=1", "--set", "previews=false", "--set", "seed=5", check=2)
+    assert "was made with other settings" in other.stderr and len(other.stderr.strip().splitlines()) == 1

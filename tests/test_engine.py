@@ -87,3 +87,16 @@ def test_frame_rows_sum_to_one_and_many_groups():
     ref = naive_kind(naive_probs(q[None], k[None]), "frame", 4, layout.grid)[0]
     assert (got["frame"].double() - ref).abs().max() <= 1e-5
     assert torch.allclose(got["frame"].sum(-1), torch.ones(H, 21), atol=1e-5)
+
+
+def test_query_rows_in_any_order_even_all_of_them():
+    """A query list of exactly S tokens, permuted, is not mistaken for the full rows in order."""
+    torch.manual_seed(4)
+    layout = TokenLayout(3, 1, 2, 2)
+    H, S, D = 2, layout.seq_len, 8
+    q, k = torch.randn(H, S, D), torch.randn(H, S, D)
+    queries = torch.arange(S).flip(0)
+    got, _ = _run(q, k, layout, ["query", "full"], False, 2**30, "auto", queries)
+    P = naive_probs(q[None], k[None])[0]
+    assert (got["query"].double() - P[:, queries]).abs().max() <= 1e-6
+    assert (got["full"].double() - P).abs().max() <= 1e-6

@@ -161,3 +161,27 @@ def test_loaded_from_pretrained_folder(tmp_path):
                    output_type="pt", generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
     assert torch.equal(out, stock)
     assert rec.get("frame", 0, 1).shape == (1, 1, 4, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reuse_lse_keeps_cpu_output_identical_and_maps_exact(dtype, monkeypatch):
+    """Opt-in reuse_lse: the output comes from the flash kernel SDPA dispatches to on the CPU (bit-identical),
+    and video_to_text needs no attention pass of its own."""
+    import cogattn.engine as engine
+
+    pipe = tiny_pipeline(dtype=dtype)
+    stock = _call(pipe)
+    passes = []
+    real = engine._sdpa_with_lse
+    monkeypatch.setattr(engine, "_sdpa_with_lse", lambda *a: passes.append(1) or real(*a))
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds=("video_to_text",), batch="cond", heads="all", reuse_lse=True) as rec:
+        out = _call(pipe)
+    spy.remove()
+    assert torch.equal(out, stock)
+    assert passes == []  # the lse came from the output kernel
+    if dtype == torch.float32:
+        _check_against_naive(pipe, rec, spy, [1], "all", kinds=("video_to_text",))
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", reuse_lse=True):
+        assert torch.equal(_call(pipe), stock)
+    assert len(passes) == 2 * 2  # frame still needs its indicator pass: 2 steps × 2 layers

@@ -102,9 +102,9 @@ def test_run_too_big_for_the_disk_is_refused_with_both_numbers(pipe, tmp_path, m
     monkeypatch.setattr(store.shutil, "disk_usage", lambda path: usage(free, 0, free))
     expected = 2 * 2 * record_file_bytes((2, 2, 53, 53), torch.float32)  # 2 steps x 2 layers, full, heads all
     with pytest.raises(cogattn.StoreError, match=rf"will write {expected:,} bytes .* has {free:,} bytes .* free"):
-        with cogattn.record(pipe, kinds="full", heads="all", out=tmp_path / "r"):
+        with cogattn.record(pipe, kinds="full", heads="all", batch="all", out=tmp_path / "r"):
             _call(pipe)
-    assert len(cogattn.load(tmp_path / "r")) == 0
+    assert not any((tmp_path / "r").iterdir())  # a run refused before its first record leaves nothing behind
 
 
 def test_write_failure_mid_run_stops_with_clear_error_and_keeps_committed(pipe, tmp_path, monkeypatch):
@@ -176,3 +176,12 @@ def test_sigkill_at_several_moments_leaves_a_readable_run(tmp_path):
         assert meta["complete"] is False
         if len(run):
             assert run.timesteps[0] == 999.0
+
+
+def test_overwrite_never_deletes_a_folder_that_is_not_a_cogattn_run(pipe, tmp_path):
+    (tmp_path / "run.json").write_text('{"format": "someone-else"}')
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "theirs.bin").write_bytes(b"x")
+    with pytest.raises(cogattn.StoreError, match="holds no cogattn run"):
+        cogattn.record(pipe, out=tmp_path, overwrite=True)
+    assert (tmp_path / "records" / "theirs.bin").exists()

@@ -1,0 +1,81 @@
+"""The fused Triton kernel for key-pooled sums, on the CPU through Triton's interpreter."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import cogattn  # noqa: E402
+from cogattn import kernels  # noqa: E402
+from cogattn.engine import capture, plan_tiles  # noqa: E402
+from cogattn.layout import TokenLayout  # noqa: E402
+from cogattn.reducers import REDUCERS  # noqa: E402
+from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline  # noqa: E402
+from reference import QKSpy, naive_kind, naive_probs, select  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
+                                reason="needs CUDA or TRITON_INTERPRET=1")  # fmt: skip
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,D,C", [(150, 16, 5), (53, 32, 21), (64, 16, 1)])
+def test_pooled_sums_match_naive(dtype, S, D, C):
+    torch.manual_seed(0)
+    H = 2
+    q, k = (torch.randn(H, S, D) * 2).to(dtype), (torch.randn(H, S, D) * 2).to(dtype)
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)
+    ind = torch.zeros(S, C)
+    ind[torch.arange(S), torch.randint(0, C, (S,))] = 1
+    out = kernels.pooled_sums(q.to(DEVICE), k.to(DEVICE), torch.logsumexp(scores, -1).float().to(DEVICE), ind.to(DEVICE))
+    ref = torch.softmax(scores, -1) @ ind.double()
+    assert out.shape == (H, S, C) and out.dtype == torch.float32
+    assert (out.cpu().double() - ref).abs().max() <= 1e-5
+
+
+def test_bad_head_dim_refused():
+    with pytest.raises(ValueError, match="head dim 24 is not a power of two"):
+        kernels.pooled_sums(torch.zeros(1, 8, 24), torch.zeros(1, 8, 24), torch.zeros(1, 8), torch.zeros(8, 2))
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_engine_triton_path_matches_naive(mean):
+    torch.manual_seed(3)
+    layout = TokenLayout(5, 2, 7, 3)
+    H, S, D = 3, layout.seq_len, 16
+    q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2
+    kinds = ["frame", "video_to_text"]
+    reducers = [REDUCERS[kd](layout, H, mean) for kd in kinds]
+    plan = plan_tiles(reducers, S, H, D, 2**30, "triton", DEVICE)
+    assert plan.path == "triton"
+    outs = [torch.zeros(r.shape(1)[1:], device=DEVICE) for r in reducers]
+    capture(q.to(DEVICE), k.to(DEVICE), reducers, outs, plan)
+    P = naive_probs(q[None], k[None])
+    for kind, out in zip(kinds, outs):
+        ref = naive_kind(P, kind, layout.text_len, layout.grid)[0]
+        ref = ref.mean(0, keepdim=True) if mean else ref
+        assert (out.cpu().double() - ref).abs().max() <= 1e-5, kind
+
+
+@pytest.mark.parametrize("reuse_lse", [False, True])
+def test_recording_with_the_kernel_matches_naive_and_keeps_output(reuse_lse):
+    pipe = tiny_pipeline(num_heads=2)
+    emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
+    kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
+              max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
+    stock = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", path="triton",
+                        reuse_lse=reuse_lse) as rec:  # fmt: skip
+        out = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
+    spy.remove()
+    assert torch.equal(out, stock)
+    lay = rec.layout
+    for layer, calls in enumerate(spy.calls):
+        for step, (q, k) in enumerate(calls):
+            P = naive_probs(q, k)
+            for kind in ("frame", "video_to_text"):
+                ref = select(naive_kind(P, kind, lay.text_len, lay.grid), [1], "all")
+                assert (rec.get(kind, step, layer).double() - ref).abs().max() <= 1e-5, (kind, step, layer)
