@@ -17,9 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform.startswith("linux"):
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 
 import argparse
 import platform
@@ -47,32 +45,14 @@ PLANS = [
 ]
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def measure_captures(rec, device: str) -> list[int]:
     """Wrap ``rec.capture`` to record the peak extra memory of every layer capture."""
-    peaks, inner = [], rec.capture
+    peaks, inner, memory = [], rec.capture, PeakMemory(device)
 
-    def measured(layer, query, key):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            inner(layer, query, key)
-            torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated() - base)
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            base = _status("VmRSS")
-            inner(layer, query, key)
-            peaks.append(_status("VmHWM") - base)
+    def measured(layer, query, key, lse=None):
+        memory.start()
+        inner(layer, query, key, lse)
+        peaks.append(memory.stop())
 
     rec.capture = measured
     return peaks

@@ -1,8 +1,9 @@
 """One denoising step of CogVideoX-2b / -5b at real shape: stock vs capture, time and peak memory.
 
 A transformer built from the released config (random weights) runs one step at 49 frames × 480×720
-(S = 17,776) with the guidance batch of 2, four ways in one process: stock; capture of ``frame`` +
-``video_to_text``; each of the two alone (all selected layers, ``batch="cond"``, ``heads="mean"``).
+(S = 17,776) with the guidance batch of 2, five ways in one process: stock; capture of ``frame`` +
+``video_to_text``; the same with ``reuse_lse=True``; each kind alone (all built layers, the
+conditional batch item, ``heads="mean"``).
 It prints the step time, its ratio to stock, and the peak memory over the stock step's peak.
 
     python benchmarks/bench_step.py                       # CPU: float32, one block per model
@@ -11,12 +12,9 @@ It prints the step time, its ratio to stock, and the peak memory over the stock 
 
 from __future__ import annotations
 
-import os
 import sys
 
-if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform.startswith("linux"):
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the process: RSS peaks are live peaks
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 
 import argparse
 import platform
@@ -33,44 +31,14 @@ CONFIGS = {
     "CogVideoX-2b": dict(num_layers=30, num_attention_heads=30),
     "CogVideoX-5b": dict(num_layers=42, num_attention_heads=48, use_rotary_positional_embeddings=True),
 }
-CASES = {
-    "stock": None,
-    "frame + video_to_text": ("frame", "video_to_text"),
-    "frame": ("frame",),
-    "video_to_text": ("video_to_text",),
+CASES = {  # name: (kinds, reuse_lse)
+    "stock": (None, False),
+    "frame + video_to_text": (("frame", "video_to_text"), False),
+    "frame + video_to_text, reuse_lse": (("frame", "video_to_text"), True),
+    "frame": (("frame",), False),
+    "video_to_text": (("video_to_text",), False),
 }
 GiB = 2**30
-
-
-class Peak:
-    """Peak memory above a baseline: CUDA allocator statistics, or Linux VmHWM for the CPU."""
-
-    def __init__(self, device: str):
-        self.device = device
-
-    def start(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.base = self._status("VmRSS")
-
-    def stop(self) -> int:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.base
-        return self._status("VmHWM") - self.base
-
-    @staticmethod
-    def _status(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(field)
 
 
 def build(name: str, layers: str, dtype, device):
@@ -104,7 +72,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default: benchmarks/results/step_<device>.md")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    peak = Peak(args.device)
+    peak = PeakMemory(args.device)
     rows = []
     for name in args.models.split(","):
         model, inputs = build(name, args.layers, dtype, args.device)
@@ -112,13 +80,13 @@ def main() -> None:
             if args.device == "cuda":
                 model(**inputs)  # warm up kernels and the allocator
             stock_time = stock_peak = None
-            for case, kinds in CASES.items():
+            for case, (kinds, reuse_lse) in CASES.items():
                 times, peaks = [], []
                 for _ in range(args.repeats):
                     rec = None
                     if kinds is not None:  # batch [uncond, cond]: capture the conditional item
                         rec = cogattn.record(model, kinds=kinds, batch=[1], heads="mean",
-                                             memory_budget=args.budget)  # fmt: skip
+                                             memory_budget=args.budget, reuse_lse=reuse_lse)  # fmt: skip
                     peak.start()
                     t0 = time.perf_counter()
                     model(**inputs)

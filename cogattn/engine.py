@@ -32,6 +32,7 @@ __all__ = ["TilePlan", "plan_tiles", "capture", "attention_with_lse", "sdpa_supp
 PATHS = ("auto", "rows", "sdpa", "triton")
 _F32 = 4
 _MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
+_RESERVE = 16 * 2**20  # at most this much of the budget is kept back as headroom
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,9 @@ def plan_tiles(
             (not for contiguous float32 inputs with every head selected).
     """
     S, H, D = seq_len, num_heads, head_dim
+    # Headroom for what the model below leaves out (softmax row statistics, fold temporaries, kernel
+    # workspaces): measured at 1 GiB these add up to a few MiB.
+    budget, asked = budget - min(budget // 32, _RESERVE), budget
     pooled = [r for r in reducers if r.key_groups is not None]
     if not pooled:
         path = "rows"  # every kind is served by row tiles
@@ -181,21 +185,23 @@ def plan_tiles(
                 row_heads = h
                 break
         if row_rows == 0:
-            raise _too_small(budget, row_bytes(1, 1), S, D)
+            raise _too_small(asked, row_bytes(1, 1), S, D)
     sdpa_heads = sdpa_rows = 0
     if pooled and path in ("sdpa", "triton"):  # the Triton pass holds less than the SDPA pass
         sdpa_heads = _largest(lambda h: sdpa_bytes(h, 1) <= budget, H)
         if sdpa_heads == 0:
-            raise _too_small(budget, sdpa_bytes(1, 1), S, D)
+            raise _too_small(asked, sdpa_bytes(1, 1), S, D)
         sdpa_rows = _largest(lambda r: sdpa_bytes(sdpa_heads, r) <= budget, S) if n_single else S
     peak = max(row_bytes(row_heads, row_rows) if row_sets else 0, sdpa_bytes(sdpa_heads, sdpa_rows) if sdpa_heads else 0)
     return TilePlan(path, row_heads, row_rows, sdpa_heads, sdpa_rows, peak)
 
 
 def _too_small(budget: int, need: int, S: int, D: int) -> ValueError:
+    # a budget whose part left after the reserve holds `need`
+    enough = need + _RESERVE if need + _RESERVE > 32 * _RESERVE else -(-need * 32 // 31) + 1
     return ValueError(
         f"memory_budget={budget} bytes is too small for one tile at sequence length S={S}, head dim {D}: "
-        f"the smallest tile needs {need} bytes. Raise memory_budget to at least {need} (e.g. '1GiB')."
+        f"the smallest tile needs {need} bytes. Raise memory_budget to at least {enough} (e.g. '1GiB')."
     )
 
 

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from PIL import Image
 
 import cogattn
