@@ -11,7 +11,8 @@ Two paths compute the same numbers:
 * ``triton``: as ``sdpa``, but multi-key groups come from a fused Triton kernel that, given the lse
   (from the output kernel with ``reuse_lse``, else one lse-only pass), accumulates
   ``exp(q·kᵀ·scale − lse)·V`` tile by tile in the model's dtype with float32 accumulation
-  (:mod:`cogattn.kernels`). ``auto`` picks it on CUDA where Triton is installed.
+  (:mod:`cogattn.kernels`). Chosen explicitly for now: ``auto`` does not pick it until it has been
+  timed on a GPU.
 
 The planner picks head and row chunk sizes so that the transient float32 working set stays within the
 budget; the reducers' results are not counted (they are what the user asked for).
@@ -62,9 +63,8 @@ def sdpa_supported(device: torch.device) -> bool:
 
 
 def _auto_path(device: torch.device, wants_all_rows: bool) -> str:
-    if wants_all_rows or not sdpa_supported(device):
-        return "rows"
-    return "triton" if device.type == "cuda" and kernels.available(device) else "sdpa"
+    # The Triton kernel stays an explicit choice until it has been timed against the SDPA pass on a GPU.
+    return "rows" if wants_all_rows or not sdpa_supported(device) else "sdpa"
 
 
 def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
