@@ -127,7 +127,10 @@ def _save_video(frames, path_stem: Path, cfg: DumpConfig) -> Path:
         except ImportError:
             fmt = "gif"
     path = path_stem.with_suffix("." + fmt)
-    (export_to_video(frames, str(path), fps=cfg.fps) if fmt == "mp4" else export_to_gif(frames, str(path), fps=cfg.fps))
+    if fmt == "mp4":
+        export_to_video(frames, str(path), fps=cfg.fps)
+    else:
+        export_to_gif(frames, str(path), fps=cfg.fps)
     return path
 
 

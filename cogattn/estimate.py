@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -70,8 +71,7 @@ def layout_for(config: dict, num_frames: int, height: int, width: int, text_len:
     if pt:
         latent_frames += (-latent_frames) % pt
     lh, lw = height // _VAE_SPATIAL, width // _VAE_SPATIAL
-    return TokenLayout.from_latents((1, latent_frames, 1, lh, lw), text_len,
-                                    type("C", (), {"patch_size": p, "patch_size_t": pt}))  # fmt: skip
+    return TokenLayout.from_latents((1, latent_frames, 1, lh, lw), text_len, SimpleNamespace(patch_size=p, patch_size_t=pt))
 
 
 @dataclass

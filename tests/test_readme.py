@@ -3,7 +3,6 @@
 import re
 from pathlib import Path
 
-import torch
 
 
 def test_readme_example_runs_and_matches_its_comments():
@@ -16,4 +15,4 @@ def test_readme_example_runs_and_matches_its_comments():
     assert rec.timesteps == [999.0, 749.0, 499.0, 249.0]
     assert (rec.layout.text_len, rec.layout.grid) == (8, (3, 3, 5))
     assert rec.layout.token_index(2, 1, 4) == 8 + (2 * 3 + 1) * 5 + 4
-    assert scope["video"][0].__class__.__name__ == "list" or isinstance(scope["video"], (torch.Tensor, list))
+    assert len(scope["video"]) == 1 and len(scope["video"][0]) == 9  # one video of 9 frames
