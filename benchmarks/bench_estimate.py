@@ -49,9 +49,9 @@ def measure_captures(rec, device: str) -> list[int]:
     """Wrap ``rec.capture`` to record the peak extra memory of every layer capture."""
     peaks, inner, memory = [], rec.capture, PeakMemory(device)
 
-    def measured(layer, query, key, lse=None):
+    def measured(layer, query, key, lse=None, sums=None):
         memory.start()
-        inner(layer, query, key, lse)
+        inner(layer, query, key, lse, sums)
         peaks.append(memory.stop())
 
     rec.capture = measured

@@ -3,7 +3,8 @@
 Builds the attention of a CogVideoX-2b block (30 heads × 64, sincos positions, so no RoPE) with random
 weights and random inputs at 49 frames × 480×720 (S = 226 + 13·30·45 = 17,776), float32 on the CPU,
 then times the stock layer (projections + fused SDPA + output projection) and, on the same q and k,
-cogattn's capture of each kind with the ``sdpa`` and ``rows`` paths. Peak extra memory is the rise of
+cogattn's capture of each kind with the ``sdpa`` and ``rows`` paths, and ``output="joint"``, where
+the cost is the joint output call's time over the stock SDPA call's plus the capture that remains. Peak extra memory is the rise of
 the process's peak resident memory during a capture (Linux ``VmHWM``, reset before each capture; big
 allocations are made with mmap so freed memory really leaves).
 
@@ -24,7 +25,7 @@ from peak_memory import PeakMemory  # first: it re-executes the script with mmap
 import torch
 from diffusers.models.attention_processor import Attention, CogVideoXAttnProcessor2_0
 
-from cogattn.engine import attention_with_lse, capture, plan_tiles
+from cogattn.engine import attention_joint, attention_with_lse, capture, multi_key_indicator, plan_tiles
 from cogattn.layout import TokenLayout
 from cogattn.reducers import REDUCERS
 from cogattn.selection import parse_bytes
@@ -79,11 +80,41 @@ def main() -> None:
             stock.append(time.perf_counter() - t0)
         t_stock = min(stock)
         q, k = project_qk(attn, text, video)
-        t0 = time.perf_counter()
-        # the output kernel with its log-sum-exp (what reuse_lse=True uses; the same kernel as SDPA on CPU)
-        _, lse = attention_with_lse(q, k, q)
-        t_sdpa = time.perf_counter() - t0
-        q, k, lse = q[0], k[0], lse[0]
+        v = torch.randn_like(q)
+        t_sdpa, lse = float("inf"), None
+        for _ in range(2):
+            t0 = time.perf_counter()
+            # the output kernel with its log-sum-exp (what output="lse" uses; the same kernel as SDPA on CPU)
+            _, lse = attention_with_lse(q, k, v)
+            t_sdpa = min(t_sdpa, time.perf_counter() - t0)
+    memory = PeakMemory("cpu")
+
+    def joint(kinds):
+        """output="joint": the widened output call over the stock one, then the capture that remains."""
+        reducers = [REDUCERS[kd](layout, H, True, queries) for kd in kinds]
+        indicator = multi_key_indicator(reducers, S)
+        plan = plan_tiles(reducers, S, H, D, budget, "joint", "cpu", not qb[0].is_contiguous())
+        outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+        with torch.no_grad():
+            memory.start()
+            torch.nn.functional.scaled_dot_product_attention(qb, kb, v)
+            stock_peak = memory.stop()
+            best = float("inf")
+            for _ in range(2):
+                memory.start()
+                t0 = time.perf_counter()
+                _, j_lse, sums = attention_joint(qb, kb, v, indicator)
+                t_call = time.perf_counter() - t0
+                outs = [o.zero_() for o in outs]
+                t0 = time.perf_counter()
+                capture(qb[0], kb[0], reducers, outs, plan, lse=j_lse[0], sums=sums[0])
+                best = min(best, t_call - t_sdpa + time.perf_counter() - t0)
+                peak = memory.stop() - stock_peak
+                del j_lse, sums
+        return reducers, plan, best, peak
+
+    qb, kb = q, k  # (1, H, S, D), for the joint output call
+    q, k, lse = q[0], k[0], lse[0]
 
     cases = [
         (("frame",), "sdpa"), (("frame",), "rows"),
@@ -92,8 +123,16 @@ def main() -> None:
         (("text_to_video",), "rows"), (("query",), "rows"),
         (("video_to_text",), "sdpa+lse"),
     ]  # fmt: skip
-    rows, memory = [], PeakMemory("cpu")
+    cases += [(("frame",), "joint"), (("frame", "video_to_text"), "joint")]
+    rows = []
     for kinds, path in cases:
+        if path == "joint":
+            reducers, plan, dt, peak = joint(kinds)
+            rows.append((" + ".join(kinds), path, dt, dt / t_stock, peak, plan.peak_bytes,
+                         sum(r.nbytes(1) for r in reducers)))  # fmt: skip
+            print(f"{rows[-1][0]:>22} {path:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
+                  flush=True)  # fmt: skip
+            continue
         reducers = [REDUCERS[kd](layout, H, True, queries) for kd in kinds]
         given = lse if path.endswith("+lse") else None
         copies = not q.is_contiguous()  # as the recording decides: contiguous float32 q, k are not copied
@@ -119,7 +158,8 @@ def main() -> None:
         "",
         f"Stock layer (projections + fused SDPA + output projection): **{t_stock:.2f} s** "
         f"(its SDPA call alone: {t_sdpa:.2f} s). Path `sdpa+lse`: the output kernel's log-sum-exp reused "
-        "(`reuse_lse=True`).",
+        "(`output=\"lse\"`). Path `joint` (`output=\"joint\"`): the widened output call's time over the "
+        "stock SDPA call's, plus the capture that remains; its peak is over the stock call's.",
         f"Naive full P = softmax(QKᵀ) for this layer: {naive / 1e9:.1f} GB ({naive / 2**30:.1f} GiB) in float32, "
         "before any softmax temporaries (not run).",
         "",

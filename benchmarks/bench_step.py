@@ -1,9 +1,10 @@
 """One denoising step of CogVideoX-2b / -5b at real shape: stock vs capture, time and peak memory.
 
 A transformer built from the released config (random weights) runs one step at 49 frames × 480×720
-(S = 17,776) with the guidance batch of 2, five ways in one process: stock; capture of ``frame`` +
-``video_to_text``; the same with ``reuse_lse=True``; each kind alone (all built layers, the
-conditional batch item, ``heads="mean"``).
+(S = 17,776) with the guidance batch of 2, several ways in one process: stock; capture of ``frame`` +
+``video_to_text`` with the default ``output="stock"``, with ``output="lse"`` and with
+``output="joint"`` (and, where Triton runs, ``path="triton"`` with ``output="lse"``); each kind
+alone (all built layers, the conditional batch item, ``heads="mean"``).
 It prints the step time, its ratio to stock, and the peak memory over the stock step's peak.
 
     python benchmarks/bench_step.py                       # CPU: float32, one block per model
@@ -26,17 +27,21 @@ import torch
 from diffusers import CogVideoXPipeline, CogVideoXTransformer3DModel
 
 import cogattn
+from cogattn import kernels
 
 CONFIGS = {
     "CogVideoX-2b": dict(num_layers=30, num_attention_heads=30),
     "CogVideoX-5b": dict(num_layers=42, num_attention_heads=48, use_rotary_positional_embeddings=True),
 }
-CASES = {  # name: (kinds, reuse_lse)
-    "stock": (None, False),
-    "frame + video_to_text": (("frame", "video_to_text"), False),
-    "frame + video_to_text, reuse_lse": (("frame", "video_to_text"), True),
-    "frame": (("frame",), False),
-    "video_to_text": (("video_to_text",), False),
+BOTH = ("frame", "video_to_text")
+CASES = {  # name: (kinds, output, path)
+    "stock": (None, "stock", "auto"),
+    "frame + video_to_text": (BOTH, "stock", "auto"),
+    "frame + video_to_text, output=lse": (BOTH, "lse", "auto"),
+    "frame + video_to_text, output=joint": (BOTH, "joint", "auto"),
+    "frame + video_to_text, output=lse, triton": (BOTH, "lse", "triton"),
+    "frame": (("frame",), "stock", "auto"),
+    "video_to_text": (("video_to_text",), "stock", "auto"),
 }
 GiB = 2**30
 
@@ -80,13 +85,15 @@ def main() -> None:
             if args.device == "cuda":
                 model(**inputs)  # warm up kernels and the allocator
             stock_time = stock_peak = None
-            for case, (kinds, reuse_lse) in CASES.items():
+            for case, (kinds, output, path) in CASES.items():
+                if path == "triton" and not kernels.available(torch.device(args.device)):
+                    continue
                 times, peaks = [], []
                 for _ in range(args.repeats):
                     rec = None
                     if kinds is not None:  # batch [uncond, cond]: capture the conditional item
                         rec = cogattn.record(model, kinds=kinds, batch=[1], heads="mean",
-                                             memory_budget=args.budget, reuse_lse=reuse_lse)  # fmt: skip
+                                             memory_budget=args.budget, output=output, path=path)  # fmt: skip
                     peak.start()
                     t0 = time.perf_counter()
                     model(**inputs)
@@ -101,7 +108,7 @@ def main() -> None:
                 if kinds is None:
                     stock_time, stock_peak = t, p
                 rows.append((name, model.config.num_layers, case, t, t / stock_time, p, p - stock_peak))
-                print(f"{name} ({model.config.num_layers} layers) {case:>22}: {t:8.2f} s  {t / stock_time:5.2f}× "
+                print(f"{name} ({model.config.num_layers} layers) {case:>40}: {t:8.2f} s  {t / stock_time:5.2f}× "
                       f"stock  peak {p / GiB:6.2f} GiB ({(p - stock_peak) / GiB:+.2f})", flush=True)  # fmt: skip
         del model, inputs
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from .engine import OUTPUTS, PATHS
+
 __all__ = ["DumpConfig", "Prompt", "ConfigError", "load_config", "read_prompts"]
 
 TASKS = ("text-to-video", "image-to-video")
@@ -43,7 +45,7 @@ class DumpConfig:
             optional ``negative_prompt``, ``seed``, ``image``), relative to the config file.
         num_frames, height, width, steps (`int`), guidance (`float`), seed (`int`): the pipeline call;
             a prompt's own seed wins. ``max_sequence_length`` (`int`): text tokens T.
-        kinds, layers, capture_steps, batch, heads, queries, memory_budget, path, storage_dtype: the
+        kinds, layers, capture_steps, batch, heads, queries, memory_budget, path, output, storage_dtype: the
             capture selection (see ``cogattn.record``; ``capture_steps`` is its ``steps``).
         out (`str`): output root; each prompt gets ``<out>/<index>-<hash>/``.
         video_format (`str`): ``"auto"`` (mp4 where imageio-ffmpeg exists, else gif), ``"mp4"``, ``"gif"``.
@@ -74,6 +76,7 @@ class DumpConfig:
     queries: object = None
     memory_budget: object = "1GiB"
     path: str = "auto"
+    output: str = "stock"
     storage_dtype: str = "float16"
     out: str = "runs/dump"
     video_format: str = "auto"
@@ -91,7 +94,7 @@ class DumpConfig:
         queries = None if self.queries is None else [tuple(q) if isinstance(q, list) else q for q in self.queries]
         return dict(kinds=self.kinds, layers=self.layers, steps=self.capture_steps, batch=self.batch,
                     heads=self.heads, queries=queries, memory_budget=self.memory_budget, path=self.path,
-                    storage_dtype=self.storage_dtype)  # fmt: skip
+                    output=self.output, storage_dtype=self.storage_dtype)  # fmt: skip
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "config_dir"}
@@ -107,7 +110,7 @@ class DumpConfig:
 
 
 _CHOICES = {"task": TASKS, "dtype": DTYPES, "offload": OFFLOAD, "video_format": VIDEO_FORMATS,
-            "tiny_version": ("1.0", "1.5"), "path": ("auto", "rows", "sdpa"),
+            "tiny_version": ("1.0", "1.5"), "path": PATHS, "output": OUTPUTS,
             "storage_dtype": ("float32", "float16", "bfloat16")}  # fmt: skip
 _TYPES = {"vae_tiling": bool, "previews": bool, "num_frames": int, "height": int, "width": int, "steps": int,
           "seed": int, "max_sequence_length": int, "fps": int, "guidance": (int, float), "kinds": (list, str),

@@ -1,6 +1,6 @@
 """Exact attention-probability tiles within a memory budget, folded into reducers.
 
-Two paths compute the same numbers:
+These paths compute the same numbers:
 
 * ``rows``: a tile of ``r`` query rows × all ``S`` keys × ``h`` heads is formed with one matmul and an
   in-place float32 softmax. Serves every kind; key-pooled sums come from ``tile @ indicator``.
@@ -9,10 +9,14 @@ Two paths compute the same numbers:
   the head dimension) gives multi-key groups; the same call returns the log-sum-exp of every row, from
   which single-key columns are ``exp(q·kᵀ·scale − lse)`` at a cost of ``S·C·D``.
 * ``triton``: as ``sdpa``, but multi-key groups come from a fused Triton kernel that, given the lse
-  (from the output kernel with ``reuse_lse``, else one lse-only pass), accumulates
+  (from the output kernel with ``output="lse"``, else one lse-only pass), accumulates
   ``exp(q·kᵀ·scale − lse)·V`` tile by tile in the model's dtype with float32 accumulation
-  (:mod:`cogattn.kernels`). Chosen explicitly for now: ``auto`` does not pick it until it has been
-  timed on a GPU.
+  (:mod:`cogattn.kernels`). On CUDA with Triton, ``auto`` plans ``timed``: the first capture of each
+  shape runs both this and the ``sdpa`` pass, keeps the faster (:func:`chosen_paths`), and falls back
+  to ``sdpa`` if the kernel fails to build.
+* ``joint`` (with ``output="joint"``): the output call itself, on values widened with the indicator
+  (:func:`attention_joint`), brings the multi-key sums and the lse; nothing runs but the single-key
+  columns.
 
 The planner picks head and row chunk sizes so that the transient float32 working set stays within the
 budget; the reducers' results are not counted (they are what the user asked for).
@@ -21,16 +25,23 @@ budget; the reducers' results are not counted (they are what the user asked for)
 from __future__ import annotations
 
 import math
+import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from . import kernels
-from .reducers import KeyGroups, Reducer
+from .reducers import Reducer
 
-__all__ = ["TilePlan", "plan_tiles", "capture", "attention_with_lse", "sdpa_supported", "PATHS"]
+__all__ = [
+    "TilePlan", "plan_tiles", "capture", "attention_with_lse", "attention_joint", "check_output", "joint_width", "joint_extra_bytes",
+    "multi_key_indicator", "sdpa_supported", "chosen_paths",
+    "PATHS", "OUTPUTS",
+]  # fmt: skip
 
 PATHS = ("auto", "rows", "sdpa", "triton")
+OUTPUTS = ("stock", "lse", "joint")  # how captured layers compute their output (see recording.record)
 _F32 = 4
 _MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
 _RESERVE = 16 * 2**20  # at most this much of the budget is kept back as headroom
@@ -41,7 +52,9 @@ class TilePlan:
     """Chunk sizes for one layer call.
 
     Args:
-        path (`str`): ``"rows"`` or ``"sdpa"``, how key-pooled kinds are computed.
+        path (`str`): how key-pooled kinds are computed: ``"rows"``, ``"sdpa"``, ``"triton"``, ``"joint"``
+            (the output call brings them), or ``"timed"`` (``sdpa`` or ``triton``, whichever the first
+            capture of a shape measures faster).
         row_heads (`int`): heads per row tile.
         row_rows (`int`): query rows per row tile.
         sdpa_heads (`int`): heads per SDPA call (0 when the SDPA path is not used).
@@ -62,9 +75,25 @@ def sdpa_supported(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
+def _can_time_triton(device: torch.device) -> bool:
+    """Whether ``auto`` times the Triton kernel against the SDPA pass (CUDA with Triton; the interpreter on
+    the CPU is far slower than SDPA, so there ``auto`` means ``sdpa``)."""
+    return device.type == "cuda" and kernels.available(device)
+
+
 def _auto_path(device: torch.device, wants_all_rows: bool) -> str:
-    # The Triton kernel stays an explicit choice until it has been timed against the SDPA pass on a GPU.
-    return "rows" if wants_all_rows or not sdpa_supported(device) else "sdpa"
+    if wants_all_rows or not sdpa_supported(device):
+        return "rows"
+    return "timed" if _can_time_triton(device) else "sdpa"
+
+
+_CHOSEN: dict[tuple, str] = {}  # shape of a timed capture -> "sdpa" or "triton"
+
+
+def chosen_paths() -> dict[tuple, str]:
+    """What ``auto`` chose on CUDA so far: ``(device, dtype, S, heads, D, key groups, lse given)`` →
+    ``"sdpa"`` or ``"triton"``, timed at the first capture of that shape in this process."""
+    return dict(_CHOSEN)
 
 
 def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -99,13 +128,75 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v), None
 
 
+def check_output(output: str, path: str) -> None:
+    """Raise `ValueError` for an unknown ``output`` or one that cannot go with ``path``."""
+    if output not in OUTPUTS:
+        raise ValueError(f"output={output!r}; choose one of {list(OUTPUTS)}.")
+    if output == "joint" and path != "auto":
+        raise ValueError(f"output='joint' computes key-pooled kinds in the output call; path={path!r} cannot apply. "
+                         "Leave path='auto'.")  # fmt: skip
+
+
+def joint_width(head_dim: int, num_cols: int) -> int:
+    """Head dim of the joint call: ``D`` value columns plus ``num_cols`` indicator columns, rounded up to a
+    multiple of 8 (the fused kernels' alignment)."""
+    return -(-(head_dim + num_cols) // 8) * 8
+
+
+_JOINT_MAX_WIDTH = 256  # the widest head dim the CUDA flash kernel takes
+
+
+def attention_joint(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indicator: torch.Tensor):
+    """The attention output, every row's log-sum-exp and key-pooled sums, from one fused attention call.
+
+    The values are widened with the indicator columns, ``[v | indicator | 0]``, and q and k are padded
+    with zeros to the same width (the fused kernels need one head dim; zeros leave every score as it
+    is), with the softmax scale of the unpadded head dim. Column ``D + c`` of that call's output is then
+    ``Σ_j P[i, j]·indicator[j, c]``.
+
+    Args:
+        q, k, v (`torch.Tensor`): ``(B, H, S, D)`` in the model's dtype.
+        indicator (`torch.Tensor`): ``(S, C)``, 1 where key j is in group c.
+
+    Returns:
+        `tuple`: ``out`` ``(B, H, S, D)``, ``lse`` ``(B, H, S)`` float32, ``sums`` ``(B, H, S, C)`` in the
+        model's dtype; copies, so the wide buffers are freed on return (:func:`joint_extra_bytes`).
+    """
+    B, H, S, D = q.shape
+    C = indicator.shape[1]
+    W = joint_width(D, C)
+    scale = 1.0 / math.sqrt(D)
+    pad = (0, W - D)
+    qp, kp = torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad)
+    vp = q.new_zeros(B, H, S, W)
+    vp[..., :D] = v
+    vp[..., D : D + C] = indicator.to(q.dtype)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, False, scale=scale)[:2]
+    elif q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and W <= _JOINT_MAX_WIDTH:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, False, False, scale=scale)[:2]
+    else:
+        out, lse = _sdpa_with_lse(qp, kp, vp, scale)
+    del qp, kp, vp
+    return out[..., :D].contiguous(), lse, out[..., D : D + C].contiguous()
+
+
+def joint_extra_bytes(batch: int, heads: int, seq_len: int, head_dim: int, num_cols: int, elem_size: int) -> int:
+    """Peak bytes :func:`attention_joint` holds beyond the stock call's output, for ``batch`` items: the
+    padded q, k, the widened values and the wide output, less the output the stock call would allocate."""
+    return batch * heads * seq_len * elem_size * (4 * joint_width(head_dim, num_cols) - head_dim)
+
+
 def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool) -> int:
     # float32 K of the head chunk (when the input must be copied), the q rows, the scores (the softmax
     # runs in place), the pooled sums
     return _F32 * (h * S * D * copies + h * r * D + h * r * S + h * r * C)
 
 
-def _sdpa_bytes(h: int, r: int, S: int, D: int, n_multi: int, n_single: int, copies: bool) -> int:
+def _sdpa_bytes(h: int, r: int, S: int, D: int, n_multi: int, n_single: int, copies: bool, joint: bool = False) -> int:
+    if joint:  # sums and lse came with the output: a float32 chunk of the sums, then the single-key tiles
+        held = 2 * h * S * D * copies + h * S
+        return _F32 * (held + max(h * S * n_multi, h * r * n_single + h * D * n_single))
     # Held throughout: float32 q and k (when copied), the padded indicator (plus a per-call slice when
     # there are several calls), lse. Then first the outputs (gathered in a buffer when there are several
     # calls), freed before the single-key tiles of r rows.
@@ -144,7 +235,8 @@ def plan_tiles(
         reducers (`list[Reducer]`): what one layer call computes.
         seq_len, num_heads, head_dim (`int`): S, the selected heads H, D.
         budget (`int`): bytes of transient working memory allowed.
-        path (`str`): ``"auto"``, ``"rows"`` or ``"sdpa"``.
+        path (`str`): one of `PATHS`, or ``"joint"`` when the output call brings the key-pooled sums and the
+            lse (``output="joint"``).
         device: where the capture runs (``"auto"`` needs to know whether a fused kernel exists).
         copies_inputs (`bool`, defaults to `True`): whether q and k must be copied to float32 per head chunk
             (not for contiguous float32 inputs with every head selected).
@@ -159,6 +251,8 @@ def plan_tiles(
     elif path == "auto":
         wants_all_rows = any(_all_rows(r, S) for r in reducers)
         path = _auto_path(torch.device(device), wants_all_rows)
+    elif path == "joint" and not sdpa_supported(torch.device(device)):
+        raise ValueError(f"output='joint' needs a fused attention kernel with log-sum-exp; device is {device}.")
     elif path == "triton" and not kernels.available(torch.device(device)):
         raise ValueError(
             f"path='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); device is {device}, Triton "
@@ -173,7 +267,7 @@ def plan_tiles(
         return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs)
 
     def sdpa_bytes(h: int, r: int) -> int:
-        return _sdpa_bytes(h, r, S, D, n_multi, n_single, copies_inputs)
+        return _sdpa_bytes(h, r, S, D, n_multi, n_single, copies_inputs, joint=path == "joint")
 
     row_heads = row_rows = 0
     if row_sets:
@@ -187,7 +281,7 @@ def plan_tiles(
         if row_rows == 0:
             raise _too_small(asked, row_bytes(1, 1), S, D)
     sdpa_heads = sdpa_rows = 0
-    if pooled and path in ("sdpa", "triton"):  # the Triton pass holds less than the SDPA pass
+    if pooled and path in ("sdpa", "triton", "timed", "joint"):  # the Triton pass holds less than the SDPA pass
         sdpa_heads = _largest(lambda h: sdpa_bytes(h, 1) <= budget, H)
         if sdpa_heads == 0:
             raise _too_small(asked, sdpa_bytes(1, 1), S, D)
@@ -215,6 +309,7 @@ def capture(
     heads: torch.Tensor | None = None,
     scale: float | None = None,
     lse: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
 ) -> None:
     """Fold exact float32 attention probabilities of one batch item into ``outs``.
 
@@ -228,6 +323,9 @@ def capture(
             gathered one at a time so no copy of all selected heads is made.
         lse (`torch.Tensor | None`): the rows' log-sum-exp ``(H, S)`` (all heads) when the output path
             provides it; single-key columns then need no attention pass of their own.
+        sums (`torch.Tensor | None`): with ``lse``, the multi-key groups' sums ``(H, S, C)`` (all heads, the
+            groups of the key-pooled reducers side by side, any dtype) when the output call computed them
+            (``plan.path == "joint"``); nothing then needs an attention pass.
         scale (`float | None`): softmax scale, defaults to ``1/sqrt(D)`` as in SDPA.
     """
     S, D = q.shape[1:]
@@ -242,10 +340,49 @@ def capture(
     for red, out in row_kinds:
         if not _all_rows(red, S):
             _row_pass(q, k, red.rows, [(red, out)], [], plan, scale)
-    if pooled and plan.path in ("sdpa", "triton"):
+    if pooled and plan.path in ("sdpa", "triton", "timed", "joint"):
+        if plan.path == "joint" and (lse is None or (sums is None and any(not r.key_groups.single_keys for r, _ in pooled))):
+            raise ValueError("plan.path='joint' needs the lse and the key-pooled sums of the output call")
         if lse is not None and heads is not None:
             lse = lse.index_select(0, heads.to(lse.device))
-        _sdpa_pass(q, k, pooled, plan, scale, lse, fused=plan.path == "triton")
+        given = None if sums is None else _HeadView(sums, heads)
+        path = _timed_choice(q, k, pooled, plan, scale, lse) if plan.path == "timed" else plan.path
+        _sdpa_pass(q, k, pooled, plan, scale, lse, fused=path == "triton", given_sums=given)
+
+
+def _timed_choice(q, k, pooled, plan: TilePlan, scale: float, lse) -> str:
+    """``sdpa`` or ``triton`` for this shape: on first sight, time both on the multi-key groups (into
+    scratch results) and keep the faster; the kernel failing to build or run means ``sdpa``."""
+    multi = [r for r, _ in pooled if not r.key_groups.single_keys]
+    key = (str(q.device), q.x.dtype, q.shape[1], q.shape[0], q.shape[2],
+           tuple(r.key_groups.num_groups for r in multi), lse is not None)  # fmt: skip
+    D = q.shape[2]
+    if not multi or D < 16 or D & (D - 1):
+        return "sdpa"  # single-key columns are the same work on both; the kernel needs D a power of two
+    if key not in _CHOSEN:
+
+        def run(fused: bool) -> float:
+            scratch = [(r, torch.zeros(r.shape(1)[1:], device=q.device)) for r in multi]
+            _synchronize(q.device)
+            t0 = time.perf_counter()
+            _sdpa_pass(q, k, scratch, plan, scale, lse, fused=fused)
+            _synchronize(q.device)
+            return time.perf_counter() - t0
+
+        try:
+            run(True)  # compiles the kernel
+            t_triton = run(True)
+        except Exception as err:  # noqa: BLE001 - any build or launch failure: stay on the SDPA pass
+            warnings.warn(f"the Triton pooled-sum kernel failed ({type(err).__name__}: {err}); using path 'sdpa'.")
+            _CHOSEN[key] = "sdpa"
+        else:
+            _CHOSEN[key] = "triton" if t_triton < run(False) else "sdpa"
+    return _CHOSEN[key]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _all_rows(reducer: Reducer, S: int) -> bool:
@@ -270,13 +407,13 @@ class _HeadView:
         return x.to(dtype or x.dtype, memory_format=torch.contiguous_format)
 
 
-def _concat_indicator(groups: list[KeyGroups], S: int, device) -> tuple[torch.Tensor, list[int]]:
-    """Indicator ``(S, ΣC)`` of several reducers' key groups side by side, and each one's column offset."""
-    cols = [g.indicator(S, device=device) for g in groups]
-    offsets = [0]
-    for c in cols:
-        offsets.append(offsets[-1] + c.shape[1])
-    return torch.cat(cols, dim=1), offsets
+def multi_key_indicator(reducers: list[Reducer], S: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Indicator ``(S, ΣC)`` of the reducers' multi-key groups side by side, in reducer order (the columns
+    the SDPA pass, the Triton kernel and the joint output call compute)."""
+    groups = [r.key_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys]
+    if not groups:
+        return torch.zeros(S, 0, dtype=dtype, device=device)
+    return torch.cat([g.indicator(S, dtype, device) for g in groups], dim=1)
 
 
 def _row_pass(q, k, rows, row_kinds, pooled, plan: TilePlan, scale: float) -> None:
@@ -321,29 +458,34 @@ def _softmax_(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _sdpa_pass(q, k, pooled, plan: TilePlan, scale: float, given_lse: torch.Tensor | None = None,
-               fused: bool = False) -> None:  # fmt: skip
-    """Key-pooled sums through fused SDPA on indicator values (or the Triton kernel when ``fused``), plus
-    single-key columns from the lse (``given_lse`` ``(H, S)`` when the output path computed it: no
-    attention pass for single keys)."""
+               fused: bool = False, given_sums: _HeadView | None = None) -> None:  # fmt: skip
+    """Key-pooled sums through fused SDPA on indicator values (or the Triton kernel when ``fused``, or
+    ``given_sums`` when the output call computed them), plus single-key columns from the lse
+    (``given_lse`` ``(H, S)`` when the output path computed it: no attention pass for single keys)."""
     H, S, D = q.shape
     multi = [(r, o) for r, o in pooled if not r.key_groups.single_keys]
     single = [(r, o) for r, o in pooled if r.key_groups.single_keys]
-    if multi:
-        indicator, offsets = _concat_indicator([r.key_groups for r, _ in multi], S, q.device)
-    else:  # only single-key columns: one pass for the lse; zero values cost the same as any
-        indicator, offsets = torch.zeros(S, 0, device=q.device), [0]
-    n_cols = indicator.shape[1]
+    offsets = [0]
+    for r, _ in multi:
+        offsets.append(offsets[-1] + r.key_groups.num_groups)
+    n_cols = 0 if given_sums is not None else offsets[-1]  # with no multi-key groups: a pass for the lse alone
     # Values must have the head dimension for the fused kernels: pad, and use ceil(C / D) calls.
     n_calls = max(1, math.ceil(n_cols / D))
-    v_all = torch.zeros(S, n_calls * D, device=q.device)
-    v_all[:, :n_cols] = indicator
-    del indicator
+    if given_sums is None or given_lse is None:
+        v_all = torch.zeros(S, n_calls * D, device=q.device)  # zero values cost the same as any
+        if n_cols:
+            v_all[:, :n_cols] = multi_key_indicator([r for r, _ in multi], S, q.device)
     for h0 in range(0, H, plan.sdpa_heads):
         h1 = min(H, h0 + plan.sdpa_heads)
         qf, kf = q.chunk(h0, h1)[None], k.chunk(h0, h1)[None]
         # The output kernel's lse when given (the same numbers), else the indicator pass's own.
         lse = None if given_lse is None else given_lse[None, h0:h1].float()
-        if multi and fused:
+        if multi and given_sums is not None:
+            sums = given_sums.chunk(h0, h1)  # float32
+            for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
+                red.fold_pooled(o, h0, 0, sums[..., c0:c1])
+            del sums
+        elif multi and fused:
             qm, km = q.chunk(h0, h1, dtype=None), k.chunk(h0, h1, dtype=None)  # the model's dtype
             if lse is None:
                 lse = _lse_only(qm[None], km[None], qf, kf, scale)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .engine import TilePlan, plan_tiles
+from .engine import TilePlan, check_output, joint_extra_bytes, plan_tiles
 from .layout import TokenLayout
 from .reducers import REDUCERS
 from .selection import Selection
@@ -83,12 +83,15 @@ class Estimate:
         records (`list[tuple[str, tuple[int, ...], int, int]]`): per kind: shape, bytes per record file, count.
         plan (`TilePlan`): the tiles the engine will use.
         result_bytes_per_layer (`int`): the float32 results of one layer call, held while it runs.
+        output_bytes (`int`): with ``output="joint"``, what the widened output call holds beyond the
+            stock call (:func:`cogattn.engine.joint_extra_bytes`); 0 otherwise.
     """
 
     layout: TokenLayout
     records: list[tuple[str, tuple[int, ...], int, int]]
     plan: TilePlan
     result_bytes_per_layer: int
+    output_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -102,8 +105,9 @@ class Estimate:
 
     @property
     def peak_extra_memory(self) -> int:
-        """Predicted peak memory capture adds to a generation: the tile working set plus one layer's results."""
-        return self.plan.peak_bytes + self.result_bytes_per_layer
+        """Predicted peak memory capture adds to a generation: the tile working set (or, with
+        ``output="joint"``, the widened output call when it is larger) plus one layer's results."""
+        return max(self.plan.peak_bytes, self.output_bytes) + self.result_bytes_per_layer
 
     def table(self) -> str:
         lay = self.layout
@@ -141,6 +145,7 @@ def estimate(
     queries=None,
     memory_budget="1GiB",
     path: str = "auto",
+    output: str = "stock",
     storage_dtype: str = "float32",
     dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
@@ -172,7 +177,14 @@ def estimate(
     res = sel.resolve(layout, 2 if guidance else 1, guidance, num_inference_steps, num_heads)
     reducers = [REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries) for k in sel.kinds]
     copies = dtype != torch.float32 or len(res.heads) != num_heads
-    plan = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, sel.memory_budget, sel.path, device, copies)
+    check_output(output, sel.path)
+    path = "joint" if output == "joint" else sel.path
+    plan = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, sel.memory_budget, path, device, copies)
+    n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)
+    output_bytes = 0
+    if output == "joint" and n_cols:
+        elem = torch.empty((), dtype=dtype).element_size()
+        output_bytes = joint_extra_bytes(len(res.batch), num_heads, layout.seq_len, head_dim, n_cols, elem)
     n_layers = num_layers if sel.layers == "all" else len(sel.layers)
     n_steps = num_inference_steps if sel.steps == "all" else len(sel.steps)
     store_dtype = STORAGE_DTYPES[storage_dtype]
@@ -181,4 +193,4 @@ def estimate(
         shape = r.shape(len(res.batch))
         records.append((r.kind, shape, record_file_bytes(shape, store_dtype), n_layers * n_steps * num_prompts))
     result_bytes = sum(r.nbytes(len(res.batch)) for r in reducers)
-    return Estimate(layout, records, plan, result_bytes)
+    return Estimate(layout, records, plan, result_bytes, output_bytes)

@@ -4,8 +4,9 @@ The output path is diffusers' own ``CogVideoXAttnProcessor2_0`` / ``FusedCogVide
 line for line: the same projections, norms, RoPE on video tokens and the same
 ``F.scaled_dot_product_attention`` call, so generated videos are bit-identical with and without
 capture. The capture path only reads ``q`` and ``k`` and hands them to the recording. (With the opt-in
-``reuse_lse=True`` the output comes from the fused kernel that SDPA itself dispatches to, called
-directly so that it also returns each row's log-sum-exp.)
+``output="lse"`` the output comes from the fused kernel that SDPA itself dispatches to, called
+directly so that it also returns each row's log-sum-exp; with ``output="joint"`` from one fused call
+that also computes the key-pooled sums, see ``cogattn.record``.)
 """
 
 from __future__ import annotations
@@ -91,17 +92,21 @@ class CogVideoXAttnMapProcessor:
         capture = self.recording.wants(layer)
         if capture and attention_mask is not None:
             raise ValueError("cogattn cannot capture attention that uses an attention mask.")
-        lse = None
-        if capture and self.recording.reuse_lse:
+        lse = sums = None
+        output = self.recording.output if capture else "stock"
+        if output == "lse":
             # Opt-in: the fused kernel SDPA dispatches to, called directly to also return the log-sum-exp.
             hidden_states, lse = attention_with_lse(query, key, value)
+        elif output == "joint":
+            # Opt-in: one fused call on widened values gives the output, the lse and the key-pooled sums.
+            hidden_states, lse, sums = self.recording.joint_attention(query, key, value)
         else:
             hidden_states = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False
             )
 
         if capture:
-            self.recording.capture(layer, query, key, lse)
+            self.recording.capture(layer, query, key, lse, sums)
 
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .engine import TilePlan, capture, plan_tiles
+import torch.nn.functional as F
+
+from .engine import TilePlan, check_output, attention_joint, attention_with_lse, capture, multi_key_indicator, plan_tiles
 from .layout import TokenLayout
 from .models import find_transformer
 from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
@@ -67,7 +69,7 @@ class Recording:
         overwrite: bool = False,
         storage_dtype: str = "float32",
         info: dict | None = None,
-        reuse_lse: bool = False,
+        output: str = "stock",
     ):
         self.transformer, self.pipeline, self._spec = find_transformer(target)
         self._modules = self._spec.attention_modules(self.transformer)
@@ -87,7 +89,9 @@ class Recording:
         self.layout: TokenLayout | None = None
         self.out = None if out is None else Path(out)
         self.info = dict(info or {})
-        self.reuse_lse = bool(reuse_lse)
+        check_output(output, self.selection.path)
+        self.output = output
+        self._joint_indicator: torch.Tensor | None = None
         self._resolved: Resolved | None = None
         self._reducers: list[Reducer] = []
         self._plans: dict[tuple[int, int, str], TilePlan] = {}
@@ -165,6 +169,10 @@ class Recording:
         copies = self.transformer.dtype != torch.float32 or len(resolved.heads) != num_heads
         self._plan(reducers, layout.seq_len, len(resolved.heads), head_dim, device, copies)
         self.layout, self._batch_size, self._resolved, self._reducers = layout, batch_size, resolved, reducers
+        if self.output == "joint":
+            indicator = multi_key_indicator(reducers, layout.seq_len, device)
+            # with no multi-key kinds there is nothing to widen the values with: the lse alone is reused
+            self._joint_indicator = indicator if indicator.shape[1] else None
         if isinstance(self._store, RunWriter):
             self._store.check_space(self.expected_bytes(self._pipeline_attr("num_timesteps")))
             self._store.write_meta(self._meta(complete=False))
@@ -198,6 +206,7 @@ class Recording:
             "model": {"class": type(self.transformer).__name__, "config": dict(self.transformer.config),
                       "dtype": str(self.transformer.dtype).removeprefix("torch."),
                       "pipeline": None if self.pipeline is None else type(self.pipeline).__name__},  # fmt: skip
+            "output": self.output,
             "storage_dtype": str(getattr(self._store, "dtype", torch.float32)).removeprefix("torch."),
             "info": self.info,
             "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
@@ -207,7 +216,8 @@ class Recording:
         key = (S, D, torch.device(device).type, copies)
         if key not in self._plans:
             sel = self.selection
-            self._plans[key] = plan_tiles(reducers, S, H, D, sel.memory_budget, sel.path, device, copies)
+            path = "joint" if self.output == "joint" else sel.path
+            self._plans[key] = plan_tiles(reducers, S, H, D, sel.memory_budget, path, device, copies)
         return self._plans[key]
 
     # -- called by the processors ------------------------------------------------------------------
@@ -227,9 +237,35 @@ class Recording:
             and self.selection.wants_step(self.step)
         )
 
-    def capture(self, layer: int, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+    def joint_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """``output="joint"``: the attention output ``(B, H, S, D)``, with the lse ``(B, H, S)`` and the
+        multi-key sums ``(B, H, S, C)`` of the captured batch items from one widened fused call
+        (:func:`cogattn.engine.attention_joint`); batch items not captured take the stock call."""
+        if self._joint_indicator is None:  # no multi-key kinds: reuse the lse alone
+            out, lse = attention_with_lse(query, key, value)
+            return out, lse, None
+        indicator = self._joint_indicator.to(query.device)
+        B = query.shape[0]
+        items = list(self._resolved.batch)
+        if items == list(range(B)):
+            return attention_joint(query, key, value, indicator)
+        pick = _batch_index(items)
+        out, lse_c, sums_c = attention_joint(query[pick], key[pick], value[pick], indicator)
+        rest = _batch_index([b for b in range(B) if b not in items])
+        full = torch.empty_like(query)
+        full[rest] = F.scaled_dot_product_attention(query[rest], key[rest], value[rest], dropout_p=0.0, is_causal=False)
+        full[pick] = out
+        lse = torch.zeros(query.shape[:3], dtype=torch.float32, device=query.device)
+        lse[pick] = lse_c
+        sums = query.new_zeros(*query.shape[:3], indicator.shape[1])
+        sums[pick] = sums_c
+        return full, lse, sums
+
+    def capture(self, layer: int, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor | None = None,
+                sums: torch.Tensor | None = None) -> None:  # fmt: skip
         """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
-        ``(B, H, S, D)`` (and the output kernel's log-sum-exp ``(B, H, S)`` when it gave one)."""
+        ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
+        ``(B, H, S, C)`` when it gave them)."""
         res = self._resolved
         B, H, S, D = query.shape
         if S != res.layout.seq_len:
@@ -242,7 +278,7 @@ class Recording:
         with _full_fp32_matmul():
             for i, b in enumerate(res.batch):
                 capture(query[b], key[b], self._reducers, [o[i] for o in outs], plan, heads,
-                        lse=None if lse is None else lse[b])  # fmt: skip
+                        lse=None if lse is None else lse[b], sums=None if sums is None else sums[b])  # fmt: skip
         for red, out in zip(self._reducers, outs):
             self._store.put(red.kind, self.step, layer, self.timesteps[-1], out)
 
@@ -338,7 +374,7 @@ def record(
     overwrite: bool = False,
     storage_dtype: str = "float32",
     info: dict | None = None,
-    reuse_lse: bool = False,
+    output: str = "stock",
 ) -> Recording:
     """Record exact attention maps of a CogVideoX pipeline or transformer while it runs.
 
@@ -374,12 +410,23 @@ def record(
         storage_dtype (`str`, defaults to ``"float32"``): on-disk dtype, ``"float16"`` or ``"bfloat16"``
             halve the size.
         info (`dict | None`): JSON-able facts to keep in ``run.json`` (prompt, seed, ...).
-        reuse_lse (`bool`, defaults to `False`): opt-in. In captured layers, compute the output with the
-            fused kernel that ``F.scaled_dot_product_attention`` dispatches to (flash: CPU, and CUDA for
-            fp16/bf16), called directly so it also returns each row's log-sum-exp, and reuse that for
-            ``video_to_text``, which then needs no attention pass of its own. On the CPU the output is
-            bit-identical (tested); on CUDA it is the same kernel but not verified bit for bit, hence
-            opt-in.
+        output (`"stock" | "lse" | "joint"`, defaults to ``"stock"``): how captured layers compute their
+            attention output (layers not captured always run the stock call).
+
+            * ``"stock"``: diffusers' own ``F.scaled_dot_product_attention`` call; the video is
+              bit-identical to a run without cogattn.
+            * ``"lse"`` (opt-in): the flash kernel that SDPA dispatches to (CPU; CUDA for fp16/bf16),
+              called directly so it also returns each row's log-sum-exp, which ``video_to_text`` then
+              reuses instead of an attention pass of its own.
+            * ``"joint"`` (opt-in, the fastest): one fused call on values widened with the key-group
+              indicator columns (q and k zero-padded to the same head dim, the original softmax scale)
+              returns the output, the lse and the ``frame`` sums together; capture then needs no
+              attention pass at all. The sums carry the model dtype's rounding (about 3 significant
+              digits per query row in bf16, before the mean over queries and heads) and need
+              ``path="auto"``.
+
+            On the CPU both opt-in modes gave bit-identical videos in the tests (fp32 and bf16); on CUDA
+            they run another kernel than SDPA may choose, so the output can differ in the last bits.
 
     Returns:
         `Recording`: a context manager; on exit the original processors are back and the hook is gone.
@@ -387,7 +434,7 @@ def record(
     rec = Recording(
         target, kinds=kinds, layers=layers, steps=steps, batch=batch, heads=heads, queries=queries,
         memory_budget=memory_budget, path=path, out=out, overwrite=overwrite, storage_dtype=storage_dtype,
-        info=info, reuse_lse=reuse_lse,
+        info=info, output=output,
     )  # fmt: skip
     try:
         rec.install_processors()
@@ -395,3 +442,10 @@ def record(
         rec.close()
         raise
     return rec
+
+
+def _batch_index(items: list[int]):
+    """An index for batch ``items``: a slice (a view) when they are consecutive, else a tensor."""
+    if items == list(range(items[0], items[-1] + 1)):
+        return slice(items[0], items[-1] + 1)
+    return torch.tensor(items)

@@ -57,13 +57,15 @@ def test_tiny_default_writes_loadable_records_video_and_previews(tmp_path):
 def test_dry_run_bytes_equal_what_a_run_writes(tmp_path):
     out = tmp_path / "runs"
     sets = ["--set", f"out={out}", "--set", "kinds=[frame,query,text_to_video]", "--set", "queries=[[1,2,3],0]",
-            "--set", "heads=all", "--set", "storage_dtype=float16", "--set", "previews=false"]  # fmt: skip
+            "--set", "heads=all", "--set", "storage_dtype=float16", "--set", "previews=false",
+            "--set", "output=joint"]  # fmt: skip
     dry = dump("--dry-run", *sets, check=0)
     assert not out.exists()  # nothing written, no weights loaded
     total = int(dry.stdout.split("total")[1].split()[1].replace(",", ""))
     dump(*sets, check=0)
     written = sum(f.stat().st_size for f in out.rglob("records/**/*.safetensors"))
     assert total == written
+    assert all(json.loads((d / "maps" / "run.json").read_text())["output"] == "joint" for d in _prompt_dirs(out))
 
 
 def test_estimate_matches_the_api_and_refuses_bad_selection():
@@ -118,6 +120,8 @@ def _write(path: Path, text: str) -> Path:
         ("query_grid", r"\(5, 0, 0\) is outside the latent grid"),
         ("missing_image", "image .*nowhere.png' does not exist"),
         ("bad_override", "--set 'steps': expected key=value"),
+        ("unknown_output", r"output: 'fast' is not one of \['stock', 'lse', 'joint'\]"),
+        ("joint_with_path", "output='joint' computes key-pooled kinds in the output call; path='rows' cannot apply"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, case, message):
@@ -133,6 +137,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, case, mess
         "missing_image": ["--set", "task=image-to-video", "--set",
                           f"prompts={_write(tmp_path / 'p.jsonl', json.dumps({'prompt': 'x', 'image': 'nowhere.png'}))}"],
         "bad_override": ["--set", "steps"],
+        "unknown_output": ["--set", "output=fast"],
+        "joint_with_path": ["--set", "output=joint", "--set", "path=rows"],
     }[case]  # fmt: skip
     if not str(args[0]).endswith(".yaml"):
         args = [cfg, *args]

@@ -100,3 +100,27 @@ def test_query_rows_in_any_order_even_all_of_them():
     P = naive_probs(q[None], k[None])[0]
     assert (got["query"].double() - P[:, queries]).abs().max() <= 1e-6
     assert (got["full"].double() - P).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joint_call_gives_output_lse_and_pooled_sums(dtype):
+    """One fused call on widened values: its first D columns are the stock output (bit for bit on the
+    CPU), the rest the key-group sums, and its lse is every row's log-sum-exp."""
+    import math
+
+    from cogattn.engine import attention_joint, joint_width
+
+    torch.manual_seed(0)
+    layout = TokenLayout(5, 2, 7, 3)
+    B, H, S, D = 2, 3, layout.seq_len, 16
+    q, k, v = (torch.randn(B, H, S, D) * 2).to(dtype), (torch.randn(B, H, S, D) * 2).to(dtype), torch.randn(B, H, S, D).to(dtype)
+    groups = REDUCERS["frame"](layout, H, False).key_groups
+    indicator = groups.indicator(S)
+    out, lse, sums = attention_joint(q, k, v, indicator)
+    assert joint_width(D, indicator.shape[1]) == 24
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)
+    assert (lse.double() - scores.logsumexp(-1)).abs().max() <= 1e-4
+    ref = naive_probs(q.float(), k.float()) @ indicator.double()
+    tol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: P and the sums each rounded, half an ulp at 1 each
+    assert sums.shape == (B, H, S, groups.num_groups) and (sums.double() - ref).abs().max() <= tol

@@ -45,3 +45,51 @@ def test_cuda_generation_bit_identical_and_streamed(tmp_path):
     run = cogattn.load(tmp_path / "run")
     for key in mem.keys():
         assert torch.equal(run.get(*key), mem.get(*key)), key
+
+
+def test_cuda_auto_times_the_kernel_and_matches_naive():
+    """On CUDA with Triton, ``auto`` times the kernel against the SDPA pass at the first capture."""
+    from cogattn import kernels
+    from cogattn.engine import chosen_paths
+    from reference import QKSpy, select
+
+    pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
+    emb = torch.randn(1, TINY_TEXT_LEN, 16, device="cuda", dtype=torch.bfloat16)
+    kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
+              max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", output="lse") as rec:
+        pipe(generator=torch.Generator("cuda").manual_seed(0), **kw)
+    spy.remove()
+    if kernels.available(torch.device("cuda")):
+        assert all(p.path == "timed" for p in rec._plans.values())
+        assert set(chosen_paths().values()) <= {"sdpa", "triton"} and chosen_paths()
+    for layer, calls in enumerate(spy.calls):
+        for step, (q, k) in enumerate(calls):
+            P = naive_probs(q.cpu().float(), k.cpu().float())
+            for kind in ("frame", "video_to_text"):
+                ref = select(naive_kind(P, kind, rec.layout.text_len, rec.layout.grid), [1], "all")
+                assert (rec.get(kind, step, layer).double() - ref).abs().max() <= 1e-5, (kind, step, layer)
+
+
+def test_cuda_joint_output_close_to_stock_and_maps_within_bf16():
+    """``output="joint"`` on CUDA: another kernel than SDPA may pick, so the video matches within bf16
+    tolerance, and the frame sums carry bf16 rounding."""
+    from reference import QKSpy, select
+
+    pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
+    emb = torch.randn(1, TINY_TEXT_LEN, 16, device="cuda", dtype=torch.bfloat16)
+    kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
+              max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
+    stock = pipe(generator=torch.Generator("cuda").manual_seed(0), **kw).frames
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", output="joint") as rec:
+        out = pipe(generator=torch.Generator("cuda").manual_seed(0), **kw).frames
+    spy.remove()
+    assert (out.float() - stock.float()).abs().max() <= 0.05
+    for layer, calls in enumerate(spy.calls):
+        for step, (q, k) in enumerate(calls):
+            P = naive_probs(q.cpu().float(), k.cpu().float())
+            for kind, tol in (("frame", 2**-8), ("video_to_text", 1e-5)):
+                ref = select(naive_kind(P, kind, rec.layout.text_len, rec.layout.grid), [1], "all")
+                assert (rec.get(kind, step, layer).double() - ref).abs().max() <= tol, (kind, step, layer)

@@ -68,7 +68,7 @@ def test_recording_with_the_kernel_matches_naive_and_keeps_output(reuse_lse):
     stock = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", path="triton",
-                        reuse_lse=reuse_lse) as rec:  # fmt: skip
+                        output="lse" if reuse_lse else "stock") as rec:  # fmt: skip
         out = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
     spy.remove()
     assert torch.equal(out, stock)
@@ -79,3 +79,64 @@ def test_recording_with_the_kernel_matches_naive_and_keeps_output(reuse_lse):
             for kind in ("frame", "video_to_text"):
                 ref = select(naive_kind(P, kind, lay.text_len, lay.grid), [1], "all")
                 assert (rec.get(kind, step, layer).double() - ref).abs().max() <= 1e-5, (kind, step, layer)
+
+
+@pytest.fixture
+def timed_on_this_device(monkeypatch):
+    """``auto`` as on CUDA with Triton: the first capture of a shape times the kernel against the SDPA pass."""
+    import cogattn.engine as engine
+
+    monkeypatch.setattr(engine, "_can_time_triton", kernels.available)
+    monkeypatch.setattr(engine, "_CHOSEN", {})
+    return engine
+
+
+@pytest.mark.parametrize("slow", ["triton", "sdpa", "broken"])
+def test_auto_times_both_passes_and_keeps_the_faster(timed_on_this_device, monkeypatch, recwarn, slow):
+    import time
+
+    engine = timed_on_this_device
+    real_kernel, real_sdpa = kernels.pooled_sums, engine._sdpa_with_lse
+    calls = {"triton": 0, "sdpa": 0}
+
+    def kernel(*a, **kw):
+        if slow == "broken":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        calls["triton"] += 1
+        time.sleep(0.3 if slow == "triton" else 0)
+        return real_kernel(*a, **kw)
+
+    def sdpa(*a, **kw):
+        calls["sdpa"] += 1
+        time.sleep(0.3 if slow == "sdpa" else 0)
+        return real_sdpa(*a, **kw)
+
+    monkeypatch.setattr(kernels, "pooled_sums", kernel)
+    monkeypatch.setattr(engine, "_sdpa_with_lse", sdpa)
+    pipe = tiny_pipeline(num_heads=2)
+    emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
+    kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
+              max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
+    stock = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", output="lse") as rec:
+        out = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
+    spy.remove()
+    failed = [w for w in recwarn if "Triton pooled-sum kernel failed" in str(w.message)]
+    assert len(failed) == (slow == "broken")
+    assert torch.equal(out, stock)
+    assert rec._plans and all(p.path == "timed" for p in rec._plans.values())
+    (choice,) = engine.chosen_paths().values()
+    assert choice == ("sdpa" if slow in ("triton", "broken") else "triton")
+    # the probe ran each pass on the first capture; the other 3 captures (2 steps × 2 layers) ran the choice
+    probe = {"triton": 0 if slow == "broken" else 2, "sdpa": 1 if slow != "broken" else 0}
+    other = "sdpa" if choice == "triton" else "triton"
+    assert calls[choice] == probe[choice] + 4 and calls[other] == probe[other]
+    lay = rec.layout
+    for layer, steps in enumerate(spy.calls):
+        for step, (q, k) in enumerate(steps):
+            P = naive_probs(q, k)
+            for kind in ("frame", "video_to_text"):
+                ref = select(naive_kind(P, kind, lay.text_len, lay.grid), [1], "all")
+                assert (rec.get(kind, step, layer).double() - ref).abs().max() <= 1e-5, (kind, step, layer)
+
