@@ -4,7 +4,8 @@ A CogVideoX-2b transformer with one block (random weights) runs one forward pass
 latent frames (S = 226 + 5·30·45 = 6,976), under ``cogattn.record`` with ``out=`` a temporary run
 folder. For each plan the script compares ``cogattn.estimate(...)`` with
 
-* the measured peak extra memory of each layer capture: on CPU the rise of the process's peak
+* the measured peak extra memory of each layer capture (and, with ``output="joint"``, of the widened
+  output call beyond the output the stock call allocates too): on CPU the rise of the process's peak
   resident memory (Linux ``VmHWM``, reset before the capture; large allocations are mmapped so freed
   memory leaves at once), on CUDA ``torch.cuda.max_memory_allocated`` over the capture;
 * the bytes of the record files written.
@@ -42,6 +43,7 @@ PLANS = [
     dict(kinds=("full",), heads="mean"),
     dict(kinds=("frame", "video_to_text"), path="sdpa", dtype=torch.bfloat16),
     dict(kinds=("frame", "text_to_video"), path="rows", dtype=torch.bfloat16, heads="all"),
+    dict(kinds=("frame", "video_to_text"), output="joint", dtype=torch.bfloat16),
 ]
 
 
@@ -55,6 +57,15 @@ def measure_captures(rec, device: str) -> list[int]:
         peaks.append(memory.stop())
 
     rec.capture = measured
+    joint = rec.joint_attention
+
+    def measured_joint(query, key, value):  # output="joint": the widened call, beyond the stock call's output
+        memory.start()
+        result = joint(query, key, value)
+        peaks.append(memory.stop() - result[0].nbytes)
+        return result
+
+    rec.joint_attention = measured_joint
     return peaks
 
 
