@@ -59,19 +59,21 @@ def test_engine_triton_path_matches_naive(mean):
         assert (out.cpu().double() - ref).abs().max() <= 1e-5, kind
 
 
-@pytest.mark.parametrize("reuse_lse", [False, True])
-def test_recording_with_the_kernel_matches_naive_and_keeps_output(reuse_lse):
+def _record_tiny(**record_kw):
+    """A 2-step tiny generation without and with ``cogattn.record(**record_kw)``: (stock, captured, rec, spy)."""
     pipe = tiny_pipeline(num_heads=2)
     emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
     kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
               max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
     stock = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
     spy = QKSpy(pipe.transformer)
-    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", path="triton",
-                        output="lse" if reuse_lse else "stock") as rec:  # fmt: skip
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", **record_kw) as rec:
         out = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
     spy.remove()
-    assert torch.equal(out, stock)
+    return stock, out, rec, spy
+
+
+def _assert_maps_match_naive(rec, spy):
     lay = rec.layout
     for layer, calls in enumerate(spy.calls):
         for step, (q, k) in enumerate(calls):
@@ -79,6 +81,13 @@ def test_recording_with_the_kernel_matches_naive_and_keeps_output(reuse_lse):
             for kind in ("frame", "video_to_text"):
                 ref = select(naive_kind(P, kind, lay.text_len, lay.grid), [1], "all")
                 assert (rec.get(kind, step, layer).double() - ref).abs().max() <= 1e-5, (kind, step, layer)
+
+
+@pytest.mark.parametrize("output", ["stock", "lse"])
+def test_recording_with_the_kernel_matches_naive_and_keeps_output(output):
+    stock, out, rec, spy = _record_tiny(path="triton", output=output)
+    assert torch.equal(out, stock)
+    _assert_maps_match_naive(rec, spy)
 
 
 @pytest.fixture
@@ -113,30 +122,15 @@ def test_auto_times_both_passes_and_keeps_the_faster(timed_on_this_device, monke
 
     monkeypatch.setattr(kernels, "pooled_sums", kernel)
     monkeypatch.setattr(engine, "_sdpa_with_lse", sdpa)
-    pipe = tiny_pipeline(num_heads=2)
-    emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
-    kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
-              max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
-    stock = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
-    spy = QKSpy(pipe.transformer)
-    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", output="lse") as rec:
-        out = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
-    spy.remove()
+    stock, out, rec, spy = _record_tiny(output="lse")
     failed = [w for w in recwarn if "Triton pooled-sum kernel failed" in str(w.message)]
     assert len(failed) == (slow == "broken")
     assert torch.equal(out, stock)
     assert rec._plans and all(p.path == "timed" for p in rec._plans.values())
     (choice,) = engine.chosen_paths().values()
     assert choice == ("sdpa" if slow in ("triton", "broken") else "triton")
-    # the probe ran each pass on the first capture; the other 3 captures (2 steps × 2 layers) ran the choice
+    # the probe ran each pass once (the kernel twice: build, then timed); all 4 captures then ran the choice
     probe = {"triton": 0 if slow == "broken" else 2, "sdpa": 1 if slow != "broken" else 0}
     other = "sdpa" if choice == "triton" else "triton"
     assert calls[choice] == probe[choice] + 4 and calls[other] == probe[other]
-    lay = rec.layout
-    for layer, steps in enumerate(spy.calls):
-        for step, (q, k) in enumerate(steps):
-            P = naive_probs(q, k)
-            for kind in ("frame", "video_to_text"):
-                ref = select(naive_kind(P, kind, lay.text_len, lay.grid), [1], "all")
-                assert (rec.get(kind, step, layer).double() - ref).abs().max() <= 1e-5, (kind, step, layer)
-
+    _assert_maps_match_naive(rec, spy)
