@@ -195,8 +195,8 @@ def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool) -> int
 
 def _sdpa_bytes(h: int, r: int, S: int, D: int, n_multi: int, n_single: int, copies: bool, joint: bool = False) -> int:
     if joint:  # sums and lse came with the output: a float32 chunk of the sums, then the single-key tiles
-        held = 2 * h * S * D * copies + h * S
-        return _F32 * (held + max(h * S * n_multi, h * r * n_single + h * D * n_single))
+        held = h * S + h * D * n_single  # lse, the single keys' k
+        return _F32 * (held + max(h * S * n_multi, h * r * (n_single + D * copies)))
     # Held throughout: float32 q and k (when copied), the padded indicator (plus a per-call slice when
     # there are several calls), lse. Then first the outputs (gathered in a buffer when there are several
     # calls), freed before the single-key tiles of r rows.
@@ -471,13 +471,15 @@ def _sdpa_pass(q, k, pooled, plan: TilePlan, scale: float, given_lse: torch.Tens
     n_cols = 0 if given_sums is not None else offsets[-1]  # with no multi-key groups: a pass for the lse alone
     # Values must have the head dimension for the fused kernels: pad, and use ceil(C / D) calls.
     n_calls = max(1, math.ceil(n_cols / D))
-    if given_sums is None or given_lse is None:
+    passes = (multi and given_sums is None) or given_lse is None  # an attention pass runs per head chunk
+    if passes:
         v_all = torch.zeros(S, n_calls * D, device=q.device)  # zero values cost the same as any
         if n_cols:
             v_all[:, :n_cols] = multi_key_indicator([r for r, _ in multi], S, q.device)
     for h0 in range(0, H, plan.sdpa_heads):
         h1 = min(H, h0 + plan.sdpa_heads)
-        qf, kf = q.chunk(h0, h1)[None], k.chunk(h0, h1)[None]
+        # float32 q and k of the chunk for the attention pass; without one, single keys copy only their rows
+        qf, kf = (q.chunk(h0, h1)[None], k.chunk(h0, h1)[None]) if passes else (None, None)
         # The output kernel's lse when given (the same numbers), else the indicator pass's own.
         lse = None if given_lse is None else given_lse[None, h0:h1].float()
         if multi and given_sums is not None:
@@ -510,10 +512,11 @@ def _sdpa_pass(q, k, pooled, plan: TilePlan, scale: float, given_lse: torch.Tens
             del sums, pass_lse
         for red, o in single:
             keys = red.key_groups.keys.to(q.device)
-            k_sel = kf[0][:, keys].transpose(1, 2)  # (h, D, C)
+            k_sel = (kf[0][:, keys] if passes else k.chunk(h0, h1, keys)).transpose(1, 2)  # (h, D, C)
             for r0 in range(0, S, plan.sdpa_rows):
                 r1 = min(S, r0 + plan.sdpa_rows)
-                s = torch.matmul(qf[0, :, r0:r1], k_sel).mul_(scale)
+                q_rows = qf[0, :, r0:r1] if passes else q.chunk(h0, h1, slice(r0, r1))
+                s = torch.matmul(q_rows, k_sel).mul_(scale)
                 red.fold_pooled(o, h0, r0, s.sub_(lse[0, :, r0:r1, None]).exp_())
                 del s
         del qf, kf, lse
