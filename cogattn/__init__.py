@@ -1,22 +1,41 @@
-"""cogattn: exact, memory-bounded attention maps from CogVideoX with the model's output untouched."""
+"""cogattn: exact, memory-bounded attention maps from CogVideoX with the model's output untouched.
 
+```python
+with cogattn.record(pipe, kinds=("frame", "video_to_text")) as rec:
+    pipe(prompt=...)
+rec.get("frame", step=0, layer=1)
+```
+
+The public names: :func:`record` and :class:`Recording` (capture), :class:`CaptureOptions` (every
+option), :func:`load` and :class:`Run` (runs on disk), :func:`estimate` (costs before a run),
+:class:`TokenLayout` (token order and frames), the processors for hand wiring, and the errors.
+Figures are in :mod:`cogattn.plot`, the numbers behind them in :mod:`cogattn.analysis`.
+"""
+
+from .errors import NotRecordedError, StoreError
+from .estimate import Estimate, estimate
 from .layout import TokenLayout
+from .options import CaptureOptions
 from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
 from .recording import Recording, record
 from .reducers import REDUCERS
-from .store import Run, StoreError, load
+from .run import Run, load
 
 __version__ = "0.1.0"
 KINDS = tuple(REDUCERS)
 
 __all__ = [
     "KINDS",
+    "CaptureOptions",
     "CogVideoXAttnMapProcessor",
+    "Estimate",
     "FusedCogVideoXAttnMapProcessor",
+    "NotRecordedError",
     "Recording",
     "Run",
     "StoreError",
     "TokenLayout",
+    "estimate",
     "load",
     "record",
     "__version__",

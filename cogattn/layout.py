@@ -1,7 +1,12 @@
-"""Token layout of CogVideoX's joint text + video sequence.
+"""Where every token and every frame comes from: the joint text + video sequence and the decoded video.
 
 Token order (the model's own): text tokens ``[0, T)``, then video token
 ``T + f·Hp·Wp + y·Wp + x`` for latent frame (temporal patch) ``f``, patch row ``y``, patch column ``x``.
+
+Frames (the VAE's geometry, kept here and nowhere else): the CogVideoX VAE keeps pixel frame 0 as
+latent frame 0 and packs each later group of 4 pixel frames into one latent frame, and compresses
+space by 8. With ``patch_size_t = p`` (CogVideoX 1.5) the pipeline pads latent frames at the start
+up to a multiple of p and drops them before decoding.
 """
 
 from __future__ import annotations
@@ -10,7 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TokenLayout"]
+__all__ = ["TokenLayout", "VAE_SPATIAL", "VAE_TEMPORAL"]
+
+VAE_TEMPORAL = 4  # pixel frames per latent frame after the first (every CogVideoX VAE)
+VAE_SPATIAL = 8  # pixels per latent pixel, each way
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,24 @@ class TokenLayout:
             width=width // p,
             patch_size=p,
             patch_size_t=int(pt) if pt else None,
+        )
+
+    @classmethod
+    def for_video(
+        cls, num_frames: int, height: int, width: int, text_len: int, patch_size: int = 2,
+        patch_size_t: int | None = None,
+    ) -> "TokenLayout":
+        """The layout a pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels produces."""
+        latent = (int(num_frames) - 1) // VAE_TEMPORAL + 1
+        pt = patch_size_t or 1
+        latent += (-latent) % pt  # CogVideoX 1.5 pads at the start
+        return cls(
+            text_len=int(text_len),
+            frames=latent // pt,
+            height=int(height) // VAE_SPATIAL // patch_size,
+            width=int(width) // VAE_SPATIAL // patch_size,
+            patch_size=patch_size,
+            patch_size_t=patch_size_t or None,
         )
 
     @property
@@ -102,3 +128,55 @@ class TokenLayout:
     def group_sizes(self) -> list[int]:
         """Tokens in each frame group: ``[T, Hp·Wp, ..., Hp·Wp]``."""
         return [self.text_len] + [self.frame_tokens] * self.frames
+
+    # -- latent frames ↔ pixel frames of the decoded video ------------------------------------------
+    @property
+    def default_pixel_frames(self) -> int | None:
+        """Frames of the decoded video when the layout alone decides it (CogVideoX 1.0: 4·(F − 1) + 1);
+        `None` with temporal patches, where several video lengths give the same F."""
+        return None if self.patch_size_t else VAE_TEMPORAL * (self.frames - 1) + 1
+
+    def pixel_frames(self, num_pixel_frames: int, temporal_compression: int = VAE_TEMPORAL) -> list[range]:
+        """The decoded pixel frames each latent frame (temporal patch, for CogVideoX 1.5) covers.
+
+        ``N`` pixel frames are ``L = (N - 1) // 4 + 1`` latent frames; latent frame 0 is pixel frame 0 and
+        latent frame ``l ≥ 1`` covers pixel frames ``4(l - 1) + 1 … 4l``. With ``patch_size_t = p`` the
+        pipeline pads ``(-L) % p`` latent frames at the start; temporal patch ``k`` covers padded latent
+        frames ``kp … kp + p - 1``.
+
+        Args:
+            num_pixel_frames (`int`): frames N of the decoded video (``num_frames`` of the call).
+            temporal_compression (`int`, defaults to 4): the VAE's ``vae_scale_factor_temporal``.
+
+        Returns:
+            `list[range]`: F ranges of pixel-frame indices, in order, together covering ``0 … N - 1``.
+        """
+        n, tc = int(num_pixel_frames), int(temporal_compression)
+        if n < 1 or tc < 1:
+            raise ValueError(f"num_pixel_frames={num_pixel_frames} and temporal_compression={tc} must be ≥ 1.")
+        latent = (n - 1) // tc + 1
+        p = self.patch_size_t or 1
+        padding = (-latent) % p
+        if (latent + padding) // p != self.frames:
+            what = f"{(latent + padding) // p} temporal patches of {p}" if p > 1 else f"{latent} latent frames"
+            raise ValueError(
+                f"a video of {n} pixel frames has {what}, but the layout has F = {self.frames}; pass the "
+                "number of frames of the video this recording generated."
+            )
+
+        def covered(lat: int) -> range:
+            return range(0, 1) if lat == 0 else range(tc * (lat - 1) + 1, min(tc * lat + 1, n))
+
+        out = []
+        for k in range(self.frames):
+            lats = [j - padding for j in range(k * p, (k + 1) * p) if j >= padding]
+            out.append(range(covered(lats[0]).start, covered(lats[-1]).stop))
+        return out
+
+    def latent_of_pixel(self, num_pixel_frames: int, temporal_compression: int = VAE_TEMPORAL) -> list[int]:
+        """For each pixel frame of the decoded video, the latent frame (temporal patch) that covers it."""
+        owner = [-1] * num_pixel_frames
+        for f, frames in enumerate(self.pixel_frames(num_pixel_frames, temporal_compression)):
+            for n in frames:
+                owner[n] = f
+        return owner

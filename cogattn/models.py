@@ -1,17 +1,22 @@
-"""Per-model facts, kept in one registry keyed by transformer class.
+"""Per-model facts, kept in one registry keyed by transformer class, and model configs read without weights.
 
 A model is CogVideoX-like when its transformer class is registered here: the spec says where its
-attention modules are and which stock processors cogattn can stand in for.
+attention modules are and which stock processors cogattn can stand in for. ``transformer_config``
+reads a transformer's config from a pipeline, a local folder, the hub cache, or a table of the
+released shapes, so a plan can be made for a model that is not downloaded.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from diffusers import CogVideoXTransformer3DModel
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0
 
-__all__ = ["ModelSpec", "MODELS", "find_transformer"]
+__all__ = ["ModelSpec", "MODELS", "KNOWN_MODELS", "find_transformer", "transformer_config"]
 
 
 @dataclass(frozen=True)
@@ -59,3 +64,48 @@ def find_transformer(target) -> tuple[object, object | None, ModelSpec]:
         f"{type(target).__name__} is not a CogVideoX-like pipeline or transformer; cogattn supports "
         f"transformers of class {known} (or pipelines holding one as `.transformer`)."
     )
+
+
+# Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
+_BASE = {"attention_head_dim": 64, "patch_size": 2, "patch_size_t": None, "max_text_seq_length": 226}
+KNOWN_MODELS: dict[str, dict] = {
+    "THUDM/CogVideoX-2b": {**_BASE, "num_layers": 30, "num_attention_heads": 30},
+    "THUDM/CogVideoX-5b": {**_BASE, "num_layers": 42, "num_attention_heads": 48},
+    "THUDM/CogVideoX-5b-I2V": {**_BASE, "num_layers": 42, "num_attention_heads": 48},
+    "THUDM/CogVideoX1.5-5B": {**_BASE, "num_layers": 42, "num_attention_heads": 48, "patch_size_t": 2},
+    "THUDM/CogVideoX1.5-5B-I2V": {**_BASE, "num_layers": 42, "num_attention_heads": 48, "patch_size_t": 2},
+}
+
+
+def transformer_config(model) -> dict:
+    """The transformer config of a pipeline, a transformer, ``"tiny"``, a local folder or a hub id
+    (from the hub cache or the hub: the config only, never the weights)."""
+    transformer = getattr(model, "transformer", model)
+    if hasattr(transformer, "config") and not isinstance(model, (str, os.PathLike)):
+        return dict(transformer.config)
+    name = str(model)
+    if name == "tiny":
+        from .testing import tiny_transformer
+
+        return dict(tiny_transformer().config)
+    folder = Path(name)
+    for candidate in (folder / "transformer" / "config.json", folder / "config.json"):
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    if folder.exists():
+        raise ValueError(f"{name!r} is a folder without transformer/config.json; is it a CogVideoX checkpoint?")
+    from huggingface_hub import hf_hub_download
+
+    try:  # the hub cache first, then the released shapes, and only then the network
+        return json.loads(Path(hf_hub_download(name, "transformer/config.json", local_files_only=True)).read_text())
+    except Exception:  # noqa: BLE001 - not cached
+        pass
+    if name in KNOWN_MODELS:
+        return dict(KNOWN_MODELS[name])
+    try:
+        return json.loads(Path(hf_hub_download(name, "transformer/config.json")).read_text())
+    except Exception as err:  # noqa: BLE001 - offline, unknown id, ...
+        raise ValueError(
+            f"cannot read the transformer config of {name!r} ({type(err).__name__}); pass a local folder, or "
+            f"one of {list(KNOWN_MODELS)}."
+        ) from None

@@ -3,35 +3,47 @@
 The output path is diffusers' own ``CogVideoXAttnProcessor2_0`` / ``FusedCogVideoXAttnProcessor2_0``
 line for line: the same projections, norms, RoPE on video tokens and the same
 ``F.scaled_dot_product_attention`` call, so generated videos are bit-identical with and without
-capture. The capture path only reads ``q`` and ``k`` and hands them to the recording. (With the opt-in
-``output="lse"`` the output comes from the fused kernel that SDPA itself dispatches to, called
-directly so that it also returns each row's log-sum-exp; with ``output="joint"`` from one fused call
-that also computes the key-pooled sums, see ``cogattn.record``.)
+capture. What capture adds is a few lines around that call: ask the sink whether this call is
+captured, and hand it ``q`` and ``k``. (With the opt-in ``layer_output="lse"`` or ``"joint"``, the
+sink makes the output call itself, with a fused kernel that also returns what capture needs.)
+
+The processor knows the recording only through :class:`MapSink`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from .engine import attention_with_lse
+__all__ = ["CogVideoXAttnMapProcessor", "FusedCogVideoXAttnMapProcessor", "MapSink"]
 
-if TYPE_CHECKING:
-    from .recording import Recording
 
-__all__ = ["CogVideoXAttnMapProcessor", "FusedCogVideoXAttnMapProcessor"]
+class MapSink(Protocol):
+    """What a map processor hands its captures to (a :class:`cogattn.Recording`)."""
+
+    def layer_to_capture(self, attn) -> int | None:
+        """The block index of the module ``attn`` when this call is captured, else `None`."""
+
+    def attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """For a captured call: `None` to keep the stock output call, or ``(output, lse, sums)`` from the
+        opt-in fused call (``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` where it brings them)."""
+
+    def capture(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor | None, sums: torch.Tensor | None
+    ) -> None:
+        """Compute the selected maps of ``layer`` from ``query`` and ``key`` ``(B, H, S, D)``."""
 
 
 class CogVideoXAttnMapProcessor:
     """Drop-in for ``CogVideoXAttnProcessor2_0`` that also feeds selected layers' q, k to a recording.
 
     Args:
-        recording (`Recording`): where maps go; it knows the layer of each attention module, the step
-            and the latent grid. Build one with ``cogattn.Recording(pipe, ...)``.
-        layer (`int | None`, defaults to `None`): the block index of the module this instance serves;
-            `None` lets one instance serve every layer (the recording looks the module up).
+        sink (`MapSink`): where maps go: a ``cogattn.Recording(pipe, ...)``, which knows the layer of each
+            attention module, the step and the latent grid. One instance serves every layer.
 
     Example:
         ```python
@@ -42,9 +54,8 @@ class CogVideoXAttnMapProcessor:
         ```
     """
 
-    def __init__(self, recording: Recording, layer: int | None = None):
-        self.recording = recording
-        self.layer = layer
+    def __init__(self, sink: MapSink):
+        self.sink = sink
 
     def _project(self, attn, hidden_states: torch.Tensor):
         return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
@@ -88,25 +99,19 @@ class CogVideoXAttnMapProcessor:
             if not attn.is_cross_attention:
                 key[:, :, text_seq_length:] = apply_rotary_emb(key[:, :, text_seq_length:], image_rotary_emb)
 
-        layer = self.layer if self.layer is not None else self.recording.layer_of(attn)
-        capture = self.recording.wants(layer)
-        if capture and attention_mask is not None:
+        layer = self.sink.layer_to_capture(attn)
+        if layer is not None and attention_mask is not None:
             raise ValueError("cogattn cannot capture attention that uses an attention mask.")
-        lse = sums = None
-        output = self.recording.output if capture else "stock"
-        if output == "lse":
-            # Opt-in: the fused kernel SDPA dispatches to, called directly to also return the log-sum-exp.
-            hidden_states, lse = attention_with_lse(query, key, value)
-        elif output == "joint":
-            # Opt-in: one fused call on widened values gives the output, the lse and the key-pooled sums.
-            hidden_states, lse, sums = self.recording.joint_attention(query, key, value)
-        else:
+        fused = None if layer is None else self.sink.attention(query, key, value)
+        if fused is None:
             hidden_states = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False
             )
-
-        if capture:
-            self.recording.capture(layer, query, key, lse, sums)
+            lse = sums = None
+        else:
+            hidden_states, lse, sums = fused
+        if layer is not None:
+            self.sink.capture(layer, query, key, lse, sums)
 
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
 

@@ -6,10 +6,12 @@ A reducer asks the engine for one of two things:
   :meth:`Reducer.fold_rows` as tiles ``(h, r, S)``;
 * ``key_groups``: for every query token, the sums of ``P[i, j]`` over keys ``j`` in each of its key
   groups, delivered to :meth:`Reducer.fold_pooled` as tiles ``(h, r, C)``. Key-pooled sums are what the
-  engine can compute without forming P (attention applied to an indicator matrix, see DESIGN.md).
+  engine can compute without forming P (attention applied to an indicator matrix, see docs/design.md).
 
 Every result is float32 with shape ``(B, H, ...)``; ``H`` is 1 when heads are averaged. To add a kind,
-subclass :class:`Reducer`, implement ``shape`` and one ``fold_*`` method, and register it in ``REDUCERS``.
+subclass :class:`Reducer`, give it its ``kind``, ``dims`` and ``unit``, implement ``shape`` and one
+``fold_*`` method, and register it in ``REDUCERS``; plots, the store and ``estimate`` read the rest from
+the class.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class Reducer:
     """
 
     kind: ClassVar[str]
+    dims: ClassVar[tuple[str, ...]]  # names of the per-item, per-head dimensions (after B and H)
+    unit: ClassVar[str] = "attention probability"  # what an entry is (colour-bar label)
     rows: torch.Tensor | None = None  # query tokens whose full rows this kind needs
     key_groups: KeyGroups | None = None  # key pooling this kind needs for every query
 
@@ -101,6 +105,7 @@ class FullReducer(Reducer):
     """``full``: ``(B, H, S, S)``, every ``P[i, j]``. Only for small sequences or when you mean it."""
 
     kind = "full"
+    dims = ("query token", "key token")
 
     def __init__(self, layout, num_heads, mean_heads, queries=None):
         super().__init__(layout, num_heads, mean_heads)
@@ -117,6 +122,7 @@ class QueryReducer(Reducer):
     """``query``: ``(B, H, Q, S)``, ``P[i, :]`` for the chosen query tokens ``i``."""
 
     kind = "query"
+    dims = ("query", "key token")
 
     def __init__(self, layout, num_heads, mean_heads, queries=None):
         super().__init__(layout, num_heads, mean_heads)
@@ -135,6 +141,7 @@ class TextToVideoReducer(Reducer):
     """``text_to_video``: ``(B, H, T, F, Hp, Wp)``, ``P[text query t, video key (f, y, x)]``."""
 
     kind = "text_to_video"
+    dims = ("text token", "latent frame", "patch row", "patch column")
 
     def __init__(self, layout, num_heads, mean_heads, queries=None):
         super().__init__(layout, num_heads, mean_heads)
@@ -153,6 +160,8 @@ class FrameReducer(Reducer):
     """``frame``: ``(B, H, G, G)``, mean over queries in group g of ``Σ_{j in group h} P[i, j]``; rows sum to 1."""
 
     kind = "frame"
+    dims = ("query group", "key group")
+    unit = "attention mass (each query row sums to 1)"
 
     def __init__(self, layout, num_heads, mean_heads, queries=None):
         super().__init__(layout, num_heads, mean_heads)
@@ -176,6 +185,7 @@ class VideoToTextReducer(Reducer):
     """``video_to_text``: ``(B, H, T, F, Hp, Wp)``, ``P[video query (f, y, x), text key t]``."""
 
     kind = "video_to_text"
+    dims = ("text token", "latent frame", "patch row", "patch column")
 
     def __init__(self, layout, num_heads, mean_heads, queries=None):
         super().__init__(layout, num_heads, mean_heads)

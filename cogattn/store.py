@@ -1,10 +1,5 @@
-"""Runs on disk: a crash-safe streaming writer and a lazy reader.
-
-Layout of a run folder::
-
-    run.json                     metadata: layout, selection, timesteps, model, versions, ...
-    manifest.jsonl               one line per committed record: the commit log
-    records/<kind>/step0003_layer017.safetensors      one tensor named "map"
+"""Writing runs: the crash-safe streaming writer of a run folder (see :mod:`cogattn.run` for its
+layout and reader), and the in-memory store of a recording without ``save_dir``.
 
 A record is written to ``<name>.tmp``, renamed, and only then appended to the manifest and flushed.
 A reader lists only what the manifest lists, so a crash loses at most the record in flight and never
@@ -23,48 +18,17 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from .layout import TokenLayout
+from .errors import NotRecordedError, StoreError
+from .options import STORAGE_DTYPES
+from .run import FORMAT, MANIFEST, META, RECORDS, Run, missing_message
 
-__all__ = [
-    "STORAGE_DTYPES",
-    "MemoryStore",
-    "RecordInfo",
-    "Run",
-    "RunWriter",
-    "StoreError",
-    "load",
-    "record_file_bytes",
-    "write_record",
-]
+__all__ = ["MemoryStore", "RunWriter", "prepare_folder", "record_file_bytes", "remove_run", "write_record"]
 
-STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-MANIFEST, META, RECORDS = "manifest.jsonl", "run.json", "records"
-FORMAT = "cogattn-run/1"
-
-
-class StoreError(RuntimeError):
-    """Writing a run failed (disk full, unwritable folder) or would not fit; committed records stay readable."""
-
-
-@dataclass(frozen=True)
-class RecordInfo:
-    """One committed record: what it is, its shape and dtype on disk, and its file size in bytes."""
-
-    kind: str
-    step: int
-    layer: int
-    timestep: float | None
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    file: str
 
 
 def _header(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
@@ -154,13 +118,13 @@ def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
     if path.is_dir() and any(path.iterdir()):
         if not overwrite:
             raise StoreError(
-                f"output folder {str(path)!r} is not empty; choose another `out`, or pass overwrite=True "
+                f"output folder {str(path)!r} is not empty; choose another `save_dir`, or pass overwrite=True "
                 "to replace the cogattn run in it."
             )
         if not _is_run(path):
             raise StoreError(
                 f"output folder {str(path)!r} is not empty and holds no cogattn run, so overwrite=True will "
-                "not delete it; choose another `out`."
+                "not delete it; choose another `save_dir`."
             )
         remove_run(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -168,7 +132,7 @@ def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
 
 
 class MemoryStore:
-    """Results kept in memory as float32 CPU tensors (a recording with no ``out``)."""
+    """Results kept in memory as float32 CPU tensors (a recording with no ``save_dir``)."""
 
     def __init__(self):
         self._results: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -183,15 +147,10 @@ class MemoryStore:
         try:
             return self._results[(kind, step, layer)]
         except KeyError:
-            raise KeyError(_missing(kind, step, layer, self.keys())) from None
+            raise NotRecordedError(missing_message(kind, step, layer, self.keys())) from None
 
     def close(self, meta: dict | None = None) -> None:
         pass
-
-
-def _missing(kind, step, layer, have, where: str = "") -> str:
-    hint = f"; recorded: {have[:6]}{' ...' if len(have) > 6 else ''}" if have else "; nothing was recorded"
-    return f"no record ({kind!r}, step={step}, layer={layer}){where}{hint}"
 
 
 class RunWriter:
@@ -367,87 +326,3 @@ class RunWriter:
             os.fsync(self._manifest.fileno())
         self.committed += 1
         self.bytes_written += size
-
-
-class Run:
-    """A run folder opened for reading: the same ``get(kind, step, layer)`` as an in-memory recording.
-
-    Only records listed in the manifest exist for the reader; leftovers of a crash (``*.tmp``) are
-    ignored. Reads are lazy: nothing but the manifest and metadata is read until you ask for a record.
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        if not (self.path / MANIFEST).exists():
-            raise FileNotFoundError(f"{str(self.path)!r} is not a cogattn run: it has no {MANIFEST}.")
-        meta_file = self.path / META
-        self.meta: dict = json.loads(meta_file.read_text()) if meta_file.exists() else {}
-        self._records: dict[tuple[str, int, int], RecordInfo] = {}
-        with open(self.path / MANIFEST, encoding="utf-8") as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    break  # a line cut by a crash was never committed
-                d = json.loads(line)
-                info = RecordInfo(d["kind"], d["step"], d["layer"], d["timestep"], tuple(d["shape"]), d["dtype"],
-                                  d["bytes"], d["file"])  # fmt: skip
-                self._records[(info.kind, info.step, info.layer)] = info
-
-    @property
-    def complete(self) -> bool:
-        """True when the recording that wrote this run closed normally."""
-        return bool(self.meta.get("complete"))
-
-    @property
-    def layout(self) -> TokenLayout | None:
-        lay = self.meta.get("layout")
-        return TokenLayout(**lay) if lay else None
-
-    @property
-    def timesteps(self) -> list[float | None]:
-        """Timestep of each step, indexed by step: from the metadata, completed after a crash from the
-        committed records (`None` where neither knows)."""
-        ts = list(self.meta.get("timesteps") or [])
-        for r in self._records.values():
-            ts.extend([None] * (r.step + 1 - len(ts)))
-            if ts[r.step] is None:
-                ts[r.step] = r.timestep
-        return ts
-
-    def records(self) -> list[RecordInfo]:
-        """Every committed record, sorted by (kind, step, layer)."""
-        return [self._records[k] for k in sorted(self._records)]
-
-    def keys(self) -> list[tuple[str, int, int]]:
-        return sorted(self._records)
-
-    def __contains__(self, key) -> bool:
-        return key in self._records
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def info(self, kind: str, step: int, layer: int) -> RecordInfo:
-        try:
-            return self._records[(kind, step, layer)]
-        except KeyError:
-            raise KeyError(_missing(kind, step, layer, self.keys(), f" in {str(self.path)!r}")) from None
-
-    def get(self, kind: str, step: int, layer: int, index: tuple | None = None) -> torch.Tensor:
-        """A record as a float32 tensor; ``index`` (ints and slices, e.g. ``(0, 3, slice(0, 10))`` for
-        batch item 0, head 3, the first 10 rows) reads only that part, through memory-mapped slices."""
-        info = self.info(kind, step, layer)
-        with safe_open(str(self.path / info.file), framework="pt") as f:
-            if index is None:
-                t = f.get_tensor("map")
-            else:
-                t = f.get_slice("map")[index if isinstance(index, tuple) else (index,)]
-        return t.float()
-
-    def __repr__(self) -> str:
-        state = "complete" if self.complete else "incomplete"
-        return f"Run({str(self.path)!r}, {len(self)} records, {state})"
-
-
-def load(path: str | os.PathLike) -> Run:
-    """Open a run folder written by ``cogattn.record(..., out=path)``."""
-    return Run(path)

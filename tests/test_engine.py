@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cogattn.engine import capture, plan_tiles
+from cogattn.engine import capture
+from cogattn.planner import plan_tiles
 from cogattn.layout import TokenLayout
 from cogattn.reducers import REDUCERS
 from reference import naive_kind, naive_probs
@@ -72,9 +73,9 @@ def test_budget_too_small_names_the_minimum():
 def test_auto_prefers_sdpa_for_pooled_kinds_and_rows_with_full():
     layout = TokenLayout(8, 3, 3, 5)
     pooled = [REDUCERS["frame"](layout, 2, True), REDUCERS["video_to_text"](layout, 2, True)]
-    assert plan_tiles(pooled, layout.seq_len, 2, 16, 2**30, "auto", "cpu").path == "sdpa"
+    assert plan_tiles(pooled, layout.seq_len, 2, 16, 2**30, "auto", "cpu").method == "sdpa"
     with_full = pooled + [REDUCERS["full"](layout, 2, True)]
-    assert plan_tiles(with_full, layout.seq_len, 2, 16, 2**30, "auto", "cpu").path == "rows"
+    assert plan_tiles(with_full, layout.seq_len, 2, 16, 2**30, "auto", "cpu").method == "rows"
 
 
 def test_frame_rows_sum_to_one_and_many_groups():
@@ -108,7 +109,7 @@ def test_joint_call_gives_output_lse_and_pooled_sums(dtype):
     CPU), the rest the key-group sums, and its lse is every row's log-sum-exp."""
     import math
 
-    from cogattn.engine import attention_joint, joint_width
+    from cogattn.attention import attention_joint, joint_width
 
     torch.manual_seed(0)
     layout = TokenLayout(5, 2, 7, 3)

@@ -42,7 +42,7 @@ def _assert_clean(pipe, originals):
         (dict(kinds=("query",), queries=[(1, 2)]), TypeError, r"query \(1, 2\) is neither"),
         (dict(memory_budget="lots"), ValueError, "memory_budget='lots' is not a byte size"),
         (dict(memory_budget=0), ValueError, "memory_budget must be positive"),
-        (dict(path="fast"), ValueError, r"path='fast' is not one of \['auto', 'rows', 'sdpa', 'triton'\]"),
+        (dict(method="fast"), ValueError, r"method='fast' is not one of \['auto', 'rows', 'sdpa', 'triton'\]"),
     ],
 )
 def test_bad_selection_refused_at_record(pipe, kwargs, error, match):
@@ -141,21 +141,19 @@ def test_batch_auto_is_cond_under_guidance_and_all_without():
     pipe = tiny_pipeline()
     with cogattn.record(pipe, kinds="frame") as rec:
         _call(pipe, steps=1)
-    assert rec._resolved.batch == (1,) and rec.get("frame", 0, 0).shape[0] == 1
+    assert rec.batch_items == (1,) and rec.get("frame", 0, 0).shape[0] == 1
     with cogattn.record(pipe, kinds="frame") as rec:
         _call(pipe, steps=1, guidance=1.0)
-    assert rec._resolved.batch == (0,)
+    assert rec.batch_items == (0,)
     with cogattn.record(pipe.transformer, kinds="frame") as rec:
         _call(pipe, steps=1)
-    assert rec._resolved.batch == (0, 1)  # a bare transformer cannot know: everything
+    assert rec.batch_items == (0, 1)  # a bare transformer cannot know: everything
 
 
 def test_cond_needs_an_even_guidance_batch():
     from cogattn.layout import TokenLayout
-    from cogattn.selection import Selection
 
-    sel = Selection.build(kinds=("frame",), layers="all", steps="all", batch="uncond", heads="mean", queries=None,
-                          memory_budget="1GiB", path="auto", num_layers=2, num_heads=2)  # fmt: skip
+    sel = cogattn.CaptureOptions(batch="uncond")
     with pytest.raises(ValueError, match="needs the guidance batch .* got a batch of 3"):
         sel.resolve(TokenLayout(8, 3, 3, 5), 3, True, 2, 2)
 
@@ -169,7 +167,7 @@ def test_queries_zero_is_a_token_index(pipe):
 def test_closed_recording_captures_nothing_even_if_its_processor_stays(pipe, tmp_path):
     from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 
-    rec = cogattn.Recording(pipe, kinds=("frame",), out=tmp_path / "run")
+    rec = cogattn.Recording(pipe, kinds=("frame",), save_dir=tmp_path / "run")
     pipe.transformer.set_attn_processor(cogattn.CogVideoXAttnMapProcessor(rec))
     try:
         _call(pipe, steps=1)

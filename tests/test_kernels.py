@@ -9,7 +9,8 @@ pytest.importorskip("triton")
 
 import cogattn  # noqa: E402
 from cogattn import kernels  # noqa: E402
-from cogattn.engine import capture, plan_tiles  # noqa: E402
+from cogattn.engine import capture  # noqa: E402
+from cogattn.planner import plan_tiles  # noqa: E402
 from cogattn.layout import TokenLayout  # noqa: E402
 from cogattn.reducers import REDUCERS  # noqa: E402
 from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline  # noqa: E402
@@ -49,7 +50,7 @@ def test_engine_triton_path_matches_naive(mean):
     kinds = ["frame", "video_to_text"]
     reducers = [REDUCERS[kd](layout, H, mean) for kd in kinds]
     plan = plan_tiles(reducers, S, H, D, 2**30, "triton", DEVICE)
-    assert plan.path == "triton"
+    assert plan.method == "triton"
     outs = [torch.zeros(r.shape(1)[1:], device=DEVICE) for r in reducers]
     capture(q.to(DEVICE), k.to(DEVICE), reducers, outs, plan)
     P = naive_probs(q[None], k[None])
@@ -85,7 +86,7 @@ def _assert_maps_match_naive(rec, spy):
 
 @pytest.mark.parametrize("output", ["stock", "lse"])
 def test_recording_with_the_kernel_matches_naive_and_keeps_output(output):
-    stock, out, rec, spy = _record_tiny(path="triton", output=output)
+    stock, out, rec, spy = _record_tiny(method="triton", layer_output=output)
     assert torch.equal(out, stock)
     _assert_maps_match_naive(rec, spy)
 
@@ -93,19 +94,18 @@ def test_recording_with_the_kernel_matches_naive_and_keeps_output(output):
 @pytest.fixture
 def timed_on_this_device(monkeypatch):
     """``auto`` as on CUDA with Triton: the first capture of a shape times the kernel against the SDPA pass."""
-    import cogattn.engine as engine
+    import cogattn.planner as planner
 
-    monkeypatch.setattr(engine, "_can_time_triton", kernels.available)
-    monkeypatch.setattr(engine, "_CHOSEN", {})
-    return engine
+    monkeypatch.setattr(planner, "can_time_triton", kernels.available)
 
 
 @pytest.mark.parametrize("slow", ["triton", "sdpa", "broken"])
 def test_auto_times_both_passes_and_keeps_the_faster(timed_on_this_device, monkeypatch, recwarn, slow):
     import time
 
-    engine = timed_on_this_device
-    real_kernel, real_sdpa = kernels.pooled_sums, engine._sdpa_with_lse
+    import cogattn.attention as attention
+
+    real_kernel, real_sdpa = kernels.pooled_sums, attention.sdpa_with_lse
     calls = {"triton": 0, "sdpa": 0}
 
     def kernel(*a, **kw):
@@ -121,13 +121,13 @@ def test_auto_times_both_passes_and_keeps_the_faster(timed_on_this_device, monke
         return real_sdpa(*a, **kw)
 
     monkeypatch.setattr(kernels, "pooled_sums", kernel)
-    monkeypatch.setattr(engine, "_sdpa_with_lse", sdpa)
-    stock, out, rec, spy = _record_tiny(output="lse")
+    monkeypatch.setattr(attention, "sdpa_with_lse", sdpa)
+    stock, out, rec, spy = _record_tiny(layer_output="lse")
     failed = [w for w in recwarn if "Triton pooled-sum kernel failed" in str(w.message)]
     assert len(failed) == (slow == "broken")
     assert torch.equal(out, stock)
-    assert rec._plans and all(p.path == "timed" for p in rec._plans.values())
-    (choice,) = engine.chosen_paths().values()
+    assert rec.plan.tiles.method == "timed"
+    (choice,) = rec.chosen_methods.values()
     assert choice == ("sdpa" if slow in ("triton", "broken") else "triton")
     # the probe ran each pass once (the kernel twice: build, then timed); all 4 captures then ran the choice
     probe = {"triton": 0 if slow == "broken" else 2, "sdpa": 1 if slow != "broken" else 0}

@@ -77,10 +77,10 @@ def test_cfg_two_videos_per_prompt_match_naive(path, batch, heads, expect_batch)
     """Odd, non-square 3x7 grid; CFG with two videos gives the batch [u, u, c, c]."""
     pipe = tiny_pipeline(num_heads=3)
     spy = QKSpy(pipe.transformer)
-    with cogattn.record(pipe, kinds=KINDS, batch=batch, heads=heads, queries=QUERIES, path=path) as rec:
+    with cogattn.record(pipe, kinds=KINDS, batch=batch, heads=heads, queries=QUERIES, method=path) as rec:
         _call(pipe, videos=2, width=112)
     spy.remove()
-    assert rec.layout.grid == (3, 3, 7) and rec._resolved.batch == tuple(expect_batch)
+    assert rec.layout.grid == (3, 3, 7) and rec.batch_items == tuple(expect_batch)
     _check_against_naive(pipe, rec, spy, expect_batch, heads, queries=QUERIES)
 
 
@@ -179,31 +179,31 @@ def test_opt_in_outputs_keep_cpu_output_identical_and_maps_exact(output, dtype, 
     video_to_text needs no attention pass of its own. "joint": one call on values widened with the frame
     indicator gives the output, the lse and the frame sums, and capture runs no attention pass at all.
     On the CPU both keep the video bit-identical."""
-    import cogattn.engine as engine
+    import cogattn.attention as attention
 
     pipe = tiny_pipeline(dtype=dtype, num_heads=3)
     stock = _call(pipe, videos=2, width=112)
     passes = []
-    real = engine._sdpa_with_lse
-    monkeypatch.setattr(engine, "_sdpa_with_lse", lambda *a: passes.append(1) or real(*a))
+    real = attention.sdpa_with_lse
+    monkeypatch.setattr(attention, "sdpa_with_lse", lambda *a: passes.append(1) or real(*a))
     spy = QKSpy(pipe.transformer)
     kinds = ("frame", "video_to_text", "query")
-    with cogattn.record(pipe, kinds=kinds, batch=batch, heads=heads, queries=QUERIES, output=output) as rec:
+    with cogattn.record(pipe, kinds=kinds, batch=batch, heads=heads, queries=QUERIES, layer_output=output) as rec:
         out = _call(pipe, videos=2, width=112)
     spy.remove()
     assert torch.equal(out, stock)
-    items = rec._resolved.batch
+    items = rec.batch_items
     # "lse": frame still needs its indicator pass, per step, layer and batch item
     assert len(passes) == (2 * 2 * len(items) if output == "lse" else 0)
     # the joint call's frame sums carry bf16 rounding (one bf16 value per query row and frame)
     tol = 2**-8 if output == "joint" and dtype == torch.bfloat16 else 1e-5  # P and sums rounded to bf16: ½ ulp each
-    heads = list(rec._resolved.heads) if isinstance(heads, list) else heads  # results keep head order, sorted
+    heads = sorted(heads) if isinstance(heads, list) else heads  # results keep head order, sorted
     _check_against_naive(pipe, rec, spy, list(items), heads, kinds=kinds, queries=QUERIES, tol=tol)
 
 
 def test_output_choice_is_checked():
     pipe = tiny_pipeline()
-    with pytest.raises(ValueError, match="output='fast'"):
-        cogattn.record(pipe, output="fast")
-    with pytest.raises(ValueError, match="path='rows'"):
-        cogattn.record(pipe, output="joint", path="rows")
+    with pytest.raises(ValueError, match="layer_output='fast'"):
+        cogattn.record(pipe, layer_output="fast")
+    with pytest.raises(ValueError, match="method='rows'"):
+        cogattn.record(pipe, layer_output="joint", method="rows")

@@ -38,7 +38,7 @@ def pipe():
 def test_round_trip_equals_in_memory_for_every_kind(pipe, tmp_path, storage_dtype):
     with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES) as mem:
         stock = _call(pipe)
-    with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES, out=tmp_path / "run",
+    with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES, save_dir=tmp_path / "run",
                         storage_dtype=storage_dtype, info={"prompt": "random embeddings"}) as disk:  # fmt: skip
         streamed = _call(pipe)
     assert torch.equal(streamed, stock)
@@ -67,7 +67,7 @@ def test_record_files_are_standard_safetensors(tmp_path, dtype):
 
 
 def test_listing_sizes_and_lazy_partial_reads(pipe, tmp_path):
-    with cogattn.record(pipe, kinds=("query", "video_to_text"), heads="all", queries=QUERIES, out=tmp_path) as rec:
+    with cogattn.record(pipe, kinds=("query", "video_to_text"), heads="all", queries=QUERIES, save_dir=tmp_path) as rec:
         _call(pipe)
     run = cogattn.load(tmp_path)
     for info in run.records():
@@ -82,15 +82,15 @@ def test_listing_sizes_and_lazy_partial_reads(pipe, tmp_path):
 
 def test_non_empty_folder_refused_unless_overwrite(pipe, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(cogattn.StoreError, match="is not empty; choose another `out`, or pass overwrite=True"):
-        cogattn.record(pipe, out=tmp_path)
+    with pytest.raises(cogattn.StoreError, match="is not empty; choose another `save_dir`, or pass overwrite=True"):
+        cogattn.record(pipe, save_dir=tmp_path)
     with pytest.raises(cogattn.StoreError, match="holds no cogattn run, so overwrite=True will not delete it"):
-        cogattn.record(pipe, out=tmp_path, overwrite=True)
+        cogattn.record(pipe, save_dir=tmp_path, overwrite=True)
     assert (tmp_path / "notes.txt").read_text() == "mine"
     run_dir = tmp_path / "run"
-    with cogattn.record(pipe, kinds="frame", out=run_dir):
+    with cogattn.record(pipe, kinds="frame", save_dir=run_dir):
         _call(pipe, steps=2)
-    with cogattn.record(pipe, kinds="frame", out=run_dir, overwrite=True):
+    with cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True):
         _call(pipe, steps=1)
     assert len(cogattn.load(run_dir)) == 2  # the old run's 4 records are gone
     assert not pipe.transformer._forward_pre_hooks
@@ -102,7 +102,7 @@ def test_run_too_big_for_the_disk_is_refused_with_both_numbers(pipe, tmp_path, m
     monkeypatch.setattr(store.shutil, "disk_usage", lambda path: usage(free, 0, free))
     expected = 2 * 2 * record_file_bytes((2, 2, 53, 53), torch.float32)  # 2 steps x 2 layers, full, heads all
     with pytest.raises(cogattn.StoreError, match=rf"will write {expected:,} bytes .* has {free:,} bytes .* free"):
-        with cogattn.record(pipe, kinds="full", heads="all", batch="all", out=tmp_path / "r"):
+        with cogattn.record(pipe, kinds="full", heads="all", batch="all", save_dir=tmp_path / "r"):
             _call(pipe)
     assert not any((tmp_path / "r").iterdir())  # a run refused before its first record leaves nothing behind
 
@@ -119,7 +119,7 @@ def test_write_failure_mid_run_stops_with_clear_error_and_keeps_committed(pipe, 
     monkeypatch.setattr(store, "write_record", failing)
     originals = pipe.transformer.attn_processors
     with pytest.raises(cogattn.StoreError, match=r"No space left on device.*the 3 records committed before it"):
-        with cogattn.record(pipe, kinds=("frame", "video_to_text"), out=tmp_path):
+        with cogattn.record(pipe, kinds=("frame", "video_to_text"), save_dir=tmp_path):
             _call(pipe, steps=4)
     run = cogattn.load(tmp_path)
     assert len(run) == 3 and not run.complete
@@ -183,5 +183,5 @@ def test_overwrite_never_deletes_a_folder_that_is_not_a_cogattn_run(pipe, tmp_pa
     (tmp_path / "records").mkdir()
     (tmp_path / "records" / "theirs.bin").write_bytes(b"x")
     with pytest.raises(cogattn.StoreError, match="holds no cogattn run"):
-        cogattn.record(pipe, out=tmp_path, overwrite=True)
+        cogattn.record(pipe, save_dir=tmp_path, overwrite=True)
     assert (tmp_path / "records" / "theirs.bin").exists()

@@ -1,0 +1,324 @@
+"""Every capture option, once: :class:`CaptureOptions` lists them with their docs and checks them.
+
+``cogattn.record``, ``cogattn.Recording``, ``cogattn.estimate`` and the ``capture:`` section of a
+``dump_maps.py`` config all take these options, so a run and its estimate are planned from the same
+values. Checks happen in three places, each as early as its facts are known:
+
+* what the options alone decide, when a :class:`CaptureOptions` is built;
+* what the model decides (layer and head ranges), in :meth:`CaptureOptions.check_model`;
+* what the call decides (batch size, guidance, latent grid, number of steps), in
+  :meth:`CaptureOptions.resolve`, at the first transformer call of a generation, before any block runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .layout import TokenLayout
+from .reducers import REDUCERS
+
+__all__ = ["CaptureOptions", "Resolved", "parse_bytes", "METHODS", "LAYER_OUTPUTS", "STORAGE_DTYPES"]
+
+METHODS = ("auto", "rows", "sdpa", "triton")
+LAYER_OUTPUTS = ("stock", "lse", "joint")
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BATCH_WORDS = ("auto", "all", "cond", "uncond")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """What to capture, how, and where to keep it.
+
+    Pass the fields as keyword arguments to :func:`cogattn.record` (or build one object and pass it
+    first: ``cogattn.record(pipe, options)``); the values are checked and normalised on construction.
+
+    Args:
+        kinds (`str | Sequence[str]`, defaults to ``("frame",)``): any of ``"full"``, ``"frame"``,
+            ``"video_to_text"``, ``"text_to_video"``, ``"query"`` (shapes in the README and
+            ``docs/design.md``).
+        layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): 0-based block indices.
+        steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): 0-based denoising-step indices
+            (they count the transformer calls of the generation).
+        batch (`"auto" | "all" | "cond" | "uncond" | int | Sequence[int]`, defaults to ``"auto"``):
+            transformer batch items. Under classifier-free guidance the batch is ``[uncond..., cond...]``;
+            ``"auto"`` is ``"cond"`` when a pipeline runs with guidance and ``"all"`` otherwise; ``"cond"``
+            and ``"uncond"`` need a pipeline.
+        heads (`"all" | "mean" | int | Sequence[int]`, defaults to ``"mean"``): ``"mean"`` averages all
+            heads into one head slot.
+        queries (`int | Sequence[int | tuple[int, int, int]] | None`): for ``"query"``: token indices or
+            video coordinates ``(frame, row, col)`` on the latent patch grid.
+        memory_budget (`int | str`, defaults to ``"1GiB"``): bound on the transient working memory of
+            capture (results excluded): bytes, or a string such as ``"512MiB"``; stored as bytes.
+        method (`"auto" | "rows" | "sdpa" | "triton"`, defaults to ``"auto"``): how the key-pooled kinds
+            (``frame``, ``video_to_text``) are computed. All are exact. ``"rows"`` forms row tiles of P;
+            ``"sdpa"`` runs one fused attention call on indicator values; ``"triton"`` runs cogattn's
+            fused kernel (CUDA, or its interpreter). ``"auto"`` picks ``"sdpa"``, or ``"rows"`` when
+            ``full`` forms the rows anyway; on CUDA with Triton it times the kernel against ``"sdpa"`` at
+            the first capture of each shape and keeps the faster.
+        layer_output (`"stock" | "lse" | "joint"`, defaults to ``"stock"``): how captured layers compute
+            their own attention output (layers not captured always run the stock call).
+
+            * ``"stock"``: diffusers' own ``F.scaled_dot_product_attention`` call; the video is
+              bit-identical to a run without cogattn.
+            * ``"lse"`` (opt-in): the flash kernel that SDPA dispatches to (CPU; CUDA for fp16/bf16),
+              called directly so that it also returns each row's log-sum-exp, which ``video_to_text``
+              then reuses instead of an attention pass of its own.
+            * ``"joint"`` (opt-in, the fastest): one fused call on values widened with the key-group
+              indicator columns returns the output, the lse and the ``frame`` sums together; capture
+              then runs no attention pass. The sums carry the model dtype's rounding (within 2⁻⁸ per
+              query row in bf16) and need ``method="auto"``.
+
+            On the CPU both opt-in modes gave bit-identical videos in the tests (fp32 and bf16); on CUDA
+            they run another kernel than SDPA may choose, so the output can differ in the last bits.
+        save_dir (`str | os.PathLike | None`, defaults to `None`): a folder to stream every record to as
+            soon as it exists (read it with ``cogattn.load``); `None` keeps results in memory.
+        overwrite (`bool`, defaults to `False`): replace a cogattn run already in ``save_dir``; a
+            non-empty folder is refused otherwise, and a folder that holds no run is never deleted.
+        storage_dtype (`"float32" | "float16" | "bfloat16"`, defaults to ``"float32"``): the dtype on
+            disk; the 16-bit ones halve the size.
+        info (`dict | None`): JSON-able facts to keep with the run (prompt, seed, ...).
+    """
+
+    kinds: str | Sequence[str] = ("frame",)
+    layers: str | int | Sequence[int] = "all"
+    steps: str | int | Sequence[int] = "all"
+    batch: str | int | Sequence[int] = "auto"
+    heads: str | int | Sequence[int] = "mean"
+    queries: int | Sequence[int | tuple[int, int, int]] | None = None
+    memory_budget: int | str = "1GiB"
+    method: str = "auto"
+    layer_output: str = "stock"
+    save_dir: str | os.PathLike | None = None
+    overwrite: bool = False
+    storage_dtype: str = "float32"
+    info: dict | None = None
+
+    def __post_init__(self):
+        kinds = (self.kinds,) if isinstance(self.kinds, str) else self.kinds
+        if not isinstance(kinds, (list, tuple)):
+            raise TypeError(f"kinds must be a kind or a list of kinds from {list(REDUCERS)}, got {self.kinds!r}.")
+        if not kinds:
+            raise ValueError(f"kinds is empty; choose from {list(REDUCERS)}.")
+        for kind in kinds:
+            if kind not in REDUCERS:
+                raise ValueError(f"unknown kind {kind!r}; the kinds are {list(REDUCERS)}.")
+        _choice("method", self.method, METHODS)
+        _choice("layer_output", self.layer_output, LAYER_OUTPUTS)
+        _choice("storage_dtype", self.storage_dtype, tuple(STORAGE_DTYPES))
+        if self.layer_output == "joint" and self.method != "auto":
+            raise ValueError(
+                f"layer_output='joint' computes the key-pooled kinds in the output call; method={self.method!r} "
+                "cannot apply. Leave method='auto'."
+            )
+        queries = _check_queries(self.queries)
+        if "query" in kinds and not queries:
+            raise ValueError("kind 'query' needs queries=[...]: token indices or (frame, row, col) coordinates.")
+        if queries is not None and "query" not in kinds:
+            raise ValueError("queries were given but 'query' is not in kinds; add it or drop queries.")
+        if not isinstance(self.overwrite, bool):
+            raise TypeError(f"overwrite must be True or False, got {self.overwrite!r}.")
+        if self.info is not None and not isinstance(self.info, dict):
+            raise TypeError(f"info must be a dict of JSON-able facts (or None), got {self.info!r}.")
+        if self.save_dir is not None and not isinstance(self.save_dir, (str, os.PathLike)):
+            raise TypeError(f"save_dir must be a folder path (or None), got {self.save_dir!r}.")
+        normalised = dict(
+            kinds=tuple(dict.fromkeys(kinds)),
+            layers=_indices("layers", self.layers, None, ("all",)),
+            steps=_indices("steps", self.steps, None, ("all",)),
+            batch=_indices("batch", self.batch, None, BATCH_WORDS),
+            heads=_indices("heads", self.heads, None, ("all", "mean")),
+            queries=queries,
+            memory_budget=parse_bytes(self.memory_budget),
+            save_dir=None if self.save_dir is None else Path(self.save_dir).expanduser(),
+            info=dict(self.info or {}),
+        )
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def build(cls, options: CaptureOptions | None = None, **kwargs) -> CaptureOptions:
+        """``options`` (or the defaults) with ``kwargs`` on top; an unknown keyword is a `TypeError`."""
+        if options is not None and not isinstance(options, CaptureOptions):
+            raise TypeError(f"options must be a CaptureOptions, got {type(options).__name__}; pass options as keywords.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(f"unknown capture option{'s' if len(unknown) > 1 else ''} {unknown}; the options are {names}.")
+        return dataclasses.replace(options or cls(), **kwargs)
+
+    # -- against the model --------------------------------------------------------------------------
+    def check_model(self, num_layers: int, num_heads: int) -> None:
+        """Raise `ValueError` for layer or head indices outside the model."""
+        for name, value, upper in (("layers", self.layers, num_layers), ("heads", self.heads, num_heads)):
+            if isinstance(value, tuple) and max(value) >= upper:
+                raise ValueError(f"{name} index {max(value)} is out of range; valid indices are 0..{upper - 1}.")
+
+    def wants_layer(self, layer: int) -> bool:
+        return self.layers == "all" or layer in self.layers
+
+    def wants_step(self, step: int) -> bool:
+        return self.steps == "all" or step in self.steps
+
+    def selection_meta(self) -> dict:
+        """The selection as JSON-able values (what a run's ``run.json`` keeps under ``"selection"``)."""
+        keep = ("kinds", "layers", "steps", "batch", "heads", "queries", "memory_budget", "method")
+        return {k: _jsonable(getattr(self, k)) for k in keep}
+
+    # -- against the call ---------------------------------------------------------------------------
+    def resolve(
+        self, layout: TokenLayout, batch_size: int, guidance: bool | None, num_steps: int | None, num_heads: int
+    ) -> Resolved:
+        """Make the selection concrete for a call; raises `ValueError` naming what does not fit."""
+        if num_steps is not None and self.steps != "all" and max(self.steps) >= num_steps:
+            raise ValueError(
+                f"steps={list(self.steps)} asks for step {max(self.steps)}, but this generation has "
+                f"{num_steps} denoising steps (0..{num_steps - 1})."
+            )
+        return Resolved(
+            layout=layout,
+            batch=self._resolve_batch(batch_size, guidance),
+            heads=tuple(range(num_heads)) if isinstance(self.heads, str) else self.heads,
+            mean_heads=self.heads == "mean",
+            queries=self._resolve_queries(layout),
+        )
+
+    def _resolve_batch(self, batch_size: int, guidance: bool | None) -> tuple[int, ...]:
+        if self.batch == "all" or (self.batch == "auto" and not guidance):
+            return tuple(range(batch_size))
+        if isinstance(self.batch, tuple):
+            if max(self.batch) >= batch_size:
+                raise ValueError(
+                    f"batch index {max(self.batch)} is out of range: the transformer batch has {batch_size} "
+                    f"items (0..{batch_size - 1}; under guidance the first half is unconditional)."
+                )
+            return self.batch
+        if guidance is None:
+            raise ValueError(
+                f"batch={self.batch!r} needs to know whether classifier-free guidance is on, which only a "
+                "pipeline tells; with a bare transformer pass batch indices instead (under guidance the "
+                "batch is [uncond..., cond...])."
+            )
+        if not guidance:
+            raise ValueError(
+                f"batch={self.batch!r} but this generation runs without classifier-free guidance "
+                "(guidance_scale <= 1), so there is no separate cond/uncond half; use batch='all'."
+            )
+        if batch_size < 2 or batch_size % 2:
+            raise ValueError(
+                f"batch={self.batch!r} needs the guidance batch [uncond..., cond...], but the transformer got "
+                f"a batch of {batch_size}; pass batch indices instead."
+            )
+        half = batch_size // 2
+        return tuple(range(half)) if self.batch == "uncond" else tuple(range(half, batch_size))
+
+    def _resolve_queries(self, layout: TokenLayout) -> torch.Tensor | None:
+        if self.queries is None:
+            return None
+        index = []
+        for q in self.queries:
+            if isinstance(q, int):
+                if not 0 <= q < layout.seq_len:
+                    raise ValueError(
+                        f"query token {q} is outside the sequence: S = {layout.seq_len} "
+                        f"({layout.text_len} text + {layout.video_len} video tokens)."
+                    )
+                index.append(q)
+            else:
+                index.append(layout.token_index(*q))
+        return torch.tensor(index, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The selection made concrete for one generation: batch rows, heads, query tokens, and the layout."""
+
+    layout: TokenLayout
+    batch: tuple[int, ...]
+    heads: tuple[int, ...]
+    mean_heads: bool
+    queries: torch.Tensor | None
+
+
+def parse_bytes(value: int | str) -> int:
+    """Parse a byte count: an int, or a string such as ``"1GiB"``, ``"512 MB"``, ``"2e9"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"memory_budget must be an int (bytes) or a string like '1GiB', got {value!r}.")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"memory_budget={value!r} is not a byte size; use bytes or a number with a unit "
+                f"({', '.join(u for u in _UNITS if u)}), e.g. '1GiB'."
+            )
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"memory_budget must be positive, got {value!r}.")
+    return n
+
+
+def _choice(name: str, value, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {list(choices)}.")
+
+
+def _indices(name: str, value, upper: int | None, words: Sequence[str]) -> str | tuple[int, ...]:
+    """Validate a selector that is one of ``words`` or a list of indices in ``[0, upper)``."""
+    if isinstance(value, str):
+        if value not in words:
+            raise ValueError(f"{name}={value!r} is not allowed; use one of {list(words)} or a list of indices.")
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple, range)) or not value:
+        raise TypeError(f"{name} must be one of {list(words)} or a non-empty list of indices, got {value!r}.")
+    out = []
+    for i in value:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"{name} must hold integer indices, got {i!r} in {value!r}.")
+        if i < 0 or (upper is not None and i >= upper):
+            bound = f"0..{upper - 1}" if upper is not None else "≥ 0"
+            raise ValueError(f"{name} index {i} is out of range; valid indices are {bound}.")
+        out.append(i)
+    return tuple(sorted(set(out)))
+
+
+def _check_queries(queries) -> tuple | None:
+    if queries is None:
+        return None
+    if isinstance(queries, int) and not isinstance(queries, bool):
+        queries = [queries]
+    if not isinstance(queries, (list, tuple, range)):
+        raise TypeError(f"queries must be a list of token indices or (frame, row, col) tuples, got {queries!r}.")
+    out = []
+    for q in queries:
+        if isinstance(q, int) and not isinstance(q, bool) and q >= 0:
+            out.append(q)
+        elif (
+            isinstance(q, (tuple, list))
+            and len(q) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in q)
+        ):
+            out.append(tuple(q))
+        else:
+            raise TypeError(
+                f"query {q!r} is neither a token index (int >= 0) nor a video coordinate (frame, row, col) "
+                "of non-negative ints."
+            )
+    return tuple(out)
+
+
+def _jsonable(value):
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    return value

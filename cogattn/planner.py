@@ -1,0 +1,283 @@
+"""Planning a capture before it runs: which method serves the key-pooled kinds, how large the tiles are,
+and what the records will cost.
+
+:func:`plan_capture` is the one planner: ``Recording`` calls it at the first transformer call of a
+generation, and ``cogattn.estimate`` calls it from a model config alone, so an estimate is the plan of
+the run it predicts. It resolves the options against the call, builds the reducers, chooses the
+method (:func:`choose_method`) and sizes the tiles within the memory budget (:func:`size_tiles`).
+
+The tile sizes bound the transient float32 working set; the reducers' results are not counted (they
+are what the user asked for) but are reported with the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+from .attention import fused_lse_supported, joint_extra_bytes
+from .layout import TokenLayout
+from .options import STORAGE_DTYPES, CaptureOptions, Resolved
+from .reducers import REDUCERS, Reducer
+from .store import record_file_bytes
+
+__all__ = ["CapturePlan", "TilePlan", "can_time_triton", "choose_method", "plan_capture", "plan_tiles", "size_tiles"]
+
+_F32 = 4
+_MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
+_RESERVE = 16 * 2**20  # at most this much of the budget is kept back as headroom
+POOLED_METHODS = ("sdpa", "triton", "timed", "joint")  # methods that serve key-pooled kinds without row tiles
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Chunk sizes for one layer call.
+
+    Args:
+        method (`str`): how key-pooled kinds are computed: ``"rows"``, ``"sdpa"``, ``"triton"``,
+            ``"joint"`` (the output call brings them), or ``"timed"`` (``sdpa`` or ``triton``, whichever
+            the first capture of a shape measures faster).
+        row_heads (`int`): heads per row tile.
+        row_rows (`int`): query rows per row tile.
+        pooled_heads (`int`): heads per chunk of the pooled pass (0 when no pooled pass runs).
+        pooled_rows (`int`): query rows per single-key-column tile of the pooled pass.
+        peak_bytes (`int`): predicted peak transient bytes.
+    """
+
+    method: str
+    row_heads: int
+    row_rows: int
+    pooled_heads: int
+    pooled_rows: int
+    peak_bytes: int
+
+
+def all_rows(reducer: Reducer, S: int) -> bool:
+    """Whether a reducer asks for every query row in order (then one pass over all rows serves it)."""
+    rows = reducer.rows
+    return rows is not None and len(rows) == S and bool(torch.equal(rows.cpu(), torch.arange(S)))
+
+
+def can_time_triton(device: torch.device) -> bool:
+    """Whether ``auto`` times the Triton kernel against the SDPA pass (CUDA with Triton; the interpreter on
+    the CPU is far slower than SDPA, so there ``auto`` means ``sdpa``)."""
+    return device.type == "cuda" and kernels.available(device)
+
+
+def choose_method(method: str, reducers: list[Reducer], seq_len: int, device) -> str:
+    """The method that serves the key-pooled kinds of ``reducers``: ``method`` as asked (one of
+    ``CaptureOptions.method``, or ``"joint"`` for ``layer_output="joint"``), with ``"auto"`` made concrete.
+    Raises `ValueError` when the asked method cannot run on ``device``."""
+    device = torch.device(device)
+    if not any(r.key_groups is not None for r in reducers):
+        return "rows"  # every kind is served by row tiles
+    if method == "auto":
+        if any(all_rows(r, seq_len) for r in reducers) or not fused_lse_supported(device):
+            return "rows"  # the rows are formed anyway (``full``), or there is no fused kernel
+        return "timed" if can_time_triton(device) else "sdpa"
+    if method == "joint" and not fused_lse_supported(device):
+        raise ValueError(f"layer_output='joint' needs a fused attention kernel with log-sum-exp; device is {device}.")
+    if method == "triton" and not kernels.available(device):
+        raise ValueError(
+            f"method='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); device is {device}, Triton "
+            f"{'is' if kernels.triton is not None else 'is not'} installed. Use method='auto'."
+        )
+    if method == "sdpa" and not fused_lse_supported(device):
+        raise ValueError(f"method='sdpa' needs a fused attention kernel with log-sum-exp; device is {device}.")
+    return method
+
+
+def size_tiles(
+    method: str, reducers: list[Reducer], S: int, H: int, D: int, budget: int, copies_inputs: bool = True
+) -> TilePlan:
+    """Chunk sizes for ``reducers`` on ``method`` (from :func:`choose_method`) within ``budget`` bytes;
+    raises `ValueError` when no tile fits.
+
+    Args:
+        method (`str`): the concrete method.
+        reducers (`list[Reducer]`): what one layer call computes.
+        S, H, D (`int`): sequence length, selected heads, head dim.
+        budget (`int`): bytes of transient working memory allowed.
+        copies_inputs (`bool`, defaults to `True`): whether q and k must be copied to float32 per head
+            chunk (not for contiguous float32 inputs with every head selected).
+    """
+    # Headroom for what the model below leaves out (softmax row statistics, fold temporaries, kernel
+    # workspaces): measured at 1 GiB these add up to a few MiB.
+    budget, asked = budget - min(budget // 32, _RESERVE), budget
+    pooled = [r for r in reducers if r.key_groups is not None]
+    row_cols = sum(r.key_groups.num_groups for r in pooled) if method == "rows" else 0
+    row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and method == "rows" else [])
+    n_single = sum(r.key_groups.num_groups for r in pooled if r.key_groups.single_keys)
+    n_multi = sum(r.key_groups.num_groups for r in pooled if not r.key_groups.single_keys)
+
+    def row_bytes(h: int, r: int) -> int:
+        return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs)
+
+    def pooled_bytes(h: int, r: int) -> int:
+        return _pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, joint=method == "joint")
+
+    row_heads = row_rows = 0
+    if row_sets:
+        most_rows = min(max(row_sets), _MAX_ROWS)
+        # Prefer all heads per tile (one pass folds the head mean) with a reasonable row count.
+        for h in range(H, 0, -1):
+            row_rows = _largest(lambda r: row_bytes(h, r) <= budget, most_rows)
+            if row_rows >= min(64, most_rows) or h == 1:
+                row_heads = h
+                break
+        if row_rows == 0:
+            raise _too_small(asked, row_bytes(1, 1), S, D)
+    pooled_heads = pooled_rows = 0
+    if pooled and method in POOLED_METHODS:  # the Triton pass holds less than the SDPA pass
+        pooled_heads = _largest(lambda h: pooled_bytes(h, 1) <= budget, H)
+        if pooled_heads == 0:
+            raise _too_small(asked, pooled_bytes(1, 1), S, D)
+        pooled_rows = _largest(lambda r: pooled_bytes(pooled_heads, r) <= budget, S) if n_single else S
+    peak = max(row_bytes(row_heads, row_rows) if row_sets else 0,
+               pooled_bytes(pooled_heads, pooled_rows) if pooled_heads else 0)  # fmt: skip
+    return TilePlan(method, row_heads, row_rows, pooled_heads, pooled_rows, peak)
+
+
+def plan_tiles(
+    reducers: list[Reducer], S: int, H: int, D: int, budget: int, method: str, device, copies_inputs: bool = True
+) -> TilePlan:
+    """:func:`choose_method`, then :func:`size_tiles`."""
+    return size_tiles(choose_method(method, reducers, S, device), reducers, S, H, D, budget, copies_inputs)
+
+
+def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool) -> int:
+    # float32 K of the head chunk (when the input must be copied), the q rows, the scores (the softmax
+    # runs in place), the pooled sums
+    return _F32 * (h * S * D * copies + h * r * D + h * r * S + h * r * C)
+
+
+def _pooled_bytes(h: int, r: int, S: int, D: int, n_multi: int, n_single: int, copies: bool, joint: bool) -> int:
+    if joint:  # sums and lse came with the output: a float32 chunk of the sums, then the single-key tiles
+        held = h * S + h * D * n_single  # lse, the single keys' k
+        return _F32 * (held + max(h * S * n_multi, h * r * (n_single + D * copies)))
+    # Held throughout: float32 q and k (when copied), the padded indicator (plus a per-call slice when
+    # there are several calls), lse. Then first the outputs (gathered in a buffer when there are several
+    # calls), freed before the single-key tiles of r rows.
+    calls = max(1, math.ceil(n_multi / D))
+    held = 2 * h * S * D * copies + S * D * (calls + (calls > 1)) + h * S
+    outputs = h * S * D * (calls + 1 if calls > 1 else 1)
+    single = h * r * n_single + h * D * n_single
+    return _F32 * (held + max(outputs, single))
+
+
+def _largest(fits, upper: int) -> int:
+    """Largest n in [1, upper] with fits(n) (fits is monotone), or 0."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _too_small(budget: int, need: int, S: int, D: int) -> ValueError:
+    # a budget whose part left after the reserve holds `need`
+    enough = need + _RESERVE if need + _RESERVE > 32 * _RESERVE else -(-need * 32 // 31) + 1
+    return ValueError(
+        f"memory_budget={budget} bytes is too small for one tile at sequence length S={S}, head dim {D}: "
+        f"the smallest tile needs {need} bytes. Raise memory_budget to at least {enough} (e.g. '1GiB')."
+    )
+
+
+# -- the whole capture ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CapturePlan:
+    """One generation's capture, planned: the selection made concrete, the reducers, the tiles, the records.
+
+    Args:
+        options (`CaptureOptions`): what was asked.
+        resolved (`Resolved`): batch items, heads and query tokens of this call.
+        reducers (`list[Reducer]`): one per kind, in ``options.kinds`` order.
+        tiles (`TilePlan`): the tiles for the model's dtype and head selection.
+        num_layers (`int`): blocks of the model.
+        joint_bytes (`int`): with ``layer_output="joint"``, what the widened output call holds beyond
+            the stock call (:func:`cogattn.attention.joint_extra_bytes`); 0 otherwise.
+    """
+
+    options: CaptureOptions
+    resolved: Resolved
+    reducers: list[Reducer]
+    tiles: TilePlan
+    num_layers: int
+    joint_bytes: int = 0
+
+    @property
+    def layout(self) -> TokenLayout:
+        return self.resolved.layout
+
+    @property
+    def layers_captured(self) -> int:
+        return self.num_layers if self.options.layers == "all" else len(self.options.layers)
+
+    def steps_captured(self, num_steps: int | None) -> int:
+        """Captured steps of a generation of ``num_steps`` (1 when unknown, as with a bare transformer)."""
+        if self.options.steps == "all":
+            return num_steps or 1
+        return len([s for s in self.options.steps if num_steps is None or s < num_steps])
+
+    def records(self, num_steps: int | None) -> list[tuple[str, tuple[int, ...], int, int]]:
+        """Per kind: ``(kind, shape, bytes of one record file in the storage dtype, records per generation)``."""
+        dtype = STORAGE_DTYPES[self.options.storage_dtype]
+        count = self.layers_captured * self.steps_captured(num_steps)
+        out = []
+        for r in self.reducers:
+            shape = r.shape(len(self.resolved.batch))
+            out.append((r.kind, shape, record_file_bytes(shape, dtype), count))
+        return out
+
+    @property
+    def result_bytes(self) -> int:
+        """The float32 results of one layer call, held while it runs."""
+        return sum(r.nbytes(len(self.resolved.batch)) for r in self.reducers)
+
+    @property
+    def peak_extra_memory(self) -> int:
+        """Predicted peak memory capture adds to a generation: the tile working set (or, with
+        ``layer_output="joint"``, the widened output call when it is larger) plus one layer's results."""
+        return max(self.tiles.peak_bytes, self.joint_bytes) + self.result_bytes
+
+
+def plan_capture(
+    options: CaptureOptions,
+    *,
+    layout: TokenLayout,
+    batch_size: int,
+    guidance: bool | None,
+    num_steps: int | None,
+    num_layers: int,
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device,
+) -> CapturePlan:
+    """Plan a capture for a call of ``batch_size`` items on ``layout``; raises `ValueError` for what does not fit.
+
+    Args:
+        options (`CaptureOptions`): the options (already checked against the model).
+        layout (`TokenLayout`): the call's token layout.
+        batch_size (`int`): the transformer batch; ``guidance``: whether classifier-free guidance is on
+            (`None` when unknown, as with a bare transformer); ``num_steps``: steps of the generation.
+        num_layers, num_heads, head_dim (`int`): the model's attention.
+        dtype (`torch.dtype`): the model's dtype; ``device``: where capture runs.
+    """
+    res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
+    reducers = [REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries) for k in options.kinds]
+    copies = dtype != torch.float32 or len(res.heads) != num_heads
+    method = "joint" if options.layer_output == "joint" else options.method
+    tiles = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, options.memory_budget, method, device, copies)
+    joint_bytes = 0
+    n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)
+    if options.layer_output == "joint" and n_cols:
+        elem = torch.empty((), dtype=dtype).element_size()
+        joint_bytes = joint_extra_bytes(len(res.batch), num_heads, layout.seq_len, head_dim, n_cols, elem)
+    return CapturePlan(options, res, reducers, tiles, num_layers, joint_bytes)
