@@ -1,10 +1,10 @@
 """Predicted vs measured: peak extra memory of capture, and bytes written, for several plans.
 
 A CogVideoX-2b transformer with one block (random weights) runs one forward pass at 480×720 and 5
-latent frames (S = 226 + 5·30·45 = 6,976), under ``cogattn.record`` with ``out=`` a temporary run
+latent frames (S = 226 + 5·30·45 = 6,976), under ``cogattn.record`` with ``save_dir=`` a temporary run
 folder. For each plan the script compares ``cogattn.estimate(...)`` with
 
-* the measured peak extra memory of each layer capture (and, with ``output="joint"``, of the widened
+* the measured peak extra memory of each layer capture (and, with ``layer_output="joint"``, of the widened
   output call beyond the output the stock call allocates too): on CPU the rise of the process's peak
   resident memory (Linux ``VmHWM``, reset before the capture; large allocations are mmapped so freed
   memory leaves at once), on CUDA ``torch.cuda.max_memory_allocated`` over the capture;
@@ -15,18 +15,16 @@ folder. For each plan the script compares ``cogattn.estimate(...)`` with
 
 from __future__ import annotations
 
-import os
-import sys
-
-from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
-
 import argparse
+import os
 import platform
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from diffusers import CogVideoXTransformer3DModel
+from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 
 import cogattn
 from cogattn.estimate import estimate
@@ -34,16 +32,16 @@ from cogattn.estimate import estimate
 MiB = 2**20
 
 PLANS = [
-    dict(kinds=("frame",), path="sdpa"),
-    dict(kinds=("frame",), path="rows"),
-    dict(kinds=("video_to_text",), path="sdpa"),
-    dict(kinds=("frame", "video_to_text"), path="sdpa", heads=[0, 5, 7, 11]),
+    dict(kinds=("frame",), method="sdpa"),
+    dict(kinds=("frame",), method="rows"),
+    dict(kinds=("video_to_text",), method="sdpa"),
+    dict(kinds=("frame", "video_to_text"), method="sdpa", heads=[0, 5, 7, 11]),
     dict(kinds=("text_to_video",)),
     dict(kinds=("query",), queries=list(range(300, 6900, 103))),
     dict(kinds=("full",), heads="mean"),
-    dict(kinds=("frame", "video_to_text"), path="sdpa", dtype=torch.bfloat16),
-    dict(kinds=("frame", "text_to_video"), path="rows", dtype=torch.bfloat16, heads="all"),
-    dict(kinds=("frame", "video_to_text"), output="joint", dtype=torch.bfloat16),
+    dict(kinds=("frame", "video_to_text"), method="sdpa", dtype=torch.bfloat16),
+    dict(kinds=("frame", "text_to_video"), method="rows", dtype=torch.bfloat16, heads="all"),
+    dict(kinds=("frame", "video_to_text"), layer_output="joint", dtype=torch.bfloat16),
 ]
 
 
@@ -57,15 +55,16 @@ def measure_captures(rec, device: str) -> list[int]:
         peaks.append(memory.stop())
 
     rec.capture = measured
-    joint = rec.joint_attention
+    joint = rec.attention
 
-    def measured_joint(query, key, value):  # output="joint": the widened call, beyond the stock call's output
+    def measured_joint(query, key, value):  # layer_output="joint": the widened call, beyond the stock output
         memory.start()
         result = joint(query, key, value)
-        peaks.append(memory.stop() - result[0].nbytes)
+        if result is not None:
+            peaks.append(memory.stop() - result[0].nbytes)
         return result
 
-    rec.joint_attention = measured_joint
+    rec.attention = measured_joint
     return peaks
 
 
@@ -91,14 +90,14 @@ def main() -> None:
         latents = torch.randn(1, args.frames, 16, 60, 90, device=device, dtype=dtype)
         text = torch.randn(1, 226, 4096, device=device, dtype=dtype)
         with tempfile.TemporaryDirectory(dir=".") as tmp, torch.no_grad():
-            rec = cogattn.record(model, out=Path(tmp) / "run", **opts)
+            rec = cogattn.record(model, save_dir=Path(tmp) / "run", **opts)
             peaks = measure_captures(rec, device)
             with rec:
                 model(hidden_states=latents, encoder_hidden_states=text, timestep=torch.tensor([500], device=device))
             written = sum(r.nbytes for r in cogattn.load(Path(tmp) / "run").records())
         name = " + ".join(opts["kinds"])
         heads = f"heads {opts['heads']}" if isinstance(opts["heads"], str) else f"{len(opts['heads'])} heads"
-        label = f"{name} ({pred.plan.path}, {heads}, {str(dtype)[6:]})"
+        label = f"{name} ({pred.tiles.method}, {heads}, {str(dtype)[6:]})"
         rows.append((label, pred.peak_extra_memory, max(peaks), pred.record_bytes, written))
         print(f"{label:>60}: memory predicted {pred.peak_extra_memory / MiB:8.1f} MiB, measured "
               f"{max(peaks) / MiB:8.1f} MiB; bytes predicted {pred.record_bytes:,} written {written:,}", flush=True)

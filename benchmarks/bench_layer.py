@@ -1,9 +1,9 @@
-"""One CogVideoX attention layer at real shape: stock time vs exact capture of each kind, per path.
+"""One CogVideoX attention layer at real shape: stock time vs exact capture of each kind, per method.
 
 Builds the attention of a CogVideoX-2b block (30 heads × 64, sincos positions, so no RoPE) with random
 weights and random inputs at 49 frames × 480×720 (S = 226 + 13·30·45 = 17,776), float32 on the CPU,
 then times the stock layer (projections + fused SDPA + output projection) and, on the same q and k,
-cogattn's capture of each kind with the ``sdpa`` and ``rows`` paths, and ``output="joint"``, where
+cogattn's capture of each kind with the ``sdpa`` and ``rows`` methods, and ``layer_output="joint"``, where
 the cost is the joint output call's time over the stock SDPA call's plus the capture that remains. Peak extra memory is the rise of
 the process's peak resident memory during a capture (Linux ``VmHWM``, reset before each capture; big
 allocations are made with mmap so freed memory really leaves).
@@ -20,15 +20,16 @@ import platform
 import sys
 import time
 
-from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
-
 import torch
 from diffusers.models.attention_processor import Attention, CogVideoXAttnProcessor2_0
+from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 
-from cogattn.engine import attention_joint, attention_with_lse, capture, multi_key_indicator, plan_tiles
+from cogattn.attention import attention_joint, attention_with_lse
+from cogattn.engine import capture, multi_key_indicator
 from cogattn.layout import TokenLayout
+from cogattn.options import parse_bytes
+from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
-from cogattn.selection import parse_bytes
 
 MiB = 2**20
 
@@ -84,13 +85,13 @@ def main() -> None:
         t_sdpa, lse = float("inf"), None
         for _ in range(2):
             t0 = time.perf_counter()
-            # the output kernel with its log-sum-exp (what output="lse" uses; the same kernel as SDPA on CPU)
+            # the output kernel with its log-sum-exp (what layer_output="lse" uses; the same kernel as SDPA on CPU)
             _, lse = attention_with_lse(q, k, v)
             t_sdpa = min(t_sdpa, time.perf_counter() - t0)
     memory = PeakMemory("cpu")
 
     def joint(kinds):
-        """output="joint": the widened output call over the stock one, then the capture that remains."""
+        """layer_output="joint": the widened output call over the stock one, then the capture that remains."""
         reducers = [REDUCERS[kd](layout, H, True, queries) for kd in kinds]
         indicator = multi_key_indicator(reducers, S)
         plan = plan_tiles(reducers, S, H, D, budget, "joint", "cpu", not qb[0].is_contiguous())
@@ -125,18 +126,18 @@ def main() -> None:
     ]  # fmt: skip
     cases += [(("frame",), "joint"), (("frame", "video_to_text"), "joint")]
     rows = []
-    for kinds, path in cases:
-        if path == "joint":
+    for kinds, method in cases:
+        if method == "joint":
             reducers, plan, dt, peak = joint(kinds)
-            rows.append((" + ".join(kinds), path, dt, dt / t_stock, peak, plan.peak_bytes,
+            rows.append((" + ".join(kinds), method, dt, dt / t_stock, peak, plan.peak_bytes,
                          sum(r.nbytes(1) for r in reducers)))  # fmt: skip
-            print(f"{rows[-1][0]:>22} {path:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
+            print(f"{rows[-1][0]:>22} {method:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
                   flush=True)  # fmt: skip
             continue
         reducers = [REDUCERS[kd](layout, H, True, queries) for kd in kinds]
-        given = lse if path.endswith("+lse") else None
+        given = lse if method.endswith("+lse") else None
         copies = not q.is_contiguous()  # as the recording decides: contiguous float32 q, k are not copied
-        plan = plan_tiles(reducers, S, H, D, budget, path.removesuffix("+lse"), "cpu", copies)
+        plan = plan_tiles(reducers, S, H, D, budget, method.removesuffix("+lse"), "cpu", copies)
         outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
         memory.start()
         t0 = time.perf_counter()
@@ -144,8 +145,8 @@ def main() -> None:
         dt = time.perf_counter() - t0
         peak = memory.stop()
         result = sum(r.nbytes(1) for r in reducers)
-        rows.append((" + ".join(kinds), path, dt, dt / t_stock, peak, plan.peak_bytes, result))
-        print(f"{rows[-1][0]:>22} {path:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
+        rows.append((" + ".join(kinds), method, dt, dt / t_stock, peak, plan.peak_bytes, result))
+        print(f"{rows[-1][0]:>22} {method:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
               flush=True)  # fmt: skip
         del outs
 
@@ -157,17 +158,17 @@ def main() -> None:
         f"torch {torch.__version__}, memory_budget = {args.budget}, heads = mean.",
         "",
         f"Stock layer (projections + fused SDPA + output projection): **{t_stock:.2f} s** "
-        f"(its SDPA call alone: {t_sdpa:.2f} s). Path `sdpa+lse`: the output kernel's log-sum-exp reused "
-        "(`output=\"lse\"`). Path `joint` (`output=\"joint\"`): the widened output call's time over the "
+        f"(its SDPA call alone: {t_sdpa:.2f} s). Method `sdpa+lse`: the output kernel's log-sum-exp reused "
+        "(`layer_output=\"lse\"`). Method `joint` (`layer_output=\"joint\"`): the widened output call's time over the "
         "stock SDPA call's, plus the capture that remains; its peak is over the stock call's.",
         f"Naive full P = softmax(QKᵀ) for this layer: {naive / 1e9:.1f} GB ({naive / 2**30:.1f} GiB) in float32, "
         "before any softmax temporaries (not run).",
         "",
-        "| kind | path | capture time (s) | × stock layer | peak extra memory (MiB) | planned working set (MiB) | result (MiB) |",
+        "| kind | method | capture time (s) | × stock layer | peak extra memory (MiB) | planned working set (MiB) | result (MiB) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, path, dt, ratio, peak, planned, result in rows:
-        lines.append(f"| {name} | {path} | {dt:.2f} | {ratio:.2f} | {peak / MiB:.0f} | {planned / MiB:.0f} | "
+    for name, method, dt, ratio, peak, planned, result in rows:
+        lines.append(f"| {name} | {method} | {dt:.2f} | {ratio:.2f} | {peak / MiB:.0f} | {planned / MiB:.0f} | "
                      f"{result / MiB:.2f} |")  # fmt: skip
     lines += ["", f"Command: `python {' '.join(sys.argv)}`"]
     table = "\n".join(lines)

@@ -2,8 +2,8 @@
 
 A transformer built from the released config (random weights) runs one step at 49 frames × 480×720
 (S = 17,776) with the guidance batch of 2, several ways in one process: stock; capture of ``frame`` +
-``video_to_text`` with the default ``output="stock"``, with ``output="lse"`` and with
-``output="joint"`` (and, where Triton runs, ``path="triton"`` with ``output="lse"``); each kind
+``video_to_text`` with the default ``layer_output="stock"``, with ``layer_output="lse"`` and with
+``layer_output="joint"`` (and, where Triton runs, ``method="triton"`` with ``layer_output="lse"``); each kind
 alone (all built layers, the conditional batch item, ``heads="mean"``).
 It prints the step time, its ratio to stock, and the peak memory over the stock step's peak.
 
@@ -13,18 +13,16 @@ It prints the step time, its ratio to stock, and the peak memory over the stock 
 
 from __future__ import annotations
 
-import sys
-
-from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
-
 import argparse
 import platform
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from diffusers import CogVideoXPipeline, CogVideoXTransformer3DModel
+from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 
 import cogattn
 from cogattn import kernels
@@ -34,12 +32,12 @@ CONFIGS = {
     "CogVideoX-5b": dict(num_layers=42, num_attention_heads=48, use_rotary_positional_embeddings=True),
 }
 BOTH = ("frame", "video_to_text")
-CASES = {  # name: (kinds, output, path)
+CASES = {  # name: (kinds, layer_output, method)
     "stock": (None, "stock", "auto"),
     "frame + video_to_text": (BOTH, "stock", "auto"),
-    "frame + video_to_text, output=lse": (BOTH, "lse", "auto"),
-    "frame + video_to_text, output=joint": (BOTH, "joint", "auto"),
-    "frame + video_to_text, output=lse, triton": (BOTH, "lse", "triton"),
+    "frame + video_to_text, layer_output=lse": (BOTH, "lse", "auto"),
+    "frame + video_to_text, layer_output=joint": (BOTH, "joint", "auto"),
+    "frame + video_to_text, layer_output=lse, triton": (BOTH, "lse", "triton"),
     "frame": (("frame",), "stock", "auto"),
     "video_to_text": (("video_to_text",), "stock", "auto"),
 }
@@ -85,15 +83,15 @@ def main() -> None:
             if args.device == "cuda":
                 model(**inputs)  # warm up kernels and the allocator
             stock_time = stock_peak = None
-            for case, (kinds, output, path) in CASES.items():
-                if path == "triton" and not kernels.available(torch.device(args.device)):
+            for case, (kinds, output, method) in CASES.items():
+                if method == "triton" and not kernels.available(torch.device(args.device)):
                     continue
                 times, peaks = [], []
                 for _ in range(args.repeats):
                     rec = None
                     if kinds is not None:  # batch [uncond, cond]: capture the conditional item
                         rec = cogattn.record(model, kinds=kinds, batch=[1], heads="mean",
-                                             memory_budget=args.budget, output=output, path=path)  # fmt: skip
+                                             memory_budget=args.budget, layer_output=output, method=method)  # fmt: skip
                     peak.start()
                     t0 = time.perf_counter()
                     model(**inputs)

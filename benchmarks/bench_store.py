@@ -93,7 +93,7 @@ def main() -> None:
     tensors = [mem.get(*k) for k in mem.keys()]
     del mem
 
-    rec = cogattn.record(pipe, **sel, out=base / "run")
+    rec = cogattn.record(pipe, **sel, save_dir=base / "run")
     os.sync()
     with rec:
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform.startswith(
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
-import torch  # noqa: E402
+import torch
 
 __all__ = ["PeakMemory"]
 

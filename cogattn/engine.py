@@ -101,7 +101,7 @@ class TimedChoice:
             try:
                 run(True)  # compiles the kernel
                 t_triton = run(True)
-            except Exception as err:  # noqa: BLE001 - any build or launch failure: stay on the SDPA pass
+            except Exception as err:
                 warnings.warn(
                     f"the Triton pooled-sum kernel failed ({type(err).__name__}: {err}); using method 'sdpa'.",
                     stacklevel=2,
@@ -254,9 +254,16 @@ def pooled_pass(q: HeadView, k: HeadView, multi, single, plan: TilePlan, scale: 
         for red, o in single:
             keys = red.key_groups.keys.to(q.device)
             k_sel = kf[0][:, keys] if passes else k.chunk(h0, h1, keys)  # (h, C, D)
-            q_rows = (lambda r0, r1: qf[0, :, r0:r1]) if passes else (lambda r0, r1: q.chunk(h0, h1, slice(r0, r1)))
-            single_key_columns(q_rows, k_sel, lse[0], red, o, h0, plan.pooled_rows, scale)
+            single_key_columns(_query_rows(qf, q, h0, h1), k_sel, lse[0], red, o, h0, plan.pooled_rows, scale)
         del qf, kf, lse
+
+
+def _query_rows(qf: torch.Tensor | None, q: HeadView, h0: int, h1: int):
+    """Float32 query rows ``(h, r, D)`` of heads ``h0:h1`` by row range: views of ``qf`` when the pass made
+    it, else copies of just those rows."""
+    if qf is not None:
+        return lambda r0, r1: qf[0, :, r0:r1]
+    return lambda r0, r1: q.chunk(h0, h1, slice(r0, r1))
 
 
 def indicator_sums(qf: torch.Tensor, kf: torch.Tensor, indicator: torch.Tensor, n_calls: int, scale: float):

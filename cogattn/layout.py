@@ -42,7 +42,7 @@ class TokenLayout:
     patch_size_t: int | None = None
 
     @classmethod
-    def from_latents(cls, latent_shape: tuple[int, ...], text_len: int, config) -> "TokenLayout":
+    def from_latents(cls, latent_shape: tuple[int, ...], text_len: int, config) -> TokenLayout:
         """Build from the transformer's input latents ``(B, F, C, H, W)`` and its config."""
         _, frames, _, height, width = latent_shape
         p, pt = int(config.patch_size), config.patch_size_t
@@ -59,7 +59,7 @@ class TokenLayout:
     def for_video(
         cls, num_frames: int, height: int, width: int, text_len: int, patch_size: int = 2,
         patch_size_t: int | None = None,
-    ) -> "TokenLayout":
+    ) -> TokenLayout:
         """The layout a pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels produces."""
         latent = (int(num_frames) - 1) // VAE_TEMPORAL + 1
         pt = patch_size_t or 1

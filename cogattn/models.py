@@ -98,13 +98,13 @@ def transformer_config(model) -> dict:
 
     try:  # the hub cache first, then the released shapes, and only then the network
         return json.loads(Path(hf_hub_download(name, "transformer/config.json", local_files_only=True)).read_text())
-    except Exception:  # noqa: BLE001 - not cached
+    except Exception:
         pass
     if name in KNOWN_MODELS:
         return dict(KNOWN_MODELS[name])
     try:
         return json.loads(Path(hf_hub_download(name, "transformer/config.json")).read_text())
-    except Exception as err:  # noqa: BLE001 - offline, unknown id, ...
+    except Exception as err:
         raise ValueError(
             f"cannot read the transformer config of {name!r} ({type(err).__name__}); pass a local folder, or "
             f"one of {list(KNOWN_MODELS)}."

@@ -124,7 +124,7 @@ def size_tiles(
         most_rows = min(max(row_sets), _MAX_ROWS)
         # Prefer all heads per tile (one pass folds the head mean) with a reasonable row count.
         for h in range(H, 0, -1):
-            row_rows = _largest(lambda r: row_bytes(h, r) <= budget, most_rows)
+            row_rows = _largest(lambda r, h=h: row_bytes(h, r) <= budget, most_rows)
             if row_rows >= min(64, most_rows) or h == 1:
                 row_heads = h
                 break

@@ -161,7 +161,8 @@ class Run:
     def __len__(self) -> int:
         return len(self._records)
 
-    def info(self, kind: str, step: int, layer: int) -> RecordInfo:
+    def record_info(self, kind: str, step: int, layer: int) -> RecordInfo:
+        """The manifest entry of one record; `NotRecordedError` if it was not committed."""
         try:
             return self._records[(kind, step, layer)]
         except KeyError:
@@ -170,8 +171,8 @@ class Run:
     def get(self, kind: str, step: int, layer: int, index: tuple | None = None) -> torch.Tensor:
         """A record as a float32 tensor; ``index`` (ints and slices, e.g. ``(0, 3, slice(0, 10))`` for
         batch item 0, head 3, the first 10 rows) reads only that part, through memory-mapped slices."""
-        info = self.info(kind, step, layer)
-        with safe_open(str(self.path / info.file), framework="pt") as f:
+        record = self.record_info(kind, step, layer)
+        with safe_open(str(self.path / record.file), framework="pt") as f:
             if index is None:
                 t = f.get_tensor("map")
             else:

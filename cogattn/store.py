@@ -189,6 +189,11 @@ class RunWriter:
         self._thread = threading.Thread(target=self._work, name="cogattn-writer", daemon=True)
         self._thread.start()
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes queued for the disk and not yet committed (at most ``max_pending_bytes``, or one record)."""
+        return self._pending_bytes
+
     # -- main thread -------------------------------------------------------------------------------
     def write_meta(self, meta: dict) -> None:
         _write_json_atomic(self.path / META, {"format": FORMAT, **meta})
@@ -295,7 +300,7 @@ class RunWriter:
                     t0 = time.perf_counter()
                     self._commit(kind, step, layer, timestep, host)
                     self.busy_seconds += time.perf_counter() - t0
-                except BaseException as e:  # noqa: BLE001 - reported to the main thread
+                except BaseException as e:
                     self._error, self._failed_key = e, (kind, step, layer)
             with self._cond:
                 if ready is not None:  # the pinned buffer goes back to its pool

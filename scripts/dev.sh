@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
 # Run a command inside the project's virtual environment, creating it on first use.
 #   bash scripts/dev.sh python scripts/dump_maps.py
-# VENV (default .venv) and PIP_EXTRA (extra pip arguments, e.g. pins) choose the environment.
+# VENV (default .venv) names the environment and PIP_EXTRA adds pip arguments (e.g. pins).
+# BASE_VENV layers VENV on an existing environment: VENV sees BASE_VENV's packages and this checkout,
+# and installs only PIP_EXTRA into itself (how .ci/run tests the oldest supported diffusers in seconds).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${VENV:-.venv}"
-case "$venv" in /*) ;; *) venv="$root/$venv" ;; esac  # absolute: tools that record sys.executable need it
+absolute() { case "$1" in /*) echo "$1" ;; *) echo "$root/$1" ;; esac; }  # tools that record sys.executable need it
+venv="$(absolute "${VENV:-.venv}")"
 if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.cogattn-ready" ]; then
   echo "setting up $venv ..." >&2
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip 2>/dev/null || true
-  # The pinned CPU build first: an unpinned torch would pull several GB of CUDA packages.
-  "$venv/bin/python" -m pip install -q "torch==2.13.0"
-  # shellcheck disable=SC2086
-  "$venv/bin/python" -m pip install -q -e "$root[test]" ${PIP_EXTRA:-}
+  if [ -n "${BASE_VENV:-}" ]; then
+    base="$(absolute "$BASE_VENV")"
+    site() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+    # After the layer's own site-packages: the checkout, then the base environment's packages.
+    printf '%s\n%s\n' "$root" "$(site "$base")" > "$(site "$venv")/_cogattn_base.pth"
+    # shellcheck disable=SC2086
+    "$venv/bin/python" -m pip install -q ${PIP_EXTRA:-}
+  else
+    "$venv/bin/python" -m pip install -q --upgrade pip 2>/dev/null || true
+    # The pinned CPU build first: an unpinned torch would pull several GB of CUDA packages.
+    "$venv/bin/python" -m pip install -q "torch==2.13.0"
+    # shellcheck disable=SC2086
+    "$venv/bin/python" -m pip install -q -e "$root[test]" ${PIP_EXTRA:-}
+  fi
   touch "$venv/.cogattn-ready"
 fi
 cd "$root"

@@ -8,6 +8,8 @@ import math
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
+from cogattn import KINDS
+
 
 class QKSpy:
     """Keeps (q, k) of every ``attn1`` call, recomputed from the module's inputs with its own layers."""
@@ -47,7 +49,7 @@ def naive_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def naive_kind(P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], queries=None) -> torch.Tensor:
-    """One kind from full probabilities ``P`` ``(B, H, S, S)`` by plain indexing (DESIGN.md definitions)."""
+    """One kind from full probabilities ``P`` ``(B, H, S, S)`` by plain indexing (the definitions in docs/design.md)."""
     B, H, S, _ = P.shape
     F, Hp, Wp = grid
     if kind == "full":
@@ -78,3 +80,18 @@ def select(x: torch.Tensor, batch, heads) -> torch.Tensor:
     if heads == "all":
         return x
     return x[:, list(heads)]
+
+
+def assert_matches_naive(rec, spy: QKSpy, batch, heads, kinds=KINDS, queries=None, tol: float = 1e-5) -> None:
+    """Every recorded map of ``kinds`` equals the naive float64 reference from the spied q and k within ``tol``."""
+    lay = rec.layout
+    tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in queries] if queries else None
+    for layer, calls in enumerate(spy.calls):
+        for step, (q, k) in enumerate(calls):
+            P = naive_probs(q.cpu().float(), k.cpu().float())
+            for kind in kinds:
+                ref = select(naive_kind(P, kind, lay.text_len, lay.grid, tokens), batch, heads)
+                got = rec.get(kind, step, layer)
+                assert got.shape == ref.shape, (kind, got.shape, ref.shape)
+                err = (got.double() - ref).abs().max().item()
+                assert err <= tol, (kind, step, layer, err)

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from reference import naive_kind, naive_probs
 
 from cogattn.engine import capture
-from cogattn.planner import plan_tiles
 from cogattn.layout import TokenLayout
+from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
-from reference import naive_kind, naive_probs
 
 LAYOUTS = [TokenLayout(8, 3, 3, 5), TokenLayout(5, 2, 7, 3), TokenLayout(3, 1, 1, 1)]
 KINDS = list(REDUCERS)
@@ -22,7 +22,7 @@ def _run(q, k, layout, kinds, heads_mean, budget, path, queries=None):
     return dict(zip(kinds, outs)), plan
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"T{l.text_len}-{l.frames}x{l.height}x{l.width}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"T{lay.text_len}-{lay.frames}x{lay.height}x{lay.width}")
 @pytest.mark.parametrize("path", ["rows", "sdpa"])
 @pytest.mark.parametrize("mean", [False, True])
 def test_every_kind_matches_naive_softmax(layout, path, mean):

@@ -7,14 +7,16 @@ import torch
 
 pytest.importorskip("triton")
 
-import cogattn  # noqa: E402
-from cogattn import kernels  # noqa: E402
-from cogattn.engine import capture  # noqa: E402
-from cogattn.planner import plan_tiles  # noqa: E402
-from cogattn.layout import TokenLayout  # noqa: E402
-from cogattn.reducers import REDUCERS  # noqa: E402
-from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline  # noqa: E402
-from reference import QKSpy, naive_kind, naive_probs, select  # noqa: E402
+from reference import QKSpy, assert_matches_naive, naive_kind, naive_probs
+from tiny_calls import generate
+
+import cogattn
+from cogattn import kernels
+from cogattn.engine import capture
+from cogattn.layout import TokenLayout
+from cogattn.planner import plan_tiles
+from cogattn.reducers import REDUCERS
+from cogattn.testing import tiny_pipeline
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
                                 reason="needs CUDA or TRITON_INTERPRET=1")  # fmt: skip
@@ -63,32 +65,16 @@ def test_engine_triton_path_matches_naive(mean):
 def _record_tiny(**record_kw):
     """A 2-step tiny generation without and with ``cogattn.record(**record_kw)``: (stock, captured, rec, spy)."""
     pipe = tiny_pipeline(num_heads=2)
-    emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
-    kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
-              max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
-    stock = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
+    stock = generate(pipe)
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", **record_kw) as rec:
-        out = pipe(generator=torch.Generator().manual_seed(1), **kw).frames
+        out = generate(pipe)
     spy.remove()
     return stock, out, rec, spy
 
 
 def _assert_maps_match_naive(rec, spy):
-    lay = rec.layout
-    for layer, calls in enumerate(spy.calls):
-        for step, (q, k) in enumerate(calls):
-            P = naive_probs(q, k)
-            for kind in ("frame", "video_to_text"):
-                ref = select(naive_kind(P, kind, lay.text_len, lay.grid), [1], "all")
-                assert (rec.get(kind, step, layer).double() - ref).abs().max() <= 1e-5, (kind, step, layer)
-
-
-@pytest.mark.parametrize("output", ["stock", "lse"])
-def test_recording_with_the_kernel_matches_naive_and_keeps_output(output):
-    stock, out, rec, spy = _record_tiny(method="triton", layer_output=output)
-    assert torch.equal(out, stock)
-    _assert_maps_match_naive(rec, spy)
+    assert_matches_naive(rec, spy, [1], "all", kinds=("frame", "video_to_text"))
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
-from types import SimpleNamespace
 
 from cogattn import TokenLayout
 

@@ -4,7 +4,6 @@ import re
 from pathlib import Path
 
 
-
 def test_readme_example_runs_and_matches_its_comments():
     text = (Path(__file__).parents[1] / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)

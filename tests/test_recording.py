@@ -2,31 +2,14 @@
 
 import pytest
 import torch
+from reference import QKSpy, assert_matches_naive
+from tiny_calls import generate
 
 import cogattn
 from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
-from reference import QKSpy, naive_kind, naive_probs, select
 
 KINDS = cogattn.KINDS
 QUERIES = [0, (1, 2, 4), (0, 0, 0), 20]
-
-
-def _call(pipe, *, steps=2, videos=1, guidance=6.0, height=48, width=80, **extra):
-    g = torch.Generator().manual_seed(0)
-    if videos > 1:
-        # CogVideoX pipelines set num_videos_per_prompt = 1 internally; a list of prompts gives the
-        # same transformer batch [uncond..., cond...] that several videos per prompt would.
-        extra.update(prompt=["a red fox running in the snow"] * videos, negative_prompt=["blue sky"] * videos)
-    else:
-        emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=g).to(pipe.transformer.dtype)
-        extra.update(prompt_embeds=emb, negative_prompt_embeds=-emb)
-    if pipe.__class__.__name__ == "CogVideoXImageToVideoPipeline":
-        extra["image"] = torch.rand(3, height, width, generator=g)
-    return pipe(
-        num_frames=9, num_inference_steps=steps,
-        guidance_scale=guidance, height=height, width=width,
-        max_sequence_length=TINY_TEXT_LEN, output_type="pt", generator=torch.Generator().manual_seed(1), **extra,
-    ).frames  # fmt: skip
 
 
 CONFIGS = [
@@ -43,29 +26,15 @@ def test_output_bit_identical_with_every_kind(task, version, dtype, fused):
     pipe = tiny_pipeline(task, version, dtype=dtype)
     if fused:
         pipe.transformer.fuse_qkv_projections()
-    stock = _call(pipe)
+    stock = generate(pipe)
     originals = pipe.transformer.attn_processors
     with cogattn.record(pipe, kinds=KINDS, queries=QUERIES, heads="all", memory_budget="64MiB") as rec:
-        captured = _call(pipe)
+        captured = generate(pipe)
     assert torch.equal(captured, stock)
     assert len(rec.keys()) == len(KINDS) * 2 * len(pipe.transformer.transformer_blocks)
     assert rec.get("frame", 1, 1).dtype == torch.float32
     restored = pipe.transformer.attn_processors
     assert all(restored[n] is originals[n] for n in originals)
-
-
-def _check_against_naive(pipe, rec, spy, batch, heads, kinds=KINDS, queries=None, tol=1e-5):
-    lay = rec.layout
-    for layer, calls in enumerate(spy.calls):
-        for step, (q, k) in enumerate(calls):
-            P = naive_probs(q, k)
-            for kind in kinds:
-                qi = [lay.token_index(*x) if isinstance(x, tuple) else x for x in queries] if queries else None
-                ref = select(naive_kind(P, kind, lay.text_len, lay.grid, qi), batch, heads)
-                got = rec.get(kind, step, layer)
-                assert got.shape == ref.shape, (kind, got.shape, ref.shape)
-                err = (got.double() - ref).abs().max().item()
-                assert err <= tol, (kind, step, layer, err)
 
 
 @pytest.mark.parametrize("path", ["rows", "sdpa"])
@@ -78,10 +47,10 @@ def test_cfg_two_videos_per_prompt_match_naive(path, batch, heads, expect_batch)
     pipe = tiny_pipeline(num_heads=3)
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=KINDS, batch=batch, heads=heads, queries=QUERIES, method=path) as rec:
-        _call(pipe, videos=2, width=112)
+        generate(pipe, videos=2, width=112)
     spy.remove()
     assert rec.layout.grid == (3, 3, 7) and rec.batch_items == tuple(expect_batch)
-    _check_against_naive(pipe, rec, spy, expect_batch, heads, queries=QUERIES)
+    assert_matches_naive(rec, spy, expect_batch, heads, queries=QUERIES)
 
 
 @pytest.mark.parametrize(
@@ -99,18 +68,18 @@ def test_model_variants_match_naive(task, version, rotary, fused):
         pipe.transformer.fuse_qkv_projections()
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=KINDS, batch="cond", heads="mean", queries=QUERIES, memory_budget=20_000) as rec:
-        _call(pipe)
+        generate(pipe)
     spy.remove()
     expected_frames = 2 if version == "1.5" else 3
     assert rec.layout.grid == (expected_frames, 3, 5)
-    _check_against_naive(pipe, rec, spy, [1], "mean", queries=QUERIES)
+    assert_matches_naive(rec, spy, [1], "mean", queries=QUERIES)
 
 
 def test_layers_steps_selection_and_timesteps():
     pipe = tiny_pipeline(num_layers=3)
     with cogattn.record(pipe, kinds="frame", layers=[2, 0], steps=[1, 2]) as rec:
-        _call(pipe, steps=3)
-    assert rec.keys() == [("frame", s, l) for s in (1, 2) for l in (0, 2)]
+        generate(pipe, steps=3)
+    assert rec.keys() == [("frame", s, layer) for s in (1, 2) for layer in (0, 2)]
     assert len(rec.timesteps) == 3 and rec.timesteps == sorted(rec.timesteps, reverse=True)
     assert rec.timesteps == [float(t) for t in pipe.scheduler.timesteps]
     with pytest.raises(KeyError, match="step=0"):
@@ -121,31 +90,31 @@ def test_bf16_maps_are_float32_and_match_naive():
     pipe = tiny_pipeline(dtype=torch.bfloat16)
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all") as rec:
-        _call(pipe)
+        generate(pipe)
     spy.remove()
-    _check_against_naive(pipe, rec, spy, [1], "all", kinds=("frame", "video_to_text"))
+    assert_matches_naive(rec, spy, [1], "all", kinds=("frame", "video_to_text"))
 
 
 def test_bare_transformer_target():
     pipe = tiny_pipeline()
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe.transformer, kinds=("query",), queries=[3, (2, 2, 4)], batch=[1]) as rec:
-        _call(pipe, steps=1)
+        generate(pipe, steps=1)
     spy.remove()
-    _check_against_naive(pipe, rec, spy, [1], "mean", kinds=("query",), queries=[3, (2, 2, 4)])
+    assert_matches_naive(rec, spy, [1], "mean", kinds=("query",), queries=[3, (2, 2, 4)])
 
 
 def test_hand_wired_processor():
     pipe = tiny_pipeline()
-    stock = _call(pipe, steps=1)
+    stock = generate(pipe, steps=1)
     spy = QKSpy(pipe.transformer)
     rec = cogattn.Recording(pipe, kinds=("frame",), batch="cond")
     pipe.transformer.set_attn_processor(cogattn.CogVideoXAttnMapProcessor(rec))
-    out = _call(pipe, steps=1)
+    out = generate(pipe, steps=1)
     rec.close()
     spy.remove()
     assert torch.equal(out, stock)
-    _check_against_naive(pipe, rec, spy, [1], "mean", kinds=("frame",))
+    assert_matches_naive(rec, spy, [1], "mean", kinds=("frame",))
 
 
 def test_loaded_from_pretrained_folder(tmp_path):
@@ -156,11 +125,14 @@ def test_loaded_from_pretrained_folder(tmp_path):
     pipe.set_progress_bar_config(disable=True)
     stock = pipe(prompt="a red fox", num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN,
                  output_type="pt", generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+    spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame",), batch="cond") as rec:
         out = pipe(prompt="a red fox", num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN,
                    output_type="pt", generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+    spy.remove()
     assert torch.equal(out, stock)
     assert rec.get("frame", 0, 1).shape == (1, 1, 4, 4)
+    assert_matches_naive(rec, spy, [1], "mean", kinds=("frame",))
 
 
 @pytest.mark.parametrize(
@@ -182,14 +154,14 @@ def test_opt_in_outputs_keep_cpu_output_identical_and_maps_exact(output, dtype, 
     import cogattn.attention as attention
 
     pipe = tiny_pipeline(dtype=dtype, num_heads=3)
-    stock = _call(pipe, videos=2, width=112)
+    stock = generate(pipe, videos=2, width=112)
     passes = []
     real = attention.sdpa_with_lse
     monkeypatch.setattr(attention, "sdpa_with_lse", lambda *a: passes.append(1) or real(*a))
     spy = QKSpy(pipe.transformer)
     kinds = ("frame", "video_to_text", "query")
     with cogattn.record(pipe, kinds=kinds, batch=batch, heads=heads, queries=QUERIES, layer_output=output) as rec:
-        out = _call(pipe, videos=2, width=112)
+        out = generate(pipe, videos=2, width=112)
     spy.remove()
     assert torch.equal(out, stock)
     items = rec.batch_items
@@ -198,7 +170,7 @@ def test_opt_in_outputs_keep_cpu_output_identical_and_maps_exact(output, dtype, 
     # the joint call's frame sums carry bf16 rounding (one bf16 value per query row and frame)
     tol = 2**-8 if output == "joint" and dtype == torch.bfloat16 else 1e-5  # P and sums rounded to bf16: ½ ulp each
     heads = sorted(heads) if isinstance(heads, list) else heads  # results keep head order, sorted
-    _check_against_naive(pipe, rec, spy, list(items), heads, kinds=kinds, queries=QUERIES, tol=tol)
+    assert_matches_naive(rec, spy, list(items), heads, kinds=kinds, queries=QUERIES, tol=tol)
 
 
 def test_output_choice_is_checked():

@@ -12,21 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_calls import generate
 
 import cogattn
 import cogattn.store as store
 from cogattn.store import RunWriter, record_file_bytes
-from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
+from cogattn.testing import tiny_pipeline
 
 KINDS = cogattn.KINDS
 QUERIES = [0, (1, 2, 4)]
-
-
-def _call(pipe, steps=2, **kw):
-    emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
-    return pipe(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=steps,
-                max_sequence_length=TINY_TEXT_LEN, output_type="pt", generator=torch.Generator().manual_seed(1),
-                **kw).frames  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +31,10 @@ def pipe():
 @pytest.mark.parametrize("storage_dtype", ["float32", "float16", "bfloat16"])
 def test_round_trip_equals_in_memory_for_every_kind(pipe, tmp_path, storage_dtype):
     with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES) as mem:
-        stock = _call(pipe)
+        stock = generate(pipe)
     with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES, save_dir=tmp_path / "run",
                         storage_dtype=storage_dtype, info={"prompt": "random embeddings"}) as disk:  # fmt: skip
-        streamed = _call(pipe)
+        streamed = generate(pipe)
     assert torch.equal(streamed, stock)
     run = cogattn.load(tmp_path / "run")
     assert run.keys() == mem.keys() == disk.keys() and len(run) == len(KINDS) * 2 * 2
@@ -68,7 +62,7 @@ def test_record_files_are_standard_safetensors(tmp_path, dtype):
 
 def test_listing_sizes_and_lazy_partial_reads(pipe, tmp_path):
     with cogattn.record(pipe, kinds=("query", "video_to_text"), heads="all", queries=QUERIES, save_dir=tmp_path) as rec:
-        _call(pipe)
+        generate(pipe)
     run = cogattn.load(tmp_path)
     for info in run.records():
         path = tmp_path / info.file
@@ -89,9 +83,9 @@ def test_non_empty_folder_refused_unless_overwrite(pipe, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     run_dir = tmp_path / "run"
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir):
-        _call(pipe, steps=2)
+        generate(pipe, steps=2)
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True):
-        _call(pipe, steps=1)
+        generate(pipe, steps=1)
     assert len(cogattn.load(run_dir)) == 2  # the old run's 4 records are gone
     assert not pipe.transformer._forward_pre_hooks
 
@@ -103,7 +97,7 @@ def test_run_too_big_for_the_disk_is_refused_with_both_numbers(pipe, tmp_path, m
     expected = 2 * 2 * record_file_bytes((2, 2, 53, 53), torch.float32)  # 2 steps x 2 layers, full, heads all
     with pytest.raises(cogattn.StoreError, match=rf"will write {expected:,} bytes .* has {free:,} bytes .* free"):
         with cogattn.record(pipe, kinds="full", heads="all", batch="all", save_dir=tmp_path / "r"):
-            _call(pipe)
+            generate(pipe)
     assert not any((tmp_path / "r").iterdir())  # a run refused before its first record leaves nothing behind
 
 
@@ -120,7 +114,7 @@ def test_write_failure_mid_run_stops_with_clear_error_and_keeps_committed(pipe, 
     originals = pipe.transformer.attn_processors
     with pytest.raises(cogattn.StoreError, match=r"No space left on device.*the 3 records committed before it"):
         with cogattn.record(pipe, kinds=("frame", "video_to_text"), save_dir=tmp_path):
-            _call(pipe, steps=4)
+            generate(pipe, steps=4)
     run = cogattn.load(tmp_path)
     assert len(run) == 3 and not run.complete
     for info in run.records():
@@ -130,9 +124,11 @@ def test_write_failure_mid_run_stops_with_clear_error_and_keeps_committed(pipe, 
 
 
 def test_writer_memory_is_bounded_while_the_disk_is_slow(tmp_path, monkeypatch):
-    real, peak = store.write_record, []
+    """A queue of 3 MiB holds three 1 MiB records: from the fourth on, each put waits for a write."""
+    real, pending = store.write_record, []
 
     def slow(path, tensor):
+        pending.append(writer.pending_bytes)
         time.sleep(0.02)
         real(path, tensor)
 
@@ -142,12 +138,15 @@ def test_writer_memory_is_bounded_while_the_disk_is_slow(tmp_path, monkeypatch):
     t0 = time.perf_counter()
     for step in range(12):
         writer.put("frame", step, 0, 1.0, t * step)
-        peak.append(writer._pending_bytes)
+    puts = time.perf_counter() - t0
     writer.close({"complete": True})
-    assert max(peak) <= 3 * 2**20  # generation waited instead of queueing everything
-    assert time.perf_counter() - t0 >= 12 * 0.02
+    assert puts >= (12 - 3 - 1) * 0.02  # generation waited for the disk instead of queueing everything
+    assert writer.blocked_seconds >= (12 - 3 - 1) * 0.02 * 0.9
+    assert max(pending) <= 3 * 2**20 and len(pending) == 12
     run = cogattn.load(tmp_path)
-    assert [k[1] for k in run.keys()] == list(range(12)) and torch.equal(run.get("frame", 11, 0), t * 11)
+    assert [k[1] for k in run.keys()] == list(range(12))
+    for step in range(12):
+        assert torch.equal(run.get("frame", step, 0), t * step)
 
 
 def test_sigkill_at_several_moments_leaves_a_readable_run(tmp_path):
