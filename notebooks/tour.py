@@ -33,6 +33,8 @@ from IPython.display import Image, display
 
 import cogattn
 from cogattn import plot
+from cogattn.analysis import aggregate
+from cogattn.words import word_positions
 
 # %%
 MODEL = "tiny"  # or "THUDM/CogVideoX-2b", "THUDM/CogVideoX1.5-5B", or a local folder of a checkpoint
@@ -77,10 +79,10 @@ else:
     pipe.vae.enable_tiling()  # decoding a real video at full size needs tens of GB otherwise
 
 # The latent grid of this call, to choose a video point to follow: the centre of the middle frame.
-latent_frames = (call["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
-F = -(-latent_frames // (config.patch_size_t or 1))
-Hp = call["height"] // (pipe.vae_scale_factor_spatial * config.patch_size)
-Wp = call["width"] // (pipe.vae_scale_factor_spatial * config.patch_size)
+layout = cogattn.TokenLayout.for_video(call["num_frames"], call["height"], call["width"],
+                                       text_len=config.max_text_seq_length, patch_size=config.patch_size,
+                                       patch_size_t=config.patch_size_t)
+F, Hp, Wp = layout.grid
 QUERY = (F // 2, Hp // 2, Wp // 2)
 print(f"latent grid (F, Hp, Wp) = {(F, Hp, Wp)}; following the video point {QUERY}")
 
@@ -94,7 +96,7 @@ with cogattn.record(
     heads=heads,
     queries=[QUERY],
     info={"prompt": PROMPT, "seed": SEED},
-    out=OUT,
+    save_dir=OUT,
     overwrite=True,
 ) as rec:
     video = pipe(prompt=PROMPT, generator=torch.Generator(device).manual_seed(SEED), output_type="pt", **call).frames[0]
@@ -131,7 +133,7 @@ plot.frame_heatmap(source, heads="all", steps=last_step, scale="log")
 plot.layer_step_grid(source, "frame")
 
 # %%
-fox = plot.word_positions("fox", pipe.tokenizer, PROMPT, source.layout.text_len)
+fox = word_positions("fox", pipe.tokenizer, PROMPT, source.layout.text_len)
 plot.layer_step_grid(source, "video_to_text", index=(fox[0], F // 2))
 
 # %% [markdown]
@@ -165,14 +167,15 @@ plot.query_map(source, QUERY, video, tokenizer=pipe.tokenizer, scale="log")
 # %% [markdown]
 # ## The numbers behind a plot
 #
-# `aggregate` averages over steps and/or layers and picks heads; indexing rules: an int drops the
-# head axis, a list or `"all"` keeps it, `"mean"` averages it.
+# `cogattn.analysis.aggregate` averages over steps and/or layers and picks heads; indexing rules: an
+# int drops the head axis, a list or `"all"` keeps it, `"mean"` averages it. The layout names the pixel
+# frames of each latent frame.
 
 # %%
-m = plot.aggregate(source, "video_to_text", steps="all", layers="all", heads="mean")
+m = aggregate(source, "video_to_text", steps="all", layers="all", heads="mean")
 print("video_to_text, mean over steps and layers:", tuple(m.shape), "(T, F, Hp, Wp)")
 print("attention mass on 'fox', per latent frame:", m[fox].sum(0).mean((-1, -2)).tolist())
-print("pixel frames of each latent frame:", plot.pixel_frames(source.layout, video.shape[0]))
+print("pixel frames of each latent frame:", source.layout.pixel_frames(video.shape[0]))
 
 # %% [markdown]
 # ## An animation over denoising steps

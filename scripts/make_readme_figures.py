@@ -46,11 +46,10 @@ def generate(model: str, prompt: str, seed: int):
         # Text maps are T × F × Hp × Wp per head: a few steps, layers and heads keep them to about a GB.
         steps, layers, heads = [0, 25, 49], [0, n // 2, n - 1], [0, 1, 2, 3]
     config = pipe.transformer.config
-    latent = (call["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
-    grid = (-(-latent // (config.patch_size_t or 1)),
-            call["height"] // (pipe.vae_scale_factor_spatial * config.patch_size),
-            call["width"] // (pipe.vae_scale_factor_spatial * config.patch_size))  # fmt: skip
-    query = tuple(g // 2 for g in grid)  # the centre of the middle frame
+    layout = cogattn.TokenLayout.for_video(call["num_frames"], call["height"], call["width"],
+                                           text_len=config.max_text_seq_length, patch_size=config.patch_size,
+                                           patch_size_t=config.patch_size_t)  # fmt: skip
+    query = tuple(g // 2 for g in layout.grid)  # the centre of the middle frame
     with cogattn.record(pipe, kinds=("frame", "video_to_text", "text_to_video", "query"), steps=steps, layers=layers,
                         batch="cond", heads=heads, queries=[query], info={"prompt": prompt, "seed": seed}) as rec:
         video = pipe(prompt=prompt, generator=torch.Generator(device).manual_seed(seed), output_type="pt",

@@ -13,8 +13,10 @@ from matplotlib.colors import LogNorm
 from PIL import Image
 
 import cogattn
-from cogattn import plot, plot_animate, plot_video
+from cogattn import NotRecordedError, analysis, plot, words
 from cogattn.layout import TokenLayout
+from cogattn.plot import animation as plot_animation
+from cogattn.plot import video as plot_video
 from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
 
 PROMPT = "a red fox running in the snow"  # tiny tokenizer: a red fox running in the snow </s>
@@ -47,7 +49,7 @@ def tiny15():
 @pytest.fixture(scope="module")
 def run(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("plot") / "run"
-    _generate(tiny[0], out=folder)
+    _generate(tiny[0], save_dir=folder)
     return cogattn.load(folder)
 
 
@@ -76,25 +78,25 @@ def _spans(ranges):
 
 
 def test_pixel_frames_hand_tables_for_1_0_and_1_5():
-    v10 = dict(text_len=8, height=3, width=5)
-    assert _spans(plot.pixel_frames(TokenLayout(frames=3, **v10), 9)) == [(0, 0), (1, 4), (5, 8)]
-    assert _spans(plot.pixel_frames(TokenLayout(frames=13, **v10), 49)) == [
+    v10 = {"text_len": 8, "height": 3, "width": 5}
+    assert _spans(TokenLayout(frames=3, **v10).pixel_frames(9)) == [(0, 0), (1, 4), (5, 8)]
+    assert _spans(TokenLayout(frames=13, **v10).pixel_frames(49)) == [
         (0, 0), (1, 4), (5, 8), (9, 12), (13, 16), (17, 20), (21, 24), (25, 28), (29, 32), (33, 36), (37, 40),
         (41, 44), (45, 48),
     ]  # fmt: skip
     # 1.5, 81 frames: L = 21 latent frames, one padding frame at the start, F = 11 temporal patches;
     # patch 0 = {padding, latent 0} = pixel frame 0, patch p = latents {2p-1, 2p} = pixel frames 8p-7 .. 8p.
     lay15 = TokenLayout(frames=11, patch_size_t=2, **v10)
-    assert _spans(plot.pixel_frames(lay15, 81)) == [
+    assert _spans(lay15.pixel_frames(81)) == [
         (0, 0), (1, 8), (9, 16), (17, 24), (25, 32), (33, 40), (41, 48), (49, 56), (57, 64), (65, 72), (73, 80),
     ]  # fmt: skip
     # 85 frames: L = 22, no padding: patch p = latents {2p, 2p+1}.
-    assert _spans(plot.pixel_frames(lay15, 85)) == [
+    assert _spans(lay15.pixel_frames(85)) == [
         (0, 4), (5, 12), (13, 20), (21, 28), (29, 36), (37, 44), (45, 52), (53, 60), (61, 68), (69, 76), (77, 84),
     ]  # fmt: skip
-    assert _spans(plot.pixel_frames(TokenLayout(frames=2, patch_size_t=2, **v10), 9)) == [(0, 0), (1, 8)]
+    assert _spans(TokenLayout(frames=2, patch_size_t=2, **v10).pixel_frames(9)) == [(0, 0), (1, 8)]
     with pytest.raises(ValueError, match="F = 3"):
-        plot.pixel_frames(TokenLayout(frames=3, **v10), 49)
+        TokenLayout(frames=3, **v10).pixel_frames(49)
 
 
 def test_1_5_pipeline_pads_latents_at_the_start(tiny15):
@@ -131,8 +133,14 @@ def test_upsample_to_video_nearest_and_bilinear():
     assert up.shape == (9, 48, 80) and torch.equal(up, expected)
     smooth = plot.upsample_to_video(maps, layout, 9, (48, 80), mode="bilinear")
     assert smooth.shape == (9, 48, 80) and smooth[5, 7, 7] == pytest.approx(maps[2, 0, 0])  # corner patch centre
+    # half-pixel centres, clamped at the border: pixel y samples patch row (y + 0.5) / 16 - 0.5
+    rows, cols = (np.clip((np.arange(n) + 0.5) / 16 - 0.5, 0, k - 1) for n, k in ((48, 3), (80, 5)))
+    for n, f in enumerate(owner):
+        by_row = np.stack([np.interp(rows, np.arange(3), maps[f, :, x].numpy()) for x in range(5)], 1)  # (48, 5)
+        expected_n = np.stack([np.interp(cols, np.arange(5), r) for r in by_row])  # (48, 80)
+        assert np.allclose(smooth[n].numpy(), expected_n, atol=1e-6)
     assert maps[2].min() <= smooth[5].min() and smooth[5].max() <= maps[2].max()
-    assert (smooth[5].diff(dim=1).abs().max() < expected[5].diff(dim=1).abs().max() / 4)  # smooth, no patch edges
+    assert smooth[5].diff(dim=1).abs().max() < expected[5].diff(dim=1).abs().max() / 4  # smooth, no patch edges
     with pytest.raises(ValueError, match="latent grid"):
         plot.upsample_to_video(maps[:2], layout, 9, (48, 80))
 
@@ -150,37 +158,45 @@ def test_video_array_accepts_every_output_type(tiny):
 # -- aggregation -----------------------------------------------------------------------------------
 def test_aggregate_means_and_head_selection(tiny):
     _, rec, _ = tiny
-    assert np.allclose(plot.aggregate(rec, "frame").numpy(), ref(rec, "frame"), atol=1e-6)
-    one = plot.aggregate(rec, "video_to_text", steps=1, layers=0, heads=1)
+    assert np.allclose(analysis.aggregate(rec, "frame").numpy(), ref(rec, "frame"), atol=1e-6)
+    one = analysis.aggregate(rec, "video_to_text", steps=1, layers=0, heads=1)
     assert torch.equal(one, rec.get("video_to_text", 1, 0)[0, 1])
-    steps_only = plot.aggregate(rec, "frame", steps="all", layers=1, heads="all")
+    steps_only = analysis.aggregate(rec, "frame", steps="all", layers=1, heads="all")
     assert steps_only.shape == (2, 4, 4)
-    assert np.allclose(steps_only[0].numpy(), ref(rec, "frame", layers=(1,), head=0), atol=1e-6)
-    assert plot.aggregate(rec, "frame", heads=[1]).shape == (1, 4, 4)
+    per_head = np.stack([ref(rec, "frame", layers=(1,), head=h) for h in (0, 1)])
+    assert np.allclose(steps_only.numpy(), per_head, atol=1e-6)
+    kept = analysis.aggregate(rec, "frame", heads=[1])
+    assert kept.shape == (1, 4, 4) and np.allclose(kept.numpy(), ref(rec, "frame", head=1)[None], atol=1e-6)
     with pytest.raises(ValueError, match="unknown kind"):
-        plot.aggregate(rec, "frames")
-    with pytest.raises(KeyError, match=r"step 7 .* recorded steps are \[0, 1\]"):
-        plot.aggregate(rec, "frame", steps=7)
-    with pytest.raises(ValueError, match="head 5 was not recorded"):
-        plot.aggregate(rec, "frame", heads=5)
+        analysis.aggregate(rec, "frames")
+    with pytest.raises(NotRecordedError, match=r"step 7 .* recorded steps are \[0, 1\]"):
+        analysis.aggregate(rec, "frame", steps=7)
+    with pytest.raises(NotRecordedError, match="head 5 was not recorded"):
+        analysis.aggregate(rec, "frame", heads=5)
     with pytest.raises(ValueError, match="batch=1"):
-        plot.aggregate(rec, "frame", batch=1)
+        analysis.aggregate(rec, "frame", batch=1)
 
 
 def test_single_heads_refused_when_recorded_as_mean():
     pipe = tiny_pipeline()
     with cogattn.record(pipe, kinds="frame", steps=[0], batch="cond") as rec:
         pipe(prompt=PROMPT, num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN, output_type="pt")
-    with pytest.raises(ValueError, match="heads='mean'"):
-        plot.aggregate(rec, "frame", heads=0)
+    with pytest.raises(NotRecordedError, match="heads='mean'"):
+        analysis.aggregate(rec, "frame", heads=0)
+    with pytest.raises(NotRecordedError, match=r"kind 'query' was not recorded; this source holds \['frame'\]"):
+        analysis.aggregate(rec, "query")
     fig = plot.frame_heatmap(rec, heads="all")  # one panel: the mean recorded
     assert [a.get_title() for a in panels(fig)] == ["mean over heads"]
+    assert np.allclose(heat(panels(fig)[0]).get_array(), ref(rec, "frame", steps=(0,)), atol=1e-6)
     with cogattn.record(pipe, kinds="frame", steps=[0], batch="cond", heads=[1]) as one:
         pipe(prompt=PROMPT, num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN, output_type="pt")
-    assert [a.get_title() for a in panels(plot.frame_heatmap(one, heads="all"))] == ["head 1"]
-    assert torch.equal(plot.aggregate(one, "frame", layers=1, heads=1), one.get("frame", 0, 1)[0, 0])  # model head 1, slot 0
-    with pytest.raises(ValueError, match=r"head 0 was not recorded; recorded heads are \[1\]"):
-        plot.aggregate(one, "frame", heads=0)
+    (ax,) = panels(plot.frame_heatmap(one, heads="all"))
+    assert ax.get_title() == "head 1"
+    assert np.allclose(heat(ax).get_array(), ref(one, "frame", steps=(0,), head=0), atol=1e-6)
+    one_head = analysis.aggregate(one, "frame", layers=1, heads=1)
+    assert torch.equal(one_head, one.get("frame", 0, 1)[0, 0])  # model head 1 is slot 0
+    with pytest.raises(NotRecordedError, match=r"head 0 was not recorded; recorded heads are \[1\]"):
+        analysis.aggregate(one, "frame", heads=0)
 
 
 # -- frame to frame --------------------------------------------------------------------------------
@@ -198,7 +214,7 @@ def test_frame_heatmap_data_labels_and_limits(tiny):
     assert ax.get_xlabel() == "key: text or latent frame" and ax.get_ylabel() == "query: text or latent frame"
     assert ax.get_xlim() == (-0.5, 3.5) and ax.get_ylim() == (3.5, -0.5)
     assert colorbar_labels(fig) == ["attention mass (each query row sums to 1)"]
-    assert "mean over steps 0–1" in fig._suptitle.get_text() and "mean over layers 0–1" in fig._suptitle.get_text()
+    assert "mean over steps 0–1" in fig.get_suptitle() and "mean over layers 0–1" in fig.get_suptitle()
     # the annotated numbers are the values
     assert [t.get_text() for t in ax.texts][:4] == [f"{v:.2f}" for v in expected[0]]
 
@@ -299,7 +315,7 @@ def test_word_heatmap_tokens_directions_and_patch_grid(tiny):
         assert np.allclose(heat(ax).get_array(), t2v[[1, 2], f].mean(0), atol=1e-6)
     summed = np.array(panels(plot.word_heatmap(rec, "red fox", tokenizer=pipe.tokenizer))).ravel()
     assert np.allclose(heat(summed[0]).get_array(), v2t[[1, 2], 0].sum(0), atol=1e-6)  # and the sum for video_to_text
-    assert "text → video" in plot.word_heatmap(rec, 2, kind="text_to_video")._suptitle.get_text()
+    assert "text → video" in plot.word_heatmap(rec, 2, kind="text_to_video").get_suptitle()
     with pytest.raises(ValueError, match="out of range; this layout has T = 8"):
         plot.word_heatmap(rec, 8)
     with pytest.raises(ValueError, match="pass tokenizer="):
@@ -315,11 +331,11 @@ def test_word_positions_fast_and_sentencepiece_tokenizers():
     from transformers import PreTrainedTokenizerFast
 
     tiny = tiny_pipeline().tokenizer
-    assert plot.word_positions("Snow", tiny, PROMPT, 8) == [6]
-    assert plot.word_positions("red", tiny, "a red fox and a red cat", 8) == [1, 5]
+    assert words.word_positions("Snow", tiny, PROMPT, 8) == [6]
+    assert words.word_positions("red", tiny, "a red fox and a red cat", 8) == [1, 5]
     with pytest.raises(ValueError, match="first 8 text tokens"):  # cut off by max_sequence_length
-        plot.word_positions("snow", tiny, "a red fox and a red cat in the snow", 8)
-    assert plot.text_tokens(tiny, PROMPT, 8) == ["a", "red", "fox", "running", "in", "the", "snow", "</s>"]
+        words.word_positions("snow", tiny, "a red fox and a red cat in the snow", 8)
+    assert words.text_tokens(tiny, PROMPT, 8) == ["a", "red", "fox", "running", "in", "the", "snow", "</s>"]
 
     pieces = ["<pad>", "</s>", "<unk>", "▁a", "▁fox", "hound", ",", "▁running", "▁in", "▁the", "▁snow"]
     model = Tokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=2))  # T5-like sentencepiece pieces
@@ -327,13 +343,13 @@ def test_word_positions_fast_and_sentencepiece_tokenizers():
     model.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
     prompt = "a foxhound, running in the snow"
-    assert plot.text_tokens(fast, prompt, 10)[:4] == ["▁a", "▁fox", "hound", ","]
-    assert plot.word_positions("foxhound", fast, prompt, 10) == [1, 2]
-    assert plot.word_positions("running", fast, prompt, 10) == [4]
+    assert words.text_tokens(fast, prompt, 10)[:4] == ["▁a", "▁fox", "hound", ","]
+    assert words.word_positions("foxhound", fast, prompt, 10) == [1, 2]
+    assert words.word_positions("running", fast, prompt, 10) == [4]
 
     class Slow:  # a sentencepiece tokenizer without offsets (transformers' slow T5Tokenizer)
         is_fast = False
-        all_special_tokens = ["</s>", "<pad>"]
+        all_special_tokens = ("</s>", "<pad>")
 
         def __call__(self, text, **kw):
             return {"input_ids": list(range(8))}
@@ -341,12 +357,12 @@ def test_word_positions_fast_and_sentencepiece_tokenizers():
         def convert_ids_to_tokens(self, ids):
             return ["▁a", "▁fox", "hound", ",", "▁running", "▁fast", "</s>", "<pad>"]
 
-    assert plot.word_positions("foxhound", Slow(), "a foxhound, running fast", 8) == [1, 2]
-    assert plot.word_positions("running fast", Slow(), "a foxhound, running fast", 8) == [4, 5]
+    assert words.word_positions("foxhound", Slow(), "a foxhound, running fast", 8) == [1, 2]
+    assert words.word_positions("running fast", Slow(), "a foxhound, running fast", 8) == [4, 5]
     with pytest.raises(ValueError):
-        plot.word_positions("fox", Slow(), "a foxhound, running fast", 8)
+        words.word_positions("fox", Slow(), "a foxhound, running fast", 8)
     with pytest.raises(ValueError):
-        plot.word_positions("fox", fast, prompt, 10)
+        words.word_positions("fox", fast, prompt, 10)
 
 
 # -- query maps ------------------------------------------------------------------------------------
@@ -364,11 +380,11 @@ def test_query_map_strip_marks_the_point(tiny):
     (point,) = [ln for ln in frames[1].lines if ln.get_gid() == "query-point"]
     assert (point.get_xdata()[0], point.get_ydata()[0]) == (2, 1)  # (col, row) on the patch grid
     assert np.allclose(heat(text).get_array(), row[None, :T], atol=1e-6)
-    assert [t.get_text() for t in text.get_xticklabels()] == plot.text_tokens(pipe.tokenizer, PROMPT, 8)
+    assert [t.get_text() for t in text.get_xticklabels()] == words.text_tokens(pipe.tokenizer, PROMPT, 8)
     assert text.get_xlabel() == "text keys"
     for ax in axes:  # text and video panels share one colour scale
         assert heat(ax).get_clim() == pytest.approx((row.min(), row.max()), abs=1e-6)
-    assert "(frame, row, col) = (1, 1, 2)" in fig._suptitle.get_text()
+    assert "(frame, row, col) = (1, 1, 2)" in fig.get_suptitle()
     # on the video: the cross sits at the patch centre in pixels
     over = panels(plot.query_map(rec, 0, video, scale="log"))
     (point,) = [ln for ln in over[1].lines if ln.get_gid() == "query-point"]
@@ -386,7 +402,7 @@ def test_query_map_text_queries_full_fallback_and_errors(tiny):
     token = rec.layout.token_index(0, 2, 4)
     axes = panels(plot.query_map(rec, (0, 2, 4)))
     assert np.allclose(heat(axes[0]).get_array(), ref(rec, "full")[token, 8:].reshape(3, 3, 5)[0], atol=1e-6)
-    with pytest.raises(ValueError, match=r"recorded queries \[\(1, 1, 2\), 3\]"):
+    with pytest.raises(NotRecordedError, match=r"recorded queries \[\(1, 1, 2\), 3\]"):
         plot.query_map(rec, 2)
     with pytest.raises(ValueError, match="outside the latent grid"):
         plot.query_map(rec, (3, 0, 0))
@@ -414,13 +430,13 @@ def test_saved_png_decodes_to_the_figure_size(tiny, tmp_path):
 def test_animations_to_gif_share_limits_and_count_frames(tiny, tmp_path, monkeypatch):
     pipe, rec, video = tiny
     seen = []
-    render = plot_animate._render
+    render = plot_animation._render
 
     def spy(fig):
         seen.append({heat(a).get_clim() for a in panels(fig)})
         return render(fig)
 
-    monkeypatch.setattr(plot_animate, "_render", spy)
+    monkeypatch.setattr(plot_animation, "_render", spy)
     path = plot.animate(plot.word_heatmap, rec, tmp_path / "steps.gif", over="step", dpi=40, tokens="fox",
                         video=video, tokenizer=pipe.tokenizer)  # fmt: skip
     gif = Image.open(path)
@@ -472,7 +488,7 @@ def test_explore_sliders_and_static_fallback(tiny, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "ipywidgets", None)  # ipywidgets missing
     static = plot.explore(rec, view="frame")
     assert isinstance(static, matplotlib.figure.Figure)
-    assert "step 1" in static._suptitle.get_text()
+    assert "step 1" in static.get_suptitle()
 
 
 def test_readme_figures_script_makes_every_committed_figure(tmp_path):

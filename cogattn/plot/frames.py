@@ -10,8 +10,10 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .plot_maps import KIND_DIMS, aggregate, choose
-from .plot_style import (
+from ..analysis import aggregate, choose
+from ..reducers import REDUCERS
+from ..run import MapSource
+from .style import (
     CMAP,
     MAP_GID,
     add_colorbars,
@@ -32,7 +34,7 @@ __all__ = ["frame_heatmap", "layer_step_grid"]
 
 # -- frame to frame --------------------------------------------------------------------------------
 def frame_heatmap(
-    source,
+    source: MapSource,
     *,
     steps: str | int | Sequence[int] = "all",
     layers: str | int | Sequence[int] = "all",
@@ -51,19 +53,23 @@ def frame_heatmap(
     ``heads="all"`` (or a list), one panel per head (small multiples).
 
     Args:
-        source: a `Recording` or a `Run` holding kind ``frame``.
+        source (`MapSource`): a `Recording` or a `Run` holding kind ``frame``.
         steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): steps, averaged.
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers, averaged.
         heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): heads; ``"all"`` or a
             list draws one panel per head.
         batch (`int`, defaults to 0): position among the recorded batch items.
-        num_pixel_frames (`int | None`): frames of the decoded video, to name the pixel frames of each
-            latent frame (CogVideoX 1.0 infers it; 1.5 needs it).
+        num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video, to name the pixel
+            frames of each latent frame (CogVideoX 1.0 infers it; 1.5 needs it).
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits shared by
             all panels, per panel, or fixed ``(vmin, vmax)``.
-        annotate (`bool | None`): write each value in its cell; default when G ≤ 8 and at most 8 panels.
-        fig (`Figure | None`): draw into this (empty) figure.
+        annotate (`bool | None`, defaults to `None`): write each value in its cell; `None`: when G ≤ 8
+            and at most 8 panels.
+        fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
+
+    Returns:
+        `Figure`: the figure.
     """
     layout = source.layout
     m = aggregate(source, "frame", steps=steps, layers=layers, heads=heads, batch=batch)
@@ -107,7 +113,7 @@ def frame_heatmap(
 
 # -- grid over layers × steps ----------------------------------------------------------------------
 def layer_step_grid(
-    source,
+    source: MapSource,
     kind: str = "frame",
     *,
     index: tuple = (),
@@ -126,7 +132,7 @@ def layer_step_grid(
     3 over the patch grid of latent frame 1.
 
     Args:
-        source: a `Recording` or a `Run`.
+        source (`MapSource`): a `Recording` or a `Run`.
         kind (`str`, defaults to ``"frame"``): any recorded kind.
         index (`tuple`, defaults to ``()``): ints and slices applied to the map ``(dims of the kind)``.
         steps, layers (`"all" | Sequence[int]`, defaults to ``"all"``): the columns and rows (pick a few
@@ -135,13 +141,16 @@ def layer_step_grid(
         batch (`int`, defaults to 0): position among the recorded batch items.
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits.
-        fig (`Figure | None`): draw into this (empty) figure.
+        fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
+
+    Returns:
+        `Figure`: the figure.
     """
     single_head(heads, "layer_step_grid")
     step_list = choose(source, kind, "step", steps)
     layer_list = choose(source, kind, "layer", layers)
     index = index if isinstance(index, tuple) else (index,)
-    dims = list(KIND_DIMS[kind])
+    dims = list(REDUCERS[kind].dims)
     kept = [d for i, d in enumerate(dims) if i >= len(index) or not isinstance(index[i], int)]
     arrays = []
     for layer in layer_list:

@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from .plot_frames import frame_heatmap
-from .plot_maps import aggregate, recorded, recorded_heads
-from .plot_overlays import query_map, word_heatmap
-from .plot_style import MAP_GID
-from .plot_video import video_array, write_animation
+from ..analysis import recorded, recorded_kinds
+from ..run import MapSource
+from .frames import frame_heatmap
+from .overlays import query_map, word_heatmap
+from .style import MAP_GID
+from .video import video_array, write_animation
 
 __all__ = ["animate", "explore"]
 
@@ -24,6 +25,7 @@ _PLOT_KIND = {frame_heatmap: "frame", word_heatmap: "video_to_text", query_map: 
 
 
 def _render(fig: Figure) -> np.ndarray:
+    """The figure drawn to an RGB ``uint8`` array ``(H, W, 3)`` at its own dpi."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     canvas = FigureCanvasAgg(fig)  # a canvas of its own: no global backend is touched
@@ -33,7 +35,7 @@ def _render(fig: Figure) -> np.ndarray:
 
 def animate(
     plot: Callable[..., Figure],
-    source,
+    source: MapSource,
     path: str | os.PathLike,
     *,
     over: str = "step",
@@ -49,12 +51,12 @@ def animate(
 
     Args:
         plot (`Callable`): :func:`frame_heatmap`, :func:`word_heatmap` or :func:`query_map`.
-        source: a `Recording` or a `Run`.
+        source (`MapSource`): a `Recording` or a `Run`.
         path (`str | os.PathLike`): ``.gif`` or ``.mp4``.
         over (`str`, defaults to ``"step"``): ``"step"``, ``"layer"``, or ``"frame"`` (pixel frames of
             ``video``, for :func:`word_heatmap`).
-        values (`Sequence[int] | None`): the steps/layers/frames, in order; default: all recorded (all
-            frames of the video).
+        values (`Sequence[int] | None`, defaults to `None`): the steps/layers/frames, in order; `None`: all
+            recorded (all frames of the video).
         fps (`float`, defaults to 2.0): frames per second.
         dpi (`int`, defaults to 80): resolution of the rendered frames.
         **kwargs: passed to ``plot`` (e.g. ``tokens=``, ``video=``, ``tokenizer=``, ``heads=``).
@@ -74,7 +76,7 @@ def animate(
             video = kwargs.get("video")
             values = range(len(video_array(video))) if video is not None else range(source.layout.frames)
     elif values is None:
-        if plot is query_map and kind == "query" and not any(k[0] == "query" for k in source.keys()):
+        if plot is query_map and kind == "query" and "query" not in recorded_kinds(source):
             kind = "full"
         values = recorded(source, kind, over)
     key = {"step": "steps", "layer": "layers", "frame": "frames"}[over]
@@ -96,17 +98,17 @@ def animate(
 
 
 # -- interactive -----------------------------------------------------------------------------------
-def explore(source, video=None, *, view: str = "word", static: bool | None = None, **kwargs):
+def explore(source: MapSource, video=None, *, view: str = "word", static: bool | None = None, **kwargs):
     """Sliders over step, layer, head (and frame, for word maps) when ipywidgets is installed; a static
     figure otherwise.
 
     Args:
-        source: a `Recording` or a `Run`.
-        video: the decoded video (word and query views draw on it).
+        source (`MapSource`): a `Recording` or a `Run`.
+        video (defaults to `None`): the decoded video (word and query views draw on it).
         view (`str`, defaults to ``"word"``): ``"frame"`` (:func:`frame_heatmap`), ``"word"``
             (:func:`word_heatmap`, pass ``tokens=``) or ``"query"`` (:func:`query_map`).
-        static (`bool | None`): force the static figure (`True`) or the widgets (`False`); default:
-            widgets when ipywidgets imports.
+        static (`bool | None`, defaults to `None`): force the static figure (`True`) or the widgets
+            (`False`); `None`: widgets when ipywidgets imports.
         **kwargs: passed to the plot function.
 
     Returns:
@@ -120,10 +122,9 @@ def explore(source, video=None, *, view: str = "word", static: bool | None = Non
     if view != "frame":
         kwargs["video"] = video
     kind = kwargs.get("kind", _PLOT_KIND[plot])
-    if view == "query" and not any(k[0] == "query" for k in source.keys()):
+    if view == "query" and "query" not in recorded_kinds(source):
         kind = "full"
     steps, layers = recorded(source, kind, "step"), recorded(source, kind, "layer")
-    held = recorded_heads(source)
     if static is None:
         try:
             import ipywidgets  # noqa: F401
@@ -133,8 +134,7 @@ def explore(source, video=None, *, view: str = "word", static: bool | None = Non
         return plot(source, **{"steps": steps[-1], **kwargs})
     import ipywidgets as widgets
 
-    n_heads = aggregate(source, kind, steps=steps[0], layers=layers[0], heads="all").shape[0]
-    head_options = ["mean"] + ([] if held == "mean" else (list(range(n_heads)) if held == "all" else list(held)))
+    head_options = ["mean", *(source.head_ids or ())]
     controls = {
         "step": widgets.SelectionSlider(options=steps, value=steps[-1], description="step"),
         "layer": widgets.SelectionSlider(options=["mean", *layers], value="mean", description="layer"),

@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from matplotlib.figure import Figure
 
-from .plot_maps import aggregate, recorded_queries, source_prompt, text_tokens, word_positions
-from .plot_style import (
+from ..analysis import aggregate, locate_query
+from ..layout import TokenLayout
+from ..run import MapSource
+from ..words import text_tokens, word_positions
+from .style import (
     CMAP,
     MAP_GID,
     POINT_GID,
@@ -25,12 +27,12 @@ from .plot_style import (
     set_title,
     single_head,
 )
-from .plot_video import latent_of_pixel, pixel_frames, upsample_to_video, video_array
+from .video import upsample_to_video, video_array
 
 __all__ = ["query_map", "word_heatmap"]
 
 
-def _text_ticks(source, tokenizer, prompt: str | None, limit: int = 40) -> tuple[list[int], list[str]]:
+def _text_ticks(source: MapSource, tokenizer, prompt: str | None, limit: int = 40) -> tuple[list[int], list[str]]:
     """Tick positions and labels of the text keys. Past ``limit`` tokens (226 in CogVideoX, mostly
     padding) only the prompt's own tokens are named, plus every tenth of the axis by index."""
     T = source.layout.text_len
@@ -43,7 +45,7 @@ def _text_ticks(source, tokenizer, prompt: str | None, limit: int = 40) -> tuple
     return keep, [names[i] if i in named else str(i) for i in keep]
 
 
-def _resolve_tokens(source, tokens, tokenizer, prompt) -> list[tuple[list[int], str]]:
+def _resolve_tokens(source: MapSource, tokens, tokenizer, prompt) -> list[tuple[list[int], str]]:
     """``[(positions, label), ...]`` for token indices and words."""
     T = source.layout.text_len
     items = [tokens] if isinstance(tokens, (int, str)) else list(tokens)
@@ -73,13 +75,13 @@ def _resolve_tokens(source, tokens, tokenizer, prompt) -> list[tuple[list[int], 
 
 
 # -- word maps on the video ------------------------------------------------------------------------
-def _video_panels(layout, video, frames, num_pixel_frames):
+def _video_panels(layout: TokenLayout, video, frames, num_pixel_frames: int | None):
     """``(pixel video or None, [(panel frame, latent frame)], pixel ranges or None)``."""
     frames = [frames] if isinstance(frames, int) else frames
     if video is not None:
         pixels = video_array(video)
-        ranges = pixel_frames(layout, len(pixels))
-        owner = latent_of_pixel(layout, len(pixels))
+        ranges = layout.pixel_frames(len(pixels))
+        owner = layout.latent_of_pixel(len(pixels))
         if frames is None:
             frames = [r[len(r) // 2] for r in ranges]  # the middle pixel frame of each latent frame
         elif frames == "all":
@@ -113,7 +115,7 @@ def _draw_panel(ax, heat: np.ndarray, norm, pixels, n: int, alpha: float):
 
 
 def word_heatmap(
-    source,
+    source: MapSource,
     tokens: int | str | Sequence[int | str],
     video=None,
     *,
@@ -137,35 +139,39 @@ def word_heatmap(
 
     A word of several tokens shows the sum of its tokens for ``video_to_text`` (the attention mass on
     the word) and their mean for ``text_to_video`` (each token's row is its own distribution). On the
-    video, pixel frame n shows the map of the latent frame covering it (:func:`pixel_frames`),
-    upsampled from patches to pixels.
+    video, pixel frame n shows the map of the latent frame covering it
+    (:meth:`cogattn.TokenLayout.pixel_frames`), upsampled from patches to pixels.
 
     Args:
-        source: a `Recording` or a `Run` holding ``kind``.
+        source (`MapSource`): a `Recording` or a `Run` holding ``kind``.
         tokens (`int | str | Sequence[int | str]`): text-token indices, or words of the prompt.
-        video: the decoded video of the generation (``pipe(...).frames[0]``, any output type), or
-            `None` for maps on the patch grid alone.
+        video (defaults to `None`): the decoded video of the generation (``pipe(...).frames[0]``, any
+            output type), or `None` for maps on the patch grid alone.
         kind (`str`, defaults to ``"video_to_text"``): or ``"text_to_video"``.
-        tokenizer: the pipeline's tokenizer, to find words and name tokens.
-        prompt (`str | None`): the prompt; defaults to ``info["prompt"]`` of the recording or run.
-        frames (`int | Sequence[int] | "all" | None`): pixel frames to show (latent frames without a video);
-            default: the middle pixel frame of every latent frame.
+        tokenizer (defaults to `None`): the pipeline's tokenizer, to find words and name tokens.
+        prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]`` of the
+            recording or run.
+        frames (`int | Sequence[int] | "all" | None`, defaults to `None`): pixel frames to show (latent
+            frames without a video); `None`: the middle pixel frame of every latent frame.
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int`, defaults to 0): position among the recorded batch items.
-        num_pixel_frames (`int | None`): frames of the decoded video when no video is given (names the
-            pixel frames of each latent frame).
+        num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video when no video is
+            given (names the pixel frames of each latent frame).
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits.
         alpha (`float`, defaults to 0.6): opacity of the map over the video.
         interpolation (`str`, defaults to ``"nearest"``): patch-to-pixel upsampling, or ``"bilinear"``.
-        fig (`Figure | None`): draw into this (empty) figure.
+        fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
+
+    Returns:
+        `Figure`: the figure.
     """
     if kind not in ("video_to_text", "text_to_video"):
         raise ValueError(f"kind={kind!r}; word maps come from 'video_to_text' or 'text_to_video'.")
     single_head(heads, "word_heatmap")
     layout = source.layout
-    prompt = prompt if prompt is not None else source_prompt(source)
+    prompt = prompt if prompt is not None else source.info.get("prompt")
     chosen = _resolve_tokens(source, tokens, tokenizer, prompt)
     m = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)  # (T, F, Hp, Wp)
     per_word = [m[pos].sum(0) if kind == "video_to_text" else m[pos].mean(0) for pos, _ in chosen]
@@ -179,7 +185,7 @@ def word_heatmap(
             arrays += [up[n].numpy() for n, _ in panels]
     norms = color_norms(arrays, scale, limits)
     nrows, ncols = len(chosen), len(panels)
-    h, w = (pixels.shape[1:3] if pixels is not None else (layout.height, layout.width))
+    h, w = pixels.shape[1:3] if pixels is not None else (layout.height, layout.width)
     pw = min(2.0, 16 / ncols)  # a long video still fits a page: at most 16 inches of panels
     per_map = 0.8 if limits == "per-map" else 0.0  # room for a colour bar beside every panel
     fig = new_figure(fig, ((pw + per_map) * ncols + 1.4, ((pw - 0.25) * h / w + 0.3) * nrows + 0.8))
@@ -209,36 +215,8 @@ def word_heatmap(
 
 
 # -- query maps ------------------------------------------------------------------------------------
-def _query_row(source, query, steps, layers, heads, batch) -> tuple[torch.Tensor, int]:
-    """The attention row ``(S,)`` of one query token and its token index."""
-    layout = source.layout
-    held = recorded_queries(source)
-    tokens = [q if isinstance(q, int) else layout.token_index(*q) for q in held]
-    has_query = any(k[0] == "query" for k in source.keys())
-    if isinstance(query, int) and not isinstance(query, bool):
-        if not has_query or not 0 <= query < len(held):
-            raise ValueError(
-                f"query={query} is a position among the recorded queries {held}; pass one of "
-                f"0..{len(held) - 1}, or a (frame, row, col) coordinate."
-            )
-        pos, token = query, tokens[query]
-    elif isinstance(query, (tuple, list)) and len(query) == 3:
-        token = layout.token_index(*query)
-        pos = tokens.index(token) if token in tokens and has_query else None
-        if pos is None:
-            if any(k[0] == "full" for k in source.keys()):  # a full map holds every query's row
-                return aggregate(source, "full", steps=steps, layers=layers, heads=heads, batch=batch)[token], token
-            raise ValueError(
-                f"query {tuple(query)} was not recorded; recorded queries are {held}. Record it with "
-                f"queries=[{tuple(query)}, ...] (or record kind 'full')."
-            )
-    else:
-        raise TypeError(f"query must be a position among the recorded queries or (frame, row, col), got {query!r}.")
-    return aggregate(source, "query", steps=steps, layers=layers, heads=heads, batch=batch)[pos], token
-
-
 def query_map(
-    source,
+    source: MapSource,
     query: int | tuple[int, int, int] = 0,
     video=None,
     *,
@@ -259,25 +237,31 @@ def query_map(
     its own frame) and, below, its attention to each text token.
 
     Args:
-        source: a `Recording` or a `Run` holding kind ``query`` (or ``full``).
+        source (`MapSource`): a `Recording` or a `Run` holding kind ``query`` (or ``full``).
         query (`int | tuple[int, int, int]`, defaults to 0): a position among the recorded queries, or a
             video coordinate (latent frame, patch row, patch column).
-        video: the decoded video, or `None` for maps on the patch grid alone.
-        tokenizer, prompt: name the text tokens (prompt defaults to ``info["prompt"]``).
+        video (defaults to `None`): the decoded video, or `None` for maps on the patch grid alone.
+        tokenizer (defaults to `None`): the pipeline's tokenizer, to name the text tokens.
+        prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]``.
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int`, defaults to 0): position among the recorded batch items.
-        num_pixel_frames (`int | None`): frames of the decoded video when no video is given.
+        num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video when no video is
+            given.
         scale (`str`, defaults to ``"linear"``): ``"log"`` shows the long tail.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits (text and video
             panels share them unless ``"per-map"``).
         alpha (`float`, defaults to 0.6): opacity over the video.
         interpolation (`str`, defaults to ``"nearest"``): patch-to-pixel upsampling, or ``"bilinear"``.
-        fig (`Figure | None`): draw into this (empty) figure.
+        fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
+
+    Returns:
+        `Figure`: the figure.
     """
     single_head(heads, "query_map")
     layout = source.layout
-    row, token = _query_row(source, query, steps, layers, heads, batch)
+    kind, index, token = locate_query(source, query)
+    row = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)[index]  # (S,)
     point = layout.coordinates(token)
     T = layout.text_len
     grid = row[T:].reshape(layout.grid)
@@ -290,7 +274,7 @@ def query_map(
     arrays.append(row[:T].numpy()[None])
     norms = color_norms(arrays, scale, limits)
     ncols = len(panels)
-    h, w = (pixels.shape[1:3] if pixels is not None else (layout.height, layout.width))
+    h, w = pixels.shape[1:3] if pixels is not None else (layout.height, layout.width)
     pw = min(2.0, 16 / ncols)  # a long video still fits a page: at most 16 inches of panels
     fig = new_figure(fig, (pw * ncols + 1.6, pw * h / w + 2.0))
     gs = fig.add_gridspec(2, ncols, height_ratios=[pw * h / w, 0.6])
@@ -315,17 +299,11 @@ def query_map(
     text_ax = fig.add_subplot(gs[1, :])
     images.append(text_ax.imshow(arrays[-1], cmap=CMAP, norm=norms[-1], aspect="auto", interpolation="nearest",
                                  gid=MAP_GID))  # fmt: skip
-    ticks, labels = _text_ticks(source, tokenizer, prompt if prompt is not None else source_prompt(source))
+    ticks, labels = _text_ticks(source, tokenizer, prompt if prompt is not None else source.info.get("prompt"))
     text_ax.set_xticks(ticks, labels, fontsize=6, rotation=90 if len(ticks) > 16 else 0)
     text_ax.set_yticks([])
     text_ax.set_xlabel("text keys")
-    add_colorbars(fig, images, axes + [text_ax], "query", limits)
+    add_colorbars(fig, images, axes + [text_ax], kind, limits)
     who = f"text token {token}" if point is None else f"video point (frame, row, col) = {point}"
-    set_title(fig, f"where {who} attends", describe(source, _kind_of_query(source, token), steps, layers, heads))
+    set_title(fig, f"where {who} attends", describe(source, kind, steps, layers, heads))
     return fig
-
-
-def _kind_of_query(source, token: int) -> str:
-    layout = source.layout
-    held = [q if isinstance(q, int) else layout.token_index(*q) for q in recorded_queries(source)]
-    return "query" if token in held and any(k[0] == "query" for k in source.keys()) else "full"

@@ -1,5 +1,6 @@
-"""Latent frames ↔ decoded video: which pixel frames each latent frame covers, maps upsampled to
-pixels, decoded videos as arrays, and writing rendered frames to GIF or MP4.
+"""The decoded video: videos as arrays, patch-grid maps upsampled to its pixels (each pixel frame
+showing the latent frame that covers it, from :meth:`cogattn.TokenLayout.latent_of_pixel`), and
+rendered frames written to GIF or MP4.
 """
 
 from __future__ import annotations
@@ -14,56 +15,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pixel_frames", "upsample_to_video", "video_array", "write_animation"]
+from ..layout import VAE_TEMPORAL, TokenLayout
 
-
-def pixel_frames(layout, num_pixel_frames: int, temporal_compression: int = 4) -> list[range]:
-    """The decoded pixel frames each latent frame (temporal patch, for CogVideoX 1.5) of ``layout`` covers.
-
-    The VAE keeps pixel frame 0 as latent frame 0 and packs each later group of ``temporal_compression``
-    pixel frames into one latent frame, so ``N`` pixel frames are ``L = (N - 1) // 4 + 1`` latent
-    frames and latent frame ``l ≥ 1`` covers pixel frames ``4(l - 1) + 1 … 4l``. With
-    ``patch_size_t = p`` (CogVideoX 1.5) the pipeline pads ``(-L) % p`` latent frames at the start and
-    drops them before decoding; temporal patch ``k`` covers padded latent frames ``kp … kp + p - 1``.
-
-    Args:
-        layout (`TokenLayout`): the recorded layout (``frames`` F and ``patch_size_t``).
-        num_pixel_frames (`int`): frames N of the decoded video (``num_frames`` of the call).
-        temporal_compression (`int`, defaults to 4): the VAE's ``vae_scale_factor_temporal``.
-
-    Returns:
-        `list[range]`: F ranges of pixel-frame indices, in order, together covering ``0 … N - 1``.
-    """
-    n, tc = int(num_pixel_frames), int(temporal_compression)
-    if n < 1 or tc < 1:
-        raise ValueError(f"num_pixel_frames={num_pixel_frames} and temporal_compression={tc} must be ≥ 1.")
-    latent = (n - 1) // tc + 1
-    p = layout.patch_size_t or 1
-    padding = (-latent) % p  # CogVideoX 1.5 pipelines prepend this many latent frames, dropped before decoding
-    if (latent + padding) // p != layout.frames:
-        what = f"{(latent + padding) // p} temporal patches of {p}" if p > 1 else f"{latent} latent frames"
-        raise ValueError(
-            f"a video of {n} pixel frames has {what}, but the layout has F = {layout.frames}; pass the "
-            "number of frames of the video this recording generated."
-        )
-
-    def covered(lat: int) -> range:
-        return range(0, 1) if lat == 0 else range(tc * (lat - 1) + 1, min(tc * lat + 1, n))
-
-    out = []
-    for k in range(layout.frames):
-        lats = [j - padding for j in range(k * p, (k + 1) * p) if j >= padding]
-        out.append(range(covered(lats[0]).start, covered(lats[-1]).stop))
-    return out
-
-
-def latent_of_pixel(layout, num_pixel_frames: int, temporal_compression: int = 4) -> list[int]:
-    """For each pixel frame, the latent frame (temporal patch) that covers it."""
-    owner = [-1] * num_pixel_frames
-    for f, frames in enumerate(pixel_frames(layout, num_pixel_frames, temporal_compression)):
-        for n in frames:
-            owner[n] = f
-    return owner
+__all__ = ["upsample_to_video", "video_array", "write_animation"]
 
 
 def video_array(video) -> np.ndarray:
@@ -73,6 +27,9 @@ def video_array(video) -> np.ndarray:
         video: the pipeline's ``.frames`` for one video in any output type: a tensor or array
             ``(N, 3, H, W)`` / ``(N, H, W, 3)`` (a leading batch of 1 is dropped), float in [0, 1] or
             uint8, or a list of PIL images.
+
+    Returns:
+        `np.ndarray`: float32 ``(N, H, W, 3)``.
     """
     if isinstance(video, (list, tuple)):
         if len(video) == 1 and isinstance(video[0], (list, tuple)):
@@ -96,20 +53,21 @@ def video_array(video) -> np.ndarray:
 
 def upsample_to_video(
     maps: torch.Tensor,
-    layout,
+    layout: TokenLayout,
     num_pixel_frames: int,
     size: tuple[int, int],
     mode: str = "nearest",
-    temporal_compression: int = 4,
+    temporal_compression: int = VAE_TEMPORAL,
 ) -> torch.Tensor:
     """Patch-grid maps placed on the decoded video: one map per pixel frame, upsampled to pixels.
 
     Pixel frame ``n`` gets the map of the latent frame (temporal patch) covering it (see
-    :func:`pixel_frames`), resized from ``(Hp, Wp)`` patches to ``(H, W)`` pixels; one patch is
-    ``H / Hp`` pixels high (16 for CogVideoX: 2 latent pixels of 8).
+    :meth:`cogattn.TokenLayout.pixel_frames`), resized from ``(Hp, Wp)`` patches to ``(H, W)`` pixels;
+    one patch is ``H / Hp`` pixels high (16 for CogVideoX: 2 latent pixels of 8).
 
     Args:
-        maps (`torch.Tensor`): ``(F, Hp, Wp)``, e.g. ``aggregate(rec, "video_to_text")[token]``.
+        maps (`torch.Tensor`): ``(F, Hp, Wp)``, e.g. ``aggregate(rec, "video_to_text")[token]``
+            (:func:`cogattn.analysis.aggregate`).
         layout (`TokenLayout`): the recorded layout.
         num_pixel_frames (`int`): frames N of the decoded video.
         size (`tuple[int, int]`): ``(H, W)`` of the decoded video.
@@ -126,10 +84,11 @@ def upsample_to_video(
         raise ValueError(f"mode={mode!r}; choose 'nearest' or 'bilinear'.")
     extra = {} if mode == "nearest" else {"align_corners": False}
     up = F.interpolate(maps.float()[None], size=tuple(size), mode=mode, **extra)[0]
-    return up[latent_of_pixel(layout, num_pixel_frames, temporal_compression)]
+    return up[layout.latent_of_pixel(num_pixel_frames, temporal_compression)]
 
 
 def _ffmpeg() -> str | None:
+    """The ffmpeg executable: on PATH, else the one imageio-ffmpeg ships, else `None`."""
     exe = shutil.which("ffmpeg")
     if exe is None:
         try:
@@ -148,6 +107,9 @@ def write_animation(frames: Sequence[np.ndarray], path: str | os.PathLike, fps: 
         frames (`Sequence[np.ndarray]`): rendered frames, all the same size.
         path (`str | os.PathLike`): ending in ``.gif`` or ``.mp4``.
         fps (`float`, defaults to 2.0): frames per second.
+
+    Returns:
+        `Path`: the file written.
     """
     path = Path(path)
     suffix = path.suffix.lower()

@@ -1,0 +1,226 @@
+"""The numbers behind the plots: maps averaged over steps and layers with heads chosen or averaged, what
+a source recorded, and which recorded row holds a query token. No plotting here (no matplotlib).
+
+A *source* is any :class:`cogattn.run.MapSource`: an in-memory :class:`cogattn.Recording` or a run
+folder opened with :func:`cogattn.load`.
+
+```python
+from cogattn.analysis import aggregate
+aggregate(rec, "frame")                              # (G, G): mean over recorded steps, layers, heads
+aggregate(rec, "video_to_text", steps=0, heads="all")  # (H, T, F, Hp, Wp)
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import NotRecordedError
+from .reducers import REDUCERS
+from .run import MapSource
+
+__all__ = ["aggregate", "choose", "head_positions", "locate_query", "recorded", "recorded_kinds"]
+
+
+def recorded_kinds(source: MapSource) -> list[str]:
+    """The kinds ``source`` holds at least one record of, sorted.
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run`.
+    """
+    keys = source.keys()
+    return sorted({k[0] for k in keys})
+
+
+def recorded(source: MapSource, kind: str, what: str) -> list[int]:
+    """Steps or layers recorded for ``kind``.
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run`.
+        kind (`str`): one of ``cogattn.KINDS``.
+        what (`str`): ``"step"`` or ``"layer"``.
+
+    Returns:
+        `list[int]`: sorted, each once.
+
+    Raises:
+        ValueError: ``kind`` is no kind, or ``what`` is neither ``"step"`` nor ``"layer"``.
+        NotRecordedError: the source holds no record of ``kind``.
+    """
+    if kind not in REDUCERS:
+        raise ValueError(f"unknown kind {kind!r}; the kinds are {list(REDUCERS)}.")
+    if what not in ("step", "layer"):
+        raise ValueError(f"what={what!r}; choose 'step' or 'layer'.")
+    held = source.keys()
+    keys = [k for k in held if k[0] == kind]
+    if not keys:
+        raise NotRecordedError(
+            f"kind {kind!r} was not recorded; this source holds {recorded_kinds(source)}. Add it to record(kinds=...)."
+        )
+    return sorted({k[1] if what == "step" else k[2] for k in keys})
+
+
+def choose(source: MapSource, kind: str, what: str, value: str | int | Sequence[int]) -> list[int]:
+    """Resolve a steps or layers selector against what was recorded for ``kind``.
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run`.
+        kind (`str`): one of ``cogattn.KINDS``.
+        what (`str`): ``"step"`` or ``"layer"``.
+        value (`"all" | int | Sequence[int]`): ``"all"`` (every recorded one), an index, or a list.
+
+    Returns:
+        `list[int]`: the chosen steps or layers, in the order given.
+
+    Raises:
+        ValueError: ``value`` is malformed or empty.
+        NotRecordedError: the kind, or one of the chosen steps or layers, was not recorded.
+    """
+    have = recorded(source, kind, what)
+    if isinstance(value, str):
+        if value != "all":
+            raise ValueError(f"{what}s={value!r}; use 'all', an index, or a list of indices.")
+        return have
+    wanted = [value] if isinstance(value, int) else list(value)
+    if not wanted:
+        raise ValueError(f"{what}s is empty; recorded {what}s of {kind!r} are {have}.")
+    for v in wanted:
+        if v not in have:
+            raise NotRecordedError(f"{what} {v!r} of {kind!r} was not recorded; recorded {what}s are {have}.")
+    return wanted
+
+
+def head_positions(head_ids: Sequence[int] | None, num_slots: int, heads: str | int | Sequence[int]) -> list[int]:
+    """Positions in a result's head axis of the model heads ``heads``.
+
+    Args:
+        head_ids (`Sequence[int] | None`): the source's ``head_ids``: the model head of each slot, or
+            `None` when heads were averaged at record time.
+        num_slots (`int`): length of the result's head axis.
+        heads (`"mean" | "all" | int | Sequence[int]`): the selection; ``"mean"`` and ``"all"`` take every slot.
+
+    Returns:
+        `list[int]`: slot positions, one per chosen head.
+
+    Raises:
+        ValueError: ``heads`` is malformed.
+        NotRecordedError: a chosen head was not recorded (or only their mean was).
+    """
+    if heads in ("all", "mean"):
+        return list(range(num_slots))
+    if isinstance(heads, str) or (not isinstance(heads, int) and not heads):
+        raise ValueError(f"heads={heads!r}; use 'mean', 'all', a head index, or a list of head indices.")
+    if head_ids is None:
+        raise NotRecordedError(
+            f"heads={heads!r}, but this source was recorded with heads='mean' and holds only the mean over "
+            "heads; use heads='mean', or record with heads='all' (or a list) for single heads."
+        )
+    ids = list(head_ids)
+    positions = []
+    for h in [heads] if isinstance(heads, int) else list(heads):
+        if h not in ids:
+            raise NotRecordedError(f"head {h!r} was not recorded; recorded heads are {ids}.")
+        positions.append(ids.index(h))
+    return positions
+
+
+def aggregate(
+    source: MapSource,
+    kind: str,
+    *,
+    steps: str | int | Sequence[int] = "all",
+    layers: str | int | Sequence[int] = "all",
+    heads: str | int | Sequence[int] = "mean",
+    batch: int = 0,
+) -> torch.Tensor:
+    """One batch item's map, averaged over the chosen steps and layers, with heads chosen or averaged.
+
+    Head selection reads like indexing: an int drops the head axis, a list or ``"all"`` keeps it, and
+    ``"mean"`` averages it away. So ``aggregate(rec, "frame")`` is ``(G, G)`` and
+    ``aggregate(rec, "frame", heads="all")`` is ``(H, G, G)``.
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run`.
+        kind (`str`): ``"frame"``, ``"video_to_text"``, ``"text_to_video"``, ``"query"`` or ``"full"``.
+        steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): steps to average (``"all"``: every
+            recorded step of the kind).
+        layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers to average.
+        heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): model head indices.
+        batch (`int`, defaults to 0): position among the recorded batch items.
+
+    Returns:
+        `torch.Tensor`: float32, the kind's shape without ``B`` (and without ``H`` unless kept).
+
+    Raises:
+        ValueError: a malformed selector, or ``batch`` out of range.
+        NotRecordedError: the kind, a step, a layer or a head was not recorded.
+    """
+    step_list = choose(source, kind, "step", steps)
+    layer_list = choose(source, kind, "layer", layers)
+    total = None
+    for s in step_list:
+        for layer in layer_list:
+            t = source.get(kind, s, layer)
+            if not 0 <= batch < t.shape[0]:
+                raise ValueError(f"batch={batch} is out of range: {t.shape[0]} batch item(s) were recorded.")
+            t = t[batch].double()
+            total = t if total is None else total + t
+    mean = (total / (len(step_list) * len(layer_list))).float()
+    positions = head_positions(source.head_ids, mean.shape[0], heads)
+    if heads == "mean":
+        return mean.mean(0)
+    if isinstance(heads, int):
+        return mean[positions[0]]
+    return mean[positions]
+
+
+def locate_query(source: MapSource, query: int | tuple[int, int, int]) -> tuple[str, int, int]:
+    """Where the attention row of one query token is kept: ``(kind, row, token)``.
+
+    ``aggregate(source, kind, ...)[row]`` is then its row over all ``S`` keys. A recorded query is a row of
+    kind ``query``; any other video point is a row of kind ``full`` when that was recorded.
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run`.
+        query (`int | tuple[int, int, int]`): a position among the recorded queries (``source.queries``),
+            or a video coordinate (latent frame, patch row, patch column).
+
+    Returns:
+        `tuple[str, int, int]`: the kind (``"query"`` or ``"full"``), the row in its map, and the query's
+        token index in the joint sequence.
+
+    Raises:
+        TypeError: ``query`` is neither a position nor a coordinate.
+        ValueError: the coordinate is outside the latent grid.
+        NotRecordedError: the query's row was not recorded.
+    """
+    layout = source.layout
+    held = list(source.queries)
+    tokens = [q if isinstance(q, int) else layout.token_index(*q) for q in held]
+    kinds = recorded_kinds(source)
+    has_query = "query" in kinds
+    if isinstance(query, int) and not isinstance(query, bool):
+        if not has_query:
+            raise NotRecordedError(
+                f"query={query} is a position among the recorded queries, but kind 'query' was not recorded; "
+                f"this source holds {kinds}. Pass a (frame, row, col) coordinate (with kind 'full' recorded)."
+            )
+        if not 0 <= query < len(held):
+            raise NotRecordedError(
+                f"query={query} is a position among the recorded queries {held}; pass one of "
+                f"0..{len(held) - 1}, or a (frame, row, col) coordinate."
+            )
+        return "query", query, tokens[query]
+    if isinstance(query, (tuple, list)) and len(query) == 3:
+        token = layout.token_index(*query)
+        if has_query and token in tokens:
+            return "query", tokens.index(token), token
+        if "full" in kinds:  # a full map holds every query's row
+            return "full", token, token
+        raise NotRecordedError(
+            f"query {tuple(query)} was not recorded; recorded queries are {held}. Record it with "
+            f"queries=[{tuple(query)}, ...] (or record kind 'full')."
+        )
+    raise TypeError(f"query must be a position among the recorded queries or (frame, row, col), got {query!r}.")

@@ -1,0 +1,94 @@
+"""Text tokens of a prompt as the pipeline feeds them to the transformer, and the token positions of a
+word of it: what names the text axis of a map and finds a word in it (no plotting here).
+
+```python
+from cogattn.words import text_tokens, word_positions
+text_tokens(pipe.tokenizer, prompt, 226)[:5]                 # ['▁a', '▁red', '▁fox', ...]
+word_positions("fox", pipe.tokenizer, prompt, 226)           # [2]: rows of video_to_text for "fox"
+```
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["text_tokens", "word_positions"]
+
+
+def _encode(tokenizer, prompt: str, text_len: int, offsets: bool) -> dict:
+    # The pipelines' own call (CogVideoXPipeline._get_t5_prompt_embeds): positions then match the maps.
+    kwargs = {"padding": "max_length", "max_length": text_len, "truncation": True, "add_special_tokens": True}
+    if offsets:
+        kwargs["return_offsets_mapping"] = True
+    return tokenizer(prompt, **kwargs)
+
+
+def text_tokens(tokenizer, prompt: str, text_len: int) -> list[str]:
+    """The ``text_len`` text tokens of ``prompt`` as the pipeline feeds them to the transformer.
+
+    Args:
+        tokenizer: the pipeline's tokenizer (``pipe.tokenizer``).
+        prompt (`str`): the prompt of the generation.
+        text_len (`int`): text tokens T of the layout (``max_sequence_length`` of the call).
+
+    Returns:
+        `list[str]`: ``text_len`` token strings, padding included.
+    """
+    ids = _encode(tokenizer, prompt, text_len, offsets=False)["input_ids"]
+    return [str(t) for t in tokenizer.convert_ids_to_tokens(list(ids))]
+
+
+def _norm_word(text: str) -> str:
+    return re.sub(r"[^\w]", "", text.replace("▁", "")).lower()
+
+
+def word_positions(word: str, tokenizer, prompt: str, text_len: int) -> list[int]:
+    """Text-token positions whose pieces form ``word`` in ``prompt``, for every occurrence of it.
+
+    A word may be several sentencepiece pieces (``'▁fox', 'hound'``); all of them are returned. A fast
+    tokenizer's character offsets give the exact pieces; otherwise pieces are grouped into words at
+    the ``▁`` word-start marker.
+
+    Args:
+        word (`str`): one or more words of the prompt (case-insensitive).
+        tokenizer: the pipeline's tokenizer.
+        prompt (`str`): the prompt of the generation.
+        text_len (`int`): text tokens T of the layout.
+
+    Returns:
+        `list[int]`: sorted token positions in ``0 .. text_len - 1``.
+
+    Raises:
+        ValueError: the word is not in the prompt, or was cut off at ``text_len`` tokens.
+    """
+    fast = bool(getattr(tokenizer, "is_fast", False))
+    enc = _encode(tokenizer, prompt, text_len, offsets=fast)
+    positions: list[int] = []
+    if fast:
+        spans = [tuple(o) for o in enc["offset_mapping"]]
+        for m in re.finditer(r"(?<!\w)" + re.escape(word.strip()) + r"(?!\w)", prompt, re.IGNORECASE):
+            a, b = m.span()
+            positions += [i for i, (s, e) in enumerate(spans) if e > s and e > a and s < b]
+    else:
+        pieces = tokenizer.convert_ids_to_tokens(list(enc["input_ids"]))
+        special = set(getattr(tokenizer, "all_special_tokens", []))
+        words: list[list[int]] = []  # token positions of each word, in order
+        for i, piece in enumerate(pieces):
+            if piece in special:
+                continue
+            if not words or piece.startswith("▁") or (i > 0 and pieces[i - 1] in special):
+                words.append([])
+            words[-1].append(i)
+        texts = [_norm_word("".join(pieces[i] for i in w)) for w in words]
+        target = [_norm_word(w) for w in word.split()]
+        for k in range(len(words) - len(target) + 1):
+            if target and texts[k : k + len(target)] == target:
+                # punctuation glued to a word ("fox" ",") and lone "▁" pieces are not part of it
+                positions += [i for w in words[k : k + len(target)] for i in w if _norm_word(pieces[i])]
+    if not positions:
+        shown = text_tokens(tokenizer, prompt, text_len)
+        raise ValueError(
+            f"word {word!r} is not among the first {text_len} text tokens of the prompt {prompt!r}; its tokens "
+            f"are {shown}. Pass a word of the prompt, or token indices 0..{text_len - 1}."
+        )
+    return sorted(set(positions))
