@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "attention_joint",
+    "attention_joint_for",
     "attention_with_lse",
     "fused_lse_supported",
     "joint_extra_bytes",
@@ -119,3 +120,32 @@ def joint_extra_bytes(batch: int, heads: int, seq_len: int, head_dim: int, num_c
     """Peak bytes :func:`attention_joint` holds beyond the stock call's output, for ``batch`` items: the
     padded q, k, the widened values and the wide output, less the output the stock call would allocate."""
     return batch * heads * seq_len * elem_size * (4 * joint_width(head_dim, num_cols) - head_dim)
+
+
+def attention_joint_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indicator: torch.Tensor, items):
+    """:func:`attention_joint` for the batch ``items`` that are captured, the stock SDPA call for the others.
+
+    Returns ``(out, lse, sums)`` for the whole batch ``(B, H, S, ·)``; lse and sums are zero where not captured."""
+    B = q.shape[0]
+    items = list(items)
+    if items == list(range(B)):
+        return attention_joint(q, k, v, indicator)
+    pick = _batch_index(items)
+    out, lse_c, sums_c = attention_joint(q[pick], k[pick], v[pick], indicator)
+    rest = _batch_index([b for b in range(B) if b not in items])
+    full = torch.empty_like(q)
+    full[rest] = torch.nn.functional.scaled_dot_product_attention(q[rest], k[rest], v[rest], dropout_p=0.0,
+                                                                  is_causal=False)  # fmt: skip
+    full[pick] = out
+    lse = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+    lse[pick] = lse_c
+    sums = q.new_zeros(*q.shape[:3], indicator.shape[1])
+    sums[pick] = sums_c
+    return full, lse, sums
+
+
+def _batch_index(items: list[int]):
+    """An index for batch ``items``: a slice (a view) when they are consecutive, else a tensor."""
+    if items == list(range(items[0], items[-1] + 1)):
+        return slice(items[0], items[-1] + 1)
+    return torch.tensor(items)

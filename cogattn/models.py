@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from diffusers import CogVideoXTransformer3DModel
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0
 
-__all__ = ["ModelSpec", "MODELS", "KNOWN_MODELS", "find_transformer", "transformer_config"]
+__all__ = ["KNOWN_MODELS", "MODELS", "EagerWhileRecording", "ModelSpec", "find_transformer", "transformer_config"]
 
 
 @dataclass(frozen=True)
@@ -51,19 +52,62 @@ MODELS: dict[type, ModelSpec] = {
 
 
 def find_transformer(target) -> tuple[object, object | None, ModelSpec]:
-    """``(transformer, pipeline or None, spec)`` for a pipeline or a bare transformer."""
+    """``(transformer, pipeline or None, spec)`` for a pipeline or a bare transformer; a transformer compiled
+    with ``torch.compile`` gives the module inside the compiled wrapper."""
     pipeline = None
     transformer = target
-    if not isinstance(target, tuple(MODELS)) and hasattr(target, "transformer"):
+    if not isinstance(_uncompiled(target), tuple(MODELS)) and hasattr(target, "transformer"):
         pipeline, transformer = target, target.transformer
+    inner = _uncompiled(transformer)
     for cls, spec in MODELS.items():
-        if isinstance(transformer, cls):
-            return transformer, pipeline, spec
+        if isinstance(inner, cls):
+            if inner is not transformer and pipeline is None:
+                raise TypeError(
+                    "this transformer is compiled with torch.compile, whose graph cannot call cogattn at every "
+                    "layer; record the module inside it, `cogattn.record(compiled._orig_mod, ...)`, and call that "
+                    "module for the generation you record (or record the pipeline that holds it)."
+                )
+            return inner, pipeline, spec
     known = ", ".join(c.__name__ for c in MODELS)
     raise TypeError(
         f"{type(target).__name__} is not a CogVideoX-like pipeline or transformer; cogattn supports "
-        f"transformers of class {known} (or pipelines holding one as `.transformer`)."
+        f"transformers of class {known} (or pipelines holding one as `.transformer`, compiled or not)."
     )
+
+
+def _uncompiled(module):
+    return getattr(module, "_orig_mod", module)  # torch.compile(module) wraps it as `_orig_mod`
+
+
+class EagerWhileRecording:
+    """Runs a compiled transformer eagerly while a recording is open, and compiled again after.
+
+    Both ``pipe.transformer = torch.compile(pipe.transformer)`` (the pipeline then holds the module
+    inside the wrapper for the recording) and ``pipe.transformer.compile()`` (its compiled call is set
+    aside) are undone by :meth:`restore`. Capture runs cogattn's code at every layer, which a compiled
+    graph cannot call; the output is then the uncompiled model's, and a warning says so."""
+
+    def __init__(self, pipeline, transformer):
+        self._undo = []
+        if pipeline is not None and pipeline.transformer is not transformer:
+            wrapper = pipeline.transformer
+            pipeline.transformer = transformer
+            self._undo.append(lambda: setattr(pipeline, "transformer", wrapper))
+        compiled_call = getattr(transformer, "_compiled_call_impl", None)
+        if compiled_call is not None:
+            transformer._compiled_call_impl = None
+            self._undo.append(lambda: setattr(transformer, "_compiled_call_impl", compiled_call))
+        if self._undo:
+            warnings.warn(
+                "the transformer is compiled with torch.compile; while this recording is open it runs uncompiled "
+                "(cogattn's code runs at every layer, which a compiled graph cannot call), so the output is the "
+                "uncompiled model's. It is compiled again when the recording closes.",
+                stacklevel=4,
+            )
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
 
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.

@@ -109,7 +109,7 @@ class CaptureOptions:
         if not kinds:
             raise ValueError(f"kinds is empty; choose from {list(REDUCERS)}.")
         for kind in kinds:
-            if kind not in REDUCERS:
+            if not isinstance(kind, str) or kind not in REDUCERS:
                 raise ValueError(f"unknown kind {kind!r}; the kinds are {list(REDUCERS)}.")
         _choice("method", self.method, METHODS)
         _choice("layer_output", self.layer_output, LAYER_OUTPUTS)
@@ -255,7 +255,7 @@ def parse_bytes(value: int | str) -> int:
     if isinstance(value, int):
         n = value
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(
                 f"memory_budget={value!r} is not a byte size; use bytes or a number with a unit "
@@ -263,7 +263,7 @@ def parse_bytes(value: int | str) -> int:
             )
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
-        raise ValueError(f"memory_budget must be positive, got {value!r}.")
+        raise ValueError(f"memory_budget={value!r} is less than one byte; give a size such as '1GiB'.")
     return n
 
 
@@ -289,8 +289,10 @@ def _indices(name: str, value, upper: int | None, words: Sequence[str]) -> str |
         if i < 0 or (upper is not None and i >= upper):
             bound = f"0..{upper - 1}" if upper is not None else "≥ 0"
             raise ValueError(f"{name} index {i} is out of range; valid indices are {bound}.")
+        if i in out:
+            raise ValueError(f"{name} lists index {i} twice: {list(value)}.")
         out.append(i)
-    return tuple(sorted(set(out)))
+    return tuple(out)  # the user's order: results keep it (batch and heads axes)
 
 
 def _check_queries(queries) -> tuple | None:

@@ -22,7 +22,7 @@ from .attention import fused_lse_supported, joint_extra_bytes
 from .layout import TokenLayout
 from .options import STORAGE_DTYPES, CaptureOptions, Resolved
 from .reducers import REDUCERS, Reducer
-from .store import record_file_bytes
+from .run import record_file_bytes
 
 __all__ = ["CapturePlan", "TilePlan", "can_time_triton", "choose_method", "plan_capture", "plan_tiles", "size_tiles"]
 

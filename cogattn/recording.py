@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 
 import torch
-import torch.nn.functional as F
 
 from . import engine
-from .attention import attention_joint, attention_with_lse
+from .attention import attention_joint_for, attention_with_lse
 from .layout import TokenLayout
-from .models import find_transformer
+from .models import EagerWhileRecording, find_transformer
 from .options import CaptureOptions
 from .planner import CapturePlan, TilePlan, plan_capture, plan_tiles
 from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
-from .store import MemoryStore, RunWriter, StoreError, prepare_folder, remove_run
+from .store import MemoryStore, RunWriter, StoreError
 
 __all__ = ["Recording", "record"]
 
@@ -61,13 +61,18 @@ class Recording:
         self._timed = engine.TimedChoice()
         self._originals: dict | None = None
         self._closed = False
-        save_dir = self.options.save_dir
-        if save_dir is None:
+        self._entered = False  # used as a context manager: a second generation raises instead of closing
+        self._status = "running"
+        if self.options.save_dir is None:
             self._store: MemoryStore | RunWriter = MemoryStore()
         else:
-            self._store = RunWriter(prepare_folder(save_dir, self.options.overwrite), self.options.storage_dtype)
-            self._store.write_meta(self._meta(complete=False))
-        self._hook = self.transformer.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+            self._store = RunWriter.create(self.options.save_dir, self.options.overwrite, self.options.storage_dtype,
+                                           self._meta())  # fmt: skip
+        # The hook holds the recording weakly: a recording dropped without close() stops capturing and
+        # its hook goes away with it, instead of outliving it in the transformer.
+        self._hook = self.transformer.register_forward_pre_hook(_WeakHook(self), with_kwargs=True)
+        self._eager = EagerWhileRecording(self.pipeline, self.transformer)
+        self._finalizer = weakref.finalize(self, _abandon, self._hook, self._store, self._eager)
 
     # -- reading (the interface `cogattn.store.MapSource` shares with a loaded run) ----------------
     def get(self, kind: str, step: int, layer: int) -> torch.Tensor:
@@ -127,16 +132,36 @@ class Recording:
         batch_size = hidden.shape[0]
         if self.timesteps:
             num_steps = self._pipeline_attr("num_timesteps")
-            same = layout == self.layout and batch_size == self._batch_size and t <= self.timesteps[-1]
-            if not same or (num_steps is not None and len(self.timesteps) >= num_steps):
+            if t == self.timesteps[-1] and layout == self.layout and batch_size == self._batch_size:
                 raise RuntimeError(
-                    f"a second generation started inside one recording (it already holds "
-                    f"{len(self.timesteps)} steps of a {self._batch_size}×{self.layout.grid} generation); "
-                    "use one `cogattn.record(...)` per pipeline call so results are never mixed."
+                    f"the transformer was called again at timestep {t:g} (step {self.step}); a recording counts "
+                    "one transformer call per denoising step. Batch such calls as the pipelines do "
+                    "([uncond..., cond...]), or use one recording per call."
                 )
+            same = layout == self.layout and batch_size == self._batch_size and t < self.timesteps[-1]
+            if not same or (num_steps is not None and len(self.timesteps) >= num_steps):
+                self._second_generation()
+                return
         else:
             self._start(layout, batch_size, hidden.device)
         self.timesteps.append(t)
+
+    def _second_generation(self) -> None:
+        """A new generation began: one recording holds one generation, so it never mixes them. Inside a
+        ``with`` block that is an error; a recording left open is finished and closed, with a warning,
+        and the new generation runs as if cogattn were not there."""
+        held = f"{len(self.timesteps)} steps of a {self._batch_size}×{self.layout.grid} generation"
+        if self._entered:
+            raise RuntimeError(
+                f"a second generation started inside one recording (it already holds {held}); use one "
+                "`cogattn.record(...)` per pipeline call so results are never mixed."
+            )
+        self.close()
+        warnings.warn(
+            f"a second generation started while a recording was still open; the recording was closed with its "
+            f"{held}, and this generation is not recorded. Use `with cogattn.record(...)` around each pipeline call.",
+            stacklevel=4,
+        )
 
     def _pipeline_attr(self, name: str):
         try:
@@ -162,10 +187,10 @@ class Recording:
             # with no multi-key kinds there is nothing to widen the values with: the lse alone is reused
             self._joint_indicator = indicator if indicator.shape[1] else None
         if isinstance(self._store, RunWriter):
-            self._store.check_space(sum(b * n for _, _, b, n in self.plan.records(num_steps)))
-            self._store.write_meta(self._meta(complete=False))
+            self._store.check_space([(b, n) for _, _, b, n in self.plan.records(num_steps)])
+            self._store.write_meta(self._meta())
 
-    def _meta(self, complete: bool) -> dict:
+    def _meta(self) -> dict:
         """What run.json says about this recording."""
         import diffusers
 
@@ -173,7 +198,9 @@ class Recording:
 
         res = None if self.plan is None else self.plan.resolved
         return {
-            "complete": complete,
+            "status": self._status,
+            "complete": self._status == "finished",
+            "steps": len(self.timesteps),
             "layout": None if self.layout is None else dataclasses.asdict(self.layout),
             "timesteps": self.timesteps,
             "selection": {**self.options.selection_meta(), "batch_resolved": res and list(res.batch),
@@ -210,22 +237,7 @@ class Recording:
         if mode == "lse" or self._joint_indicator is None:  # no multi-key kinds: the lse alone is reused
             out, lse = attention_with_lse(query, key, value)
             return out, lse, None
-        indicator = self._joint_indicator.to(query.device)
-        B = query.shape[0]
-        items = list(self.plan.resolved.batch)
-        if items == list(range(B)):
-            return attention_joint(query, key, value, indicator)
-        pick = _batch_index(items)
-        out, lse_c, sums_c = attention_joint(query[pick], key[pick], value[pick], indicator)
-        rest = _batch_index([b for b in range(B) if b not in items])
-        full = torch.empty_like(query)
-        full[rest] = F.scaled_dot_product_attention(query[rest], key[rest], value[rest], dropout_p=0.0, is_causal=False)
-        full[pick] = out
-        lse = torch.zeros(query.shape[:3], dtype=torch.float32, device=query.device)
-        lse[pick] = lse_c
-        sums = query.new_zeros(*query.shape[:3], indicator.shape[1])
-        sums[pick] = sums_c
-        return full, lse, sums
+        return attention_joint_for(query, key, value, self._joint_indicator.to(query.device), self.plan.resolved.batch)
 
     def capture(self, layer: int, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor | None = None,
                 sums: torch.Tensor | None = None) -> None:  # fmt: skip
@@ -280,21 +292,38 @@ class Recording:
         self._originals = current
         self.transformer.set_attn_processor({**current, **replacement})
 
-    def close(self, complete: bool = True) -> None:
+    @property
+    def status(self) -> str:
+        """``"running"`` until closed; then how the generation ended: ``"finished"``, ``"interrupted"``
+        (the pipeline's interrupt flag, Ctrl-C) or ``"failed"`` (an exception)."""
+        return self._status
+
+    def close(self, status: str | None = None) -> None:
         """Remove the hook, restore the original processors, and finish writing (idempotent).
 
-        Raises `StoreError` if a record could not be written; the committed ones stay readable."""
+        Args:
+            status (`str | None`): how the generation ended (``"failed"``, ``"interrupted"``); by default
+                ``"finished"``, or ``"interrupted"`` when the pipeline's interrupt flag is set.
+
+        Raises `StoreError` if a record or the metadata could not be written; the committed records stay
+        readable."""
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         self._hook.remove()
+        self._eager.restore()
         if self._originals is not None:
             self.transformer.set_attn_processor(self._originals)
             self._originals = None
-        complete = complete and bool(self.timesteps)
-        self._store.close(self._meta(complete=complete))
-        if isinstance(self._store, RunWriter) and not complete and self._store.committed == 0:
-            remove_run(self.options.save_dir)  # nothing was captured (refused at the first step, say)
+        if status is None:
+            status = "interrupted" if self._pipeline_attr("interrupt") else "finished"
+        self._status = status if self.timesteps else "failed"
+        try:
+            self._store.close(self._meta())
+        finally:
+            if isinstance(self._store, RunWriter) and self._store.committed == 0 and self._status != "finished":
+                self._store.discard()  # nothing was captured (refused at the first step, say)
         self._warn_missing()
         steps = self.options.steps
         if self.timesteps and steps != "all" and max(steps) >= len(self.timesteps):
@@ -304,7 +333,7 @@ class Recording:
 
     def _warn_missing(self) -> None:
         """Layers a cache (PAB, FasterCache, FirstBlockCache, ...) skipped produce no record: say so."""
-        if self.plan is None:
+        if self.plan is None or self._status != "finished":
             return
         opts = self.options
         steps = sum(1 for s in range(len(self.timesteps)) if opts.wants_step(s))
@@ -312,19 +341,23 @@ class Recording:
         have = len(self.keys()) if isinstance(self._store, MemoryStore) else self._store.committed
         if have < expected:
             warnings.warn(f"{expected - have} of {expected} selected records were not produced (attention "
-                          "skipped by a cache, or the generation stopped early).", stacklevel=4)  # fmt: skip
+                          "skipped by a cache).", stacklevel=4)  # fmt: skip
 
     def __enter__(self) -> Recording:
+        if self._closed:
+            raise RuntimeError("this recording is closed; start a new one with `cogattn.record(...)`.")
+        self._entered = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
             return
-        try:  # an exception is on its way out: finish what can be finished, and let it through
-            self.close(complete=False)
-        except StoreError:
-            pass
+        status = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed"
+        try:  # an exception is on its way out: finish what can be finished, and never mask it
+            self.close(status)
+        except StoreError as err:
+            warnings.warn(f"closing the recording after {exc_type.__name__} also failed: {err}", stacklevel=2)
 
     def __repr__(self) -> str:
         return (
@@ -361,8 +394,24 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
     return rec
 
 
-def _batch_index(items: list[int]):
-    """An index for batch ``items``: a slice (a view) when they are consecutive, else a tensor."""
-    if items == list(range(items[0], items[-1] + 1)):
-        return slice(items[0], items[-1] + 1)
-    return torch.tensor(items)
+class _WeakHook:
+    """The transformer's forward pre-hook, holding its recording weakly."""
+
+    def __init__(self, recording: Recording):
+        self._recording = weakref.ref(recording)
+
+    def __call__(self, module, args, kwargs):
+        recording = self._recording()
+        if recording is not None:
+            recording._on_forward(module, args, kwargs)
+
+
+def _abandon(hook, store, eager: EagerWhileRecording) -> None:
+    """A recording was garbage-collected without close(): its hook goes, a compiled transformer is
+    compiled again, its run is flushed (its run.json then reads "stopped")."""
+    hook.remove()
+    eager.restore()
+    try:
+        store.close(None)
+    except StoreError:
+        pass

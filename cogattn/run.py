@@ -3,17 +3,23 @@ run shares with an in-memory or streaming :class:`cogattn.Recording`.
 
 Layout of a run folder (written by :mod:`cogattn.store`)::
 
-    run.json                     metadata: layout, selection, timesteps, model, versions, ...
+    run.json                     metadata: layout, selection, timesteps, status, model, versions, ...
     manifest.jsonl               one line per committed record: the commit log
     records/<kind>/step0003_layer017.safetensors      one tensor named "map"
+    .lock                        locked by the recording writing the run (released when it closes or dies)
 
-A reader lists only what the manifest lists, so it never sees a half-written record.
+A reader lists only what the manifest lists, so it never sees a half-written record; a manifest line
+that cannot be read (a disk fault, a power loss's zero-filled tail) is skipped and reported.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -21,13 +27,134 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from .errors import NotRecordedError
+from .errors import NotRecordedError, StoreError
 from .layout import TokenLayout
 
-__all__ = ["MapSource", "RecordInfo", "Run", "load", "MANIFEST", "META", "RECORDS", "FORMAT"]
+try:
+    import fcntl
+except ImportError:  # not POSIX: runs are not locked
+    fcntl = None
 
-MANIFEST, META, RECORDS = "manifest.jsonl", "run.json", "records"
+__all__ = [
+    "FORMAT",
+    "LOCK",
+    "MANIFEST",
+    "META",
+    "RECORDS",
+    "MapSource",
+    "RecordInfo",
+    "Run",
+    "RunLock",
+    "load",
+    "record_file_bytes",
+    "write_record",
+]
+
+MANIFEST, META, RECORDS, LOCK = "manifest.jsonl", "run.json", "records", ".lock"
 FORMAT = "cogattn-run/1"
+STATUSES = ("running", "finished", "interrupted", "failed", "stopped")
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+class RunLock:
+    """An exclusive OS lock (``flock``) on a run folder's lock file, held while a recording writes the run.
+
+    The OS releases it when the file is closed or the process dies, so a run whose writer was killed is
+    never locked for good. Raises `StoreError` naming the holder when another writer has the folder."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / LOCK
+        try:
+            self._file = open(self.path, "a+")
+        except OSError as err:
+            raise StoreError(f"cannot write to {str(folder)!r}: {err.strerror or err}; choose another save_dir.") from err
+        if fcntl is not None:
+            try:
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._file.seek(0)
+                holder = self._file.read().strip() or "another process"
+                self._file.close()
+                raise StoreError(
+                    f"the run in {str(folder)!r} is being written by another recording ({holder}); wait for it to "
+                    "finish, or choose another save_dir."
+                ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"process {os.getpid()}")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            self._file.close()  # closing the file releases the lock
+
+
+def is_locked(folder: Path) -> bool:
+    """Whether a recording holds the lock of ``folder`` now."""
+    if fcntl is None or not (Path(folder) / LOCK).exists():
+        return False
+    with open(Path(folder) / LOCK) as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+    return False
+
+
+# -- record files: one safetensors tensor named "map" ---------------------------------------------
+def _header(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
+    """safetensors header of a one-tensor file (JSON padded with spaces to 8 bytes) and the data size."""
+    n = 1
+    for s in shape:
+        n *= s
+    data = n * torch.finfo(dtype).bits // 8
+    header = json.dumps(
+        {"map": {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [0, data]}}, separators=(",", ":")
+    ).encode()
+    return header + b" " * ((-len(header)) % 8), data
+
+
+def record_file_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Exact size of a record file: safetensors' 8-byte length, its JSON header padded to 8, the data."""
+    header, data = _header(shape, dtype)
+    return 8 + len(header) + data
+
+
+def write_record(path: str | os.PathLike, tensor: torch.Tensor) -> None:
+    """Write ``tensor`` as a safetensors file holding one tensor named ``map``.
+
+    The format is a length, a JSON header and the raw bytes; writing it directly from the tensor's
+    memory avoids the full in-memory copy ``safetensors.torch.save_file`` makes, which halved the
+    writer's throughput (benchmarks/bench_store.py). Files are read with safetensors itself."""
+    t = tensor.contiguous()
+    header, data = _header(tuple(t.shape), t.dtype)
+    with open(path, "wb") as f:
+        _reserve(f.fileno(), 8 + len(header) + data)
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+
+
+def _load_fallocate():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+_FALLOCATE = _load_fallocate() if sys.platform.startswith("linux") else None
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Reserve a new file's blocks before writing it: many files written with delayed allocation were
+    about 1.6× slower to reach the disk on ext4 (measured by benchmarks/bench_store.py's predecessor).
+    The raw ``fallocate`` call, not ``posix_fallocate``: where the filesystem cannot reserve, skip it
+    rather than have libc write zeros first."""
+    if _FALLOCATE is not None:
+        _FALLOCATE(fd, 0, 0, size)  # a failure only means no reservation
 
 
 class MapSource(Protocol):
@@ -86,28 +213,55 @@ class Run:
 
     Only records listed in the manifest exist for the reader; leftovers of a crash (``*.tmp``) are
     ignored. Reads are lazy: nothing but the manifest and metadata is read until you ask for a record.
+    Manifest lines that cannot be read are skipped, listed in :attr:`skipped_lines` and reported in one
+    warning; every valid record stays readable.
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         if not (self.path / MANIFEST).exists():
             raise FileNotFoundError(f"{str(self.path)!r} is not a cogattn run: it has no {MANIFEST}.")
         meta_file = self.path / META
-        self.meta: dict = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        try:
+            self.meta: dict = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        except (OSError, ValueError) as err:
+            raise StoreError(f"{str(meta_file)!r} cannot be read ({err}); the run's metadata is lost.") from None
         self._records: dict[tuple[str, int, int], RecordInfo] = {}
-        with open(self.path / MANIFEST, encoding="utf-8") as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    break  # a line cut by a crash was never committed
-                d = json.loads(line)
-                info = RecordInfo(d["kind"], d["step"], d["layer"], d["timestep"], tuple(d["shape"]), d["dtype"],
-                                  d["bytes"], d["file"])  # fmt: skip
+        self.skipped_lines: list[str] = []  # "manifest.jsonl:7: why", for every manifest line not served
+        with open(self.path / MANIFEST, "rb") as f:
+            lines = f.read().split(b"\n")
+        for number, raw in enumerate(lines[:-1], 1):  # the part after the last newline was never committed
+            info = _parse_line(raw)
+            if isinstance(info, str):
+                self.skipped_lines.append(f"{MANIFEST}:{number}: {info}")
+            else:
                 self._records[(info.kind, info.step, info.layer)] = info
+        if self.skipped_lines:
+            warnings.warn(
+                f"{len(self.skipped_lines)} line(s) of {str(self.path / MANIFEST)!r} cannot be read and were skipped "
+                f"(see Run.skipped_lines): {'; '.join(self.skipped_lines[:3])}",
+                stacklevel=3,
+            )
+
+    @property
+    def status(self) -> str:
+        """How the recording that wrote this run ended: ``"finished"``, ``"interrupted"`` (the pipeline's
+        interrupt flag or Ctrl-C), ``"failed"`` (an exception), ``"running"`` (still being written), or
+        ``"stopped"`` (its writer is gone without closing the run: a killed or crashed process)."""
+        status = self.meta.get("status") or ("finished" if self.meta.get("complete") else "running")
+        if status == "running" and not is_locked(self.path):
+            return "stopped"
+        return status
 
     @property
     def complete(self) -> bool:
-        """True when the recording that wrote this run closed normally."""
-        return bool(self.meta.get("complete"))
+        """True when the recording that wrote this run finished its generation and closed normally."""
+        return self.status == "finished"
+
+    @property
+    def num_steps(self) -> int:
+        """Denoising steps the recording saw."""
+        return len(self.timesteps)
 
     @property
     def layout(self) -> TokenLayout | None:
@@ -172,16 +326,36 @@ class Run:
         """A record as a float32 tensor; ``index`` (ints and slices, e.g. ``(0, 3, slice(0, 10))`` for
         batch item 0, head 3, the first 10 rows) reads only that part, through memory-mapped slices."""
         record = self.record_info(kind, step, layer)
-        with safe_open(str(self.path / record.file), framework="pt") as f:
-            if index is None:
-                t = f.get_tensor("map")
-            else:
-                t = f.get_slice("map")[index if isinstance(index, tuple) else (index,)]
+        file = self.path / record.file
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                if index is None:
+                    t = f.get_tensor("map")
+                else:
+                    t = f.get_slice("map")[index if isinstance(index, tuple) else (index,)]
+        except (IndexError, TypeError, ValueError):
+            raise  # a bad `index`: the caller's mistake, not the file's
+        except Exception as err:
+            raise StoreError(f"record file {str(file)!r} cannot be read ({type(err).__name__}: {err}).") from err
+        if tuple(t.shape) != record.shape and index is None:
+            raise StoreError(f"record file {str(file)!r} holds shape {tuple(t.shape)}, the manifest says {record.shape}.")
         return t.float()
 
     def __repr__(self) -> str:
-        state = "complete" if self.complete else "incomplete"
-        return f"Run({str(self.path)!r}, {len(self)} records, {state})"
+        return f"Run({str(self.path)!r}, {len(self)} records, {self.status})"
+
+
+def _parse_line(raw: bytes) -> RecordInfo | str:
+    """A manifest line as a `RecordInfo`, or why it cannot be one."""
+    if not raw.strip(b" \t\r\x00"):
+        return "empty" if b"\x00" not in raw else "zero bytes (a write cut short by a power loss)"
+    try:
+        d = json.loads(raw)
+        info = RecordInfo(str(d["kind"]), int(d["step"]), int(d["layer"]), d["timestep"], tuple(int(s) for s in d["shape"]),
+                          str(d["dtype"]), int(d["bytes"]), str(d["file"]))  # fmt: skip
+    except (ValueError, KeyError, TypeError) as err:
+        return f"not a record line ({type(err).__name__}: {str(err)[:60]})"
+    return info
 
 
 def load(path: str | os.PathLike) -> Run:

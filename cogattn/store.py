@@ -9,12 +9,9 @@ generation waits when the disk falls behind, and memory never grows without boun
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
 import shutil
-import sys
 import threading
 import time
 from collections import deque
@@ -24,76 +21,46 @@ import torch
 
 from .errors import NotRecordedError, StoreError
 from .options import STORAGE_DTYPES
-from .run import FORMAT, MANIFEST, META, RECORDS, Run, missing_message
+from .run import FORMAT, LOCK, MANIFEST, META, RECORDS, Run, RunLock, missing_message, record_file_bytes, write_record
 
-__all__ = ["MemoryStore", "RunWriter", "prepare_folder", "record_file_bytes", "remove_run", "write_record"]
+__all__ = ["MemoryStore", "RunWriter", "disk_bytes", "prepare_folder", "remove_run", "write_json_atomic"]
 
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-def _header(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
-    """safetensors header of a one-tensor file (JSON padded with spaces to 8 bytes) and the data size."""
-    n = 1
-    for s in shape:
-        n *= s
-    data = n * torch.finfo(dtype).bits // 8
-    header = json.dumps(
-        {"map": {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [0, data]}}, separators=(",", ":")
-    ).encode()
-    return header + b" " * ((-len(header)) % 8), data
+_MANIFEST_LINE = 256  # bytes a manifest line takes, at most, for the disk-space check
 
 
-def record_file_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Exact size of a record file: safetensors' 8-byte length, its JSON header padded to 8, the data."""
-    header, data = _header(shape, dtype)
-    return 8 + len(header) + data
 
-
-def write_record(path: str | os.PathLike, tensor: torch.Tensor) -> None:
-    """Write ``tensor`` as a safetensors file holding one tensor named ``map``.
-
-    The format is a length, a JSON header and the raw bytes; writing it directly from the tensor's
-    memory avoids the full in-memory copy ``safetensors.torch.save_file`` makes, which halved the
-    writer's throughput (benchmarks/bench_store.py). Files are read with safetensors itself."""
-    t = tensor.contiguous()
-    header, data = _header(tuple(t.shape), t.dtype)
-    with open(path, "wb") as f:
-        _reserve(f.fileno(), 8 + len(header) + data)
-        f.write(len(header).to_bytes(8, "little"))
-        f.write(header)
-        f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
-
-
-def _load_fallocate():
+def disk_bytes(folder: str | os.PathLike, records: list[tuple[int, int]]) -> int:
+    """Disk space ``records`` (``(file bytes, count)`` pairs) take in ``folder``: each file rounded up to
+    whole filesystem blocks, plus the manifest lines and run.json."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    return fn
-
-
-_FALLOCATE = _load_fallocate() if sys.platform.startswith("linux") else None
-
-
-def _reserve(fd: int, size: int) -> None:
-    """Reserve a new file's blocks before writing it: many files written with delayed allocation were
-    about 1.6× slower to reach the disk on ext4 (measured by benchmarks/bench_store.py's predecessor).
-    The raw ``fallocate`` call, not ``posix_fallocate``: where the filesystem cannot reserve, skip it
-    rather than have libc write zeros first."""
-    if _FALLOCATE is not None:
-        _FALLOCATE(fd, 0, 0, size)  # a failure only means no reservation
+        block = os.statvfs(folder).f_frsize or 4096
+    except (OSError, AttributeError):  # no statvfs (not POSIX): assume the common 4 KiB
+        block = 4096
+    count = sum(n for _, n in records)
+    files = sum(n * -(-b // block) * block for b, n in records)
+    return files + -(-count * _MANIFEST_LINE // block) * block + 16 * block
 
 
 def record_path(kind: str, step: int, layer: int) -> str:
     return f"{RECORDS}/{kind}/step{step:04d}_layer{layer:03d}.safetensors"
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Replace ``path`` with ``obj`` as JSON through a temporary file and a rename: readers see the old
+    file or the new one, never a part. Raises `StoreError` (chained), and leaves no temporary file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    data = json.dumps(obj, indent=1, default=str).encode()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise StoreError(f"writing {str(path)!r} failed: {err.strerror or err}.") from err
 
 
 def _is_run(path: Path) -> bool:
@@ -103,19 +70,23 @@ def _is_run(path: Path) -> bool:
         return False
 
 
-def remove_run(path: Path) -> None:
-    """Delete the files of a cogattn run (nothing else) from ``path``."""
-    for name in (MANIFEST, META, RECORDS):
+def remove_run(path: Path, lock_too: bool = False, folder_too: bool = False) -> None:
+    """Delete the files of a cogattn run (nothing else) from ``path``: with ``lock_too`` its lock file as
+    well (once no recording holds it), with ``folder_too`` also the folder when nothing else is in it."""
+    for name in (MANIFEST, META, RECORDS) + ((LOCK,) if lock_too else ()):
         p = path / name
-        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    if folder_too and path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
 
 
 def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
-    """Create ``path``, refusing a non-empty folder unless ``overwrite`` and it holds a cogattn run."""
-    path = Path(path)
+    """Create ``path``, refusing a non-empty folder unless ``overwrite`` and it holds a cogattn run that no
+    recording is writing now (see :class:`cogattn.run.RunLock`)."""
+    path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise StoreError(f"output path {str(path)!r} exists and is not a folder.")
-    if path.is_dir() and any(path.iterdir()):
+    if path.is_dir() and any(p.name != LOCK for p in path.iterdir()):
         if not overwrite:
             raise StoreError(
                 f"output folder {str(path)!r} is not empty; choose another `save_dir`, or pass overwrite=True "
@@ -126,8 +97,15 @@ def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
                 f"output folder {str(path)!r} is not empty and holds no cogattn run, so overwrite=True will "
                 "not delete it; choose another `save_dir`."
             )
-        remove_run(path)
-    path.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(path)  # refuses a run another recording is writing
+        try:
+            remove_run(path)
+        finally:
+            lock.release()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StoreError(f"cannot create the output folder {str(path)!r}: {err.strerror or err}.") from err
     return path
 
 
@@ -171,6 +149,8 @@ class RunWriter:
             raise ValueError(f"storage_dtype={storage_dtype!r}; choose one of {list(STORAGE_DTYPES)}.")
         self.path = Path(path)
         self.dtype = STORAGE_DTYPES[storage_dtype]
+        self.made_folder = False  # set by create(): discard() then removes the folder too
+        self._lock = RunLock(self.path)  # held until close: nobody else writes or replaces this run
         self.durable = durable
         self.committed = 0
         self.bytes_written = 0
@@ -182,12 +162,37 @@ class RunWriter:
         self._cond = threading.Condition()
         self._closing = False
         self._error: BaseException | None = None
+        self._reported = False  # the failure was raised to the caller already
         self._failed_key = None
         self._kinds_seen: set[str] = set()
         self._pinned: dict[tuple, list[torch.Tensor]] = {}
-        self._manifest = open(self.path / MANIFEST, "a", encoding="utf-8")
+        try:  # unbuffered appends: a failed write leaves at most a partial last line, which readers skip
+            self._manifest = os.open(self.path / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as err:
+            self._lock.release()
+            raise StoreError(f"cannot write to {str(self.path)!r}: {err.strerror or err}.") from err
         self._thread = threading.Thread(target=self._work, name="cogattn-writer", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def create(cls, save_dir: Path, overwrite: bool, storage_dtype: str, meta: dict) -> RunWriter:
+        """A writer for a new run in ``save_dir`` (see :func:`prepare_folder`), its ``run.json`` written;
+        nothing is left behind when that fails."""
+        made = not Path(save_dir).exists()
+        writer = cls(prepare_folder(save_dir, overwrite), storage_dtype)
+        writer.made_folder = made
+        try:
+            writer.write_meta(meta)
+        except StoreError:
+            writer.close()
+            writer.discard()
+            raise
+        return writer
+
+    def discard(self) -> None:
+        """After :meth:`close`: remove the run, its lock file, and the folder if this writer made it and
+        nothing else is in it (a run refused before its first record leaves nothing behind)."""
+        remove_run(self.path, lock_too=True, folder_too=self.made_folder)
 
     @property
     def pending_bytes(self) -> int:
@@ -196,16 +201,22 @@ class RunWriter:
 
     # -- main thread -------------------------------------------------------------------------------
     def write_meta(self, meta: dict) -> None:
-        _write_json_atomic(self.path / META, {"format": FORMAT, **meta})
+        """Replace ``run.json``; `StoreError` if it cannot be written."""
+        write_json_atomic(self.path / META, {"format": FORMAT, **meta})
 
-    def check_space(self, expected: int) -> None:
-        """Refuse a run whose ``expected`` bytes do not fit the free space of the disk."""
+    def check_space(self, records: list[tuple[int, int]]) -> None:
+        """Refuse a run whose records (``(file bytes, count)`` pairs) do not fit the free space of the disk.
+
+        Each file takes whole filesystem blocks, and each record adds a manifest line: a run of many small
+        records needs far more than the sum of its file sizes."""
+        expected = sum(b * n for b, n in records)
+        need = disk_bytes(self.path, records)
         free = shutil.disk_usage(self.path).free
-        if expected > free:
+        if need > free:
             raise StoreError(
-                f"this run will write {expected:,} bytes ({expected / 2**30:.2f} GiB) to {str(self.path)!r}, "
-                f"but its disk has {free:,} bytes ({free / 2**30:.2f} GiB) free; select fewer kinds, layers, "
-                "steps or heads, use storage_dtype='float16', or write elsewhere."
+                f"this run will write {expected:,} bytes ({expected / 2**30:.2f} GiB; {need:,} bytes of disk "
+                f"in whole blocks) to {str(self.path)!r}, but its disk has {free:,} bytes ({free / 2**30:.2f} GiB) "
+                "free; select fewer kinds, layers, steps or heads, use storage_dtype='float16', or write elsewhere."
             )
 
     def put(self, kind: str, step: int, layer: int, timestep: float | None, tensor: torch.Tensor) -> None:
@@ -241,11 +252,17 @@ class RunWriter:
             self._closing = True
             self._cond.notify_all()
         self._thread.join()
-        self._manifest.close()
         self._pinned.clear()  # page-locked host memory goes back now, not when the object dies
-        if meta is not None and self._error is None:
-            self.write_meta(meta)
-        self.raise_if_failed()
+        try:
+            try:
+                os.close(self._manifest)
+            except OSError as err:
+                raise StoreError(f"closing {str(self.path / MANIFEST)!r} failed: {err.strerror or err}.") from err
+            if meta is not None and self._error is None:
+                self.write_meta(meta)
+        finally:
+            self._lock.release()
+        self.raise_if_failed(again=False)
 
     def keys(self) -> list[tuple[str, int, int]]:
         """Every committed record (waits for the queue)."""
@@ -257,8 +274,10 @@ class RunWriter:
         self.flush()
         return Run(self.path).get(kind, step, layer)
 
-    def raise_if_failed(self) -> None:
-        if self._error is not None:
+    def raise_if_failed(self, again: bool = True) -> None:
+        """Raise `StoreError` if a write failed (with ``again=False``: only if not raised before)."""
+        if self._error is not None and (again or not self._reported):
+            self._reported = True
             kind, step, layer = self._failed_key
             raise StoreError(
                 f"writing record ({kind!r}, step={step}, layer={layer}) to {str(self.path)!r} failed: "
@@ -325,9 +344,10 @@ class RunWriter:
         size = record_file_bytes(tuple(host.shape), host.dtype)
         line = {"kind": kind, "step": step, "layer": layer, "timestep": timestep, "shape": list(host.shape),
                 "dtype": str(host.dtype).removeprefix("torch."), "bytes": size, "file": rel}  # fmt: skip
-        self._manifest.write(json.dumps(line) + "\n")
-        self._manifest.flush()
+        data = (json.dumps(line) + "\n").encode()
+        while data:  # the line is committed when its newline is on disk
+            data = data[os.write(self._manifest, data) :]
         if self.durable:
-            os.fsync(self._manifest.fileno())
+            os.fsync(self._manifest)
         self.committed += 1
         self.bytes_written += size

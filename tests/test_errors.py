@@ -37,7 +37,7 @@ def _assert_clean(pipe, originals):
         (dict(kinds=("frame",), queries=[1]), ValueError, "'query' is not in kinds"),
         (dict(kinds=("query",), queries=[(1, 2)]), TypeError, r"query \(1, 2\) is neither"),
         (dict(memory_budget="lots"), ValueError, "memory_budget='lots' is not a byte size"),
-        (dict(memory_budget=0), ValueError, "memory_budget must be positive"),
+        (dict(memory_budget=0), ValueError, "memory_budget=0 is less than one byte"),
         (dict(method="fast"), ValueError, r"method='fast' is not one of \['auto', 'rows', 'sdpa', 'triton'\]"),
     ],
 )

@@ -1,0 +1,309 @@
+"""What happens when the API is misused: nothing silently wrong, nothing lost, every refusal one clear line.
+
+Each test is one promise of the README's "What happens when" section."""
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+from reference import QKSpy, assert_matches_naive
+from tiny_calls import generate
+
+import cogattn
+import cogattn.store as store
+from cogattn.testing import tiny_pipeline
+
+
+@pytest.fixture
+def pipe():
+    return tiny_pipeline()
+
+
+def _hooks(pipe) -> int:
+    return len(pipe.transformer._forward_pre_hooks)
+
+
+# -- silent wrong results ----------------------------------------------------------------------------
+def test_an_open_run_is_locked_against_a_second_recording(pipe, tmp_path):
+    run_dir = tmp_path / "run"
+    with cogattn.record(pipe, kinds="frame", save_dir=run_dir, info={"who": "first"}) as first:
+        generate(pipe, steps=1)
+        with pytest.raises(cogattn.StoreError, match=r"is being written by another recording \(process \d+\)"):
+            cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True)
+    run = cogattn.load(run_dir)
+    assert run.complete and run.info == {"who": "first"} and len(run) == 2
+    for key in run.keys():
+        assert torch.equal(run.get(*key), first.get(*key))
+    with cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True, info={"who": "second"}):
+        generate(pipe, steps=2)  # closed runs can be replaced
+    assert cogattn.load(run_dir).info == {"who": "second"} and len(cogattn.load(run_dir)) == 4
+
+
+def test_the_lock_of_a_killed_writer_is_released(pipe, tmp_path):
+    run_dir = tmp_path / "run"
+    with cogattn.record(pipe, kinds="frame", save_dir=run_dir):
+        generate(pipe, steps=1)
+    code = "import sys, time; from cogattn.run import RunLock; lock = RunLock(sys.argv[1]); print('locked', flush=True); time.sleep(60)"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        with pytest.raises(cogattn.StoreError, match="being written by another recording"):
+            cogattn.record(pipe, save_dir=run_dir, overwrite=True)
+        assert cogattn.load(run_dir).status == "finished"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True):
+        generate(pipe, steps=1)
+
+
+def test_batch_and_head_lists_keep_their_order(pipe, tmp_path):
+    pipe = tiny_pipeline(num_heads=4)
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds="frame", batch=[1, 0], heads=[3, 0], save_dir=tmp_path / "r") as rec:
+        generate(pipe, steps=1)
+    spy.remove()
+    assert rec.batch_items == (1, 0) and rec.head_ids == (3, 0)
+    assert_matches_naive(rec, spy, [1, 0], [3, 0], kinds=("frame",))
+    run = cogattn.load(tmp_path / "r")
+    assert run.head_ids == (3, 0) and run.meta["selection"]["batch"] == [1, 0]
+    with pytest.raises(ValueError, match=r"heads lists index 3 twice"):
+        cogattn.record(pipe, heads=[3, 0, 3])
+
+
+@pytest.mark.parametrize("value", ["no", 0, 1, None])
+def test_boolean_options_take_booleans(pipe, value):
+    with pytest.raises(TypeError, match="overwrite must be True or False"):
+        cogattn.record(pipe, overwrite=value)
+    assert _hooks(pipe) == 0
+
+
+def test_an_interrupted_generation_is_marked_interrupted(pipe, tmp_path):
+    def stop_after_two(p, i, t, kw):
+        p._interrupt = i >= 1  # the pipelines' own interrupt flag
+        return kw
+
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "r") as rec:
+        generate(pipe, steps=4, callback_on_step_end=stop_after_two)
+    run = cogattn.load(tmp_path / "r")
+    assert rec.status == run.status == "interrupted" and not run.complete
+    assert run.num_steps == run.meta["steps"] == 2 and len(run) == 2 * 2
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "s") as rec:
+        generate(pipe, steps=2)
+    assert cogattn.load(tmp_path / "s").status == "finished" and rec.status == "finished"
+
+
+def test_failed_and_ctrl_c_generations_say_so(pipe, tmp_path):
+    for exc, status in ((RuntimeError, "failed"), (KeyboardInterrupt, "interrupted")):
+
+        def boom(p, i, t, kw, exc=exc):
+            if i == 1:
+                raise exc("stop")
+            return kw
+
+        with pytest.raises(exc), cogattn.record(pipe, kinds="frame", save_dir=tmp_path / status):
+            generate(pipe, steps=3, callback_on_step_end=boom)
+        run = cogattn.load(tmp_path / status)
+        assert run.status == status and run.num_steps == 2 and len(run) == 4
+
+
+def test_a_transformer_called_twice_at_one_timestep_is_refused(pipe):
+    t = pipe.transformer
+    x, text = torch.randn(1, 3, 4, 6, 10), torch.randn(1, 8, 16)
+    with pytest.raises(RuntimeError, match=r"called again at timestep 500 \(step 0\)"), cogattn.record(t) as rec:
+        t(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([500]))
+        t(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([500]))
+    assert rec.timesteps == [500.0] and rec.status == "failed"
+
+
+# -- crashes and lost work -----------------------------------------------------------------------------
+def test_a_dropped_recording_takes_its_hook_with_it(pipe):
+    stock = generate(pipe)
+    rec = cogattn.Recording(pipe)
+    assert _hooks(pipe) == 1
+    del rec
+    gc.collect()
+    assert _hooks(pipe) == 0
+    assert torch.equal(generate(pipe), stock) and torch.equal(generate(pipe), stock)
+
+
+def test_a_recording_left_open_closes_at_the_next_generation(pipe):
+    stock = generate(pipe)
+    originals = pipe.transformer.attn_processors
+    rec = cogattn.record(pipe, kinds="frame")  # no `with`, never closed
+    assert torch.equal(generate(pipe), stock)
+    with pytest.warns(UserWarning, match="the recording was closed with its 2 steps"):
+        second = generate(pipe)
+    assert torch.equal(second, stock) and torch.equal(generate(pipe), stock)
+    assert rec.status == "finished" and len(rec.keys()) == 4 and _hooks(pipe) == 0
+    assert all(pipe.transformer.attn_processors[n] is originals[n] for n in originals)
+
+
+def test_a_closed_recording_cannot_be_entered_again(pipe):
+    rec = cogattn.record(pipe, kinds="frame")
+    rec.close()
+    with pytest.raises(RuntimeError, match="this recording is closed"), rec:
+        pass
+
+
+def test_run_json_failing_at_close_never_masks_the_users_error(pipe, tmp_path, monkeypatch):
+    real = store.write_json_atomic
+    calls = []
+
+    def full_disk_at_close(path, obj):
+        calls.append(obj.get("status"))
+        if obj.get("status") != "running":
+            raise cogattn.StoreError("writing run.json failed: No space left on device.") from OSError(28, "full")
+        real(path, obj)
+
+    monkeypatch.setattr(store, "write_json_atomic", full_disk_at_close)
+    with pytest.warns(UserWarning, match="closing the recording after ValueError also failed"):
+        with pytest.raises(ValueError, match="mine"), cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "a"):
+            generate(pipe, steps=1)
+            raise ValueError("mine")
+    with pytest.raises(cogattn.StoreError, match="No space left") as err:
+        with cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "b"):
+            generate(pipe, steps=1)
+    assert isinstance(err.value.__cause__, OSError)
+    for folder in ("a", "b"):
+        assert not list((tmp_path / folder).rglob("*.tmp"))
+        run = cogattn.load(tmp_path / folder)
+        assert len(run) == 2 and run.status == "stopped"  # records kept; run.json still says it was running
+
+
+def test_damaged_manifest_lines_are_skipped_and_reported(pipe, tmp_path):
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path) as rec:
+        generate(pipe, steps=2)
+    expected = {key: rec.get(*key) for key in rec.keys()}
+    manifest = tmp_path / "manifest.jsonl"
+    lines = manifest.read_bytes().split(b"\n")[:-1]
+    damaged = [lines[0], b"garbage {", b"", lines[1], b'{"kind": "frame"}', lines[2], lines[3], b"\0" * 40]
+    manifest.write_bytes(b"\n".join(damaged) + b"\n" + b"\0" * 100)  # and a zero-filled tail, never committed
+    with pytest.warns(UserWarning, match=r"4 line\(s\) of .*manifest.jsonl.* cannot be read"):
+        run = cogattn.load(tmp_path)
+    assert [s.split(":")[1] for s in run.skipped_lines] == ["2", "3", "5", "8"]
+    assert "zero bytes" in run.skipped_lines[-1]
+    assert run.keys() == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(run.get(*key), value)
+
+
+def test_a_damaged_record_file_is_named(pipe, tmp_path):
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path):
+        generate(pipe, steps=1)
+    run = cogattn.load(tmp_path)
+    info = run.record_info("frame", 0, 1)
+    (tmp_path / info.file).write_bytes(b"\x05" * 20)
+    with pytest.raises(cogattn.StoreError, match=r"record file .*step0000_layer001.safetensors' cannot be read"):
+        run.get("frame", 0, 1)
+    assert run.get("frame", 0, 0).shape == (1, 1, 4, 4)
+
+
+@pytest.mark.parametrize("idiom", ["wrapper", "in-place"])
+def test_a_compiled_transformer_is_recorded_uncompiled_and_compiled_again(pipe, idiom):
+    stock = generate(pipe)
+    if idiom == "wrapper":
+        pipe.transformer = torch.compile(pipe.transformer, backend="eager")
+    else:
+        pipe.transformer.compile(backend="eager")
+    compiled = (pipe.transformer, getattr(pipe.transformer, "_compiled_call_impl", None))
+    spy = QKSpy(getattr(pipe.transformer, "_orig_mod", pipe.transformer))
+    with pytest.warns(UserWarning, match="compiled with torch.compile; while this recording is open it runs uncompiled"):
+        with cogattn.record(pipe, kinds=("frame", "video_to_text")) as rec:
+            out = generate(pipe)
+    spy.remove()
+    assert torch.equal(out, stock)
+    assert_matches_naive(rec, spy, [1], "mean", kinds=("frame", "video_to_text"))
+    assert (pipe.transformer, getattr(pipe.transformer, "_compiled_call_impl", None)) == compiled
+    if idiom == "wrapper":
+        with pytest.raises(TypeError, match=r"record the module inside it, `cogattn.record\(compiled._orig_mod"):
+            cogattn.record(pipe.transformer)
+
+
+def test_free_space_counts_whole_blocks(pipe, tmp_path, monkeypatch):
+    """Many small records take a whole block each: 4 records of 1 KB need 4 blocks of 4 KiB, not 4 KB."""
+    usage = namedtuple("usage", "total used free")
+    statvfs = namedtuple("statvfs", "f_frsize f_bsize")
+    monkeypatch.setattr(store.os, "statvfs", lambda path: statvfs(4096, 4096))
+    record_bytes = store.record_file_bytes((1, 1, 53, 53), torch.float32)  # 'full' at heads='mean': ~11 KB
+    free = 4 * record_bytes + 1000  # the sum of the file sizes fits; their blocks do not
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda path: usage(free, 0, free))
+    with pytest.raises(cogattn.StoreError, match=rf"{4 * record_bytes:,} bytes .* bytes of disk in whole blocks"):
+        with cogattn.record(pipe, kinds="full", save_dir=tmp_path / "r"):
+            generate(pipe, steps=2)
+    assert not (tmp_path / "r").exists()
+
+
+# -- refusals as one clear line ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(kinds=None), TypeError, r"kinds must be a kind or a list of kinds .* got None"),
+        (dict(info="prompt"), TypeError, r"info must be a dict"),
+        (dict(memory_budget="0.1"), ValueError, r"memory_budget='0.1' is less than one byte"),
+        (dict(storage_dtype="int8"), ValueError, r"storage_dtype='int8' is not one of"),
+        (dict(method="rows", layer_output="joint"), ValueError, "Leave method='auto'"),
+        (dict(save_dir=3), TypeError, "save_dir must be a folder path"),
+        (dict(colour="red"), TypeError, r"unknown capture option \['colour'\]"),
+    ],
+)
+def test_bad_options_are_one_clear_line(pipe, kwargs, error, match):
+    with pytest.raises(error, match=match) as err:
+        cogattn.record(pipe, **kwargs)
+    assert "\n" not in str(err.value) and _hooks(pipe) == 0
+
+
+def test_memory_budget_accepts_exponents_in_either_case():
+    assert cogattn.CaptureOptions(memory_budget="1E9").memory_budget == 10**9
+    assert cogattn.CaptureOptions(memory_budget="1.5e9").memory_budget == 1_500_000_000
+
+
+def test_save_dir_that_cannot_be_a_folder_is_a_store_error(pipe, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(cogattn.StoreError, match="cannot create the output folder"):
+        cogattn.record(pipe, save_dir=tmp_path / "file" / "run")
+    assert _hooks(pipe) == 0
+
+
+def test_save_dir_expands_the_home_folder(pipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with cogattn.record(pipe, kinds="frame", save_dir="~/runs/fox"):
+        generate(pipe, steps=1)
+    assert cogattn.load("~/runs/fox").complete and not Path("~").exists()
+
+
+def test_a_refused_run_leaves_no_folder_behind(pipe, tmp_path):
+    with pytest.raises(ValueError, match="asks for step 5"):
+        with cogattn.record(pipe, steps=[5], save_dir=tmp_path / "new" / "run"):
+            generate(pipe, steps=2)
+    assert not (tmp_path / "new" / "run").exists()
+    (tmp_path / "mine").mkdir()  # a folder the user made stays, empty
+    with pytest.raises(ValueError, match="asks for step 5"):
+        with cogattn.record(pipe, steps=[5], save_dir=tmp_path / "mine"):
+            generate(pipe, steps=2)
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
+
+
+def test_warnings_point_at_the_users_code(pipe):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with cogattn.record(pipe.transformer, steps=[0, 4]):
+            generate(pipe)
+    (w,) = [w for w in seen if "were selected but the generation ran" in str(w.message)]
+    assert w.filename == __file__
+
+
+def test_run_json_says_how_many_steps_it_holds(pipe, tmp_path):
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path):
+        generate(pipe, steps=3)
+    meta = json.loads((tmp_path / "run.json").read_text())
+    assert meta["status"] == "finished" and meta["steps"] == 3 and meta["complete"] is True
