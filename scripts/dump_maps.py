@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Generate with a CogVideoX pipeline and save its attention maps (see `python scripts/dump_maps.py -h`)."""
+"""Generate with a CogVideoX pipeline and save its attention maps, from a checkout without installing
+cogattn: the same as ``cogattn-dump`` (see ``python scripts/dump_maps.py -h``)."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cogattn.cli import main  # noqa: E402
+from cogattn.dump import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,71 +1,140 @@
-"""scripts/dump_maps.py as a user runs it: a subprocess on the tiny default, checked by the files it wrote."""
+"""cogattn-dump as a user runs it, checked by the files it wrote: in-process through ``main(argv)``;
+subprocesses only for a killed run and ``accelerate launch`` (slow)."""
 
+import contextlib
+import io
 import json
 import os
+import re
+import runpy
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image
 
 import cogattn
-from cogattn.config import load_config, read_prompts
+from cogattn.dump import main
+from cogattn.dump.config import CAPTURE_KEYS, DumpConfig, default_config, load_config
+from cogattn.dump.prompts import read_prompts
 from cogattn.estimate import estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "dump_maps.py"
+TINY = ROOT / "configs" / "tiny.yaml"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COGATTN_DEBUG": "1"}
+# Fewer steps, no previews; the default video shape, so that the VAE's first-call cost per shape is paid once.
+QUICK = ["--set", "num_inference_steps=1", "--set", "previews=false"]
 
 
-def dump(*args, cwd=None, check=None, **kw):
-    proc = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=ENV,
-                          cwd=cwd, timeout=300, **kw)  # fmt: skip
-    if check is not None:
-        assert proc.returncode == check, proc.stderr[-3000:]
-    return proc
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """Each test runs in its own folder, with tracebacks of failed prompts on stderr."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COGATTN_DEBUG", "1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_accelerate_state():
+    """``main`` sets up accelerate's process state (a singleton); later test files start without it."""
+    yield
+    from accelerate import PartialState
+
+    PartialState._reset_state()
+
+
+@pytest.fixture
+def dump(capsys):
+    """``main(argv)`` in this process: its exit code, stdout and stderr."""
+
+    def run(*args, check=None):
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        if check is not None:
+            assert code == check, err[-3000:]
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
+
+
+def _run_once(save_dir: Path, *args) -> Path:
+    """A run shared by the tests of this module (they copy it before they change it)."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["--set", f"save_dir={save_dir}", *map(str, args)])
+    assert code == 0, err.getvalue()[-3000:]
+    return save_dir
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
+    """The default command: the shipped tiny.yaml, previews included."""
+    return _run_once(tmp_path_factory.mktemp("default") / "runs")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> Path:
+    return _run_once(tmp_path_factory.mktemp("quick") / "runs", *QUICK)
 
 
 def _prompt_dirs(out: Path) -> list[Path]:
     return sorted(p for p in out.iterdir() if p.is_dir())
 
 
-def test_tiny_default_writes_loadable_records_video_and_previews(tmp_path):
-    out = tmp_path / "runs"
-    dump("--set", f"out={out}", check=0)
-    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+def _meta(folder: Path) -> dict:
+    return json.loads((folder / "prompt.json").read_text())
+
+
+def _files(folder: Path) -> set[Path]:
+    return set(folder.rglob("*"))
+
+
+def test_tiny_default_writes_loadable_records_video_and_previews(default_run):
+    out = default_run
+    cfg = load_config(TINY)
     prompts = read_prompts(cfg)
+    steps = cfg.num_inference_steps
     dirs = _prompt_dirs(out)
     assert [d.name for d in dirs] == [p.key() for p in prompts]
     for d, p in zip(dirs, prompts):
-        meta = json.loads((d / "prompt.json").read_text())
+        meta = _meta(d)
         assert meta["complete"] and meta["prompt"] == p.prompt
+        assert meta["config"]["capture"]["kinds"] == ["frame", "video_to_text", "text_to_video"]
         run = cogattn.load(d / "maps")
-        assert run.complete and len(run) == 3 * cfg.steps * 2  # kinds × steps × layers
+        assert run.complete and len(run) == 3 * steps * 2  # kinds × steps × layers
         assert run.get("frame", 3, 1).shape == (1, 1, 4, 4)
         assert run.meta["info"]["prompt"] == p.prompt
         with Image.open(d / meta["video"]) as gif:
             assert gif.n_frames == cfg.num_frames and gif.size == (cfg.width, cfg.height)
-        for name in meta.get("previews", []):
+        assert meta["previews"]
+        for name in meta["previews"]:
             with Image.open(d / "previews" / name) as png:
                 png.load()
                 assert png.size[0] > 100 and png.size[1] > 100
 
 
-def test_dry_run_bytes_equal_what_a_run_writes(tmp_path):
+def test_dry_run_bytes_equal_what_a_run_writes(tmp_path, dump):
     out = tmp_path / "runs"
-    sets = ["--set", f"out={out}", "--set", "kinds=[frame,query,text_to_video]", "--set", "queries=[[1,2,3],0]",
-            "--set", "heads=all", "--set", "storage_dtype=float16", "--set", "previews=false",
-            "--set", "output=joint"]  # fmt: skip
+    sets = ["--set", f"save_dir={out}", "--set", "capture.kinds=[frame,query,text_to_video]",
+            "--set", "capture.queries=[[1,2,3],0]", "--set", "capture.heads=all",
+            "--set", "capture.storage_dtype=float16", "--set", "previews=false",
+            "--set", "capture.layer_output=joint", "--set", "num_inference_steps=2"]  # fmt: skip
     dry = dump("--dry-run", *sets, check=0)
     assert not out.exists()  # nothing written, no weights loaded
-    total = int(dry.stdout.split("total")[1].split()[1].replace(",", ""))
+    assert dry.stdout.splitlines()[0] == f"config {TINY}"
+    total_line = next(line for line in dry.stdout.splitlines() if line.split()[:1] == ["total"])
+    total = int(total_line.split()[2].replace(",", ""))
     dump(*sets, check=0)
     written = sum(f.stat().st_size for f in out.rglob("records/**/*.safetensors"))
     assert total == written
-    assert all(json.loads((d / "maps" / "run.json").read_text())["output"] == "joint" for d in _prompt_dirs(out))
+    for d in _prompt_dirs(out):
+        run_meta = json.loads((d / "maps" / "run.json").read_text())
+        assert run_meta["layer_output"] == "joint" and run_meta["storage_dtype"] == "float16"
 
 
 def test_estimate_matches_the_api_and_refuses_bad_selection():
@@ -75,16 +144,48 @@ def test_estimate_matches_the_api_and_refuses_bad_selection():
         estimate("tiny", num_frames=9, height=48, width=80, num_inference_steps=4, layers=[7])
 
 
+def test_the_config_holds_capture_options_and_the_output_key_ignores_how_maps_are_computed():
+    cfg = load_config(TINY, ["capture.steps=[0,3]", "capture.memory_budget=2MiB"])
+    assert isinstance(cfg.capture, cogattn.CaptureOptions)
+    assert cfg.capture.steps == (0, 3) and cfg.capture.memory_budget == 2 * 2**20
+    assert cfg.to_dict()["capture"]["steps"] == [0, 3]
+    plain = load_config(TINY, ["capture.steps=[0,3]"])
+    same = ["device=cpu", "offload=model", "vae_tiling=true", "save_dir=elsewhere", "prompts=other.txt",
+            "capture.memory_budget=7MiB", "capture.method=rows"]  # fmt: skip
+    assert load_config(TINY, ["capture.steps=[0,3]", *same]).output_key() == plain.output_key() == cfg.output_key()
+    for other in ("capture.steps=[0]", "capture.heads=all", "num_inference_steps=5", "seed=1", "dtype=bfloat16"):
+        assert load_config(TINY, ["capture.steps=[0,3]", other]).output_key() != plain.output_key(), other
+    per_prompt = cfg.capture_options(save_dir="x/maps", info={"prompt": "p"})
+    assert per_prompt.save_dir == Path("x/maps") and per_prompt.steps == (0, 3)
+    doc = DumpConfig.__doc__
+    assert [k for k in [*cfg.to_dict(), *CAPTURE_KEYS] if not re.search(rf"\b{k}\b", doc)] == []  # every key documented
+
+
+def test_resume_redoes_an_incomplete_prompt_and_skips_complete_ones(tmp_path, dump, quick_run):
+    out = shutil.copytree(quick_run, tmp_path / "runs")
+    first, second, _ = _prompt_dirs(out)
+    before = (first / "prompt.json").stat().st_mtime_ns
+    meta = _meta(second)
+    (second / "prompt.json").write_text(json.dumps({**meta, "complete": False}))  # as a killed run leaves it
+    (second / "maps" / "run.json").unlink()
+    rerun = dump("--set", f"save_dir={out}", *QUICK, check=0)
+    assert "2 prompts already complete, skipped" in rerun.stdout
+    assert "1 prompts written" in rerun.stdout
+    assert (first / "prompt.json").stat().st_mtime_ns == before  # untouched
+    assert _meta(second)["complete"] and cogattn.load(second / "maps").complete
+
+
+@pytest.mark.slow
 def test_resume_after_a_killed_run(tmp_path):
     out = tmp_path / "runs"
-    sets = ["--set", f"out={out}", "--set", "steps=40", "--set", "previews=false"]
+    sets = ["--set", f"save_dir={out}", "--set", "num_inference_steps=40", "--set", "previews=false"]
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *sets], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)  # fmt: skip
     deadline = time.time() + 120
     first = None
     while time.time() < deadline:
         done = [d for d in (out.iterdir() if out.exists() else []) if (d / "prompt.json").exists()
-                and json.loads((d / "prompt.json").read_text())["complete"]]  # fmt: skip
+                and _meta(d)["complete"]]  # fmt: skip
         started = [d for d in (out.iterdir() if out.exists() else []) if (d / "maps" / "manifest.jsonl").exists()]
         if done and len(started) >= 2 and (sorted(started)[1] / "maps" / "manifest.jsonl").read_text().count("\n") > 3:
             first = done[0]
@@ -95,12 +196,13 @@ def test_resume_after_a_killed_run(tmp_path):
     assert first is not None, "the first prompt did not complete in time"
     before = (first / "prompt.json").stat().st_mtime_ns
     second = sorted(out.iterdir())[1]
-    assert not json.loads((second / "prompt.json").read_text())["complete"]
-    rerun = dump(*sets, check=0)
+    assert not _meta(second)["complete"]
+    rerun = subprocess.run([sys.executable, str(SCRIPT), *sets], env=ENV, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "1 prompts already complete, skipped" in rerun.stdout
     assert (first / "prompt.json").stat().st_mtime_ns == before  # untouched
     for d in _prompt_dirs(out):
-        assert json.loads((d / "prompt.json").read_text())["complete"]
+        assert _meta(d)["complete"]
         assert cogattn.load(d / "maps").complete and len(cogattn.load(d / "maps")) == 3 * 40 * 2
 
 
@@ -115,66 +217,79 @@ def _write(path: Path, text: str) -> Path:
         ("missing_prompts", "prompts file .* does not exist"),
         ("bad_yaml", "is not valid YAML"),
         ("unknown_key", r"unknown config key \['stepz'\]; valid keys: \['model', 'task'"),
+        ("renamed_key", r"unknown config keys \['kinds', 'out'\] \(renamed: kinds → capture.kinds, out → save_dir\)"),
         ("unknown_task", r"task: 'video-to-video' is not one of \['text-to-video', 'image-to-video'\]"),
         ("layer_range", "layers index 9 is out of range; valid indices are 0..1"),
         ("query_grid", r"\(5, 0, 0\) is outside the latent grid"),
         ("missing_image", "image .*nowhere.png' does not exist"),
         ("bad_override", "--set 'steps': expected key=value"),
-        ("unknown_output", r"output: 'fast' is not one of \['stock', 'lse', 'joint'\]"),
-        ("joint_with_path", "output='joint' computes key-pooled kinds in the output call; path='rows' cannot apply"),
+        ("dotted_override", r"--set 'seed.x=1': only capture options have dotted keys"),
+        ("unknown_output", r"capture: layer_output='fast' is not one of \['stock', 'lse', 'joint'\]"),
+        (
+            "joint_with_method",
+            "layer_output='joint' computes the key-pooled kinds in the output call; method='rows' cannot apply",
+        ),
+        ("unknown_capture_key", r"unknown capture key \['path'\] \(renamed: path → method\); valid keys: \['kinds'"),
+        ("capture_save_dir", r"capture.save_dir is set by the tool for each prompt .*; set the top-level save_dir"),
+        ("capture_not_mapping", r"capture: expected a mapping of capture options"),
+        ("bad_type", r"num_inference_steps: expected int, got 'four'"),
     ],
 )
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, case, message):
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case, message):
     out = tmp_path / "runs"
-    cfg = ROOT / "configs" / "tiny.yaml"
     args = {
         "missing_prompts": ["--set", "prompts=/nonexistent/prompts.txt"],
-        "bad_yaml": [_write(tmp_path / "bad.yaml", "model: tiny\nkinds: [frame\n")],
+        "bad_yaml": [_write(tmp_path / "bad.yaml", "model: tiny\ncapture: {kinds: [frame}\n")],
         "unknown_key": ["--set", "stepz=4"],
+        "renamed_key": ["--set", "out=x", "--set", "kinds=[frame]"],
         "unknown_task": ["--set", "task=video-to-video"],
-        "layer_range": ["--set", "layers=[0,9]"],
-        "query_grid": ["--set", "kinds=[query]", "--set", "queries=[[5,0,0]]"],
+        "layer_range": ["--set", "capture.layers=[0,9]"],
+        "query_grid": ["--set", "capture.kinds=[query]", "--set", "capture.queries=[[5,0,0]]"],
         "missing_image": ["--set", "task=image-to-video", "--set",
                           f"prompts={_write(tmp_path / 'p.jsonl', json.dumps({'prompt': 'x', 'image': 'nowhere.png'}))}"],
         "bad_override": ["--set", "steps"],
-        "unknown_output": ["--set", "output=fast"],
-        "joint_with_path": ["--set", "output=joint", "--set", "path=rows"],
+        "dotted_override": ["--set", "seed.x=1"],
+        "unknown_output": ["--set", "capture.layer_output=fast"],
+        "joint_with_method": ["--set", "capture.layer_output=joint", "--set", "capture.method=rows"],
+        "unknown_capture_key": ["--set", "capture.path=rows"],
+        "capture_save_dir": ["--set", "capture.save_dir=elsewhere"],
+        "capture_not_mapping": ["--set", "capture=[frame]"],
+        "bad_type": ["--set", "num_inference_steps=four"],
     }[case]  # fmt: skip
     if not str(args[0]).endswith(".yaml"):
-        args = [cfg, *args]
-    proc = dump(*args, "--set", f"out={out}", check=2)
+        args = [TINY, *args]
+    before = _files(tmp_path)
+    proc = dump(*args, "--set", f"save_dir={out}", check=2)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dump_maps: "), proc.stderr
-    assert __import__("re").search(message, lines[0]), lines[0]
-    assert not out.exists()
+    assert re.search(message, lines[0]), lines[0]
+    assert not out.exists() and _files(tmp_path) == before
 
 
-def test_a_failing_prompt_does_not_stop_the_others(tmp_path):
+def test_a_failing_prompt_does_not_stop_the_others(tmp_path, dump):
     out = tmp_path / "runs"
     (tmp_path / "broken.png").write_bytes(b"not an image")
-    from PIL import Image as PILImage
-
-    PILImage.new("RGB", (80, 48), (200, 30, 30)).save(tmp_path / "red.png")
+    Image.new("RGB", (80, 48), (200, 30, 30)).save(tmp_path / "red.png")
     prompts = _write(tmp_path / "p.jsonl", "\n".join(json.dumps(x) for x in [
         {"prompt": "a red fox", "image": "red.png"}, {"prompt": "a cat", "image": "broken.png"},
         {"prompt": "a dog", "image": "red.png", "seed": 3}]))  # fmt: skip
-    proc = dump("--set", "task=image-to-video", "--set", f"prompts={prompts}", "--set", f"out={out}",
-                "--set", "previews=false", check=1)  # fmt: skip
+    proc = dump("--set", "task=image-to-video", "--set", f"prompts={prompts}", "--set", f"save_dir={out}", *QUICK,
+                check=1)  # fmt: skip
     assert "failed: prompt 1 ('a cat')" in proc.stderr
-    complete = [json.loads((d / "prompt.json").read_text())["complete"] for d in _prompt_dirs(out)]
-    assert complete == [True, False, True]
+    assert [_meta(d)["complete"] for d in _prompt_dirs(out)] == [True, False, True]
 
 
+@pytest.mark.slow
 def test_accelerate_launch_two_processes_cover_every_prompt_once(tmp_path):
     out = tmp_path / "runs"
     prompts = _write(tmp_path / "p.txt", "\n".join(f"prompt number {i}" for i in range(5)))
     # --multi_gpu picks accelerate's torchrun launcher; without GPUs the two processes run on CPU over gloo.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), "--set", f"out={out}",
-           "--set", f"prompts={prompts}", "--set", "previews=false", "--set", "steps=2"]  # fmt: skip
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cogattn.dump", "--set", f"save_dir={out}",
+           "--set", f"prompts={prompts}", "--set", "previews=false", "--set", "num_inference_steps=2"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metas = [json.loads((d / "prompt.json").read_text()) for d in _prompt_dirs(out)]
+    metas = [_meta(d) for d in _prompt_dirs(out)]
     assert sorted(m["index"] for m in metas) == list(range(5)) and all(m["complete"] for m in metas)
     assert {m["process"] for m in metas} == {0, 1}
     by_process = {p: sorted(m["index"] for m in metas if m["process"] == p) for p in (0, 1)}
@@ -182,18 +297,37 @@ def test_accelerate_launch_two_processes_cover_every_prompt_once(tmp_path):
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
-def test_every_shipped_config_plans_offline(config, tmp_path):
-    env = {**ENV, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(ROOT / "configs" / config), "--dry-run", "--set",
-                           f"out={tmp_path / 'x'}"], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+def test_every_shipped_config_plans_offline(config, tmp_path, dump, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import; set it for this call
+    proc = dump(ROOT / "configs" / config, "--dry-run", "--set", f"save_dir={tmp_path / 'x'}", check=0)
     assert "predicted peak extra memory" in proc.stdout and not (tmp_path / "x").exists()
 
 
-def test_rerun_with_other_settings_into_the_same_out_is_refused(tmp_path):
-    out = tmp_path / "runs"
-    dump("--set", f"out={out}", "--set", "steps=1", "--set", "previews=false", check=0)
-    again = dump("--set", f"out={out}", "--set", "steps=1", "--set", "previews=false", check=0)
-    assert "3 prompts already complete, skipped" in again.stdout
-    other = dump("--set", f"out={out}", "--set", "steps=1", "--set", "previews=false", "--set", "seed=5", check=2)
+def test_rerun_with_other_settings_into_the_same_save_dir_is_refused(tmp_path, dump, quick_run):
+    out = shutil.copytree(quick_run, tmp_path / "runs")
+    again = dump("--set", f"save_dir={out}", *QUICK, "--set", "capture.memory_budget=64MiB", check=0)
+    assert "3 prompts already complete, skipped" in again.stdout  # the budget changes how, not what
+    other = dump("--set", f"save_dir={out}", *QUICK, "--set", "seed=5", check=2)
     assert "was made with other settings" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+
+
+def test_the_default_config_is_the_top_level_configs_folder():
+    assert default_config() == TINY
+
+
+@pytest.mark.parametrize("entry", ["python -m cogattn.dump", "scripts/dump_maps.py"])
+def test_module_and_script_entry_points(entry, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "runs"
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the checkout first
+    monkeypatch.setattr(sys, "argv", [entry, "--dry-run", "--set", f"save_dir={out}"])
+    with pytest.raises(SystemExit) as exit_:
+        if entry == "scripts/dump_maps.py":
+            runpy.run_path(str(SCRIPT), run_name="__main__")
+        else:
+            runpy.run_module("cogattn.dump", run_name="__main__", alter_sys=True)
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(f"config {TINY}\nmodel tiny (text-to-video), 3 prompts")
+    assert not out.exists()

@@ -1,11 +1,12 @@
-"""Preview images of a finished run, for a quick look at what ``dump_maps.py`` wrote."""
+"""Preview images of a prompt's maps, for a quick look at what ``cogattn-dump`` wrote."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from . import plot
-from .store import load
+from .. import plot
+from ..run import load
+from ..words import text_tokens
 
 __all__ = ["write_previews"]
 
@@ -17,7 +18,7 @@ def _words(run, tokenizer, prompt: str | None, limit: int = 4) -> list[int]:
     T = run.layout.text_len
     if tokenizer is None or prompt is None:
         return list(range(min(limit, T)))
-    tokens = plot.text_tokens(tokenizer, prompt, T)
+    tokens = text_tokens(tokenizer, prompt, T)
     return [i for i, t in enumerate(tokens) if t not in _SPECIAL and t.strip("▁")][:limit] or [0]
 
 
@@ -25,7 +26,7 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
     """Write one PNG per recorded kind (averaged over the recorded steps, layers and heads).
 
     Args:
-        run_path: a run folder written by ``cogattn.record(..., out=...)``.
+        run_path: a run folder written by ``cogattn.record(..., save_dir=...)``.
         folder: where the PNGs go (created).
         video: the decoded frames of the generation (list of PIL images or a tensor).
         tokenizer, prompt: to label text tokens with their words.

@@ -1,0 +1,147 @@
+"""``cogattn-dump``: attention maps for many prompts, resumable, sharded over processes.
+
+    cogattn-dump                                         # the shipped tiny.yaml: the tiny random pipeline
+    cogattn-dump configs/cogvideox-5b.yaml --set num_inference_steps=20 --set save_dir=runs/5b
+    cogattn-dump configs/cogvideox-5b.yaml --set capture.steps=[0,5] --dry-run   # the plan, no weights loaded
+    accelerate launch -m cogattn.dump configs/cogvideox-5b.yaml                  # prompts split over GPUs
+
+Also ``python scripts/dump_maps.py`` from a checkout and ``python -m cogattn.dump``. Each prompt gets
+``<save_dir>/<index>-<hash>/`` with ``maps/`` (a run: ``cogattn.load`` reads it), the video,
+``previews/*.png`` and ``prompt.json``, written last; a rerun skips prompts whose ``prompt.json`` says
+complete and redoes the others. A prompt that fails does not stop the rest; failures are listed at the
+end and the exit code is 1. Bad input exits with code 2 and one line on stderr before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from ..estimate import Estimate, estimate
+from .config import ConfigError, DumpConfig, default_config, load_config
+from .generate import is_complete, load_pipeline, prompt_meta, run_prompt
+from .prompts import Prompt, read_prompts
+
+__all__ = ["main", "plan"]
+
+PROG = "dump_maps"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", nargs="?", default=None, help="YAML config (default: the shipped tiny.yaml)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, capture.KEY for a capture option (value parsed as YAML); "
+                         "repeatable")  # fmt: skip
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit without loading weights")
+    return ap.parse_args(argv)
+
+
+def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
+    """Every check that needs no weights, and the estimate of the whole run.
+
+    Checks the device and video writer, that complete prompt folders under ``save_dir`` were made with
+    these settings, the capture options against the model and the call (by ``cogattn.estimate``, from
+    ``cfg.capture``: the options a run records with), and the free disk space for the prompts left.
+
+    Returns:
+        `Estimate`: records, bytes and peak extra memory over all prompts; raises `ConfigError` or the
+        `ValueError` of ``cogattn.estimate``.
+    """
+    if cfg.offload != "none" and cfg.device == "cpu":
+        raise ConfigError(f"offload: {cfg.offload!r} needs a GPU device, but device is 'cpu'.")
+    if cfg.video_format == "mp4" and importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise ConfigError("video_format: 'mp4' needs imageio-ffmpeg (pip install 'cogattn[video]'); or use 'gif'.")
+    out = Path(cfg.save_dir)
+    key = cfg.output_key()
+    for folder in (out / p.key() for p in prompts):
+        meta = prompt_meta(folder)
+        if meta.get("complete") and meta.get("config_key") != key:
+            raise ConfigError(
+                f"{str(folder)!r} was made with other settings (config key {meta.get('config_key')} ≠ {key}); "
+                "write to another save_dir, or delete it to redo it."
+            )
+    device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+    result = estimate(
+        cfg.model, cfg.capture, num_frames=cfg.num_frames, height=cfg.height, width=cfg.width,
+        num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
+        text_len=cfg.max_sequence_length, num_prompts=len(prompts), dtype=cfg.dtype, device=device,
+    )  # fmt: skip
+    todo = sum(1 for p in prompts if not is_complete(out / p.key()))
+    need = result.record_bytes * todo // max(1, len(prompts))
+    existing = next(p for p in [out, *out.absolute().parents] if p.exists())
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise ConfigError(f"the remaining prompts will write {need:,} bytes of maps but {str(existing)!r} has "
+                          f"{free:,} bytes free; select less, use capture.storage_dtype float16, or write "
+                          "elsewhere.")  # fmt: skip
+    return result
+
+
+def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
+    """Generate the prompts not yet complete (this process's share under ``accelerate launch``)."""
+    from accelerate import PartialState
+    from tqdm.auto import tqdm
+
+    # On a machine without GPUs (or device: cpu) the processes of `accelerate launch` share prompts over gloo.
+    state = PartialState(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    device = str(state.device) if cfg.device == "auto" else cfg.device
+    out = Path(cfg.save_dir)
+    failures = []
+    with state.split_between_processes(prompts) as mine:
+        todo = [p for p in mine if not is_complete(out / p.key())]
+        skipped = len(mine) - len(todo)
+        if skipped:
+            print(f"[process {state.process_index}] {skipped} prompts already complete, skipped", flush=True)
+        if todo:
+            pipe = load_pipeline(cfg, device)
+            for prompt in tqdm(todo, desc=f"prompts [process {state.process_index}]", position=0, disable=None):
+                try:
+                    run_prompt(pipe, cfg, prompt, out / prompt.key(), state.process_index)
+                except Exception as err:  # one prompt's failure must not stop the others
+                    failures.append((prompt, err))
+                    print(f"prompt {prompt.index} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+                    if os.environ.get("COGATTN_DEBUG"):
+                        traceback.print_exc()
+    done = len(todo) - len(failures)
+    print(f"[process {state.process_index}] {done} prompts written, {skipped} skipped, {len(failures)} failed "
+          f"-> {out}", flush=True)  # fmt: skip
+    for prompt, err in failures:
+        print(f"  failed: prompt {prompt.index} ({prompt.prompt[:40]!r}): {type(err).__name__}: {err}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool with command-line arguments ``argv`` (``sys.argv[1:]`` when `None`).
+
+    Returns:
+        `int`: the exit code: 0 done, 1 some prompts failed, 2 bad input (one line on stderr, nothing
+        written).
+    """
+    args = _parse(argv)
+    try:
+        config = Path(args.config) if args.config else default_config()
+        cfg = load_config(config, args.overrides)
+        prompts = read_prompts(cfg)
+        result = plan(cfg, prompts)
+    except (ConfigError, ValueError, TypeError) as err:
+        print(f"{PROG}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(f"config {config}")
+        print(f"model {cfg.model} ({cfg.task}), {len(prompts)} prompts, {cfg.num_inference_steps} steps, "
+              f"{cfg.num_frames} frames at {cfg.height}×{cfg.width} -> {cfg.save_dir}")  # fmt: skip
+        print(result.table())
+        return 0
+    return _run(cfg, prompts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""One prompt's generation with capture: the pipeline of a config, the folder a prompt gets, its video.
+
+A prompt's folder holds ``maps/`` (a run: ``cogattn.load`` reads it), the video, ``previews/*.png`` and
+``prompt.json``, whose ``complete`` is set last: a folder without it is redone by a rerun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .config import DumpConfig
+from .prompts import Prompt
+
+__all__ = ["load_pipeline", "run_prompt", "prompt_meta", "is_complete"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_pipeline(cfg: DumpConfig, device: str):
+    """The pipeline of ``cfg`` on ``device``: from the hub or a folder (weights in ``cfg.dtype``), or the
+    tiny random one; with the offload and VAE tiling the config asks for."""
+    from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
+
+    dtype = _DTYPES[cfg.dtype]
+    if cfg.model == "tiny":
+        from ..testing import tiny_pipeline
+
+        pipe = tiny_pipeline(cfg.task, cfg.tiny_version, dtype=dtype)
+    else:
+        cls = CogVideoXImageToVideoPipeline if cfg.task == "image-to-video" else CogVideoXPipeline
+        pipe = cls.from_pretrained(cfg.model, torch_dtype=dtype)
+    if cfg.offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif cfg.offload == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    else:
+        pipe.to(device)
+    if cfg.vae_tiling:
+        pipe.vae.enable_tiling()
+    pipe.set_progress_bar_config(leave=False, desc="steps", disable=None)  # no bar when not a terminal
+    return pipe
+
+
+def prompt_meta(folder: Path) -> dict:
+    """The ``prompt.json`` of a prompt's folder (``{}`` when there is none or it is unreadable)."""
+    try:
+        return json.loads((Path(folder) / "prompt.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether the prompt in ``folder`` was written to the end (a rerun skips it)."""
+    return prompt_meta(folder).get("complete") is True
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _save_video(frames, path_stem: Path, cfg: DumpConfig) -> Path:
+    from diffusers.utils import export_to_gif, export_to_video
+
+    fmt = cfg.video_format
+    if fmt == "auto":
+        try:
+            import imageio_ffmpeg  # noqa: F401
+
+            fmt = "mp4"
+        except ImportError:
+            fmt = "gif"
+    path = path_stem.with_suffix("." + fmt)
+    if fmt == "mp4":
+        export_to_video(frames, str(path), fps=cfg.fps)
+    else:
+        export_to_gif(frames, str(path), fps=cfg.fps)
+    return path
+
+
+def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int) -> None:
+    """Generate one video with capture into ``folder`` (a fresh or incomplete one is (re)made).
+
+    Args:
+        pipe: the pipeline from :func:`load_pipeline`.
+        cfg (`DumpConfig`): the configuration; its ``capture`` options with ``save_dir=folder/"maps"``
+            and the prompt's facts as ``info`` are what ``cogattn.record`` gets.
+        prompt (`Prompt`): the prompt.
+        folder (`Path`): the prompt's folder, ``<save_dir>/<prompt.key()>``.
+        process (`int`): index of this process under ``accelerate launch`` (kept in ``prompt.json``).
+    """
+    from ..recording import record
+
+    if folder.exists():
+        shutil.rmtree(folder)  # an incomplete earlier attempt
+    folder.mkdir(parents=True)
+    seed = cfg.seed if prompt.seed is None else prompt.seed
+    meta = {"complete": False, "config_key": cfg.output_key(), "index": prompt.index, "prompt": prompt.prompt,
+            "negative_prompt": prompt.negative_prompt, "seed": seed, "image": prompt.image, "model": cfg.model,
+            "process": process, "config": cfg.to_dict()}  # fmt: skip
+    _write_json(folder / "prompt.json", meta)
+    device = pipe._execution_device
+    call = dict(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt, num_frames=cfg.num_frames,
+                height=cfg.height, width=cfg.width, num_inference_steps=cfg.num_inference_steps,
+                guidance_scale=cfg.guidance_scale, max_sequence_length=cfg.max_sequence_length, output_type="pil",
+                generator=torch.Generator(device).manual_seed(seed))  # fmt: skip
+    if cfg.task == "image-to-video":
+        from diffusers.utils import load_image
+
+        call["image"] = load_image(prompt.image_path)
+    t0 = time.perf_counter()
+    info = {k: meta[k] for k in ("index", "prompt", "negative_prompt", "seed", "image", "model")}
+    with record(pipe, cfg.capture_options(save_dir=folder / "maps", info=info)):
+        frames = pipe(**call).frames[0]
+    meta["seconds"] = round(time.perf_counter() - t0, 3)
+    meta["video"] = _save_video(frames, folder / "video", cfg).name
+    if cfg.previews:
+        from .previews import write_previews
+
+        written = write_previews(folder / "maps", folder / "previews", frames, pipe.tokenizer, prompt.prompt)
+        meta["previews"] = [p.name for p in written]
+    meta["complete"] = True
+    _write_json(folder / "prompt.json", meta)

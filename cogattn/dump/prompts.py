@@ -1,0 +1,92 @@
+"""The prompts file of a ``cogattn-dump`` config: ``.txt`` (one prompt per line) or ``.jsonl`` (objects with
+``prompt`` and optional ``negative_prompt``, ``seed``, ``image``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import ConfigError, DumpConfig
+
+__all__ = ["Prompt", "read_prompts"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of the prompts file.
+
+    Args:
+        index (`int`): its position among the prompts, from 0.
+        prompt (`str`), negative_prompt (`str | None`): the texts of the pipeline call.
+        seed (`int | None`): its own seed (the config's ``seed`` otherwise).
+        image (`str | None`): the conditioning image as written in the file (image-to-video).
+        base (`str`): the prompts file's folder, where a relative image starts.
+    """
+
+    index: int
+    prompt: str
+    negative_prompt: str | None = None
+    seed: int | None = None
+    image: str | None = None
+    base: str = field(default=".", compare=False)
+
+    @property
+    def image_path(self) -> str | None:
+        return None if self.image is None else str(Path(self.base, self.image))
+
+    def key(self) -> str:
+        """Folder name: the prompt's index and a short hash of what it asks for (stable across reruns,
+        whatever folder the command runs from)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "base"}
+        digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{self.index:04d}-{digest}"
+
+
+def _read_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
+    allowed = {"prompt", "negative_prompt", "seed", "image"}
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg}).") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise ConfigError(f"{path}:{n}: expected an object with a string 'prompt'.")
+        extra = sorted(set(obj) - allowed)
+        if extra:
+            raise ConfigError(f"{path}:{n}: unknown keys {extra}; allowed: {sorted(allowed)}.")
+        prompt = Prompt(len(prompts), obj["prompt"], obj.get("negative_prompt"), obj.get("seed"), obj.get("image"),
+                        base=str(path.parent))  # fmt: skip
+        if prompt.image is not None and not Path(prompt.image_path).is_file():
+            raise ConfigError(f"{path}:{n}: image {prompt.image_path!r} does not exist.")
+        prompts.append(prompt)
+    return prompts
+
+
+def read_prompts(cfg: DumpConfig) -> list[Prompt]:
+    """Parse the prompts file of ``cfg`` (relative to the config file's folder).
+
+    Checks that images exist and that image-to-video has one per prompt; raises `ConfigError`.
+    """
+    path = cfg.resolve(cfg.prompts)
+    if not path.is_file():
+        raise ConfigError(f"prompts file {str(path)!r} does not exist.")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix == ".jsonl":
+        prompts = _read_jsonl(path, lines)
+    elif path.suffix == ".txt":
+        prompts = [Prompt(i, p) for i, p in enumerate(line.strip() for line in lines if line.strip())]
+    else:
+        raise ConfigError(f"prompts file {str(path)!r} must end in .txt (one prompt per line) or .jsonl.")
+    if not prompts:
+        raise ConfigError(f"prompts file {str(path)!r} holds no prompts.")
+    if cfg.task == "image-to-video":
+        missing = [p.index for p in prompts if p.image is None]
+        if missing:
+            raise ConfigError(f"task image-to-video needs an 'image' for every prompt; prompts {missing} have none.")
+    return prompts
