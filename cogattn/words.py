@@ -61,14 +61,18 @@ def word_positions(word: str, tokenizer, prompt: str, text_len: int) -> list[int
     Raises:
         ValueError: the word is not in the prompt, or was cut off at ``text_len`` tokens.
     """
+    core = re.sub(r"^\W+|\W+$", "", word)  # "Fox," means the word fox: punctuation is not part of a word
+    if not core:
+        raise ValueError(f"word {word!r} has no letters or digits; pass a word of the prompt.")
     fast = bool(getattr(tokenizer, "is_fast", False))
     enc = _encode(tokenizer, prompt, text_len, offsets=fast)
     positions: list[int] = []
     if fast:
         spans = [tuple(o) for o in enc["offset_mapping"]]
-        for m in re.finditer(r"(?<!\w)" + re.escape(word.strip()) + r"(?!\w)", prompt, re.IGNORECASE):
+        for m in re.finditer(r"(?<!\w)" + re.escape(core) + r"(?!\w)", prompt, re.IGNORECASE):
             a, b = m.span()
-            positions += [i for i, (s, e) in enumerate(spans) if e > s and e > a and s < b]
+            positions += [i for i, (s, e) in enumerate(spans)
+                          if e > s and e > a and s < b and re.search(r"\w", prompt[s:e])]  # fmt: skip
     else:
         pieces = tokenizer.convert_ids_to_tokens(list(enc["input_ids"]))
         special = set(getattr(tokenizer, "all_special_tokens", []))
@@ -80,7 +84,7 @@ def word_positions(word: str, tokenizer, prompt: str, text_len: int) -> list[int
                 words.append([])
             words[-1].append(i)
         texts = [_norm_word("".join(pieces[i] for i in w)) for w in words]
-        target = [_norm_word(w) for w in word.split()]
+        target = [_norm_word(w) for w in core.split()]
         for k in range(len(words) - len(target) + 1):
             if target and texts[k : k + len(target)] == target:
                 # punctuation glued to a word ("fox" ",") and lone "▁" pieces are not part of it

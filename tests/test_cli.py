@@ -175,6 +175,21 @@ def test_resume_redoes_an_incomplete_prompt_and_skips_complete_ones(tmp_path, du
     assert _meta(second)["complete"] and cogattn.load(second / "maps").complete
 
 
+def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick_run):
+    from cogattn.run import RunLock
+
+    out = shutil.copytree(quick_run, tmp_path / "runs")
+    _, second, _ = _prompt_dirs(out)
+    (second / "prompt.json").write_text(json.dumps({**_meta(second), "complete": False}))
+    lock = RunLock(second / "maps")  # as another process writing this prompt holds it
+    try:
+        proc = dump("--set", f"save_dir={out}", *QUICK, check=1)
+    finally:
+        lock.release()
+    assert "is being written by another process; it is left alone" in proc.stderr
+    assert cogattn.load(second / "maps").keys()  # its records are untouched
+
+
 @pytest.mark.slow
 def test_resume_after_a_killed_run(tmp_path):
     out = tmp_path / "runs"
@@ -233,6 +248,15 @@ def _write(path: Path, text: str) -> Path:
         ("capture_save_dir", r"capture.save_dir is set by the tool for each prompt .*; set the top-level save_dir"),
         ("capture_not_mapping", r"capture: expected a mapping of capture options"),
         ("bad_type", r"num_inference_steps: expected int, got 'four'"),
+        ("zero_steps", r"num_inference_steps: 0 must be at least 1"),
+        ("negative_steps", r"num_inference_steps: -3 must be at least 1"),
+        ("narrow", r"width: 8 must be a positive multiple of 16"),
+        ("zero_fps", r"fps: 0 must be at least 1"),
+        ("zero_frames", r"num_frames: 0; the CogVideoX VAE decodes 4k \+ 1 frames"),
+        ("odd_frames", r"num_frames: 10; .* use 9 or 13"),
+        ("tpu", r"device: 'tpu' is not 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+        ("save_dir_file", r"save_dir: .* is a file, not a folder"),
+        ("flag_not_bool", r"previews: expected bool, got 'maybe'"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case, message):
@@ -255,11 +279,21 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case
         "capture_save_dir": ["--set", "capture.save_dir=elsewhere"],
         "capture_not_mapping": ["--set", "capture=[frame]"],
         "bad_type": ["--set", "num_inference_steps=four"],
+        "zero_steps": ["--set", "num_inference_steps=0"],
+        "negative_steps": ["--set", "num_inference_steps=-3", "--dry-run"],
+        "narrow": ["--set", "width=8"],
+        "zero_fps": ["--set", "fps=0"],
+        "zero_frames": ["--set", "num_frames=0"],
+        "odd_frames": ["--set", "num_frames=10"],
+        "tpu": ["--set", "device=tpu"],
+        "save_dir_file": ["--set", f"save_dir={_write(tmp_path / 'file', 'x') / 'runs'}"],
+        "flag_not_bool": ["--set", "previews=maybe"],
     }[case]  # fmt: skip
     if not str(args[0]).endswith(".yaml"):
         args = [TINY, *args]
     before = _files(tmp_path)
-    proc = dump(*args, "--set", f"save_dir={out}", check=2)
+    save = [] if case == "save_dir_file" else ["--set", f"save_dir={out}"]
+    proc = dump(*args, *save, check=2)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dump_maps: "), proc.stderr
     assert re.search(message, lines[0]), lines[0]
@@ -331,3 +365,38 @@ def test_module_and_script_entry_points(entry, tmp_path, capsys, monkeypatch):
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith(f"config {TINY}\nmodel tiny (text-to-video), 3 prompts")
     assert not out.exists()
+
+
+def test_cuda_without_a_gpu_is_refused_before_anything_loads(tmp_path, dump, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    proc = dump("--set", "device=cuda", "--set", f"save_dir={tmp_path / 'runs'}", check=2)
+    assert proc.stderr.strip() == "dump_maps: device: 'cuda', but this machine has no CUDA device; use device: auto or cpu."
+
+
+def test_tiny_version_read_as_a_number_is_accepted(dump):
+    assert "S = 38" in dump("--set", "tiny_version=1.5", "--dry-run", check=0).stdout  # 8 text + 2×3×5 video tokens
+
+
+def test_ctrl_c_prints_one_line_saying_what_is_kept_and_exits_130(tmp_path, dump, monkeypatch):
+    import cogattn.dump.cli as cli
+
+    real, calls = cli.run_prompt, []
+
+    def interrupted_at_the_second_prompt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "run_prompt", interrupted_at_the_second_prompt)
+    out = tmp_path / "runs"
+    proc = dump(*QUICK, "--set", f"save_dir={out}", check=130)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"dump_maps: interrupted; 1 of 3 prompts are complete in {str(out)!r} and kept; run the same command again "
+        "to resume (complete prompts are skipped)."
+    )
+    monkeypatch.setattr(cli, "run_prompt", real)
+    again = dump(*QUICK, "--set", f"save_dir={out}", check=0)
+    assert "1 prompts already complete, skipped" in again.stdout

@@ -307,3 +307,25 @@ def test_run_json_says_how_many_steps_it_holds(pipe, tmp_path):
         generate(pipe, steps=3)
     meta = json.loads((tmp_path / "run.json").read_text())
     assert meta["status"] == "finished" and meta["steps"] == 3 and meta["complete"] is True
+
+
+def test_plot_mistakes_are_one_clear_line(pipe):
+    from cogattn import plot
+    from cogattn.words import word_positions
+
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), info={"prompt": "a red fox, running"}) as rec:
+        generate(pipe, steps=1, prompt="a red fox, running")
+    for kwargs, error, match in [
+        (dict(limits=(1, 0)), ValueError, r"limits=\(1, 0\): vmin must be below vmax"),
+        (dict(limits=(0, 1), scale="log"), ValueError, "a log scale needs a positive vmin"),
+        (dict(limits=("a", 1)), TypeError, "must be two finite numbers"),
+    ]:
+        with pytest.raises(error, match=match) as err:
+            plot.frame_heatmap(rec, **kwargs)
+        assert "\n" not in str(err.value)
+    with pytest.raises(cogattn.NotRecordedError, match="'query'") as err:
+        plot.query_map(rec, 0)
+    assert "0..-1" not in str(err.value)
+    assert word_positions("Fox,", pipe.tokenizer, "a red fox, running", 8) == [2]
+    fig = plot.word_heatmap(rec, "Fox,", tokenizer=pipe.tokenizer)
+    assert '"Fox," (token 2)' in fig.axes[0].get_ylabel()

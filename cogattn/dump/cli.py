@@ -57,9 +57,19 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
     """
     if cfg.offload != "none" and cfg.device == "cpu":
         raise ConfigError(f"offload: {cfg.offload!r} needs a GPU device, but device is 'cpu'.")
+    if cfg.device.startswith("cuda"):
+        index = int(cfg.device.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            have = f"{torch.cuda.device_count()} CUDA devices" if torch.cuda.is_available() else "no CUDA device"
+            raise ConfigError(f"device: {cfg.device!r}, but this machine has {have}; use device: auto or cpu.")
+    out = Path(cfg.save_dir).expanduser()
+    existing = next(p for p in [out, *out.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"save_dir: {str(existing)!r} is a file, not a folder.")
+    if not os.access(existing, os.W_OK):
+        raise ConfigError(f"save_dir: {str(existing)!r} is not writable; choose another save_dir.")
     if cfg.video_format == "mp4" and importlib.util.find_spec("imageio_ffmpeg") is None:
         raise ConfigError("video_format: 'mp4' needs imageio-ffmpeg (pip install 'cogattn[video]'); or use 'gif'.")
-    out = Path(cfg.save_dir)
     key = cfg.output_key()
     for folder in (out / p.key() for p in prompts):
         meta = prompt_meta(folder)
@@ -69,14 +79,19 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
                 "write to another save_dir, or delete it to redo it."
             )
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+    if cfg.model == "tiny":  # the tiny pipeline's transformer, at the configured version
+        from ..testing import tiny_transformer
+
+        model = tiny_transformer(cfg.tiny_version, image_to_video=cfg.task == "image-to-video")
+    else:
+        model = cfg.model
     result = estimate(
-        cfg.model, cfg.capture, num_frames=cfg.num_frames, height=cfg.height, width=cfg.width,
+        model, cfg.capture, num_frames=cfg.num_frames, height=cfg.height, width=cfg.width,
         num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
         text_len=cfg.max_sequence_length, num_prompts=len(prompts), dtype=cfg.dtype, device=device,
     )  # fmt: skip
     todo = sum(1 for p in prompts if not is_complete(out / p.key()))
     need = result.record_bytes * todo // max(1, len(prompts))
-    existing = next(p for p in [out, *out.absolute().parents] if p.exists())
     free = shutil.disk_usage(existing).free
     if need > free:
         raise ConfigError(f"the remaining prompts will write {need:,} bytes of maps but {str(existing)!r} has "
@@ -140,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{cfg.num_frames} frames at {cfg.height}×{cfg.width} -> {cfg.save_dir}")  # fmt: skip
         print(result.table())
         return 0
-    return _run(cfg, prompts)
+    try:
+        return _run(cfg, prompts)
+    except KeyboardInterrupt:
+        out = Path(cfg.save_dir)
+        done = sum(1 for p in prompts if is_complete(out / p.key()))
+        print(f"\n{PROG}: interrupted; {done} of {len(prompts)} prompts are complete in {str(out)!r} and kept; "
+              "run the same command again to resume (complete prompts are skipped).", file=sys.stderr)  # fmt: skip
+        return 130
 
 
 if __name__ == "__main__":

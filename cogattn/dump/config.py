@@ -15,11 +15,13 @@ import dataclasses
 import hashlib
 import importlib.resources
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from ..layout import VAE_SPATIAL, VAE_TEMPORAL
 from ..options import CaptureOptions
 
 __all__ = ["CAPTURE_KEYS", "ConfigError", "DumpConfig", "default_config", "load_config"]
@@ -172,6 +174,8 @@ def _check(data: dict, config_dir: str) -> DumpConfig:
     unknown = sorted(set(data) - set(_fields()))
     if unknown:
         raise _unknown("config key", unknown, _RENAMED, _fields())
+    if isinstance(data.get("tiny_version"), float):  # YAML reads 1.5 as a number
+        data["tiny_version"] = f"{data['tiny_version']:.1f}"
     cfg = DumpConfig(**data, config_dir=config_dir)
     for key, types in _TYPES.items():
         value = getattr(cfg, key)
@@ -180,7 +184,30 @@ def _check(data: dict, config_dir: str) -> DumpConfig:
     for key, choices in _CHOICES.items():
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}: {getattr(cfg, key)!r} is not one of {list(choices)}.")
+    _check_call(cfg)
     return cfg
+
+
+def _check_call(cfg: DumpConfig) -> None:
+    """The pipeline's own rules for the call, before anything loads (a bad value would fail every prompt)."""
+    for key in ("num_inference_steps", "fps", "max_sequence_length"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}: {getattr(cfg, key)!r} must be at least 1.")
+    if cfg.num_frames < 1 or (cfg.num_frames - 1) % VAE_TEMPORAL:
+        below = max(1, (cfg.num_frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1)
+        raise ConfigError(
+            f"num_frames: {cfg.num_frames!r}; the CogVideoX VAE decodes 4k + 1 frames (9, 13, ..., 49, ..., 81): "
+            f"use {below} or {below + VAE_TEMPORAL}."
+        )
+    step = 2 * VAE_SPATIAL  # latent pixels in patches of 2
+    for key in ("height", "width"):
+        value = getattr(cfg, key)
+        if value < step or value % step:
+            raise ConfigError(f"{key}: {value!r} must be a positive multiple of {step} (the VAE's 8 × the patch size 2).")
+    if cfg.seed < 0 or not cfg.guidance_scale >= 0:
+        raise ConfigError(f"seed and guidance_scale must be ≥ 0; got seed {cfg.seed!r}, guidance_scale {cfg.guidance_scale!r}.")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        raise ConfigError(f"device: {cfg.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'.")
 
 
 def _override(data: dict, item: str) -> None:

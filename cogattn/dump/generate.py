@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import StoreError
+from ..run import is_locked
 from .config import DumpConfig
 from .prompts import Prompt
 
@@ -99,6 +101,8 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
     from ..recording import record
 
     if folder.exists():
+        if is_locked(folder / "maps"):
+            raise StoreError(f"{str(folder)!r} is being written by another process; it is left alone.")
         shutil.rmtree(folder)  # an incomplete earlier attempt
     folder.mkdir(parents=True)
     seed = cfg.seed if prompt.seed is None else prompt.seed

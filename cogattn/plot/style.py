@@ -45,6 +45,13 @@ def color_norms(arrays: list[np.ndarray], scale: str, limits) -> list[Normalize]
     is_pair = isinstance(limits, (tuple, list)) and len(limits) == 2
     if not is_pair and limits not in ("shared", "per-map"):
         raise ValueError(f"limits={limits!r}; choose 'shared', 'per-map', or a (vmin, vmax) pair.")
+    if is_pair:
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in limits):
+            raise TypeError(f"limits={limits!r}: (vmin, vmax) must be two finite numbers.")
+        if limits[0] >= limits[1]:
+            raise ValueError(f"limits={tuple(limits)!r}: vmin must be below vmax.")
+        if scale == "log" and limits[0] <= 0:
+            raise ValueError(f"limits={tuple(limits)!r}: a log scale needs a positive vmin, e.g. (1e-4, {limits[1]}).")
 
     def bounds(group: list[np.ndarray]) -> tuple[float, float]:
         if is_pair:
