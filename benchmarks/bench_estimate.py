@@ -85,8 +85,18 @@ def main() -> None:
             models[dtype] = CogVideoXTransformer3DModel(num_layers=1).to(device, dtype).eval()  # CogVideoX-2b shape
         model = models[dtype]
         opts = {"batch": "all", "heads": "mean", "memory_budget": args.budget, **plan}
-        pred = estimate(model, num_frames=(args.frames - 1) * 4 + 1, height=480, width=720, num_inference_steps=1,
-                        guidance_scale=1.0, text_len=226, dtype=dtype, device=device, **opts)  # fmt: skip
+        pred = estimate(
+            model,
+            num_frames=(args.frames - 1) * 4 + 1,
+            height=480,
+            width=720,
+            num_inference_steps=1,
+            guidance_scale=1.0,
+            text_len=226,
+            dtype=dtype,
+            device=device,
+            **opts,
+        )
         latents = torch.randn(1, args.frames, 16, 60, 90, device=device, dtype=dtype)
         text = torch.randn(1, 226, 4096, device=device, dtype=dtype)
         with tempfile.TemporaryDirectory(dir=".") as tmp, torch.no_grad():
@@ -99,8 +109,11 @@ def main() -> None:
         heads = f"heads {opts['heads']}" if isinstance(opts["heads"], str) else f"{len(opts['heads'])} heads"
         label = f"{name} ({pred.tiles.method}, {heads}, {str(dtype)[6:]})"
         rows.append((label, pred.peak_extra_memory, max(peaks), pred.record_bytes, written))
-        print(f"{label:>60}: memory predicted {pred.peak_extra_memory / MiB:8.1f} MiB, measured "
-              f"{max(peaks) / MiB:8.1f} MiB; bytes predicted {pred.record_bytes:,} written {written:,}", flush=True)
+        print(
+            f"{label:>60}: memory predicted {pred.peak_extra_memory / MiB:8.1f} MiB, measured "
+            f"{max(peaks) / MiB:8.1f} MiB; bytes predicted {pred.record_bytes:,} written {written:,}",
+            flush=True,
+        )
 
     S = 226 + args.frames * 30 * 45
     lines = [

@@ -36,8 +36,16 @@ MiB = 2**20
 
 def build_layer(heads: int, head_dim: int) -> Attention:
     dim = heads * head_dim
-    attn = Attention(query_dim=dim, dim_head=head_dim, heads=heads, qk_norm="layer_norm", eps=1e-6, bias=True,
-                     out_bias=True, processor=CogVideoXAttnProcessor2_0())  # fmt: skip
+    attn = Attention(
+        query_dim=dim,
+        dim_head=head_dim,
+        heads=heads,
+        qk_norm="layer_norm",
+        eps=1e-6,
+        bias=True,
+        out_bias=True,
+        processor=CogVideoXAttnProcessor2_0(),
+    )
     return attn.eval()
 
 
@@ -118,21 +126,27 @@ def main() -> None:
     q, k, lse = q[0], k[0], lse[0]
 
     cases = [
-        (("frame",), "sdpa"), (("frame",), "rows"),
-        (("video_to_text",), "sdpa"), (("video_to_text",), "rows"),
+        (("frame",), "sdpa"),
+        (("frame",), "rows"),
+        (("video_to_text",), "sdpa"),
+        (("video_to_text",), "rows"),
         (("frame", "video_to_text"), "sdpa"),
-        (("text_to_video",), "rows"), (("query",), "rows"),
+        (("text_to_video",), "rows"),
+        (("query",), "rows"),
         (("video_to_text",), "sdpa+lse"),
-    ]  # fmt: skip
+    ]
     cases += [(("frame",), "joint"), (("frame", "video_to_text"), "joint")]
     rows = []
     for kinds, method in cases:
         if method == "joint":
             reducers, plan, dt, peak = joint(kinds)
-            rows.append((" + ".join(kinds), method, dt, dt / t_stock, peak, plan.peak_bytes,
-                         sum(r.nbytes(1) for r in reducers)))  # fmt: skip
-            print(f"{rows[-1][0]:>22} {method:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
-                  flush=True)  # fmt: skip
+            rows.append(
+                (" + ".join(kinds), method, dt, dt / t_stock, peak, plan.peak_bytes, sum(r.nbytes(1) for r in reducers))
+            )
+            print(
+                f"{rows[-1][0]:>22} {method:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
+                flush=True,
+            )
             continue
         reducers = [REDUCERS[kd](layout, H, True, queries) for kd in kinds]
         given = lse if method.endswith("+lse") else None
@@ -146,8 +160,10 @@ def main() -> None:
         peak = memory.stop()
         result = sum(r.nbytes(1) for r in reducers)
         rows.append((" + ".join(kinds), method, dt, dt / t_stock, peak, plan.peak_bytes, result))
-        print(f"{rows[-1][0]:>22} {method:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
-              flush=True)  # fmt: skip
+        print(
+            f"{rows[-1][0]:>22} {method:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
+            flush=True,
+        )
         del outs
 
     naive = H * S * S * 4
@@ -159,7 +175,7 @@ def main() -> None:
         "",
         f"Stock layer (projections + fused SDPA + output projection): **{t_stock:.2f} s** "
         f"(its SDPA call alone: {t_sdpa:.2f} s). Method `sdpa+lse`: the output kernel's log-sum-exp reused "
-        "(`layer_output=\"lse\"`). Method `joint` (`layer_output=\"joint\"`): the widened output call's time over the "
+        '(`layer_output="lse"`). Method `joint` (`layer_output="joint"`): the widened output call\'s time over the '
         "stock SDPA call's, plus the capture that remains; its peak is over the stock call's.",
         f"Naive full P = softmax(QKᵀ) for this layer: {naive / 1e9:.1f} GB ({naive / 2**30:.1f} GiB) in float32, "
         "before any softmax temporaries (not run).",
@@ -168,8 +184,10 @@ def main() -> None:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, method, dt, ratio, peak, planned, result in rows:
-        lines.append(f"| {name} | {method} | {dt:.2f} | {ratio:.2f} | {peak / MiB:.0f} | {planned / MiB:.0f} | "
-                     f"{result / MiB:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {method} | {dt:.2f} | {ratio:.2f} | {peak / MiB:.0f} | {planned / MiB:.0f} | "
+            f"{result / MiB:.2f} |"
+        )
     lines += ["", f"Command: `python {' '.join(sys.argv)}`"]
     table = "\n".join(lines)
     print("\n" + table)

@@ -90,8 +90,15 @@ def main() -> None:
                 for _ in range(args.repeats):
                     rec = None
                     if kinds is not None:  # batch [uncond, cond]: capture the conditional item
-                        rec = cogattn.record(model, kinds=kinds, batch=[1], heads="mean",
-                                             memory_budget=args.budget, layer_output=output, method=method)  # fmt: skip
+                        rec = cogattn.record(
+                            model,
+                            kinds=kinds,
+                            batch=[1],
+                            heads="mean",
+                            memory_budget=args.budget,
+                            layer_output=output,
+                            method=method,
+                        )
                     peak.start()
                     t0 = time.perf_counter()
                     model(**inputs)
@@ -106,15 +113,22 @@ def main() -> None:
                 if kinds is None:
                     stock_time, stock_peak = t, p
                 rows.append((name, model.config.num_layers, case, t, t / stock_time, p, p - stock_peak))
-                print(f"{name} ({model.config.num_layers} layers) {case:>40}: {t:8.2f} s  {t / stock_time:5.2f}× "
-                      f"stock  peak {p / GiB:6.2f} GiB ({(p - stock_peak) / GiB:+.2f})", flush=True)  # fmt: skip
+                print(
+                    f"{name} ({model.config.num_layers} layers) {case:>40}: {t:8.2f} s  {t / stock_time:5.2f}× "
+                    f"stock  peak {p / GiB:6.2f} GiB ({(p - stock_peak) / GiB:+.2f})",
+                    flush=True,
+                )
         del model, inputs
 
-    dev = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    dev = (
+        torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    )
     lines = [
         f"One denoising step, 49 frames × 480×720 (S = 17,776), guidance batch 2, random weights, {args.dtype} on "
-        f"{dev}, torch {torch.__version__}. Capture: the conditional item (`batch=[1]`), `heads=\"mean\"`, every "
-        f"built layer, `memory_budget=\"{args.budget}\"`.",
+        f'{dev}, torch {torch.__version__}. Capture: the conditional item (`batch=[1]`), `heads="mean"`, every '
+        f'built layer, `memory_budget="{args.budget}"`.',
         "",
         "| model (layers built) | run | step time (s) | × stock | peak memory (GiB) | over stock (GiB) |",
         "| --- | --- | ---: | ---: | ---: | ---: |",

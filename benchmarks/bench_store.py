@@ -31,9 +31,17 @@ MB = 1e6
 def generate(pipe, steps: int, height: int, width: int):
     g = torch.Generator().manual_seed(0)
     emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=g)
-    return pipe(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, height=height, width=width,
-                num_inference_steps=steps, max_sequence_length=TINY_TEXT_LEN, output_type="latent",
-                generator=g).frames  # fmt: skip
+    return pipe(
+        prompt_embeds=emb,
+        negative_prompt_embeds=-emb,
+        num_frames=9,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        max_sequence_length=TINY_TEXT_LEN,
+        output_type="latent",
+        generator=g,
+    ).frames
 
 
 def plain_write(path: Path, tensors: list[torch.Tensor]) -> float:

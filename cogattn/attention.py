@@ -134,8 +134,9 @@ def attention_joint_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indic
     out, lse_c, sums_c = attention_joint(q[pick], k[pick], v[pick], indicator)
     rest = _batch_index([b for b in range(B) if b not in items])
     full = torch.empty_like(q)
-    full[rest] = torch.nn.functional.scaled_dot_product_attention(q[rest], k[rest], v[rest], dropout_p=0.0,
-                                                                  is_causal=False)  # fmt: skip
+    full[rest] = torch.nn.functional.scaled_dot_product_attention(
+        q[rest], k[rest], v[rest], dropout_p=0.0, is_causal=False
+    )
     full[pick] = out
     lse = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
     lse[pick] = lse_c

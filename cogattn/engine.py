@@ -86,8 +86,15 @@ class TimedChoice:
         D = q.shape[2]
         if not multi or D < 16 or D & (D - 1):
             return "sdpa"  # single-key columns are the same work on both; the kernel needs D a power of two
-        key = (str(q.device), q.x.dtype, q.shape[1], q.shape[0], D,
-               tuple(r.key_groups.num_groups for r, _ in multi), lse is not None)  # fmt: skip
+        key = (
+            str(q.device),
+            q.x.dtype,
+            q.shape[1],
+            q.shape[0],
+            D,
+            tuple(r.key_groups.num_groups for r, _ in multi),
+            lse is not None,
+        )
         if key not in self.chosen:
 
             def run(fused: bool) -> float:
@@ -180,8 +187,9 @@ def row_pass(q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, 
     n_rows = S if rows is None else len(rows)
     # Single-key groups are a gather of columns; multi-key groups a product with their indicator.
     gathers = [r.key_groups.keys.to(q.device) if r.key_groups.single_keys else None for r, _ in pooled]
-    indicators = [None if g is not None else r.key_groups.indicator(S, device=q.device)
-                  for (r, _), g in zip(pooled, gathers)]  # fmt: skip
+    indicators = [
+        None if g is not None else r.key_groups.indicator(S, device=q.device) for (r, _), g in zip(pooled, gathers)
+    ]
     for h0 in range(0, H, plan.row_heads):
         h1 = min(H, h0 + plan.row_heads)
         kt = k.chunk(h0, h1).transpose(1, 2)  # (h, D, S), a transposed view: bmm reads it without a copy
@@ -213,9 +221,17 @@ def multi_key_indicator(reducers: list[Reducer], S: int, device=None, dtype=torc
     return torch.cat([g.indicator(S, dtype, device) for g in groups], dim=1)
 
 
-def pooled_pass(q: HeadView, k: HeadView, multi, single, plan: TilePlan, scale: float,
-                given_lse: torch.Tensor | None = None, fused: bool = False,
-                given_sums: HeadView | None = None) -> None:  # fmt: skip
+def pooled_pass(
+    q: HeadView,
+    k: HeadView,
+    multi,
+    single,
+    plan: TilePlan,
+    scale: float,
+    given_lse: torch.Tensor | None = None,
+    fused: bool = False,
+    given_sums: HeadView | None = None,
+) -> None:
     """Key-pooled kinds per head chunk: the multi-key groups' sums (:func:`indicator_sums`,
     :func:`triton_sums` when ``fused``, or ``given_sums`` from the output call), then single-key columns
     (:func:`single_key_columns`) from the rows' lse (``given_lse`` ``(H, S)``, or the indicator pass's)."""
@@ -288,8 +304,16 @@ def triton_sums(qm: torch.Tensor, km: torch.Tensor, lse: torch.Tensor, indicator
     return kernels.pooled_sums(qm, km, lse, indicator, scale)
 
 
-def single_key_columns(q_rows, k_sel: torch.Tensor, lse: torch.Tensor, red: Reducer, out: torch.Tensor, h0: int,
-                       rows_per_tile: int, scale: float) -> None:  # fmt: skip
+def single_key_columns(
+    q_rows,
+    k_sel: torch.Tensor,
+    lse: torch.Tensor,
+    red: Reducer,
+    out: torch.Tensor,
+    h0: int,
+    rows_per_tile: int,
+    scale: float,
+) -> None:
     """Columns ``P[:, j] = exp(q·k_jᵀ·scale − lse)`` for the reducer's single keys ``k_sel`` ``(h, C, D)``,
     in tiles of query rows (``q_rows(r0, r1)`` gives float32 ``(h, r, D)``), folded into ``out``."""
     S = lse.shape[-1]

@@ -15,7 +15,7 @@ import torch
 from .layout import TokenLayout
 from .models import transformer_config
 from .options import CaptureOptions
-from .planner import CapturePlan, TilePlan, plan_capture
+from .planner import CapturePlan, ModelShape, TilePlan, plan_capture
 
 __all__ = ["Estimate", "estimate"]
 
@@ -114,13 +114,24 @@ def estimate(
     cfg = transformer_config(model)
     num_layers, num_heads = int(cfg["num_layers"]), int(cfg["num_attention_heads"])
     options.check_model(num_layers, num_heads)
-    layout = TokenLayout.for_video(num_frames, height, width, text_len or int(cfg["max_text_seq_length"]),
-                                   int(cfg["patch_size"]), cfg.get("patch_size_t"))  # fmt: skip
+    layout = TokenLayout.for_video(
+        num_frames,
+        height,
+        width,
+        text_len or int(cfg["max_text_seq_length"]),
+        int(cfg["patch_size"]),
+        cfg.get("patch_size_t"),
+    )
     guidance = guidance_scale > 1
+    model = ModelShape(num_layers, num_heads, int(cfg["attention_head_dim"]), dtype)
     plan = plan_capture(
-        options, layout=layout, batch_size=2 if guidance else 1, guidance=guidance, num_steps=num_inference_steps,
-        num_layers=num_layers, num_heads=num_heads, head_dim=int(cfg["attention_head_dim"]), dtype=dtype,
+        options,
+        model,
+        layout,
+        batch_size=2 if guidance else 1,
+        guidance=guidance,
+        num_steps=num_inference_steps,
         device=device,
-    )  # fmt: skip
+    )
     records = [(k, shape, b, n * num_prompts) for k, shape, b, n in plan.records(num_inference_steps)]
     return Estimate(plan, records)

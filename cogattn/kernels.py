@@ -37,11 +37,28 @@ if triton is not None:
 
     @triton.jit
     def _pooled_kernel(
-        Q, K, LSE, IND, OUT, S, scale,
-        sq_h, sq_s, sk_h, sk_s, sl_h, si_s, so_h, so_s,
-        D: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        Q,
+        K,
+        LSE,
+        IND,
+        OUT,
+        S,
+        scale,
+        sq_h,
+        sq_s,
+        sk_h,
+        sk_s,
+        sl_h,
+        si_s,
+        so_h,
+        so_s,
+        D: tl.constexpr,
+        C: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
         UPCAST: tl.constexpr,
-    ):  # fmt: skip
+    ):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,9 +121,26 @@ def pooled_sums(
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (triton.cdiv(S, block_m), H)
     _pooled_kernel[grid](
-        q, k, lse, ind, out, S, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), ind.stride(0), out.stride(0), out.stride(1),
-        D=D, C=Cp, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32 or interpreted,
+        q,
+        k,
+        lse,
+        ind,
+        out,
+        S,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        lse.stride(0),
+        ind.stride(0),
+        out.stride(0),
+        out.stride(1),
+        D=D,
+        C=Cp,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32 or interpreted,
         UPCAST=interpreted,
-    )  # fmt: skip
+    )
     return out[..., :C]

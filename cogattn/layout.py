@@ -57,7 +57,12 @@ class TokenLayout:
 
     @classmethod
     def for_video(
-        cls, num_frames: int, height: int, width: int, text_len: int, patch_size: int = 2,
+        cls,
+        num_frames: int,
+        height: int,
+        width: int,
+        text_len: int,
+        patch_size: int = 2,
         patch_size_t: int | None = None,
     ) -> TokenLayout:
         """The layout a pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels produces."""

@@ -17,24 +17,25 @@ from pathlib import Path
 from diffusers import CogVideoXTransformer3DModel
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0
 
+from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
+
 __all__ = ["KNOWN_MODELS", "MODELS", "EagerWhileRecording", "ModelSpec", "find_transformer", "transformer_config"]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Where a model's 3D full attention lives.
+    """Where a model's 3D full attention lives, and which cogattn processor stands in for which stock one.
 
     Args:
         blocks (`str`): attribute of the transformer holding the blocks, in forward order.
         attention (`str`): attribute of a block holding its full-attention module.
-        plain (`type`): the stock processor with separate q, k, v projections.
-        fused (`type`): the stock processor after ``fuse_qkv_projections()``.
+        processors (`dict[type, type]`): stock processor class → the cogattn processor copying it (plain
+            q, k, v projections, and the fused ones of ``fuse_qkv_projections()``).
     """
 
     blocks: str
     attention: str
-    plain: type
-    fused: type
+    processors: dict[type, type]
 
     def attention_modules(self, transformer) -> list:
         return [getattr(block, self.attention) for block in getattr(transformer, self.blocks)]
@@ -43,10 +44,33 @@ class ModelSpec:
         """Key of layer ``layer`` in ``transformer.attn_processors``."""
         return f"{self.blocks}.{layer}.{self.attention}.processor"
 
+    def map_processors(self, current: dict, num_layers: int, sink) -> dict:
+        """cogattn processors feeding ``sink`` for the attention of every layer, keyed as
+        ``transformer.attn_processors`` (``current``) is; refuses processors that are not stock."""
+        replacement = {}
+        for i in range(num_layers):
+            name = self.processor_name(i)
+            proc = current[name]
+            if isinstance(proc, tuple(self.processors.values())):
+                raise ValueError(f"{name} already runs a cogattn processor; close the other recording first.")
+            if type(proc) not in self.processors:
+                stock = [cls.__name__ for cls in self.processors]
+                raise TypeError(
+                    f"{name} is a {type(proc).__name__}; cogattn captures through the stock {' or '.join(stock)}. "
+                    f"Reset with `transformer.set_attn_processor({stock[0]}())`."
+                )
+            replacement[name] = self.processors[type(proc)](sink)
+        return replacement
+
 
 MODELS: dict[type, ModelSpec] = {
     CogVideoXTransformer3DModel: ModelSpec(
-        "transformer_blocks", "attn1", CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0
+        "transformer_blocks",
+        "attn1",
+        {
+            CogVideoXAttnProcessor2_0: CogVideoXAttnMapProcessor,
+            FusedCogVideoXAttnProcessor2_0: FusedCogVideoXAttnMapProcessor,
+        },
     ),
 }
 

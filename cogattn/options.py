@@ -30,8 +30,18 @@ METHODS = ("auto", "rows", "sdpa", "triton")
 LAYER_OUTPUTS = ("stock", "lse", "joint")
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BATCH_WORDS = ("auto", "all", "cond", "uncond")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -148,11 +158,15 @@ class CaptureOptions:
     def build(cls, options: CaptureOptions | None = None, **kwargs) -> CaptureOptions:
         """``options`` (or the defaults) with ``kwargs`` on top; an unknown keyword is a `TypeError`."""
         if options is not None and not isinstance(options, CaptureOptions):
-            raise TypeError(f"options must be a CaptureOptions, got {type(options).__name__}; pass options as keywords.")
+            raise TypeError(
+                f"options must be a CaptureOptions, got {type(options).__name__}; pass options as keywords."
+            )
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
-            raise TypeError(f"unknown capture option{'s' if len(unknown) > 1 else ''} {unknown}; the options are {names}.")
+            raise TypeError(
+                f"unknown capture option{'s' if len(unknown) > 1 else ''} {unknown}; the options are {names}."
+            )
         return dataclasses.replace(options or cls(), **kwargs)
 
     # -- against the model --------------------------------------------------------------------------

@@ -24,7 +24,16 @@ from .options import STORAGE_DTYPES, CaptureOptions, Resolved
 from .reducers import REDUCERS, Reducer
 from .run import record_file_bytes
 
-__all__ = ["CapturePlan", "TilePlan", "can_time_triton", "choose_method", "plan_capture", "plan_tiles", "size_tiles"]
+__all__ = [
+    "CapturePlan",
+    "ModelShape",
+    "TilePlan",
+    "can_time_triton",
+    "choose_method",
+    "plan_capture",
+    "plan_tiles",
+    "size_tiles",
+]
 
 _F32 = 4
 _MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
@@ -136,8 +145,10 @@ def size_tiles(
         if pooled_heads == 0:
             raise _too_small(asked, pooled_bytes(1, 1), S, D)
         pooled_rows = _largest(lambda r: pooled_bytes(pooled_heads, r) <= budget, S) if n_single else S
-    peak = max(row_bytes(row_heads, row_rows) if row_sets else 0,
-               pooled_bytes(pooled_heads, pooled_rows) if pooled_heads else 0)  # fmt: skip
+    peak = max(
+        row_bytes(row_heads, row_rows) if row_sets else 0,
+        pooled_bytes(pooled_heads, pooled_rows) if pooled_heads else 0,
+    )
     return TilePlan(method, row_heads, row_rows, pooled_heads, pooled_rows, peak)
 
 
@@ -247,37 +258,47 @@ class CapturePlan:
         return max(self.tiles.peak_bytes, self.joint_bytes) + self.result_bytes
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The model facts a plan needs: its blocks, its attention heads and head dim, its dtype."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
 def plan_capture(
     options: CaptureOptions,
-    *,
+    model: ModelShape,
     layout: TokenLayout,
+    *,
     batch_size: int,
     guidance: bool | None,
     num_steps: int | None,
-    num_layers: int,
-    num_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
     device,
 ) -> CapturePlan:
     """Plan a capture for a call of ``batch_size`` items on ``layout``; raises `ValueError` for what does not fit.
 
     Args:
         options (`CaptureOptions`): the options (already checked against the model).
+        model (`ModelShape`): the model's attention and dtype.
         layout (`TokenLayout`): the call's token layout.
         batch_size (`int`): the transformer batch; ``guidance``: whether classifier-free guidance is on
             (`None` when unknown, as with a bare transformer); ``num_steps``: steps of the generation.
-        num_layers, num_heads, head_dim (`int`): the model's attention.
-        dtype (`torch.dtype`): the model's dtype; ``device``: where capture runs.
+        device: where capture runs.
     """
+    num_heads, head_dim, dtype = model.num_heads, model.head_dim, model.dtype
     res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
     reducers = [REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries) for k in options.kinds]
     copies = dtype != torch.float32 or len(res.heads) != num_heads
     method = "joint" if options.layer_output == "joint" else options.method
-    tiles = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, options.memory_budget, method, device, copies)
+    tiles = plan_tiles(
+        reducers, layout.seq_len, len(res.heads), head_dim, options.memory_budget, method, device, copies
+    )
     joint_bytes = 0
     n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)
     if options.layer_output == "joint" and n_cols:
         elem = torch.empty((), dtype=dtype).element_size()
         joint_bytes = joint_extra_bytes(len(res.batch), num_heads, layout.seq_len, head_dim, n_cols, elem)
-    return CapturePlan(options, res, reducers, tiles, num_layers, joint_bytes)
+    return CapturePlan(options, res, reducers, tiles, model.num_layers, joint_bytes)

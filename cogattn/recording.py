@@ -20,8 +20,8 @@ from .attention import attention_joint_for, attention_with_lse
 from .layout import TokenLayout
 from .models import EagerWhileRecording, find_transformer
 from .options import CaptureOptions
-from .planner import CapturePlan, TilePlan, plan_capture, plan_tiles
-from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
+from .planner import CapturePlan, ModelShape, TilePlan, plan_capture, plan_tiles
+from .steps import StepTracker
 from .store import MemoryStore, RunWriter, StoreError
 
 __all__ = ["Recording", "record"]
@@ -45,17 +45,17 @@ class Recording:
         self.transformer, self.pipeline, self._spec = find_transformer(target)
         self._modules = self._spec.attention_modules(self.transformer)
         self._layer_of = {id(m): i for i, m in enumerate(self._modules)}
-        self._num_heads = self._modules[0].heads
-        self.options.check_model(len(self._modules), self._num_heads)
+        heads = self._modules[0].heads
+        self._shape = ModelShape(len(self._modules), heads, self._modules[0].inner_dim // heads, self.transformer.dtype)
+        self.options.check_model(len(self._modules), heads)
         if self.options.batch in ("cond", "uncond") and self.pipeline is None:
             raise ValueError(
                 f"batch={self.options.batch!r} needs a pipeline to know whether classifier-free guidance "
                 "is on; with a bare transformer pass batch indices (under guidance the batch is "
                 "[uncond..., cond...])."
             )
-        self.timesteps: list[float] = []
+        self._steps = StepTracker(self.transformer, self.pipeline)
         self.plan: CapturePlan | None = None  # made at the first transformer call
-        self._batch_size: int | None = None
         self._joint_indicator: torch.Tensor | None = None
         self._tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies) of the calls seen
         self._timed = engine.TimedChoice()
@@ -66,8 +66,9 @@ class Recording:
         if self.options.save_dir is None:
             self._store: MemoryStore | RunWriter = MemoryStore()
         else:
-            self._store = RunWriter.create(self.options.save_dir, self.options.overwrite, self.options.storage_dtype,
-                                           self._meta())  # fmt: skip
+            self._store = RunWriter.create(
+                self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
+            )
         # The hook holds the recording weakly: a recording dropped without close() stops capturing and
         # its hook goes away with it, instead of outliving it in the transformer.
         self._hook = self.transformer.register_forward_pre_hook(_WeakHook(self), with_kwargs=True)
@@ -100,7 +101,7 @@ class Recording:
     def head_ids(self) -> tuple[int, ...] | None:
         """The model head of each slot of the results' head axis; `None` when heads were averaged."""
         heads = self.options.heads
-        return None if heads == "mean" else tuple(range(self._num_heads)) if heads == "all" else heads
+        return None if heads == "mean" else tuple(range(self._shape.num_heads)) if heads == "all" else heads
 
     @property
     def queries(self) -> tuple:
@@ -119,38 +120,27 @@ class Recording:
 
     # -- step tracking -----------------------------------------------------------------------------
     @property
+    def timesteps(self) -> list[float]:
+        """Timestep value of each step so far."""
+        return self._steps.timesteps
+
+    @property
     def step(self) -> int | None:
         """Index of the denoising step now running (or last run), `None` before the first."""
-        return len(self.timesteps) - 1 if self.timesteps else None
+        return self._steps.step
 
     def _on_forward(self, module, args, kwargs):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[1]
-        t = kwargs["timestep"] if "timestep" in kwargs else args[2]
-        t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
-        layout = TokenLayout.from_latents(tuple(hidden.shape), text.shape[1], self.transformer.config)
-        batch_size = hidden.shape[0]
-        if self.timesteps:
-            num_steps = self._pipeline_attr("num_timesteps")
-            if t == self.timesteps[-1] and layout == self.layout and batch_size == self._batch_size:
-                raise RuntimeError(
-                    f"the transformer was called again at timestep {t:g} (step {self.step}); a recording counts "
-                    "one transformer call per denoising step. Batch such calls as the pipelines do "
-                    "([uncond..., cond...]), or use one recording per call."
-                )
-            same = layout == self.layout and batch_size == self._batch_size and t < self.timesteps[-1]
-            if not same or (num_steps is not None and len(self.timesteps) >= num_steps):
-                self._second_generation()
-                return
-        else:
-            self._start(layout, batch_size, hidden.device)
-        self.timesteps.append(t)
+        seen = self._steps.observe(args, kwargs)
+        if seen == "first":
+            self._start(self._steps.layout, self._steps.batch_size, self._steps.device)
+        elif seen == "another":
+            self._second_generation()
 
     def _second_generation(self) -> None:
         """A new generation began: one recording holds one generation, so it never mixes them. Inside a
         ``with`` block that is an error; a recording left open is finished and closed, with a warning,
         and the new generation runs as if cogattn were not there."""
-        held = f"{len(self.timesteps)} steps of a {self._batch_size}×{self.layout.grid} generation"
+        held = self._steps.describe()
         if self._entered:
             raise RuntimeError(
                 f"a second generation started inside one recording (it already holds {held}); use one "
@@ -163,25 +153,18 @@ class Recording:
             stacklevel=4,
         )
 
-    def _pipeline_attr(self, name: str):
-        try:
-            return getattr(self.pipeline, name) if self.pipeline is not None else None
-        except AttributeError:
-            return None
-
     def _start(self, layout: TokenLayout, batch_size: int, device: torch.device) -> None:
         """First call of the generation: plan the capture (errors before any block runs)."""
-        guidance = None
-        if self.pipeline is not None:
-            scale = self._pipeline_attr("guidance_scale")
-            guidance = bool(scale is not None and scale > 1)
-        num_steps = self._pipeline_attr("num_timesteps")
+        num_steps = self._steps.pipeline_attr("num_timesteps")
         self.plan = plan_capture(
-            self.options, layout=layout, batch_size=batch_size, guidance=guidance, num_steps=num_steps,
-            num_layers=len(self._modules), num_heads=self._num_heads,
-            head_dim=self._modules[0].inner_dim // self._num_heads, dtype=self.transformer.dtype, device=device,
-        )  # fmt: skip
-        self._batch_size = batch_size
+            self.options,
+            self._shape,
+            layout,
+            batch_size=batch_size,
+            guidance=self._steps.guidance,
+            num_steps=num_steps,
+            device=device,
+        )
         if self.options.layer_output == "joint":
             indicator = engine.multi_key_indicator(self.plan.reducers, layout.seq_len, device)
             # with no multi-key kinds there is nothing to widen the values with: the lse alone is reused
@@ -203,11 +186,17 @@ class Recording:
             "steps": len(self.timesteps),
             "layout": None if self.layout is None else dataclasses.asdict(self.layout),
             "timesteps": self.timesteps,
-            "selection": {**self.options.selection_meta(), "batch_resolved": res and list(res.batch),
-                          "heads_resolved": res and list(res.heads)},  # fmt: skip
-            "model": {"class": type(self.transformer).__name__, "config": dict(self.transformer.config),
-                      "dtype": str(self.transformer.dtype).removeprefix("torch."),
-                      "pipeline": None if self.pipeline is None else type(self.pipeline).__name__},  # fmt: skip
+            "selection": {
+                **self.options.selection_meta(),
+                "batch_resolved": res and list(res.batch),
+                "heads_resolved": res and list(res.heads),
+            },
+            "model": {
+                "class": type(self.transformer).__name__,
+                "config": dict(self.transformer.config),
+                "dtype": str(self.transformer.dtype).removeprefix("torch."),
+                "pipeline": None if self.pipeline is None else type(self.pipeline).__name__,
+            },
             "layer_output": self.options.layer_output,
             "storage_dtype": self.options.storage_dtype,
             "info": self.options.info,
@@ -239,8 +228,14 @@ class Recording:
             return out, lse, None
         return attention_joint_for(query, key, value, self._joint_indicator.to(query.device), self.plan.resolved.batch)
 
-    def capture(self, layer: int, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor | None = None,
-                sums: torch.Tensor | None = None) -> None:  # fmt: skip
+    def capture(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None,
+    ) -> None:
         """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
         ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
         ``(B, H, S, C)`` when it gave them)."""
@@ -255,9 +250,17 @@ class Recording:
         heads = None if len(res.heads) == H else torch.tensor(res.heads)
         with engine.full_fp32_matmul():
             for i, b in enumerate(res.batch):
-                engine.capture(query[b], key[b], reducers, [o[i] for o in outs], tiles, heads,
-                               lse=None if lse is None else lse[b], sums=None if sums is None else sums[b],
-                               timed=self._timed)  # fmt: skip
+                engine.capture(
+                    query[b],
+                    key[b],
+                    reducers,
+                    [o[i] for o in outs],
+                    tiles,
+                    heads,
+                    lse=None if lse is None else lse[b],
+                    sums=None if sums is None else sums[b],
+                    timed=self._timed,
+                )
         for red, out in zip(reducers, outs):
             self._store.put(red.kind, self.step, layer, self.timesteps[-1], out)
 
@@ -265,30 +268,16 @@ class Recording:
         key = (S, D, torch.device(device).type, copies)
         if key not in self._tiles:
             method = self.plan.tiles.method
-            self._tiles[key] = plan_tiles(self.plan.reducers, S, H, D, self.options.memory_budget, method, device,
-                                          copies)  # fmt: skip
+            self._tiles[key] = plan_tiles(
+                self.plan.reducers, S, H, D, self.options.memory_budget, method, device, copies
+            )
         return self._tiles[key]
 
     # -- processors and cleanup --------------------------------------------------------------------
     def install_processors(self) -> None:
         """Replace the stock CogVideoX processors of every layer; :meth:`close` restores them."""
         current = self.transformer.attn_processors
-        replacement = {}
-        for i in range(len(self._modules)):
-            name = self._spec.processor_name(i)
-            proc = current[name]
-            if isinstance(proc, CogVideoXAttnMapProcessor):
-                raise ValueError(f"{name} already runs a cogattn processor; close the other recording first.")
-            if type(proc) is self._spec.fused:
-                replacement[name] = FusedCogVideoXAttnMapProcessor(self)
-            elif type(proc) is self._spec.plain:
-                replacement[name] = CogVideoXAttnMapProcessor(self)
-            else:
-                raise TypeError(
-                    f"{name} is a {type(proc).__name__}; cogattn captures through the stock "
-                    f"{self._spec.plain.__name__} or {self._spec.fused.__name__}. Reset with "
-                    f"`transformer.set_attn_processor({self._spec.plain.__name__}())`."
-                )
+        replacement = self._spec.map_processors(current, len(self._modules), self)
         self._originals = current
         self.transformer.set_attn_processor({**current, **replacement})
 
@@ -317,7 +306,7 @@ class Recording:
             self.transformer.set_attn_processor(self._originals)
             self._originals = None
         if status is None:
-            status = "interrupted" if self._pipeline_attr("interrupt") else "finished"
+            status = "interrupted" if self._steps.pipeline_attr("interrupt") else "finished"
         self._status = status if self.timesteps else "failed"
         try:
             self._store.close(self._meta())
@@ -328,8 +317,9 @@ class Recording:
         steps = self.options.steps
         if self.timesteps and steps != "all" and max(steps) >= len(self.timesteps):
             missing = [s for s in steps if s >= len(self.timesteps)]
-            warnings.warn(f"steps {missing} were selected but the generation ran {len(self.timesteps)} steps.",
-                          stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"steps {missing} were selected but the generation ran {len(self.timesteps)} steps.", stacklevel=3
+            )
 
     def _warn_missing(self) -> None:
         """Layers a cache (PAB, FasterCache, FirstBlockCache, ...) skipped produce no record: say so."""
@@ -340,8 +330,10 @@ class Recording:
         expected = self.plan.layers_captured * steps * len(opts.kinds)
         have = len(self.keys()) if isinstance(self._store, MemoryStore) else self._store.committed
         if have < expected:
-            warnings.warn(f"{expected - have} of {expected} selected records were not produced (attention "
-                          "skipped by a cache).", stacklevel=4)  # fmt: skip
+            warnings.warn(
+                f"{expected - have} of {expected} selected records were not produced (attention skipped by a cache).",
+                stacklevel=4,
+            )
 
     def __enter__(self) -> Recording:
         if self._closed:

@@ -67,7 +67,9 @@ class RunLock:
         try:
             self._file = open(self.path, "a+")
         except OSError as err:
-            raise StoreError(f"cannot write to {str(folder)!r}: {err.strerror or err}; choose another save_dir.") from err
+            raise StoreError(
+                f"cannot write to {str(folder)!r}: {err.strerror or err}; choose another save_dir."
+            ) from err
         if fcntl is not None:
             try:
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -207,7 +209,6 @@ def missing_message(kind, step, layer, have, where: str = "") -> str:
     return f"no record ({kind!r}, step={step}, layer={layer}){where}{hint}"
 
 
-
 class Run:
     """A run folder opened for reading: the same ``get(kind, step, layer)`` as an in-memory recording.
 
@@ -338,7 +339,9 @@ class Run:
         except Exception as err:
             raise StoreError(f"record file {str(file)!r} cannot be read ({type(err).__name__}: {err}).") from err
         if tuple(t.shape) != record.shape and index is None:
-            raise StoreError(f"record file {str(file)!r} holds shape {tuple(t.shape)}, the manifest says {record.shape}.")
+            raise StoreError(
+                f"record file {str(file)!r} holds shape {tuple(t.shape)}, the manifest says {record.shape}."
+            )
         return t.float()
 
     def __repr__(self) -> str:
@@ -351,8 +354,16 @@ def _parse_line(raw: bytes) -> RecordInfo | str:
         return "empty" if b"\x00" not in raw else "zero bytes (a write cut short by a power loss)"
     try:
         d = json.loads(raw)
-        info = RecordInfo(str(d["kind"]), int(d["step"]), int(d["layer"]), d["timestep"], tuple(int(s) for s in d["shape"]),
-                          str(d["dtype"]), int(d["bytes"]), str(d["file"]))  # fmt: skip
+        info = RecordInfo(
+            str(d["kind"]),
+            int(d["step"]),
+            int(d["layer"]),
+            d["timestep"],
+            tuple(int(s) for s in d["shape"]),
+            str(d["dtype"]),
+            int(d["bytes"]),
+            str(d["file"]),
+        )
     except (ValueError, KeyError, TypeError) as err:
         return f"not a record line ({type(err).__name__}: {str(err)[:60]})"
     return info

@@ -28,7 +28,6 @@ __all__ = ["MemoryStore", "RunWriter", "disk_bytes", "prepare_folder", "remove_r
 _MANIFEST_LINE = 256  # bytes a manifest line takes, at most, for the disk-space check
 
 
-
 def disk_bytes(folder: str | os.PathLike, records: list[tuple[int, int]]) -> int:
     """Disk space ``records`` (``(file bytes, count)`` pairs) take in ``folder``: each file rounded up to
     whole filesystem blocks, plus the manifest lines and run.json."""
@@ -143,8 +142,9 @@ class RunWriter:
             not only a crash of the process; slower).
     """
 
-    def __init__(self, path, storage_dtype: str = "float32", max_pending_bytes: int = 512 * 2**20,
-                 durable: bool = False):  # fmt: skip
+    def __init__(
+        self, path, storage_dtype: str = "float32", max_pending_bytes: int = 512 * 2**20, durable: bool = False
+    ):
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype={storage_dtype!r}; choose one of {list(STORAGE_DTYPES)}.")
         self.path = Path(path)
@@ -342,8 +342,16 @@ class RunWriter:
             tmp.unlink(missing_ok=True)
             raise
         size = record_file_bytes(tuple(host.shape), host.dtype)
-        line = {"kind": kind, "step": step, "layer": layer, "timestep": timestep, "shape": list(host.shape),
-                "dtype": str(host.dtype).removeprefix("torch."), "bytes": size, "file": rel}  # fmt: skip
+        line = {
+            "kind": kind,
+            "step": step,
+            "layer": layer,
+            "timestep": timestep,
+            "shape": list(host.shape),
+            "dtype": str(host.dtype).removeprefix("torch."),
+            "bytes": size,
+            "file": rel,
+        }
         data = (json.dumps(line) + "\n").encode()
         while data:  # the line is committed when its newline is on disk
             data = data[os.write(self._manifest, data) :]

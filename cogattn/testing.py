@@ -33,7 +33,6 @@ _VOCAB = (
 ).split()
 
 
-
 def tiny_transformer(
     version: str = "1.0",
     *,
@@ -125,9 +124,17 @@ def tiny_text_encoder(seed: int = 0, dtype: torch.dtype = torch.float32):
     from transformers import T5Config, T5EncoderModel
 
     config = T5Config(
-        vocab_size=3 + len(_VOCAB), d_model=_TEXT_DIM, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
-        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )  # fmt: skip
+        vocab_size=3 + len(_VOCAB),
+        d_model=_TEXT_DIM,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = T5EncoderModel(config)
@@ -167,14 +174,26 @@ def tiny_pipeline(
     if task not in tasks:
         raise ValueError(f"task={task!r}; choose one of {list(tasks)}.")
     scheduler = CogVideoXDDIMScheduler(  # CogVideoX-2b's scheduler config
-        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
-        prediction_type="v_prediction", rescale_betas_zero_snr=True, set_alpha_to_one=True,
-        snr_shift_scale=3.0, timestep_spacing="trailing",
-    )  # fmt: skip
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        clip_sample=False,
+        prediction_type="v_prediction",
+        rescale_betas_zero_snr=True,
+        set_alpha_to_one=True,
+        snr_shift_scale=3.0,
+        timestep_spacing="trailing",
+    )
     transformer = tiny_transformer(
-        version, rotary=rotary, image_to_video=task == "image-to-video", num_layers=num_layers,
-        num_heads=num_heads, head_dim=head_dim, dtype=dtype, seed=seed,
-    )  # fmt: skip
+        version,
+        rotary=rotary,
+        image_to_video=task == "image-to-video",
+        num_layers=num_layers,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=seed,
+    )
     pipe = tasks[task](
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_text_encoder(seed, dtype),

@@ -71,8 +71,9 @@ def word_positions(word: str, tokenizer, prompt: str, text_len: int) -> list[int
         spans = [tuple(o) for o in enc["offset_mapping"]]
         for m in re.finditer(r"(?<!\w)" + re.escape(core) + r"(?!\w)", prompt, re.IGNORECASE):
             a, b = m.span()
-            positions += [i for i, (s, e) in enumerate(spans)
-                          if e > s and e > a and s < b and re.search(r"\w", prompt[s:e])]  # fmt: skip
+            positions += [
+                i for i, (s, e) in enumerate(spans) if e > s and e > a and s < b and re.search(r"\w", prompt[s:e])
+            ]
     else:
         pieces = tokenizer.convert_ids_to_tokens(list(enc["input_ids"]))
         special = set(getattr(tokenizer, "all_special_tokens", []))

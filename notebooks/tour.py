@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -79,9 +81,14 @@ else:
     pipe.vae.enable_tiling()  # decoding a real video at full size needs tens of GB otherwise
 
 # The latent grid of this call, to choose a video point to follow: the centre of the middle frame.
-layout = cogattn.TokenLayout.for_video(call["num_frames"], call["height"], call["width"],
-                                       text_len=config.max_text_seq_length, patch_size=config.patch_size,
-                                       patch_size_t=config.patch_size_t)
+layout = cogattn.TokenLayout.for_video(
+    call["num_frames"],
+    call["height"],
+    call["width"],
+    text_len=config.max_text_seq_length,
+    patch_size=config.patch_size,
+    patch_size_t=config.patch_size_t,
+)
 F, Hp, Wp = layout.grid
 QUERY = (F // 2, Hp // 2, Wp // 2)
 print(f"latent grid (F, Hp, Wp) = {(F, Hp, Wp)}; following the video point {QUERY}")
@@ -152,8 +159,9 @@ plot.word_heatmap(source, ["fox", "snow"], video, tokenizer=pipe.tokenizer)
 # heavy-tailed; a log scale with limits per map shows the structure of each one.
 
 # %%
-plot.word_heatmap(source, ["fox", "snow"], video, kind="text_to_video", tokenizer=pipe.tokenizer,
-                  scale="log", limits="per-map")
+plot.word_heatmap(
+    source, ["fox", "snow"], video, kind="text_to_video", tokenizer=pipe.tokenizer, scale="log", limits="per-map"
+)
 
 # %% [markdown]
 # ## Where one video point attends
@@ -184,8 +192,15 @@ print("pixel frames of each latent frame:", source.layout.pixel_frames(video.sha
 # and writes a GIF (or an MP4 where ffmpeg exists).
 
 # %%
-gif = plot.animate(plot.word_heatmap, source, Path(tempfile.gettempdir()) / "cogattn_fox_steps.gif", over="step",
-                   tokens="fox", video=video, tokenizer=pipe.tokenizer)
+gif = plot.animate(
+    plot.word_heatmap,
+    source,
+    Path(tempfile.gettempdir()) / "cogattn_fox_steps.gif",
+    over="step",
+    tokens="fox",
+    video=video,
+    tokenizer=pipe.tokenizer,
+)
 display(Image(filename=str(gif)))
 
 # %% [markdown]

@@ -46,14 +46,28 @@ def generate(model: str, prompt: str, seed: int):
         # Text maps are T × F × Hp × Wp per head: a few steps, layers and heads keep them to about a GB.
         steps, layers, heads = [0, 25, 49], [0, n // 2, n - 1], [0, 1, 2, 3]
     config = pipe.transformer.config
-    layout = cogattn.TokenLayout.for_video(call["num_frames"], call["height"], call["width"],
-                                           text_len=config.max_text_seq_length, patch_size=config.patch_size,
-                                           patch_size_t=config.patch_size_t)  # fmt: skip
+    layout = cogattn.TokenLayout.for_video(
+        call["num_frames"],
+        call["height"],
+        call["width"],
+        text_len=config.max_text_seq_length,
+        patch_size=config.patch_size,
+        patch_size_t=config.patch_size_t,
+    )
     query = tuple(g // 2 for g in layout.grid)  # the centre of the middle frame
-    with cogattn.record(pipe, kinds=("frame", "video_to_text", "text_to_video", "query"), steps=steps, layers=layers,
-                        batch="cond", heads=heads, queries=[query], info={"prompt": prompt, "seed": seed}) as rec:
-        video = pipe(prompt=prompt, generator=torch.Generator(device).manual_seed(seed), output_type="pt",
-                     **call).frames[0]  # fmt: skip
+    with cogattn.record(
+        pipe,
+        kinds=("frame", "video_to_text", "text_to_video", "query"),
+        steps=steps,
+        layers=layers,
+        batch="cond",
+        heads=heads,
+        queries=[query],
+        info={"prompt": prompt, "seed": seed},
+    ) as rec:
+        video = pipe(
+            prompt=prompt, generator=torch.Generator(device).manual_seed(seed), output_type="pt", **call
+        ).frames[0]
     return rec, video.float().cpu(), pipe, query
 
 
@@ -94,8 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=args.dpi, metadata=PNG_META)
         small_png(out / name)
-    plot.animate(plot.word_heatmap, rec, out / "video_to_text_steps.gif", over="step", dpi=args.dpi * 4 // 5,
-                 tokens=words[0], video=video, tokenizer=pipe.tokenizer)  # fmt: skip
+    plot.animate(
+        plot.word_heatmap,
+        rec,
+        out / "video_to_text_steps.gif",
+        over="step",
+        dpi=args.dpi * 4 // 5,
+        tokens=words[0],
+        video=video,
+        tokenizer=pipe.tokenizer,
+    )
     for path in sorted(out.iterdir()):
         print(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}  {path.stat().st_size / 1024:.0f} KB")
     print(f"{len(figures) + 1} figures in {time.perf_counter() - t0:.1f} s")

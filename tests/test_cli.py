@@ -120,10 +120,24 @@ def test_tiny_default_writes_loadable_records_video_and_previews(default_run):
 
 def test_dry_run_bytes_equal_what_a_run_writes(tmp_path, dump):
     out = tmp_path / "runs"
-    sets = ["--set", f"save_dir={out}", "--set", "capture.kinds=[frame,query,text_to_video]",
-            "--set", "capture.queries=[[1,2,3],0]", "--set", "capture.heads=all",
-            "--set", "capture.storage_dtype=float16", "--set", "previews=false",
-            "--set", "capture.layer_output=joint", "--set", "num_inference_steps=2"]  # fmt: skip
+    sets = [
+        "--set",
+        f"save_dir={out}",
+        "--set",
+        "capture.kinds=[frame,query,text_to_video]",
+        "--set",
+        "capture.queries=[[1,2,3],0]",
+        "--set",
+        "capture.heads=all",
+        "--set",
+        "capture.storage_dtype=float16",
+        "--set",
+        "previews=false",
+        "--set",
+        "capture.layer_output=joint",
+        "--set",
+        "num_inference_steps=2",
+    ]
     dry = dump("--dry-run", *sets, check=0)
     assert not out.exists()  # nothing written, no weights loaded
     assert dry.stdout.splitlines()[0] == f"config {TINY}"
@@ -150,8 +164,15 @@ def test_the_config_holds_capture_options_and_the_output_key_ignores_how_maps_ar
     assert cfg.capture.steps == (0, 3) and cfg.capture.memory_budget == 2 * 2**20
     assert cfg.to_dict()["capture"]["steps"] == [0, 3]
     plain = load_config(TINY, ["capture.steps=[0,3]"])
-    same = ["device=cpu", "offload=model", "vae_tiling=true", "save_dir=elsewhere", "prompts=other.txt",
-            "capture.memory_budget=7MiB", "capture.method=rows"]  # fmt: skip
+    same = [
+        "device=cpu",
+        "offload=model",
+        "vae_tiling=true",
+        "save_dir=elsewhere",
+        "prompts=other.txt",
+        "capture.memory_budget=7MiB",
+        "capture.method=rows",
+    ]
     assert load_config(TINY, ["capture.steps=[0,3]", *same]).output_key() == plain.output_key() == cfg.output_key()
     for other in ("capture.steps=[0]", "capture.heads=all", "num_inference_steps=5", "seed=1", "dtype=bfloat16"):
         assert load_config(TINY, ["capture.steps=[0,3]", other]).output_key() != plain.output_key(), other
@@ -194,13 +215,15 @@ def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick
 def test_resume_after_a_killed_run(tmp_path):
     out = tmp_path / "runs"
     sets = ["--set", f"save_dir={out}", "--set", "num_inference_steps=40", "--set", "previews=false"]
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *sets], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *sets], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     deadline = time.time() + 120
     first = None
     while time.time() < deadline:
-        done = [d for d in (out.iterdir() if out.exists() else []) if (d / "prompt.json").exists()
-                and _meta(d)["complete"]]  # fmt: skip
+        done = [
+            d for d in (out.iterdir() if out.exists() else []) if (d / "prompt.json").exists() and _meta(d)["complete"]
+        ]
         started = [d for d in (out.iterdir() if out.exists() else []) if (d / "maps" / "manifest.jsonl").exists()]
         if done and len(started) >= 2 and (sorted(started)[1] / "maps" / "manifest.jsonl").read_text().count("\n") > 3:
             first = done[0]
@@ -269,8 +292,12 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case
         "unknown_task": ["--set", "task=video-to-video"],
         "layer_range": ["--set", "capture.layers=[0,9]"],
         "query_grid": ["--set", "capture.kinds=[query]", "--set", "capture.queries=[[5,0,0]]"],
-        "missing_image": ["--set", "task=image-to-video", "--set",
-                          f"prompts={_write(tmp_path / 'p.jsonl', json.dumps({'prompt': 'x', 'image': 'nowhere.png'}))}"],
+        "missing_image": [
+            "--set",
+            "task=image-to-video",
+            "--set",
+            f"prompts={_write(tmp_path / 'p.jsonl', json.dumps({'prompt': 'x', 'image': 'nowhere.png'}))}",
+        ],
         "bad_override": ["--set", "steps"],
         "dotted_override": ["--set", "seed.x=1"],
         "unknown_output": ["--set", "capture.layer_output=fast"],
@@ -288,7 +315,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case
         "tpu": ["--set", "device=tpu"],
         "save_dir_file": ["--set", f"save_dir={_write(tmp_path / 'file', 'x') / 'runs'}"],
         "flag_not_bool": ["--set", "previews=maybe"],
-    }[case]  # fmt: skip
+    }[case]
     if not str(args[0]).endswith(".yaml"):
         args = [TINY, *args]
     before = _files(tmp_path)
@@ -304,11 +331,20 @@ def test_a_failing_prompt_does_not_stop_the_others(tmp_path, dump):
     out = tmp_path / "runs"
     (tmp_path / "broken.png").write_bytes(b"not an image")
     Image.new("RGB", (80, 48), (200, 30, 30)).save(tmp_path / "red.png")
-    prompts = _write(tmp_path / "p.jsonl", "\n".join(json.dumps(x) for x in [
-        {"prompt": "a red fox", "image": "red.png"}, {"prompt": "a cat", "image": "broken.png"},
-        {"prompt": "a dog", "image": "red.png", "seed": 3}]))  # fmt: skip
-    proc = dump("--set", "task=image-to-video", "--set", f"prompts={prompts}", "--set", f"save_dir={out}", *QUICK,
-                check=1)  # fmt: skip
+    prompts = _write(
+        tmp_path / "p.jsonl",
+        "\n".join(
+            json.dumps(x)
+            for x in [
+                {"prompt": "a red fox", "image": "red.png"},
+                {"prompt": "a cat", "image": "broken.png"},
+                {"prompt": "a dog", "image": "red.png", "seed": 3},
+            ]
+        ),
+    )
+    proc = dump(
+        "--set", "task=image-to-video", "--set", f"prompts={prompts}", "--set", f"save_dir={out}", *QUICK, check=1
+    )
     assert "failed: prompt 1 ('a cat')" in proc.stderr
     assert [_meta(d)["complete"] for d in _prompt_dirs(out)] == [True, False, True]
 
@@ -318,9 +354,30 @@ def test_accelerate_launch_two_processes_cover_every_prompt_once(tmp_path):
     out = tmp_path / "runs"
     prompts = _write(tmp_path / "p.txt", "\n".join(f"prompt number {i}" for i in range(5)))
     # --multi_gpu picks accelerate's torchrun launcher; without GPUs the two processes run on CPU over gloo.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cogattn.dump", "--set", f"save_dir={out}",
-           "--set", f"prompts={prompts}", "--set", "previews=false", "--set", "num_inference_steps=2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "cogattn.dump",
+        "--set",
+        f"save_dir={out}",
+        "--set",
+        f"prompts={prompts}",
+        "--set",
+        "previews=false",
+        "--set",
+        "num_inference_steps=2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metas = [_meta(d) for d in _prompt_dirs(out)]
@@ -372,7 +429,10 @@ def test_cuda_without_a_gpu_is_refused_before_anything_loads(tmp_path, dump, mon
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     proc = dump("--set", "device=cuda", "--set", f"save_dir={tmp_path / 'runs'}", check=2)
-    assert proc.stderr.strip() == "dump_maps: device: 'cuda', but this machine has no CUDA device; use device: auto or cpu."
+    assert (
+        proc.stderr.strip()
+        == "dump_maps: device: 'cuda', but this machine has no CUDA device; use device: auto or cpu."
+    )
 
 
 def test_tiny_version_read_as_a_number_is_accepted(dump):

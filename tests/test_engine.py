@@ -114,7 +114,11 @@ def test_joint_call_gives_output_lse_and_pooled_sums(dtype):
     torch.manual_seed(0)
     layout = TokenLayout(5, 2, 7, 3)
     B, H, S, D = 2, 3, layout.seq_len, 16
-    q, k, v = (torch.randn(B, H, S, D) * 2).to(dtype), (torch.randn(B, H, S, D) * 2).to(dtype), torch.randn(B, H, S, D).to(dtype)
+    q, k, v = (
+        (torch.randn(B, H, S, D) * 2).to(dtype),
+        (torch.randn(B, H, S, D) * 2).to(dtype),
+        torch.randn(B, H, S, D).to(dtype),
+    )
     groups = REDUCERS["frame"](layout, H, False).key_groups
     indicator = groups.indicator(S)
     out, lse, sums = attention_joint(q, k, v, indicator)

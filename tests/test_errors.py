@@ -52,7 +52,11 @@ def test_bad_selection_refused_at_record(pipe, kwargs, error, match):
     "kwargs,call,match",
     [
         (dict(steps=[5]), {}, r"steps=\[5\] asks for step 5, but this generation has 2 denoising steps"),
-        (dict(kinds=("query",), queries=[(3, 0, 0)]), {}, r"\(3, 0, 0\) is outside the latent grid \(F, Hp, Wp\) = \(3, 3, 5\)"),
+        (
+            dict(kinds=("query",), queries=[(3, 0, 0)]),
+            {},
+            r"\(3, 0, 0\) is outside the latent grid \(F, Hp, Wp\) = \(3, 3, 5\)",
+        ),
         (dict(kinds=("query",), queries=[53]), {}, "query token 53 is outside the sequence: S = 53"),
         (dict(batch="cond"), dict(guidance=1.0), "without classifier-free guidance"),
         (dict(batch=[2]), {}, "batch index 2 is out of range: the transformer batch has 2 items"),

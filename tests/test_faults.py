@@ -80,9 +80,14 @@ POINTS = (
     [("write_record", n, False) for n in range(1, RECORDS + 2)]
     + [(name, n, False) for name in ("replace", "write") for n in range(1, RECORDS + 5)]
     + [("close", n, False) for n in range(1, 6)]
-    + [("replace", RECORDS + 3, True), ("write", RECORDS + 3, True), ("close", 3, True), ("close", 4, True),
-       ("close", 5, True)]  # run.json at the end, the manifest's close, and no fault
-)  # fmt: skip
+    + [
+        ("replace", RECORDS + 3, True),
+        ("write", RECORDS + 3, True),
+        ("close", 3, True),
+        ("close", 4, True),
+        ("close", 5, True),
+    ]  # run.json at the end, the manifest's close, and no fault
+)
 
 
 @pytest.mark.parametrize(

@@ -35,8 +35,14 @@ def test_cuda_sdpa_path_matches_naive(dtype):
 def test_cuda_generation_bit_identical_and_streamed(tmp_path):
     pipe = tiny_pipeline(dtype=torch.bfloat16).to("cuda")
     emb = torch.randn(1, TINY_TEXT_LEN, 16, device="cuda", dtype=torch.bfloat16)
-    kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
-              max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
+    kw = dict(
+        prompt_embeds=emb,
+        negative_prompt_embeds=-emb,
+        num_frames=9,
+        num_inference_steps=2,
+        max_sequence_length=TINY_TEXT_LEN,
+        output_type="pt",
+    )
     stock = pipe(generator=torch.Generator("cuda").manual_seed(0), **kw).frames
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond") as mem:
         in_memory = pipe(generator=torch.Generator("cuda").manual_seed(0), **kw).frames
@@ -55,8 +61,14 @@ def test_cuda_auto_times_the_kernel_and_matches_naive():
 
     pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
     emb = torch.randn(1, TINY_TEXT_LEN, 16, device="cuda", dtype=torch.bfloat16)
-    kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
-              max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
+    kw = dict(
+        prompt_embeds=emb,
+        negative_prompt_embeds=-emb,
+        num_frames=9,
+        num_inference_steps=2,
+        max_sequence_length=TINY_TEXT_LEN,
+        output_type="pt",
+    )
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", layer_output="lse") as rec:
         pipe(generator=torch.Generator("cuda").manual_seed(0), **kw)
@@ -77,8 +89,14 @@ def test_cuda_joint_output_close_to_stock_and_maps_within_bf16():
 
     pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
     emb = torch.randn(1, TINY_TEXT_LEN, 16, device="cuda", dtype=torch.bfloat16)
-    kw = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, num_inference_steps=2,
-              max_sequence_length=TINY_TEXT_LEN, output_type="pt")  # fmt: skip
+    kw = dict(
+        prompt_embeds=emb,
+        negative_prompt_embeds=-emb,
+        num_frames=9,
+        num_inference_steps=2,
+        max_sequence_length=TINY_TEXT_LEN,
+        output_type="pt",
+    )
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", layer_output="joint") as rec:
         pipe(generator=torch.Generator("cuda").manual_seed(0), **kw)

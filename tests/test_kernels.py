@@ -18,8 +18,10 @@ from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
 from cogattn.testing import tiny_pipeline
 
-pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
-                                reason="needs CUDA or TRITON_INTERPRET=1")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    not kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -32,7 +34,9 @@ def test_pooled_sums_match_naive(dtype, S, D, C):
     scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)
     ind = torch.zeros(S, C)
     ind[torch.arange(S), torch.randint(0, C, (S,))] = 1
-    out = kernels.pooled_sums(q.to(DEVICE), k.to(DEVICE), torch.logsumexp(scores, -1).float().to(DEVICE), ind.to(DEVICE))
+    out = kernels.pooled_sums(
+        q.to(DEVICE), k.to(DEVICE), torch.logsumexp(scores, -1).float().to(DEVICE), ind.to(DEVICE)
+    )
     ref = torch.softmax(scores, -1) @ ind.double()
     assert out.shape == (H, S, C) and out.dtype == torch.float32
     assert (out.cpu().double() - ref).abs().max() <= 1e-5

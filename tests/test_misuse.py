@@ -217,7 +217,9 @@ def test_a_compiled_transformer_is_recorded_uncompiled_and_compiled_again(pipe, 
         pipe.transformer.compile(backend="eager")
     compiled = (pipe.transformer, getattr(pipe.transformer, "_compiled_call_impl", None))
     spy = QKSpy(getattr(pipe.transformer, "_orig_mod", pipe.transformer))
-    with pytest.warns(UserWarning, match="compiled with torch.compile; while this recording is open it runs uncompiled"):
+    with pytest.warns(
+        UserWarning, match="compiled with torch.compile; while this recording is open it runs uncompiled"
+    ):
         with cogattn.record(pipe, kinds=("frame", "video_to_text")) as rec:
             out = generate(pipe)
     spy.remove()

@@ -37,8 +37,9 @@ def test_notebook_runs_end_to_end_on_the_tiny_default(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the notebook writes its GIF
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="cogattn-test",
-                                     resources={"metadata": {"path": str(tmp_path)}})  # fmt: skip
+    client = nbclient.NotebookClient(
+        nb, timeout=120, kernel_name="cogattn-test", resources={"metadata": {"path": str(tmp_path)}}
+    )
     start = time.perf_counter()
     client.execute()
     assert time.perf_counter() - start < 120

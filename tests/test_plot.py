@@ -25,10 +25,17 @@ QUERIES = [(1, 1, 2), 3]  # a video point and text token 3
 
 
 def _generate(pipe, steps=2, **record_kw):
-    with cogattn.record(pipe, kinds=KINDS, batch="cond", heads="all", queries=QUERIES, info={"prompt": PROMPT},
-                        **record_kw) as rec:  # fmt: skip
-        video = pipe(prompt=PROMPT, num_frames=9, num_inference_steps=steps, max_sequence_length=TINY_TEXT_LEN,
-                     output_type="pt", generator=torch.Generator().manual_seed(0)).frames[0]  # fmt: skip
+    with cogattn.record(
+        pipe, kinds=KINDS, batch="cond", heads="all", queries=QUERIES, info={"prompt": PROMPT}, **record_kw
+    ) as rec:
+        video = pipe(
+            prompt=PROMPT,
+            num_frames=9,
+            num_inference_steps=steps,
+            max_sequence_length=TINY_TEXT_LEN,
+            output_type="pt",
+            generator=torch.Generator().manual_seed(0),
+        ).frames[0]
     return rec, video
 
 
@@ -81,19 +88,50 @@ def test_pixel_frames_hand_tables_for_1_0_and_1_5():
     v10 = {"text_len": 8, "height": 3, "width": 5}
     assert _spans(TokenLayout(frames=3, **v10).pixel_frames(9)) == [(0, 0), (1, 4), (5, 8)]
     assert _spans(TokenLayout(frames=13, **v10).pixel_frames(49)) == [
-        (0, 0), (1, 4), (5, 8), (9, 12), (13, 16), (17, 20), (21, 24), (25, 28), (29, 32), (33, 36), (37, 40),
-        (41, 44), (45, 48),
-    ]  # fmt: skip
+        (0, 0),
+        (1, 4),
+        (5, 8),
+        (9, 12),
+        (13, 16),
+        (17, 20),
+        (21, 24),
+        (25, 28),
+        (29, 32),
+        (33, 36),
+        (37, 40),
+        (41, 44),
+        (45, 48),
+    ]
     # 1.5, 81 frames: L = 21 latent frames, one padding frame at the start, F = 11 temporal patches;
     # patch 0 = {padding, latent 0} = pixel frame 0, patch p = latents {2p-1, 2p} = pixel frames 8p-7 .. 8p.
     lay15 = TokenLayout(frames=11, patch_size_t=2, **v10)
     assert _spans(lay15.pixel_frames(81)) == [
-        (0, 0), (1, 8), (9, 16), (17, 24), (25, 32), (33, 40), (41, 48), (49, 56), (57, 64), (65, 72), (73, 80),
-    ]  # fmt: skip
+        (0, 0),
+        (1, 8),
+        (9, 16),
+        (17, 24),
+        (25, 32),
+        (33, 40),
+        (41, 48),
+        (49, 56),
+        (57, 64),
+        (65, 72),
+        (73, 80),
+    ]
     # 85 frames: L = 22, no padding: patch p = latents {2p, 2p+1}.
     assert _spans(lay15.pixel_frames(85)) == [
-        (0, 4), (5, 12), (13, 20), (21, 28), (29, 36), (37, 44), (45, 52), (53, 60), (61, 68), (69, 76), (77, 84),
-    ]  # fmt: skip
+        (0, 4),
+        (5, 12),
+        (13, 20),
+        (21, 28),
+        (29, 36),
+        (37, 44),
+        (45, 52),
+        (53, 60),
+        (61, 68),
+        (69, 76),
+        (77, 84),
+    ]
     assert _spans(TokenLayout(frames=2, patch_size_t=2, **v10).pixel_frames(9)) == [(0, 0), (1, 8)]
     with pytest.raises(ValueError, match="F = 3"):
         TokenLayout(frames=3, **v10).pixel_frames(49)
@@ -109,9 +147,16 @@ def test_1_5_pipeline_pads_latents_at_the_start(tiny15):
         final["latents"] = kw["latents"]
         return {}
 
-    out = pipe(prompt=PROMPT, num_frames=9, num_inference_steps=2, max_sequence_length=TINY_TEXT_LEN, output_type="pt",
-               generator=torch.Generator().manual_seed(0), callback_on_step_end=grab,
-               callback_on_step_end_tensor_inputs=["latents"]).frames[0]  # fmt: skip
+    out = pipe(
+        prompt=PROMPT,
+        num_frames=9,
+        num_inference_steps=2,
+        max_sequence_length=TINY_TEXT_LEN,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+        callback_on_step_end=grab,
+        callback_on_step_end_tensor_inputs=["latents"],
+    ).frames[0]
     assert torch.equal(out, video)
     latents = final["latents"]
     assert latents.shape[1] == 4 and rec.layout.frames == 2  # L = 3 latent frames + 1 padding = 2 patches
@@ -292,8 +337,9 @@ def test_word_overlay_maps_each_pixel_frame_to_its_latent_frame(tiny, tiny15, ve
         assert ax.get_title() == f"px {n} · f{owner[n]}"
     assert axes[0].get_ylabel() == '"fox" (token 2)'
     default = panels(plot.word_heatmap(rec, "fox", video, tokenizer=pipe.tokenizer))  # middle frame of each
-    assert [a.get_title() for a in default] == (["px 0 · f0", "px 3 · f1", "px 7 · f2"] if version == "1.0"
-                                                else ["px 0 · f0", "px 5 · f1"])  # fmt: skip
+    assert [a.get_title() for a in default] == (
+        ["px 0 · f0", "px 3 · f1", "px 7 · f2"] if version == "1.0" else ["px 0 · f0", "px 5 · f1"]
+    )
 
 
 def test_word_heatmap_tokens_directions_and_patch_grid(tiny):
@@ -411,8 +457,11 @@ def test_query_map_text_queries_full_fallback_and_errors(tiny):
 # -- sources, files, animations, widgets -----------------------------------------------------------
 def test_a_loaded_run_plots_the_same(tiny, run):
     pipe, rec, video = tiny
-    for make in (lambda s: plot.frame_heatmap(s, heads="all"), lambda s: plot.query_map(s, (1, 1, 2), video),
-                 lambda s: plot.word_heatmap(s, "fox", video, tokenizer=pipe.tokenizer)):  # fmt: skip
+    for make in (
+        lambda s: plot.frame_heatmap(s, heads="all"),
+        lambda s: plot.query_map(s, (1, 1, 2), video),
+        lambda s: plot.word_heatmap(s, "fox", video, tokenizer=pipe.tokenizer),
+    ):
         a, b = make(rec), make(run)
         assert [ax.get_title() for ax in panels(a)] == [ax.get_title() for ax in panels(b)]
         for x, y in zip(panels(a), panels(b)):
@@ -437,8 +486,16 @@ def test_animations_to_gif_share_limits_and_count_frames(tiny, tmp_path, monkeyp
         return render(fig)
 
     monkeypatch.setattr(plot_animation, "_render", spy)
-    path = plot.animate(plot.word_heatmap, rec, tmp_path / "steps.gif", over="step", dpi=40, tokens="fox",
-                        video=video, tokenizer=pipe.tokenizer)  # fmt: skip
+    path = plot.animate(
+        plot.word_heatmap,
+        rec,
+        tmp_path / "steps.gif",
+        over="step",
+        dpi=40,
+        tokens="fox",
+        video=video,
+        tokenizer=pipe.tokenizer,
+    )
     gif = Image.open(path)
     fig = plot.word_heatmap(rec, "fox", video, tokenizer=pipe.tokenizer)
     w, h = fig.get_size_inches() * 40
@@ -483,8 +540,9 @@ def test_explore_sliders_and_static_fallback(tiny, monkeypatch):
     sliders["head"].value, sliders["frame"].value = 1, 6
     (ax,) = panels(w.result)
     assert ax.get_title() == "px 6 · f2"
-    assert np.allclose(heat(ax).get_array(), np.kron(ref(rec, "video_to_text", steps=(1,), head=1)[2, 2],
-                                                     np.ones((16, 16))), atol=1e-6)  # fmt: skip
+    assert np.allclose(
+        heat(ax).get_array(), np.kron(ref(rec, "video_to_text", steps=(1,), head=1)[2, 2], np.ones((16, 16))), atol=1e-6
+    )
     monkeypatch.setitem(__import__("sys").modules, "ipywidgets", None)  # ipywidgets missing
     static = plot.explore(rec, view="frame")
     assert isinstance(static, matplotlib.figure.Figure)

@@ -62,7 +62,9 @@ def test_every_command_runs(command, tmp_path, monkeypatch, capsys):
     if command in DRY_ONLY:
         words.append("--dry-run")
     else:
-        assert words[:1] in ([], ["--dry-run"]) or "--dry-run" in words, f"{command!r} needs a checkpoint: add it to DRY_ONLY"
+        assert words[:1] in ([], ["--dry-run"]) or "--dry-run" in words, (
+            f"{command!r} needs a checkpoint: add it to DRY_ONLY"
+        )
     code = main([*words, "--set", f"save_dir={tmp_path / 'runs'}"])
     assert code == 0, capsys.readouterr().err
     if "--dry-run" not in words:

@@ -13,7 +13,9 @@ QUERIES = [0, (1, 2, 4), (0, 0, 0), 20]
 
 
 CONFIGS = [
-    pytest.param(task, version, dtype, fused, id=f"{task[:5]}-{version}-{str(dtype)[6:]}-{'fused' if fused else 'plain'}")
+    pytest.param(
+        task, version, dtype, fused, id=f"{task[:5]}-{version}-{str(dtype)[6:]}-{'fused' if fused else 'plain'}"
+    )
     for task in ("text-to-video", "image-to-video")
     for version in ("1.0", "1.5")
     for dtype in (torch.float32, torch.bfloat16)
@@ -40,7 +42,13 @@ def test_output_bit_identical_with_every_kind(task, version, dtype, fused):
 @pytest.mark.parametrize("path", ["rows", "sdpa"])
 @pytest.mark.parametrize(
     "batch,heads,expect_batch",
-    [("cond", "all", [2, 3]), ("uncond", "mean", [0, 1]), ([3, 0], [1], [3, 0]), ([1, 0], [2, 0], [1, 0]), ("all", "mean", [0, 1, 2, 3])],
+    [
+        ("cond", "all", [2, 3]),
+        ("uncond", "mean", [0, 1]),
+        ([3, 0], [1], [3, 0]),
+        ([1, 0], [2, 0], [1, 0]),
+        ("all", "mean", [0, 1, 2, 3]),
+    ],
 )
 def test_cfg_two_videos_per_prompt_match_naive(path, batch, heads, expect_batch):
     """Odd, non-square 3x7 grid; CFG with two videos gives the batch [u, u, c, c]; batch and head lists keep
@@ -124,12 +132,24 @@ def test_loaded_from_pretrained_folder(tmp_path):
     tiny_pipeline().save_pretrained(tmp_path)
     pipe = CogVideoXPipeline.from_pretrained(tmp_path)
     pipe.set_progress_bar_config(disable=True)
-    stock = pipe(prompt="a red fox", num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN,
-                 output_type="pt", generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+    stock = pipe(
+        prompt="a red fox",
+        num_frames=9,
+        num_inference_steps=1,
+        max_sequence_length=TINY_TEXT_LEN,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame",), batch="cond") as rec:
-        out = pipe(prompt="a red fox", num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN,
-                   output_type="pt", generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+        out = pipe(
+            prompt="a red fox",
+            num_frames=9,
+            num_inference_steps=1,
+            max_sequence_length=TINY_TEXT_LEN,
+            output_type="pt",
+            generator=torch.Generator().manual_seed(0),
+        ).frames
     spy.remove()
     assert torch.equal(out, stock)
     assert rec.get("frame", 0, 1).shape == (1, 1, 4, 4)

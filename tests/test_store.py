@@ -32,8 +32,15 @@ def pipe():
 def test_round_trip_equals_in_memory_for_every_kind(pipe, tmp_path, storage_dtype):
     with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES) as mem:
         stock = generate(pipe)
-    with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES, save_dir=tmp_path / "run",
-                        storage_dtype=storage_dtype, info={"prompt": "random embeddings"}) as disk:  # fmt: skip
+    with cogattn.record(
+        pipe,
+        kinds=KINDS,
+        heads="all",
+        queries=QUERIES,
+        save_dir=tmp_path / "run",
+        storage_dtype=storage_dtype,
+        info={"prompt": "random embeddings"},
+    ) as disk:
         streamed = generate(pipe)
     assert torch.equal(streamed, stock)
     run = cogattn.load(tmp_path / "run")
@@ -71,7 +78,9 @@ def test_listing_sizes_and_lazy_partial_reads(pipe, tmp_path):
         assert tuple(run.get(info.kind, info.step, info.layer).shape) == info.shape
     full = run.get("query", 1, 0)
     assert torch.equal(run.get("query", 1, 0, index=(0, 1, slice(0, 1))), full[0, 1, 0:1])
-    assert torch.equal(run.get("video_to_text", 0, 1, index=(slice(None), 0, 3)), run.get("video_to_text", 0, 1)[:, 0, 3])
+    assert torch.equal(
+        run.get("video_to_text", 0, 1, index=(slice(None), 0, 3)), run.get("video_to_text", 0, 1)[:, 0, 3]
+    )
 
 
 def test_non_empty_folder_refused_unless_overwrite(pipe, tmp_path):
@@ -151,7 +160,10 @@ def test_writer_memory_is_bounded_while_the_disk_is_slow(tmp_path, monkeypatch):
 
 def test_sigkill_at_several_moments_leaves_a_readable_run(tmp_path):
     child = Path(__file__).with_name("crash_child.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     for i, wait_lines in enumerate([0, 1, 7, 40]):
         out = tmp_path / f"run{i}"
         proc = subprocess.Popen([sys.executable, str(child), str(out)], stdout=subprocess.PIPE, env=env)

@@ -25,7 +25,13 @@ def generate(pipe, *, steps=2, videos=1, guidance=6.0, height=48, width=80, prom
     if type(pipe).__name__ == "CogVideoXImageToVideoPipeline":
         extra["image"] = torch.rand(3, height, width, generator=g)
     return pipe(
-        num_frames=9, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,
-        max_sequence_length=TINY_TEXT_LEN, output_type="pt", generator=torch.Generator().manual_seed(seed + 1),
+        num_frames=9,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        height=height,
+        width=width,
+        max_sequence_length=TINY_TEXT_LEN,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(seed + 1),
         **extra,
     ).frames

@@ -37,9 +37,14 @@ PROG = "dump_maps"
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", nargs="?", default=None, help="YAML config (default: the shipped tiny.yaml)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key, capture.KEY for a capture option (value parsed as YAML); "
-                         "repeatable")  # fmt: skip
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, capture.KEY for a capture option (value parsed as YAML); repeatable",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit without loading weights")
     return ap.parse_args(argv)
 
@@ -86,17 +91,27 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
     else:
         model = cfg.model
     result = estimate(
-        model, cfg.capture, num_frames=cfg.num_frames, height=cfg.height, width=cfg.width,
-        num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
-        text_len=cfg.max_sequence_length, num_prompts=len(prompts), dtype=cfg.dtype, device=device,
-    )  # fmt: skip
+        model,
+        cfg.capture,
+        num_frames=cfg.num_frames,
+        height=cfg.height,
+        width=cfg.width,
+        num_inference_steps=cfg.num_inference_steps,
+        guidance_scale=cfg.guidance_scale,
+        text_len=cfg.max_sequence_length,
+        num_prompts=len(prompts),
+        dtype=cfg.dtype,
+        device=device,
+    )
     todo = sum(1 for p in prompts if not is_complete(out / p.key()))
     need = result.record_bytes * todo // max(1, len(prompts))
     free = shutil.disk_usage(existing).free
     if need > free:
-        raise ConfigError(f"the remaining prompts will write {need:,} bytes of maps but {str(existing)!r} has "
-                          f"{free:,} bytes free; select less, use capture.storage_dtype float16, or write "
-                          "elsewhere.")  # fmt: skip
+        raise ConfigError(
+            f"the remaining prompts will write {need:,} bytes of maps but {str(existing)!r} has "
+            f"{free:,} bytes free; select less, use capture.storage_dtype float16, or write "
+            "elsewhere."
+        )
     return result
 
 
@@ -126,8 +141,10 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
                     if os.environ.get("COGATTN_DEBUG"):
                         traceback.print_exc()
     done = len(todo) - len(failures)
-    print(f"[process {state.process_index}] {done} prompts written, {skipped} skipped, {len(failures)} failed "
-          f"-> {out}", flush=True)  # fmt: skip
+    print(
+        f"[process {state.process_index}] {done} prompts written, {skipped} skipped, {len(failures)} failed -> {out}",
+        flush=True,
+    )
     for prompt, err in failures:
         print(f"  failed: prompt {prompt.index} ({prompt.prompt[:40]!r}): {type(err).__name__}: {err}", file=sys.stderr)
     return 1 if failures else 0
@@ -151,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         print(f"config {config}")
-        print(f"model {cfg.model} ({cfg.task}), {len(prompts)} prompts, {cfg.num_inference_steps} steps, "
-              f"{cfg.num_frames} frames at {cfg.height}×{cfg.width} -> {cfg.save_dir}")  # fmt: skip
+        print(
+            f"model {cfg.model} ({cfg.task}), {len(prompts)} prompts, {cfg.num_inference_steps} steps, "
+            f"{cfg.num_frames} frames at {cfg.height}×{cfg.width} -> {cfg.save_dir}"
+        )
         print(result.table())
         return 0
     try:
@@ -160,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         out = Path(cfg.save_dir)
         done = sum(1 for p in prompts if is_complete(out / p.key()))
-        print(f"\n{PROG}: interrupted; {done} of {len(prompts)} prompts are complete in {str(out)!r} and kept; "
-              "run the same command again to resume (complete prompts are skipped).", file=sys.stderr)  # fmt: skip
+        print(
+            f"\n{PROG}: interrupted; {done} of {len(prompts)} prompts are complete in {str(out)!r} and kept; "
+            "run the same command again to resume (complete prompts are skipped).",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -38,9 +38,15 @@ PER_PROMPT = {
 }
 CAPTURE_KEYS = tuple(f.name for f in dataclasses.fields(CaptureOptions) if f.name not in PER_PROMPT)
 # Keys of older configs, named in the message that refuses them.
-_RENAMED = {**{k: f"capture.{k}" for k in CAPTURE_KEYS}, "out": "save_dir", "guidance": "guidance_scale",
-            "steps": "num_inference_steps (captured steps: capture.steps)", "capture_steps": "capture.steps",
-            "path": "capture.method", "output": "capture.layer_output"}  # fmt: skip
+_RENAMED = {
+    **{k: f"capture.{k}" for k in CAPTURE_KEYS},
+    "out": "save_dir",
+    "guidance": "guidance_scale",
+    "steps": "num_inference_steps (captured steps: capture.steps)",
+    "capture_steps": "capture.steps",
+    "path": "capture.method",
+    "output": "capture.layer_output",
+}
 _RENAMED_CAPTURE = {"capture_steps": "steps", "path": "method", "output": "layer_output"}
 
 
@@ -131,11 +137,29 @@ class DumpConfig:
         return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-_CHOICES = {"task": TASKS, "dtype": DTYPES, "offload": OFFLOAD, "video_format": VIDEO_FORMATS,
-            "tiny_version": ("1.0", "1.5")}  # fmt: skip
-_TYPES = {"vae_tiling": bool, "previews": bool, "num_frames": int, "height": int, "width": int,
-          "num_inference_steps": int, "seed": int, "max_sequence_length": int, "fps": int,
-          "guidance_scale": (int, float), "model": str, "prompts": str, "save_dir": str, "device": str}  # fmt: skip
+_CHOICES = {
+    "task": TASKS,
+    "dtype": DTYPES,
+    "offload": OFFLOAD,
+    "video_format": VIDEO_FORMATS,
+    "tiny_version": ("1.0", "1.5"),
+}
+_TYPES = {
+    "vae_tiling": bool,
+    "previews": bool,
+    "num_frames": int,
+    "height": int,
+    "width": int,
+    "num_inference_steps": int,
+    "seed": int,
+    "max_sequence_length": int,
+    "fps": int,
+    "guidance_scale": (int, float),
+    "model": str,
+    "prompts": str,
+    "save_dir": str,
+    "device": str,
+}
 
 
 def _fields() -> list[str]:
@@ -203,9 +227,13 @@ def _check_call(cfg: DumpConfig) -> None:
     for key in ("height", "width"):
         value = getattr(cfg, key)
         if value < step or value % step:
-            raise ConfigError(f"{key}: {value!r} must be a positive multiple of {step} (the VAE's 8 × the patch size 2).")
+            raise ConfigError(
+                f"{key}: {value!r} must be a positive multiple of {step} (the VAE's 8 × the patch size 2)."
+            )
     if cfg.seed < 0 or not cfg.guidance_scale >= 0:
-        raise ConfigError(f"seed and guidance_scale must be ≥ 0; got seed {cfg.seed!r}, guidance_scale {cfg.guidance_scale!r}.")
+        raise ConfigError(
+            f"seed and guidance_scale must be ≥ 0; got seed {cfg.seed!r}, guidance_scale {cfg.guidance_scale!r}."
+        )
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise ConfigError(f"device: {cfg.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'.")
 

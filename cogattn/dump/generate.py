@@ -106,15 +106,32 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
         shutil.rmtree(folder)  # an incomplete earlier attempt
     folder.mkdir(parents=True)
     seed = cfg.seed if prompt.seed is None else prompt.seed
-    meta = {"complete": False, "config_key": cfg.output_key(), "index": prompt.index, "prompt": prompt.prompt,
-            "negative_prompt": prompt.negative_prompt, "seed": seed, "image": prompt.image, "model": cfg.model,
-            "process": process, "config": cfg.to_dict()}  # fmt: skip
+    meta = {
+        "complete": False,
+        "config_key": cfg.output_key(),
+        "index": prompt.index,
+        "prompt": prompt.prompt,
+        "negative_prompt": prompt.negative_prompt,
+        "seed": seed,
+        "image": prompt.image,
+        "model": cfg.model,
+        "process": process,
+        "config": cfg.to_dict(),
+    }
     _write_json(folder / "prompt.json", meta)
     device = pipe._execution_device
-    call = dict(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt, num_frames=cfg.num_frames,
-                height=cfg.height, width=cfg.width, num_inference_steps=cfg.num_inference_steps,
-                guidance_scale=cfg.guidance_scale, max_sequence_length=cfg.max_sequence_length, output_type="pil",
-                generator=torch.Generator(device).manual_seed(seed))  # fmt: skip
+    call = dict(
+        prompt=prompt.prompt,
+        negative_prompt=prompt.negative_prompt,
+        num_frames=cfg.num_frames,
+        height=cfg.height,
+        width=cfg.width,
+        num_inference_steps=cfg.num_inference_steps,
+        guidance_scale=cfg.guidance_scale,
+        max_sequence_length=cfg.max_sequence_length,
+        output_type="pil",
+        generator=torch.Generator(device).manual_seed(seed),
+    )
     if cfg.task == "image-to-video":
         from diffusers.utils import load_image
 

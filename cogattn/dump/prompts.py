@@ -60,8 +60,14 @@ def _read_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
         extra = sorted(set(obj) - allowed)
         if extra:
             raise ConfigError(f"{path}:{n}: unknown keys {extra}; allowed: {sorted(allowed)}.")
-        prompt = Prompt(len(prompts), obj["prompt"], obj.get("negative_prompt"), obj.get("seed"), obj.get("image"),
-                        base=str(path.parent))  # fmt: skip
+        prompt = Prompt(
+            len(prompts),
+            obj["prompt"],
+            obj.get("negative_prompt"),
+            obj.get("seed"),
+            obj.get("image"),
+            base=str(path.parent),
+        )
         if prompt.image is not None and not Path(prompt.image_path).is_file():
             raise ConfigError(f"{path}:{n}: image {prompt.image_path!r} does not exist.")
         prompts.append(prompt)

@@ -86,8 +86,13 @@ def animate(
         return plot(source, **{**kwargs, key: [v] if over == "frame" else v, "limits": limits})
 
     if limits == "shared":  # a first pass finds the range over all frames: a colour means one value throughout
-        clims = [im.get_clim() for v in values for ax in draw(v, "shared").axes for im in ax.images
-                 if im.get_gid() == MAP_GID]  # fmt: skip
+        clims = [
+            im.get_clim()
+            for v in values
+            for ax in draw(v, "shared").axes
+            for im in ax.images
+            if im.get_gid() == MAP_GID
+        ]
         limits = (min(lo for lo, _ in clims), max(hi for _, hi in clims))
     frames = []
     for v in values:
@@ -146,7 +151,8 @@ def explore(source: MapSource, video=None, *, view: str = "word", static: bool |
 
     def show(step, layer, head, frame=None):
         extra = {} if frame is None else {"frames": [frame]}
-        return plot(source, **{**kwargs, "steps": step, "layers": "all" if layer == "mean" else layer,
-                               "heads": head, **extra})  # fmt: skip
+        return plot(
+            source, **{**kwargs, "steps": step, "layers": "all" if layer == "mean" else layer, "heads": head, **extra}
+        )
 
     return widgets.interactive(show, **controls)

@@ -184,8 +184,9 @@ def layer_step_grid(
             ax = axes[r, c]
             k = r * ncols + c
             aspect = "auto" if h == 1 else "equal"
-            images.append(ax.imshow(arrays[k], cmap=CMAP, norm=norms[k], interpolation="nearest", aspect=aspect,
-                                    gid=MAP_GID))  # fmt: skip
+            images.append(
+                ax.imshow(arrays[k], cmap=CMAP, norm=norms[k], interpolation="nearest", aspect=aspect, gid=MAP_GID)
+            )
             if kind == "frame" and not index:
                 ax.set_xticks(range(len(group_ticks)), group_ticks if r == nrows - 1 else [], fontsize=6)
                 ax.set_yticks(range(len(group_ticks)), group_ticks if c == 0 else [], fontsize=6)

@@ -208,8 +208,11 @@ def word_heatmap(
             if c == 0:
                 ax.set_ylabel(label + ("\npatch row" if pixels is None else ""), fontsize=8)
     add_colorbars(fig, images, list(axes.ravel()), kind, limits)
-    what = ("video → text: where the video attends to each word" if kind == "video_to_text"
-            else "text → video: where each word attends in the video")  # fmt: skip
+    what = (
+        "video → text: where the video attends to each word"
+        if kind == "video_to_text"
+        else "text → video: where each word attends in the video"
+    )
     set_title(fig, what, describe(source, kind, steps, layers, heads))
     return fig
 
@@ -297,8 +300,9 @@ def query_map(
             ax.plot([x], [y], marker="x", color="cyan", markersize=9, mew=2, gid=POINT_GID)
     axes[0].set_ylabel("patch row" if pixels is None else "video keys", fontsize=8)
     text_ax = fig.add_subplot(gs[1, :])
-    images.append(text_ax.imshow(arrays[-1], cmap=CMAP, norm=norms[-1], aspect="auto", interpolation="nearest",
-                                 gid=MAP_GID))  # fmt: skip
+    images.append(
+        text_ax.imshow(arrays[-1], cmap=CMAP, norm=norms[-1], aspect="auto", interpolation="nearest", gid=MAP_GID)
+    )
     ticks, labels = _text_ticks(source, tokenizer, prompt if prompt is not None else source.info.get("prompt"))
     text_ax.set_xticks(ticks, labels, fontsize=6, rotation=90 if len(ticks) > 16 else 0)
     text_ax.set_yticks([])

@@ -18,10 +18,25 @@ from ..reducers import REDUCERS
 from ..run import MapSource
 
 __all__ = [
-    "CMAP", "MAP_GID", "POINT_GID", "MapFigure", "add_colorbars", "color_norms", "describe", "frame_label",
-    "frame_unit", "head_labels", "heads_text", "hide_ticks", "new_figure", "patch_ticks", "pixel_ranges",
-    "set_title", "single_head", "span_text",
-]  # fmt: skip
+    "CMAP",
+    "MAP_GID",
+    "POINT_GID",
+    "MapFigure",
+    "add_colorbars",
+    "color_norms",
+    "describe",
+    "frame_label",
+    "frame_unit",
+    "head_labels",
+    "heads_text",
+    "hide_ticks",
+    "new_figure",
+    "patch_ticks",
+    "pixel_ranges",
+    "set_title",
+    "single_head",
+    "span_text",
+]
 
 MAP_GID = "attention"  # gid of every image that shows attention (tests and animate() find them by it)
 POINT_GID = "query-point"
@@ -82,8 +97,9 @@ def add_colorbars(fig: Figure, images: list, axes: list, kind: str, limits) -> N
         limits (`"shared" | "per-map" | tuple[float, float]`): as given to :func:`color_norms`.
     """
     if limits == "per-map":
-        bars = [fig.colorbar(ScalarMappable(norm=im.norm, cmap=im.cmap), ax=ax, shrink=0.8)
-                for im, ax in zip(images, axes)]  # fmt: skip
+        bars = [
+            fig.colorbar(ScalarMappable(norm=im.norm, cmap=im.cmap), ax=ax, shrink=0.8) for im, ax in zip(images, axes)
+        ]
     else:
         bars = [fig.colorbar(ScalarMappable(norm=images[0].norm, cmap=images[0].cmap), ax=axes, shrink=0.8)]
     for bar in bars:

@@ -128,8 +128,15 @@ def write_animation(frames: Sequence[np.ndarray], path: str | os.PathLike, fps: 
         sample = np.concatenate([np.asarray(im) for im in images[:: max(1, len(images) // 8)]], axis=0)
         palette = Image.fromarray(sample).quantize(colors=256, method=Image.Quantize.MEDIANCUT)
         images = [im.quantize(palette=palette, dither=Image.Dither.NONE) for im in images]
-        images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0,
-                       optimize=False, disposal=1)  # fmt: skip
+        images[0].save(
+            path,
+            save_all=True,
+            append_images=images[1:],
+            duration=round(1000 / fps),
+            loop=0,
+            optimize=False,
+            disposal=1,
+        )
         return path
     exe = _ffmpeg()
     if exe is None:
@@ -138,9 +145,29 @@ def write_animation(frames: Sequence[np.ndarray], path: str | os.PathLike, fps: 
         )
     h, w, _ = frames[0].shape
     # yuv420p (what players expect) needs even sizes, hence the pad.
-    cmd = [exe, "-y", "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{w}x{h}", "-r", str(fps),
-           "-i", "-", "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2", "-c:v", "libx264", "-pix_fmt", "yuv420p",
-           str(path)]  # fmt: skip
+    cmd = [
+        exe,
+        "-y",
+        "-loglevel",
+        "error",
+        "-f",
+        "rawvideo",
+        "-pix_fmt",
+        "rgb24",
+        "-s",
+        f"{w}x{h}",
+        "-r",
+        str(fps),
+        "-i",
+        "-",
+        "-vf",
+        "pad=ceil(iw/2)*2:ceil(ih/2)*2",
+        "-c:v",
+        "libx264",
+        "-pix_fmt",
+        "yuv420p",
+        str(path),
+    ]
     data = b"".join(np.ascontiguousarray(f, dtype=np.uint8).tobytes() for f in frames)
     subprocess.run(cmd, input=data, check=True)
     return path

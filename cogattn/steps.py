@@ -1,0 +1,85 @@
+"""Which denoising step is running, told by the transformer's own calls.
+
+A recording registers one forward pre-hook on the transformer; every call passes through
+:meth:`StepTracker.observe`, which reads the latent grid, the batch size and the timestep and says
+whether the call starts the generation, continues it with the next step, or starts another
+generation. It asks the pipeline (when there is one) for its guidance scale, its number of steps and
+its interrupt flag; a bare transformer tells none of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import TokenLayout
+
+__all__ = ["StepTracker"]
+
+
+class StepTracker:
+    """The steps of one generation.
+
+    Args:
+        transformer: the transformer whose calls are the steps (its config gives the patch sizes).
+        pipeline: the pipeline running it, or `None` for a bare transformer.
+    """
+
+    def __init__(self, transformer, pipeline=None):
+        self.transformer, self.pipeline = transformer, pipeline
+        self.timesteps: list[float] = []
+        self.layout: TokenLayout | None = None
+        self.batch_size: int | None = None
+        self.device: torch.device | None = None  # where the latents are (capture runs there)
+
+    @property
+    def step(self) -> int | None:
+        """Index of the denoising step now running (or last run), `None` before the first."""
+        return len(self.timesteps) - 1 if self.timesteps else None
+
+    def pipeline_attr(self, name: str):
+        """An attribute of the pipeline (``guidance_scale``, ``num_timesteps``, ``interrupt``), `None` when
+        there is no pipeline or it has not set it yet."""
+        try:
+            return getattr(self.pipeline, name) if self.pipeline is not None else None
+        except AttributeError:
+            return None
+
+    @property
+    def guidance(self) -> bool | None:
+        """Whether classifier-free guidance is on; `None` when no pipeline tells."""
+        if self.pipeline is None:
+            return None
+        scale = self.pipeline_attr("guidance_scale")
+        return bool(scale is not None and scale > 1)
+
+    def observe(self, args: tuple, kwargs: dict) -> str:
+        """Read one transformer call: ``"first"`` (the generation starts; :attr:`layout`,
+        :attr:`batch_size` and :attr:`device` are set), ``"next"`` (a later step; :attr:`timesteps` grows by one in both
+        cases), or ``"another"`` (a new generation; nothing changes). Raises `RuntimeError` for a call at
+        the timestep of the step before, which is not a denoising step of its own."""
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[1]
+        t = kwargs["timestep"] if "timestep" in kwargs else args[2]
+        t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
+        layout = TokenLayout.from_latents(tuple(hidden.shape), text.shape[1], self.transformer.config)
+        batch_size = hidden.shape[0]
+        if not self.timesteps:
+            self.layout, self.batch_size, self.device = layout, batch_size, hidden.device
+            self.timesteps.append(t)
+            return "first"
+        same_call = layout == self.layout and batch_size == self.batch_size
+        if same_call and t == self.timesteps[-1]:
+            raise RuntimeError(
+                f"the transformer was called again at timestep {t:g} (step {self.step}); a recording counts "
+                "one transformer call per denoising step. Batch such calls as the pipelines do "
+                "([uncond..., cond...]), or use one recording per call."
+            )
+        num_steps = self.pipeline_attr("num_timesteps")
+        if not same_call or t > self.timesteps[-1] or (num_steps is not None and len(self.timesteps) >= num_steps):
+            return "another"
+        self.timesteps.append(t)
+        return "next"
+
+    def describe(self) -> str:
+        """``"4 steps of a 2×(3, 3, 5) generation"``."""
+        return f"{len(self.timesteps)} steps of a {self.batch_size}×{self.layout.grid} generation"
