@@ -44,23 +44,24 @@ def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out, lse[..., : q.shape[2]]
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     """The layer's attention output and the float32 log-sum-exp of every row, ``(B, H, S)``, from the
     flash kernel ``F.scaled_dot_product_attention`` usually dispatches to (no mask, no dropout).
 
     On the CPU it is the kernel SDPA uses (bit-identical output, tested); on CUDA, for fp16/bf16, SDPA
     may pick another backend (cuDNN on Hopper), so the output can differ in the last bits. Returns
-    ``(F.scaled_dot_product_attention(q, k, v), None)`` where no such kernel applies."""
+    ``(F.scaled_dot_product_attention(q, k, v), None)`` where no such kernel applies. ``scale`` defaults
+    to ``1/sqrt(D)``, as in SDPA."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[:2]
         return out, lse
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
         try:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False)[:2]
-            return out, lse
+            res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+            return res[0], res[1]
         except RuntimeError:  # no flash kernel on this GPU: stay on the stock call
             pass
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v), None
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale), None
 
 
 def lse_only(qm: torch.Tensor, km: torch.Tensor, scale: float) -> torch.Tensor:
@@ -68,7 +69,7 @@ def lse_only(qm: torch.Tensor, km: torch.Tensor, scale: float) -> torch.Tensor:
     kernel in the model's dtype where there is one (fp32 accumulation), else from a float32 pass."""
     zeros = torch.zeros(1, 1, 1, qm.shape[-1], dtype=qm.dtype, device=qm.device).expand_as(qm)
     if qm.dtype != torch.float32 or qm.device.type == "cpu":
-        _, lse = attention_with_lse(qm, km, zeros)
+        _, lse = attention_with_lse(qm, km, zeros, scale)
         if lse is not None:
             return lse
     qf, kf = qm.float(), km.float()
@@ -108,10 +109,17 @@ def attention_joint(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indicator
     vp[..., D : D + C] = indicator.to(q.dtype)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, False, scale=scale)[:2]
-    elif q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and W <= _JOINT_MAX_WIDTH:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, False, False, scale=scale)[:2]
     else:
-        out, lse = sdpa_with_lse(qp, kp, vp, scale)
+        out = None
+        if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and W <= _JOINT_MAX_WIDTH:
+            try:
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                    qp, kp, vp, 0.0, False, False, scale=scale
+                )[:2]
+            except RuntimeError:  # no flash kernel here (pre-Ampere fp16, builds without it)
+                out = None
+        if out is None:
+            out, lse = sdpa_with_lse(qp, kp, vp, scale)
     del qp, kp, vp
     return out[..., :D].contiguous(), lse, out[..., D : D + C].contiguous()
 

@@ -26,12 +26,14 @@ import warnings
 import torch
 
 from . import attention, kernels
+from .checks import RowProbe
 from .planner import TilePlan, all_rows
 from .reducers import Reducer
 
 __all__ = [
     "TimedChoice",
     "capture",
+    "capture_items",
     "full_fp32_matmul",
     "indicator_sums",
     "multi_key_indicator",
@@ -44,7 +46,21 @@ __all__ = [
 
 @contextlib.contextmanager
 def full_fp32_matmul():
-    """Maps are exact float32: no TF32 in capture's matmuls, whatever the script set for the model."""
+    """Maps are exact float32: no TF32 in capture's matmuls, whatever the script set for the model.
+
+    Saved, set and restored through one API: the backends' ``fp32_precision`` where it exists (torch ≥
+    2.9; mixing it with the legacy calls is an error in torch), else the legacy calls."""
+    if hasattr(torch.backends, "fp32_precision"):
+        backends = [b for b in (torch.backends.cuda.matmul, getattr(torch.backends.mkldnn, "matmul", None)) if b]
+        saved = [b.fp32_precision for b in backends]
+        for b in backends:
+            b.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            for b, value in zip(backends, saved):
+                b.fp32_precision = value
+        return
     precision, tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
     torch.set_float32_matmul_precision("highest")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -136,8 +152,10 @@ def capture(
     lse: torch.Tensor | None = None,
     sums: torch.Tensor | None = None,
     timed: TimedChoice | None = None,
-) -> None:
-    """Fold exact float32 attention probabilities of one batch item into ``outs``.
+    probe=None,
+) -> str:
+    """Fold exact float32 attention probabilities of one batch item into ``outs``; returns the method that
+    served the key-pooled kinds (``"timed"`` made concrete).
 
     Args:
         q (`torch.Tensor`): queries ``(H, S, D)``, any float dtype.
@@ -154,6 +172,8 @@ def capture(
             groups of the key-pooled reducers side by side, any dtype) when the output call computed them
             (``plan.method == "joint"``); nothing then needs an attention pass.
         timed (`TimedChoice | None`): keeps the measured choices of ``plan.method == "timed"``.
+        probe (`cogattn.checks.RowProbe | None`): keeps the key-pooled values of a few query rows as the
+            method produced them, for a spot check.
     """
     S, D = q.shape[1:]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -163,7 +183,7 @@ def capture(
 
     every_row = [(r, o) for r, o in row_kinds if all_rows(r, S)]
     if every_row or (pooled and plan.method == "rows"):
-        row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale)
+        row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale, probe)
     for red, out in row_kinds:
         if not all_rows(red, S):
             row_pass(q, k, red.rows, [(red, out)], [], plan, scale)
@@ -178,10 +198,54 @@ def capture(
         method = plan.method
         if method == "timed":
             method = (timed or TimedChoice()).choose(q, k, multi, plan, scale, lse)
-        pooled_pass(q, k, multi, single, plan, scale, lse, fused=method == "triton", given_sums=given)
+        pooled_pass(q, k, multi, single, plan, scale, lse, fused=method == "triton", given_sums=given, probe=probe)
+        return method
+    return plan.method
 
 
-def row_pass(q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, scale: float) -> None:
+def capture_items(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    items,
+    reducers: list[Reducer],
+    plan: TilePlan,
+    heads: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
+    timed: TimedChoice | None = None,
+    probe_rows: torch.Tensor | None = None,
+):
+    """:func:`capture` for the batch ``items`` of ``query`` and ``key`` ``(B, H, S, D)`` (and of the output
+    call's ``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` when given), in full float32 matmuls.
+
+    Returns:
+        `tuple`: the results, one float32 ``(len(items), H_out, ...)`` tensor per reducer; the method that
+        served the key-pooled kinds; and with ``probe_rows``, ``[(item, RowProbe)]`` for a spot check.
+    """
+    num_heads = query.shape[1] if heads is None else len(heads)
+    outs = [torch.zeros(r.shape(len(items)), device=query.device) for r in reducers]
+    probes, method = [], plan.method
+    with full_fp32_matmul():
+        for i, b in enumerate(items):
+            probe = None if probe_rows is None else RowProbe(probe_rows, num_heads)
+            method = capture(
+                query[b],
+                key[b],
+                reducers,
+                [o[i] for o in outs],
+                plan,
+                heads,
+                lse=None if lse is None else lse[b],
+                sums=None if sums is None else sums[b],
+                timed=timed,
+                probe=probe,
+            )
+            if probe is not None:
+                probes.append((b, probe))
+    return outs, method, probes
+
+
+def row_pass(q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, scale: float, probe=None) -> None:
     """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, via the indicator, pooled kinds."""
     H, S, D = q.shape
     n_rows = S if rows is None else len(rows)
@@ -202,7 +266,7 @@ def row_pass(q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, 
                 red.fold_rows(out, h0, r0, probs)
             for (red, out), keys, ind in zip(pooled, gathers, indicators):
                 sums = probs.index_select(-1, keys) if keys is not None else torch.matmul(probs, ind)
-                red.fold_pooled(out, h0, r0, sums)
+                _fold(red, out, h0, r0, sums, probe)
             del scores, probs  # free this tile before the next one is allocated
 
 
@@ -231,6 +295,7 @@ def pooled_pass(
     given_lse: torch.Tensor | None = None,
     fused: bool = False,
     given_sums: HeadView | None = None,
+    probe=None,
 ) -> None:
     """Key-pooled kinds per head chunk: the multi-key groups' sums (:func:`indicator_sums`,
     :func:`triton_sums` when ``fused``, or ``given_sums`` from the output call), then single-key columns
@@ -265,12 +330,12 @@ def pooled_pass(
             lse = pass_lse if lse is None else lse
         if multi:
             for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
-                red.fold_pooled(o, h0, 0, sums[..., c0:c1])
+                _fold(red, o, h0, 0, sums[..., c0:c1], probe)
         del sums
         for red, o in single:
             keys = red.key_groups.keys.to(q.device)
             k_sel = kf[0][:, keys] if passes else k.chunk(h0, h1, keys)  # (h, C, D)
-            single_key_columns(_query_rows(qf, q, h0, h1), k_sel, lse[0], red, o, h0, plan.pooled_rows, scale)
+            single_key_columns(_query_rows(qf, q, h0, h1), k_sel, lse[0], red, o, h0, plan.pooled_rows, scale, probe)
         del qf, kf, lse
 
 
@@ -313,6 +378,7 @@ def single_key_columns(
     h0: int,
     rows_per_tile: int,
     scale: float,
+    probe=None,
 ) -> None:
     """Columns ``P[:, j] = exp(q·k_jᵀ·scale − lse)`` for the reducer's single keys ``k_sel`` ``(h, C, D)``,
     in tiles of query rows (``q_rows(r0, r1)`` gives float32 ``(h, r, D)``), folded into ``out``."""
@@ -321,5 +387,12 @@ def single_key_columns(
     for r0 in range(0, S, rows_per_tile):
         r1 = min(S, r0 + rows_per_tile)
         s = torch.matmul(q_rows(r0, r1), kt).mul_(scale)
-        red.fold_pooled(out, h0, r0, s.sub_(lse[:, r0:r1, None]).exp_())
+        _fold(red, out, h0, r0, s.sub_(lse[:, r0:r1, None]).exp_(), probe)
         del s
+
+
+def _fold(red: Reducer, out: torch.Tensor, h0: int, r0: int, values: torch.Tensor, probe) -> None:
+    """``red.fold_pooled``, after the probe (when checking) keeps the values of its rows."""
+    if probe is not None:
+        probe.take(red, h0, r0, values)
+    red.fold_pooled(out, h0, r0, values)

@@ -12,6 +12,7 @@ tests check it). :func:`available` says whether it can run for a device.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -120,6 +121,14 @@ def pooled_sums(
     # same products the tensor cores form with fp32 accumulation.
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (triton.cdiv(S, block_m), H)
+    # launched on the tensors' device, not the current one (a model on cuda:1 must not run on cuda:0)
+    on_device = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        _launch(grid, q, k, lse, ind, out, S, scale, D, Cp, block_m, block_n, interpreted)
+    return out[..., :C]
+
+
+def _launch(grid, q, k, lse, ind, out, S, scale, D, Cp, block_m, block_n, interpreted) -> None:
     _pooled_kernel[grid](
         q,
         k,
@@ -143,4 +152,3 @@ def pooled_sums(
         IEEE=q.dtype == torch.float32 or interpreted,
         UPCAST=interpreted,
     )
-    return out[..., :C]

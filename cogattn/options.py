@@ -96,6 +96,10 @@ class CaptureOptions:
         storage_dtype (`"float32" | "float16" | "bfloat16"`, defaults to ``"float32"``): the dtype on
             disk; the 16-bit ones halve the size.
         info (`dict | None`): JSON-able facts to keep with the run (prompt, seed, ...).
+        verify (`bool`, defaults to `True`): spot-check the fast methods against exact float32 rows at the
+            first capture of each shape (and 1% of the later ones), and fall back to exact row tiles (or the
+            stock output call) where they disagree; see :mod:`cogattn.checks`. The checks are listed in
+            ``Recording.checks`` and the run's metadata.
     """
 
     kinds: str | Sequence[str] = ("frame",)
@@ -111,6 +115,7 @@ class CaptureOptions:
     overwrite: bool = False
     storage_dtype: str = "float32"
     info: dict | None = None
+    verify: bool = True
 
     def __post_init__(self):
         kinds = (self.kinds,) if isinstance(self.kinds, str) else self.kinds
@@ -134,8 +139,9 @@ class CaptureOptions:
             raise ValueError("kind 'query' needs queries=[...]: token indices or (frame, row, col) coordinates.")
         if queries is not None and "query" not in kinds:
             raise ValueError("queries were given but 'query' is not in kinds; add it or drop queries.")
-        if not isinstance(self.overwrite, bool):
-            raise TypeError(f"overwrite must be True or False, got {self.overwrite!r}.")
+        for flag in ("overwrite", "verify"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}.")
         if self.info is not None and not isinstance(self.info, dict):
             raise TypeError(f"info must be a dict of JSON-able facts (or None), got {self.info!r}.")
         if self.save_dir is not None and not isinstance(self.save_dir, (str, os.PathLike)):

@@ -27,7 +27,7 @@ class MapSink(Protocol):
         """The block index of the module ``attn`` when this call is captured, else `None`."""
 
     def attention(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """For a captured call: `None` to keep the stock output call, or ``(output, lse, sums)`` from the
         opt-in fused call (``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` where it brings them)."""
@@ -102,7 +102,7 @@ class CogVideoXAttnMapProcessor:
         layer = self.sink.layer_to_capture(attn)
         if layer is not None and attention_mask is not None:
             raise ValueError("cogattn cannot capture attention that uses an attention mask.")
-        fused = None if layer is None else self.sink.attention(query, key, value)
+        fused = None if layer is None else self.sink.attention(layer, query, key, value)
         if fused is None:
             hidden_states = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False

@@ -17,11 +17,12 @@ import torch
 
 from . import engine
 from .attention import attention_joint_for, attention_with_lse
+from .checks import SpotCheck, Verifier, probe_rows, warn_failed
 from .layout import TokenLayout
 from .models import EagerWhileRecording, find_transformer
 from .options import CaptureOptions
 from .planner import CapturePlan, ModelShape, TilePlan, plan_capture, plan_tiles
-from .steps import StepTracker
+from .steps import StepTracker, WeakHook
 from .store import MemoryStore, RunWriter, StoreError
 
 __all__ = ["Recording", "record"]
@@ -59,6 +60,7 @@ class Recording:
         self._joint_indicator: torch.Tensor | None = None
         self._tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies) of the calls seen
         self._timed = engine.TimedChoice()
+        self._verifier = Verifier(self.options.verify)
         self._originals: dict | None = None
         self._closed = False
         self._entered = False  # used as a context manager: a second generation raises instead of closing
@@ -71,7 +73,7 @@ class Recording:
             )
         # The hook holds the recording weakly: a recording dropped without close() stops capturing and
         # its hook goes away with it, instead of outliving it in the transformer.
-        self._hook = self.transformer.register_forward_pre_hook(_WeakHook(self), with_kwargs=True)
+        self._hook = self.transformer.register_forward_pre_hook(WeakHook(self._on_forward), with_kwargs=True)
         self._eager = EagerWhileRecording(self.pipeline, self.transformer)
         self._finalizer = weakref.finalize(self, _abandon, self._hook, self._store, self._eager)
 
@@ -200,6 +202,7 @@ class Recording:
             "layer_output": self.options.layer_output,
             "storage_dtype": self.options.storage_dtype,
             "info": self.options.info,
+            "checks": [c.asdict() for c in self._verifier.checks],
             "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
         }
 
@@ -214,19 +217,30 @@ class Recording:
         wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
         return layer if wanted else None
 
-    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """The output call of a captured layer: `None` for the stock call, else ``(output, lse, sums)``.
 
         ``layer_output="lse"``: the flash kernel, which also returns the lse. ``"joint"``: one widened
         fused call for the captured batch items (:func:`cogattn.attention.attention_joint`), the stock
-        call for the others."""
+        call for the others. Spot-checked against the stock call on a few rows (:mod:`cogattn.checks`)."""
         mode = self.options.layer_output
-        if mode == "stock":
+        shape = (str(query.device), query.dtype, mode, tuple(query.shape[1:]))
+        if mode == "stock" or shape in self._verifier.stock_output:
             return None
         if mode == "lse" or self._joint_indicator is None:  # no multi-key kinds: the lse alone is reused
-            out, lse = attention_with_lse(query, key, value)
-            return out, lse, None
-        return attention_joint_for(query, key, value, self._joint_indicator.to(query.device), self.plan.resolved.batch)
+            result = (*attention_with_lse(query, key, value), None)
+        else:
+            indicator = self._joint_indicator.to(query.device)
+            result = attention_joint_for(query, key, value, indicator, self.plan.resolved.batch)
+        if self._verifier.due(("output", *shape)):
+            check = self._verifier.check_output(
+                result[0], query, key, value, probe_rows(self.layout), self.step, layer, mode
+            )
+            if not check.passed:
+                warn_failed(check, shape[3], "this and every later call of this shape take the stock output call")
+                self._verifier.stock_output.add(shape)
+                return None
+        return result
 
     def capture(
         self,
@@ -238,36 +252,45 @@ class Recording:
     ) -> None:
         """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
         ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
-        ``(B, H, S, C)`` when it gave them)."""
+        ``(B, H, S, C)`` when it gave them); spot-check the method that served them."""
         res, reducers = self.plan.resolved, self.plan.reducers
         B, H, S, D = query.shape
         if S != res.layout.seq_len:
             raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
         # The engine copies q and k per head chunk unless they already are contiguous float32 with every head.
         copies = query.dtype != torch.float32 or len(res.heads) != H or not query[0].is_contiguous()
-        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies)
-        outs = [torch.zeros(r.shape(len(res.batch)), device=query.device) for r in reducers]
+        shape = (str(query.device), query.dtype, S, len(res.heads), D)
+        method = "rows" if shape in self._verifier.rows_only else self.plan.tiles.method
+        if method == "joint" and lse is None:  # the output call fell back to the stock one
+            method = "auto"
+        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method)
         heads = None if len(res.heads) == H else torch.tensor(res.heads)
-        with engine.full_fp32_matmul():
-            for i, b in enumerate(res.batch):
-                engine.capture(
-                    query[b],
-                    key[b],
-                    reducers,
-                    [o[i] for o in outs],
-                    tiles,
-                    heads,
-                    lse=None if lse is None else lse[b],
-                    sums=None if sums is None else sums[b],
-                    timed=self._timed,
+        rows = probe_rows(res.layout) if self._verifier.due((*shape[:2], tiles.method, shape[2:])) else None
+        args = (query, key, res.batch, reducers)
+        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self._timed, rows)
+        if probes:
+            check = self._verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, used, D**-0.5)
+            if not check.passed:
+                warn_failed(
+                    check,
+                    shape[2:],
+                    "this layer call's maps are recomputed with row tiles, as every later one of this shape",
                 )
+                self._verifier.rows_only.add(shape)
+                rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
+                outs, _, _ = engine.capture_items(*args, rows_tiles, heads)
         for red, out in zip(reducers, outs):
             self._store.put(red.kind, self.step, layer, self.timesteps[-1], out)
 
-    def _tiles_for(self, S: int, H: int, D: int, device, copies: bool) -> TilePlan:
-        key = (S, D, torch.device(device).type, copies)
+    @property
+    def checks(self) -> list[SpotCheck]:
+        """The spot checks made so far (:mod:`cogattn.checks`): step, layer, method, device, dtype, rows,
+        largest error against exact rows, tolerance, passed."""
+        return list(self._verifier.checks)
+
+    def _tiles_for(self, S: int, H: int, D: int, device, copies: bool, method: str) -> TilePlan:
+        key = (S, D, torch.device(device).type, copies, method)
         if key not in self._tiles:
-            method = self.plan.tiles.method
             self._tiles[key] = plan_tiles(
                 self.plan.reducers, S, H, D, self.options.memory_budget, method, device, copies
             )
@@ -315,7 +338,7 @@ class Recording:
                 self._store.discard()  # nothing was captured (refused at the first step, say)
         self._warn_missing()
         steps = self.options.steps
-        if self.timesteps and steps != "all" and max(steps) >= len(self.timesteps):
+        if self._status == "finished" and steps != "all" and max(steps) >= len(self.timesteps):
             missing = [s for s in steps if s >= len(self.timesteps)]
             warnings.warn(
                 f"steps {missing} were selected but the generation ran {len(self.timesteps)} steps.", stacklevel=3
@@ -352,10 +375,8 @@ class Recording:
             warnings.warn(f"closing the recording after {exc_type.__name__} also failed: {err}", stacklevel=2)
 
     def __repr__(self) -> str:
-        return (
-            f"Recording(kinds={list(self.options.kinds)}, steps={len(self.timesteps)}, records={len(self.keys())}, "
-            f"layout={self.layout})"
-        )
+        kinds, steps, records = list(self.options.kinds), len(self.timesteps), len(self.keys())
+        return f"Recording(kinds={kinds}, steps={steps}, records={records}, {self._status}, layout={self.layout})"
 
 
 def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording:
@@ -370,9 +391,7 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
     Args:
         target: a CogVideoX pipeline (text-to-video or image-to-video) or a ``CogVideoXTransformer3DModel``.
         options (`CaptureOptions | None`): the options as one object; keyword arguments (any field of
-            :class:`cogattn.CaptureOptions`: ``kinds``, ``layers``, ``steps``, ``batch``, ``heads``,
-            ``queries``, ``memory_budget``, ``method``, ``layer_output``, ``save_dir``, ``overwrite``,
-            ``storage_dtype``, ``info``) are applied on top.
+            :class:`cogattn.CaptureOptions`, which documents each) are applied on top.
 
     Returns:
         `Recording`: a context manager; on exit the original processors are back and the hook is gone.
@@ -384,18 +403,6 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
         rec.close()
         raise
     return rec
-
-
-class _WeakHook:
-    """The transformer's forward pre-hook, holding its recording weakly."""
-
-    def __init__(self, recording: Recording):
-        self._recording = weakref.ref(recording)
-
-    def __call__(self, module, args, kwargs):
-        recording = self._recording()
-        if recording is not None:
-            recording._on_forward(module, args, kwargs)
 
 
 def _abandon(hook, store, eager: EagerWhileRecording) -> None:

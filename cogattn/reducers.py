@@ -167,17 +167,22 @@ class FrameReducer(Reducer):
         super().__init__(layout, num_heads, mean_heads)
         group = layout.group_of_token()
         self.key_groups = KeyGroups(torch.arange(layout.seq_len), group, layout.num_groups)
-        self._query_group = group
-        self._inv_size = 1.0 / torch.tensor(layout.group_sizes(), dtype=torch.float32)
+        sizes = layout.group_sizes()
+        self._starts = [sum(sizes[:g]) for g in range(len(sizes) + 1)]  # query groups are runs of tokens
+        self._inv_size = 1.0 / torch.tensor(sizes, dtype=torch.float32)
 
     def shape(self, num_batch):
         G = self.layout.num_groups
         return (num_batch, self.out_heads, G, G)
 
     def fold_pooled(self, out, h0, r0, pooled):
+        # A sum over each query group's run of rows: deterministic, where index_add_ on CUDA is not.
         h, r, G = pooled.shape
-        qg = self._query_group[r0 : r0 + r].to(pooled.device)
-        sums = torch.zeros(h, G, G, dtype=pooled.dtype, device=pooled.device).index_add_(1, qg, pooled)
+        sums = torch.zeros(h, G, G, dtype=pooled.dtype, device=pooled.device)
+        for g in range(G):
+            a, b = max(self._starts[g], r0), min(self._starts[g + 1], r0 + r)
+            if a < b:
+                sums[:, g] = pooled[:, a - r0 : b - r0].sum(1)
         self._accumulate(out, h0, sums * self._inv_size.to(pooled.device)[:, None])
 
 

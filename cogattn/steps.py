@@ -9,11 +9,26 @@ its interrupt flag; a bare transformer tells none of them.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .layout import TokenLayout
 
-__all__ = ["StepTracker"]
+__all__ = ["StepTracker", "WeakHook"]
+
+
+class WeakHook:
+    """A forward pre-hook calling a method of an object it holds weakly: an object dropped without cleaning
+    up stops being called, instead of living on in the module's hooks."""
+
+    def __init__(self, method):
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, module, args, kwargs):
+        method = self._method()
+        if method is not None:
+            method(module, args, kwargs)
 
 
 class StepTracker:

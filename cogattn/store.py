@@ -286,8 +286,8 @@ class RunWriter:
             ) from self._error
 
     def _to_host(self, t: torch.Tensor):
-        """CPU copy of ``t``; from CUDA through a pinned buffer with a non-blocking copy and an event,
-        so the stream is not stalled and the writer thread waits for the copy instead."""
+        """CPU copy of ``t``; from CUDA through a pinned buffer with a non-blocking copy and an event
+        (returned with its device), so the stream is not stalled and the writer thread waits for the copy."""
         if t.device.type != "cuda":
             return t.contiguous(), None
         with self._cond:
@@ -300,7 +300,7 @@ class RunWriter:
             buf.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        return buf, event
+        return buf, (event, t.device)
 
     # -- writer thread -----------------------------------------------------------------------------
     def _work(self) -> None:
@@ -314,8 +314,10 @@ class RunWriter:
             kind, step, layer, timestep, host, ready, n = item
             if self._error is None:
                 try:
-                    if ready is not None:
-                        ready.synchronize()
+                    if ready is not None:  # on the copy's device: no context on GPU 0 for a process on another
+                        event, device = ready
+                        with torch.cuda.device(device):
+                            event.synchronize()
                     t0 = time.perf_counter()
                     self._commit(kind, step, layer, timestep, host)
                     self.busy_seconds += time.perf_counter() - t0

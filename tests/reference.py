@@ -1,14 +1,16 @@
-"""Independent reference: q and k recomputed from each attention module's inputs, and naive
-``softmax(q @ k.T * scale)`` in float64 with every kind derived by plain indexing."""
+"""The suite's reference: q and k recomputed from each attention module's inputs (independently of
+cogattn's processors), and the naive float64 softmax of :mod:`cogattn.reference`, which shares no code
+with the engine."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from cogattn import KINDS
+from cogattn.reference import naive_kind, naive_probs, select
+
+__all__ = ["QKSpy", "assert_matches_naive", "naive_kind", "naive_probs", "select"]
 
 
 class QKSpy:
@@ -40,46 +42,6 @@ class QKSpy:
     def remove(self):
         for h in self._handles:
             h.remove()
-
-
-def naive_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``(B, H, S, S)`` float64 softmax(q kᵀ / sqrt(D))."""
-    q, k = q.double(), k.double()
-    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
-
-
-def naive_kind(P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], queries=None) -> torch.Tensor:
-    """One kind from full probabilities ``P`` ``(B, H, S, S)`` by plain indexing (the definitions in docs/design.md)."""
-    B, H, S, _ = P.shape
-    F, Hp, Wp = grid
-    if kind == "full":
-        return P
-    if kind == "query":
-        return P[:, :, list(queries)]
-    if kind == "video_to_text":
-        return P[:, :, T:, :T].permute(0, 1, 3, 2).reshape(B, H, T, F, Hp, Wp)
-    if kind == "text_to_video":
-        return P[:, :, :T, T:].reshape(B, H, T, F, Hp, Wp)
-    if kind == "frame":
-        bounds = [0, T] + [T + (f + 1) * Hp * Wp for f in range(F)]
-        G = F + 1
-        out = torch.empty(B, H, G, G, dtype=P.dtype)
-        for g in range(G):
-            for h in range(G):
-                block = P[:, :, bounds[g] : bounds[g + 1], bounds[h] : bounds[h + 1]]
-                out[:, :, g, h] = block.sum(-1).mean(-1)
-        return out
-    raise ValueError(kind)
-
-
-def select(x: torch.Tensor, batch, heads) -> torch.Tensor:
-    """Apply a batch list and heads ("all", "mean" or a list) to a ``(B, H, ...)`` reference."""
-    x = x[list(batch)]
-    if heads == "mean":
-        return x.mean(1, keepdim=True)
-    if heads == "all":
-        return x
-    return x[:, list(heads)]
 
 
 def assert_matches_naive(rec, spy: QKSpy, batch, heads, kinds=KINDS, queries=None, tol: float = 1e-5) -> None:

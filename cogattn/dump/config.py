@@ -76,7 +76,7 @@ class DumpConfig:
         seed (`int`): the generator's seed; a prompt's own seed wins.
         capture (`CaptureOptions`): the ``capture:`` mapping: ``kinds``, ``layers``, ``steps`` (the
             denoising steps captured, 0-based), ``batch``, ``heads``, ``queries``, ``memory_budget``,
-            ``method``, ``layer_output``, ``storage_dtype``, documented and checked by
+            ``method``, ``layer_output``, ``storage_dtype``, ``verify``, documented and checked by
             :class:`cogattn.CaptureOptions` (a key left out takes its default there). Its ``save_dir``,
             ``overwrite`` and ``info`` are refused: the tool sets them for each prompt.
         save_dir (`str`): output root; each prompt gets ``<save_dir>/<index>-<hash>/``.
@@ -127,12 +127,13 @@ class DumpConfig:
 
     def output_key(self) -> str:
         """A hash of every setting that changes what a prompt's folder holds; not ``device``, ``offload``,
-        ``vae_tiling``, ``capture.memory_budget``, ``capture.method``, ``save_dir`` or ``prompts``, which
+        ``vae_tiling``, ``capture.memory_budget``, ``capture.method``, ``capture.verify``, ``save_dir`` or
+        ``prompts``, which
         change only how or where it is computed."""
         settings = self.to_dict()
         for key in ("device", "offload", "vae_tiling", "save_dir", "prompts"):
             del settings[key]
-        for key in ("memory_budget", "method"):
+        for key in ("memory_budget", "method", "verify"):
             del settings["capture"][key]
         return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

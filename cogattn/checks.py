@@ -1,0 +1,160 @@
+"""Spot checks: every capture verifies its fast method against exact float32 rows, wherever it runs.
+
+The fast methods (the fused SDPA pass, the Triton kernel, the output call's lse and sums) run kernels
+no test here sees on a user's GPU. At the first capture of each (device, dtype, method, shape) in a
+process, and again with a small probability after, a :class:`RowProbe` keeps what the method produced
+for a few query rows (2 text and 6 video tokens, all selected heads), and :class:`Verifier` recomputes
+those rows exactly: float32 ``softmax(q·kᵀ·scale)`` from the same q and k, pooled with each kind's own
+key groups. A disagreement beyond :data:`TOLERANCE` is warned about once, the layer call's maps are
+recomputed with row tiles (nothing wrong is stored), and that shape stays on row tiles. The opt-in
+``layer_output`` modes are checked the same way against the stock SDPA call, and fall back to it.
+
+Which shapes were checked is process-wide by design (:data:`SEEN`): the kernels are the process's.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .layout import TokenLayout
+from .reducers import Reducer
+
+__all__ = ["OUTPUT_RTOL", "RECHECK_RATE", "TOLERANCE", "RowProbe", "SpotCheck", "Verifier", "probe_rows"]
+
+# Largest allowed |fast − exact| for a probability or a pooled sum (each ≤ 1). Every method computes
+# them in float32 from q and k converted exactly to float32, except the joint output call, whose sums
+# are rounded to the model's dtype per query row (half an ulp at 1: 2⁻⁸ in bf16, 2⁻¹¹ in fp16). On
+# GPUs, float32 fused kernels may run with 3×TF32 (about 1e-6 relative): within 1e-5.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+JOINT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}
+# Largest allowed |opt-in output − stock output|, relative to the stock output's largest entry: a few
+# roundings in the model's dtype.
+OUTPUT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}
+RECHECK_RATE = 0.01  # after the first check of a shape, the share of captures checked again
+SEEN: set[tuple] = set()  # (device, dtype, method, shape) checked in this process
+
+
+def probe_rows(layout: TokenLayout, count: int = 8) -> torch.Tensor:
+    """Query tokens a check recomputes: the first and last text token and video tokens spread over the
+    video (``count`` in all, fewer when the sequence is shorter), sorted."""
+    T, S = layout.text_len, layout.seq_len
+    text = [0, T - 1] if T > 1 else [0]
+    video = torch.linspace(T, S - 1, max(1, count - len(text))).round().long().tolist() if S > T else []
+    return torch.tensor(sorted(set(text + video)), dtype=torch.long)
+
+
+class RowProbe:
+    """The key-pooled values a method produced for ``rows``, per kind: ``(H, len(rows), C)`` float32."""
+
+    def __init__(self, rows: torch.Tensor, num_heads: int):
+        self.rows, self.num_heads = rows, num_heads
+        self.values: dict[str, torch.Tensor] = {}
+
+    def take(self, red: Reducer, h0: int, r0: int, values: torch.Tensor) -> None:
+        """Keep what of ``values`` ``(h, r, C)`` (heads ``h0:``, query rows ``r0:``) falls on the probe's rows."""
+        h, r, C = values.shape
+        inside = (self.rows >= r0) & (self.rows < r0 + r)
+        if not inside.any():
+            return
+        buf = self.values.setdefault(red.kind, torch.full((self.num_heads, len(self.rows), C), float("nan")))
+        idx = (self.rows[inside] - r0).to(values.device)
+        buf[h0 : h0 + h, inside] = values[:, idx].float().cpu()
+
+
+@dataclass(frozen=True)
+class SpotCheck:
+    """One check: where, which method, how many rows, the largest error against exact rows, the tolerance."""
+
+    step: int | None
+    layer: int
+    what: str  # the method ("sdpa", "triton", "joint", ...), or "layer_output=lse"/"=joint" for output checks
+    device: str
+    dtype: str
+    rows: int
+    max_error: float
+    tolerance: float
+    passed: bool
+
+    def asdict(self) -> dict:
+        return asdict(self)
+
+
+class Verifier:
+    """A recording's spot checks: when to check, the checks made, and the shapes sent back to row tiles.
+
+    Args:
+        enabled (`bool`): ``CaptureOptions.verify``; `False` checks nothing.
+        seed (`int`, defaults to 0): seed of the re-check draws (reproducible runs).
+    """
+
+    def __init__(self, enabled: bool, seed: int = 0):
+        self.enabled = enabled
+        self.checks: list[SpotCheck] = []
+        self.rows_only: set[tuple] = set()  # shapes whose fast method failed: row tiles from now on
+        self.stock_output: set[tuple] = set()  # shapes whose opt-in output failed: the stock call from now on
+        self._rng = random.Random(seed)
+
+    def due(self, key: tuple) -> bool:
+        """Whether the capture of ``key`` = (device, dtype, method, shape) is checked now."""
+        if not self.enabled or key[2] == "rows":
+            return False  # row tiles are the exact method the checks compare with
+        if key not in SEEN:
+            SEEN.add(key)
+            return True
+        return self._rng.random() < RECHECK_RATE
+
+    def check_maps(self, probes, q, k, heads, reducers, step, layer, method, scale) -> SpotCheck:
+        """Compare the probes (one per captured batch item, of ``q`` and ``k`` ``(B, H, S, D)`` rows
+        ``batch``) with exact float32 rows; record and return the check."""
+        tol_table = JOINT_TOLERANCE if method == "joint" else TOLERANCE
+        tolerance = tol_table.get(q.dtype, 1e-5)
+        errors = []
+        for b, probe in probes:
+            qb = q[b] if heads is None else q[b].index_select(0, heads.to(q.device))
+            kb = k[b] if heads is None else k[b].index_select(0, heads.to(k.device))
+            probs = torch.softmax((qb[:, probe.rows.to(q.device)].float() @ kb.float().transpose(1, 2)) * scale, -1)
+            for red in reducers:
+                if red.key_groups is None:
+                    continue
+                exact = (probs @ red.key_groups.indicator(q.shape[2], device=q.device)).cpu()
+                got = probe.values.get(red.kind)
+                errors.append(float("nan") if got is None else (got - exact).abs().max().item())
+        error = float("nan") if any(e != e for e in errors) else max(errors, default=0.0)  # a gap (NaN) fails
+        rows = len(probes[0][1].rows) * len(probes) if probes else 0
+        check = SpotCheck(
+            step, layer, method, str(q.device), _name(q.dtype), rows, error, tolerance, error <= tolerance
+        )
+        self.checks.append(check)
+        return check
+
+    def check_output(self, out, q, k, v, rows, step, layer, mode) -> SpotCheck:
+        """Compare an opt-in output call's ``out`` ``(B, H, S, D)`` with the stock SDPA call on ``rows``."""
+        rows = rows.to(q.device)
+        stock = F.scaled_dot_product_attention(q[:, :, rows], k, v, dropout_p=0.0, is_causal=False).float()
+        tolerance = OUTPUT_RTOL.get(q.dtype, 1e-5) * max(stock.abs().max().item(), 1e-6)
+        error = (out[:, :, rows].float() - stock).abs().max().item()
+        what = f"layer_output={mode}"
+        check = SpotCheck(
+            step, layer, what, str(q.device), _name(q.dtype), len(rows), error, tolerance, error <= tolerance
+        )
+        self.checks.append(check)
+        return check
+
+
+def warn_failed(check: SpotCheck, shape: tuple, instead: str) -> None:
+    """The one warning of a failed check: what, where, how wrong, and what is used instead."""
+    warnings.warn(
+        f"spot check failed: {check.what} on {check.device} ({check.dtype}, shape {shape}) is off by "
+        f"{check.max_error:.3g} against exact rows (tolerance {check.tolerance:.3g}) at step {check.step}, "
+        f"layer {check.layer}; {instead}. Please report it with the output of `python -m cogattn.selftest`.",
+        stacklevel=5,
+    )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

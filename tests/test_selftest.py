@@ -1,0 +1,48 @@
+"""``python -m cogattn.selftest`` passes on this machine, and fails (exit 1) when a method is wrong."""
+
+import json
+
+import pytest
+
+import cogattn.attention as attention
+from cogattn.selftest import main
+
+
+def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys):
+    assert main(["--quick", "--seq-len", "300", "--json", str(tmp_path / "report.json")]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "torch " in out and "diffusers " in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["passed"] and {"torch", "diffusers", "triton", "device", "cogattn"} <= set(report["versions"])
+    rows = report["rows"]
+    kinds = {(r["kind"], r["method"], r["output"]) for r in rows if r["part"].startswith("layer")}
+    assert {(k, "rows", "stock") for k in ("full", "frame", "video_to_text", "text_to_video", "query")} <= kinds
+    assert {("frame", "sdpa", "stock"), ("frame", "joint", "joint"), ("video_to_text", "sdpa", "lse")} <= kinds
+    tiny = [r for r in rows if r["part"] == "tiny 1.0 t2v" and r["passed"] is not None]
+    combos = {(r["method"], r["output"]) for r in tiny} - {("triton", "stock")}  # where Triton runs here
+    assert combos == {("rows", "stock"), ("sdpa", "stock"), ("auto", "lse"), ("auto", "joint")}
+    assert all(r["bit_identical"] for r in tiny) and all(r["max_error"] <= 1e-5 for r in tiny)
+
+
+@pytest.mark.parametrize("corrupt", ["sums", "lse"])
+def test_a_wrong_method_fails_the_selftest_with_exit_1(monkeypatch, capsys, tmp_path, corrupt):
+    real = attention.sdpa_with_lse
+
+    def wrong(q, k, v, scale):
+        out, lse = real(q, k, v, scale)
+        return (out * 1.001, lse) if corrupt == "sums" else (out, lse + 1e-3)
+
+    monkeypatch.setattr(attention, "sdpa_with_lse", wrong)
+    assert main(["--quick", "--seq-len", "300", "--json", str(tmp_path / "r.json")]) == 1
+    assert "check(s) FAILED" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    failed = {r["method"] for r in rows if r["passed"] is False}
+    assert "sdpa" in failed and failed <= {"sdpa", "triton"}  # the two that call the corrupted kernel
+    assert all(r["passed"] for r in rows if r["method"] == "rows")
+
+
+def test_bad_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["--dtype", "int8"])
+    assert err.value.code == 2
+    assert main(["--device", "tpu", "--quick"]) == 2 and "selftest:" in capsys.readouterr().err
