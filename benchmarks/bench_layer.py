@@ -25,6 +25,7 @@ from diffusers.models.attention_processor import Attention, CogVideoXAttnProcess
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 
 from cogattn.attention import attention_joint, attention_with_lse
+from cogattn.checks import RowProbe, Verifier, probe_rows
 from cogattn.engine import capture, multi_key_indicator
 from cogattn.layout import TokenLayout
 from cogattn.options import parse_bytes
@@ -134,6 +135,7 @@ def main() -> None:
         (("text_to_video",), "rows"),
         (("query",), "rows"),
         (("video_to_text",), "sdpa+lse"),
+        (("frame", "video_to_text"), "sdpa, checked"),
     ]
     cases += [(("frame",), "joint"), (("frame", "video_to_text"), "joint")]
     rows = []
@@ -151,11 +153,16 @@ def main() -> None:
         reducers = [REDUCERS[kd](layout, H, True, queries) for kd in kinds]
         given = lse if method.endswith("+lse") else None
         copies = not q.is_contiguous()  # as the recording decides: contiguous float32 q, k are not copied
-        plan = plan_tiles(reducers, S, H, D, budget, method.removesuffix("+lse"), "cpu", copies)
+        plan = plan_tiles(reducers, S, H, D, budget, method.split("+")[0].split(",")[0], "cpu", copies)
         outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+        checked = method.endswith("checked")  # a spot check as a recording makes at a shape's first capture
+        probe = RowProbe(probe_rows(layout), H) if checked else None
         memory.start()
         t0 = time.perf_counter()
-        capture(q, k, reducers, outs, plan, lse=given)
+        capture(q, k, reducers, outs, plan, lse=given, probe=probe)
+        if checked:
+            check = Verifier(True).check_maps([(0, probe)], qb, kb, None, reducers, 0, 0, "sdpa", D**-0.5)
+            assert check.passed, check
         dt = time.perf_counter() - t0
         peak = memory.stop()
         result = sum(r.nbytes(1) for r in reducers)
@@ -176,7 +183,8 @@ def main() -> None:
         f"Stock layer (projections + fused SDPA + output projection): **{t_stock:.2f} s** "
         f"(its SDPA call alone: {t_sdpa:.2f} s). Method `sdpa+lse`: the output kernel's log-sum-exp reused "
         '(`layer_output="lse"`). Method `joint` (`layer_output="joint"`): the widened output call\'s time over the '
-        "stock SDPA call's, plus the capture that remains; its peak is over the stock call's.",
+        "stock SDPA call's, plus the capture that remains; its peak is over the stock call's. `sdpa, checked`: "
+        "with the spot check a recording makes at the first capture of a shape (8 rows recomputed exactly).",
         f"Naive full P = softmax(QKᵀ) for this layer: {naive / 1e9:.1f} GB ({naive / 2**30:.1f} GiB) in float32, "
         "before any softmax temporaries (not run).",
         "",
