@@ -3,13 +3,14 @@
 import pytest
 import torch
 from reference import naive_kind, naive_probs
+from tiny_calls import generate
 
 import cogattn
 from cogattn.engine import capture
 from cogattn.layout import TokenLayout
 from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
-from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
+from cogattn.testing import tiny_pipeline
 
 pytestmark = pytest.mark.gpu
 
@@ -34,20 +35,11 @@ def test_cuda_sdpa_path_matches_naive(dtype):
 
 def test_cuda_generation_bit_identical_and_streamed(tmp_path):
     pipe = tiny_pipeline(dtype=torch.bfloat16).to("cuda")
-    emb = torch.randn(1, TINY_TEXT_LEN, 16, device="cuda", dtype=torch.bfloat16)
-    kw = dict(
-        prompt_embeds=emb,
-        negative_prompt_embeds=-emb,
-        num_frames=9,
-        num_inference_steps=2,
-        max_sequence_length=TINY_TEXT_LEN,
-        output_type="pt",
-    )
-    stock = pipe(generator=torch.Generator("cuda").manual_seed(0), **kw).frames
+    stock = generate(pipe)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond") as mem:
-        in_memory = pipe(generator=torch.Generator("cuda").manual_seed(0), **kw).frames
+        in_memory = generate(pipe)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", save_dir=tmp_path / "run"):
-        streamed = pipe(generator=torch.Generator("cuda").manual_seed(0), **kw).frames
+        streamed = generate(pipe)
     assert torch.equal(in_memory, stock) and torch.equal(streamed, stock)
     run = cogattn.load(tmp_path / "run")
     for key in mem.keys():
@@ -60,18 +52,9 @@ def test_cuda_auto_times_the_kernel_and_matches_naive():
     from reference import QKSpy, assert_matches_naive
 
     pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
-    emb = torch.randn(1, TINY_TEXT_LEN, 16, device="cuda", dtype=torch.bfloat16)
-    kw = dict(
-        prompt_embeds=emb,
-        negative_prompt_embeds=-emb,
-        num_frames=9,
-        num_inference_steps=2,
-        max_sequence_length=TINY_TEXT_LEN,
-        output_type="pt",
-    )
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", layer_output="lse") as rec:
-        pipe(generator=torch.Generator("cuda").manual_seed(0), **kw)
+        generate(pipe)
     spy.remove()
     assert rec.plan.tiles.method == "timed"
     assert rec.chosen_methods and set(rec.chosen_methods.values()) <= {"sdpa", "triton"}
@@ -88,18 +71,9 @@ def test_cuda_joint_output_close_to_stock_and_maps_within_bf16():
     from cogattn.engine import multi_key_indicator
 
     pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
-    emb = torch.randn(1, TINY_TEXT_LEN, 16, device="cuda", dtype=torch.bfloat16)
-    kw = dict(
-        prompt_embeds=emb,
-        negative_prompt_embeds=-emb,
-        num_frames=9,
-        num_inference_steps=2,
-        max_sequence_length=TINY_TEXT_LEN,
-        output_type="pt",
-    )
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", layer_output="joint") as rec:
-        pipe(generator=torch.Generator("cuda").manual_seed(0), **kw)
+        generate(pipe)
     spy.remove()
     assert_matches_naive(rec, spy, [1], "all", kinds=("frame",), tol=2**-8)
     assert_matches_naive(rec, spy, [1], "all", kinds=("video_to_text",), tol=1e-5)

@@ -132,24 +132,11 @@ def test_loaded_from_pretrained_folder(tmp_path):
     tiny_pipeline().save_pretrained(tmp_path)
     pipe = CogVideoXPipeline.from_pretrained(tmp_path)
     pipe.set_progress_bar_config(disable=True)
-    stock = pipe(
-        prompt="a red fox",
-        num_frames=9,
-        num_inference_steps=1,
-        max_sequence_length=TINY_TEXT_LEN,
-        output_type="pt",
-        generator=torch.Generator().manual_seed(0),
-    ).frames
+    call = dict(prompt="a red fox", num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN)
+    stock = pipe(**call, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame",), batch="cond") as rec:
-        out = pipe(
-            prompt="a red fox",
-            num_frames=9,
-            num_inference_steps=1,
-            max_sequence_length=TINY_TEXT_LEN,
-            output_type="pt",
-            generator=torch.Generator().manual_seed(0),
-        ).frames
+        out = pipe(**call, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
     spy.remove()
     assert torch.equal(out, stock)
     assert rec.get("frame", 0, 1).shape == (1, 1, 4, 4)

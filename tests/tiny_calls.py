@@ -17,10 +17,11 @@ def generate(pipe, *, steps=2, videos=1, guidance=6.0, height=48, width=80, prom
     videos per prompt would (CogVideoX pipelines force one video per prompt). Image-to-video pipelines
     get a random image."""
     g = torch.Generator().manual_seed(seed)
+    device = pipe._execution_device
     if videos > 1 or prompt is not None:
         extra.update(prompt=[prompt or PROMPT] * videos, negative_prompt=["blue sky"] * videos)
     else:
-        emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=g).to(pipe.transformer.dtype)
+        emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=g).to(device, pipe.transformer.dtype)
         extra.update(prompt_embeds=emb, negative_prompt_embeds=-emb)
     if type(pipe).__name__ == "CogVideoXImageToVideoPipeline":
         extra["image"] = torch.rand(3, height, width, generator=g)
@@ -32,6 +33,6 @@ def generate(pipe, *, steps=2, videos=1, guidance=6.0, height=48, width=80, prom
         width=width,
         max_sequence_length=TINY_TEXT_LEN,
         output_type="pt",
-        generator=torch.Generator().manual_seed(seed + 1),
+        generator=torch.Generator(device).manual_seed(seed + 1),
         **extra,
     ).frames

@@ -90,18 +90,10 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
         model = tiny_transformer(cfg.tiny_version, image_to_video=cfg.task == "image-to-video")
     else:
         model = cfg.model
+    call = cfg.call_arguments()
+    text_len = call.pop("max_sequence_length")
     result = estimate(
-        model,
-        cfg.capture,
-        num_frames=cfg.num_frames,
-        height=cfg.height,
-        width=cfg.width,
-        num_inference_steps=cfg.num_inference_steps,
-        guidance_scale=cfg.guidance_scale,
-        text_len=cfg.max_sequence_length,
-        num_prompts=len(prompts),
-        dtype=cfg.dtype,
-        device=device,
+        model, cfg.capture, **call, text_len=text_len, num_prompts=len(prompts), dtype=cfg.dtype, device=device
     )
     todo = sum(1 for p in prompts if not is_complete(out / p.key()))
     need = result.record_bytes * todo // max(1, len(prompts))

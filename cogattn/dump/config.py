@@ -116,6 +116,11 @@ class DumpConfig:
         p = Path(relative)
         return p if p.is_absolute() else Path(self.config_dir) / p
 
+    def call_arguments(self) -> dict:
+        """The pipeline call's arguments this config sets, named as the pipeline names them."""
+        keys = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length")
+        return {key: getattr(self, key) for key in keys}
+
     def capture_options(self, **per_prompt) -> CaptureOptions:
         """The capture options of one prompt: ``capture`` with ``save_dir``, ``info``, ... on top."""
         return CaptureOptions.build(self.capture, **per_prompt)

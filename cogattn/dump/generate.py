@@ -123,12 +123,7 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
     call = dict(
         prompt=prompt.prompt,
         negative_prompt=prompt.negative_prompt,
-        num_frames=cfg.num_frames,
-        height=cfg.height,
-        width=cfg.width,
-        num_inference_steps=cfg.num_inference_steps,
-        guidance_scale=cfg.guidance_scale,
-        max_sequence_length=cfg.max_sequence_length,
+        **cfg.call_arguments(),
         output_type="pil",
         generator=torch.Generator(device).manual_seed(seed),
     )
