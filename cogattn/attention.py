@@ -136,7 +136,7 @@ def attention_joint_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indic
     Returns ``(out, lse, sums)`` for the whole batch ``(B, H, S, ·)``; lse and sums are zero where not captured."""
     B = q.shape[0]
     items = list(items)
-    if items == list(range(B)):
+    if sorted(items) == list(range(B)):  # every item: lse and sums are indexed by item, in any order
         return attention_joint(q, k, v, indicator)
     pick = _batch_index(items)
     out, lse_c, sums_c = attention_joint(q[pick], k[pick], v[pick], indicator)

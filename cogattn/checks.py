@@ -9,7 +9,9 @@ key groups. A disagreement beyond :data:`TOLERANCE` is warned about once, the la
 recomputed with row tiles (nothing wrong is stored), and that shape stays on row tiles. The opt-in
 ``layer_output`` modes are checked the same way against the stock SDPA call, and fall back to it.
 
-Which shapes were checked is process-wide by design (:data:`SEEN`): the kernels are the process's.
+Which shapes were checked, and which failed, is process-wide by design (:data:`SEEN`, :data:`ROWS_ONLY`,
+:data:`STOCK_OUTPUT`): the kernels are the process's, so a later recording never returns to a method that
+failed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ JOINT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2*
 OUTPUT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}
 RECHECK_RATE = 0.01  # after the first check of a shape, the share of captures checked again
 SEEN: set[tuple] = set()  # (device, dtype, method, shape) checked in this process
+ROWS_ONLY: set[tuple] = set()  # (device, dtype, S, heads, D) whose fast method failed: row tiles from now on
+STOCK_OUTPUT: set[tuple] = set()  # (device, dtype, mode, shape) whose opt-in output failed: the stock call
 
 
 def probe_rows(layout: TokenLayout, count: int = 8) -> torch.Tensor:
@@ -85,7 +89,8 @@ class SpotCheck:
 
 
 class Verifier:
-    """A recording's spot checks: when to check, the checks made, and the shapes sent back to row tiles.
+    """A recording's spot checks: when to check, and the checks made (the shapes sent back to row tiles or
+    the stock output call are the process's: :data:`ROWS_ONLY`, :data:`STOCK_OUTPUT`).
 
     Args:
         enabled (`bool`): ``CaptureOptions.verify``; `False` checks nothing.
@@ -95,23 +100,24 @@ class Verifier:
     def __init__(self, enabled: bool, seed: int = 0):
         self.enabled = enabled
         self.checks: list[SpotCheck] = []
-        self.rows_only: set[tuple] = set()  # shapes whose fast method failed: row tiles from now on
-        self.stock_output: set[tuple] = set()  # shapes whose opt-in output failed: the stock call from now on
+        self.rows_only, self.stock_output = ROWS_ONLY, STOCK_OUTPUT
         self._rng = random.Random(seed)
 
     def due(self, key: tuple) -> bool:
-        """Whether the capture of ``key`` = (device, dtype, method, shape) is checked now."""
-        if not self.enabled or key[2] == "rows":
-            return False  # row tiles are the exact method the checks compare with
+        """Whether the capture (or output call) of ``key`` is checked now: the first time this process sees
+        the key, then at :data:`RECHECK_RATE` of the calls. Keys name the device, dtype, method (or output
+        mode) and shape; the row-tile method is the exact one the checks compare with, and is not checked."""
+        if not self.enabled:
+            return False
         if key not in SEEN:
             SEEN.add(key)
             return True
         return self._rng.random() < RECHECK_RATE
 
     def check_maps(self, probes, q, k, heads, reducers, step, layer, method, scale) -> SpotCheck:
-        """Compare the probes (one per captured batch item, of ``q`` and ``k`` ``(B, H, S, D)`` rows
-        ``batch``) with exact float32 rows; record and return the check."""
-        tol_table = JOINT_TOLERANCE if method == "joint" else TOLERANCE
+        """Compare the probes (``(batch item, RowProbe)`` pairs) with exact float32 rows of ``q`` and ``k``
+        ``(B, H, S, D)`` (``heads``: the selected heads, `None` for all, in order); record and return the check."""
+        tol_table = JOINT_TOLERANCE if method.startswith("joint") else TOLERANCE
         tolerance = tol_table.get(q.dtype, 1e-5)
         errors = []
         for b, probe in probes:
@@ -131,6 +137,18 @@ class Verifier:
         )
         self.checks.append(check)
         return check
+
+    def maps_failed(self, check: SpotCheck, shape: tuple) -> None:
+        """Warn about a failed map check and send ``shape`` (device, dtype, S, heads, D) to row tiles."""
+        warn_failed(
+            check, shape[2:], "this layer call's maps are recomputed with row tiles, as every later one of this shape"
+        )
+        self.rows_only.add(shape)
+
+    def output_failed(self, check: SpotCheck, shape: tuple) -> None:
+        """Warn about a failed output check and send ``shape`` (device, dtype, mode, q's shape) to the stock call."""
+        warn_failed(check, shape[3], "this and every later call of this shape take the stock output call")
+        self.stock_output.add(shape)
 
     def check_output(self, out, q, k, v, rows, step, layer, mode) -> SpotCheck:
         """Compare an opt-in output call's ``out`` ``(B, H, S, D)`` with the stock SDPA call on ``rows``."""

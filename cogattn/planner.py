@@ -291,7 +291,7 @@ def plan_capture(
     num_heads, head_dim, dtype = model.num_heads, model.head_dim, model.dtype
     res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
     reducers = [REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries) for k in options.kinds]
-    copies = dtype != torch.float32 or len(res.heads) != num_heads
+    copies = dtype != torch.float32 or res.heads != tuple(range(num_heads))
     method = "joint" if options.layer_output == "joint" else options.method
     tiles = plan_tiles(
         reducers, layout.seq_len, len(res.heads), head_dim, options.memory_budget, method, device, copies

@@ -17,7 +17,7 @@ import torch
 
 from . import engine
 from .attention import attention_joint_for, attention_with_lse
-from .checks import SpotCheck, Verifier, probe_rows, warn_failed
+from .checks import SpotCheck, Verifier, probe_rows
 from .layout import TokenLayout
 from .models import EagerWhileRecording, find_transformer
 from .options import CaptureOptions
@@ -58,7 +58,7 @@ class Recording:
         self._steps = StepTracker(self.transformer, self.pipeline)
         self.plan: CapturePlan | None = None  # made at the first transformer call
         self._joint_indicator: torch.Tensor | None = None
-        self._tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies) of the calls seen
+        self._tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method) of the calls seen
         self._timed = engine.TimedChoice()
         self._verifier = Verifier(self.options.verify)
         self._originals: dict | None = None
@@ -134,7 +134,11 @@ class Recording:
     def _on_forward(self, module, args, kwargs):
         seen = self._steps.observe(args, kwargs)
         if seen == "first":
-            self._start(self._steps.layout, self._steps.batch_size, self._steps.device)
+            try:
+                self._start(self._steps.layout, self._steps.batch_size, self._steps.device)
+            except BaseException:
+                self._steps.forget()  # refused before any block ran: as if the call never happened
+                raise
         elif seen == "another":
             self._second_generation()
 
@@ -213,7 +217,7 @@ class Recording:
             layer = self._layer_of[id(attn)]
         except KeyError:
             raise ValueError("this processor serves an attention module outside the recorded transformer") from None
-        wanted = not self._closed and self.step is not None
+        wanted = not self._closed and self.plan is not None and self.step is not None
         wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
         return layer if wanted else None
 
@@ -237,8 +241,7 @@ class Recording:
                 result[0], query, key, value, probe_rows(self.layout), self.step, layer, mode
             )
             if not check.passed:
-                warn_failed(check, shape[3], "this and every later call of this shape take the stock output call")
-                self._verifier.stock_output.add(shape)
+                self._verifier.output_failed(check, shape)
                 return None
         return result
 
@@ -258,25 +261,23 @@ class Recording:
         if S != res.layout.seq_len:
             raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
         # The engine copies q and k per head chunk unless they already are contiguous float32 with every head.
-        copies = query.dtype != torch.float32 or len(res.heads) != H or not query[0].is_contiguous()
+        all_heads = res.heads == tuple(range(H))  # every head, in the model's order: no gather needed
+        copies = query.dtype != torch.float32 or not all_heads or not query[0].is_contiguous()
         shape = (str(query.device), query.dtype, S, len(res.heads), D)
         method = "rows" if shape in self._verifier.rows_only else self.plan.tiles.method
         if method == "joint" and lse is None:  # the output call fell back to the stock one
             method = "auto"
         tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method)
-        heads = None if len(res.heads) == H else torch.tensor(res.heads)
-        rows = probe_rows(res.layout) if self._verifier.due((*shape[:2], tiles.method, shape[2:])) else None
+        heads = None if all_heads else torch.tensor(res.heads, device=query.device)
+        checked = tiles.method != "rows" and self._verifier.due((*shape[:2], tiles.method, shape[2:]))
+        rows = probe_rows(res.layout) if checked else None
         args = (query, key, res.batch, reducers)
         outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self._timed, rows)
         if probes:
-            check = self._verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, used, D**-0.5)
-            if not check.passed:
-                warn_failed(
-                    check,
-                    shape[2:],
-                    "this layer call's maps are recomputed with row tiles, as every later one of this shape",
-                )
-                self._verifier.rows_only.add(shape)
+            what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
+            check = self._verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, what, D**-0.5)
+            if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
+                self._verifier.maps_failed(check, shape)
                 rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
                 outs, _, _ = engine.capture_items(*args, rows_tiles, heads)
         for red, out in zip(reducers, outs):
@@ -330,7 +331,7 @@ class Recording:
             self._originals = None
         if status is None:
             status = "interrupted" if self._steps.pipeline_attr("interrupt") else "finished"
-        self._status = status if self.timesteps else "failed"
+        self._status = status
         try:
             self._store.close(self._meta())
         finally:

@@ -95,6 +95,11 @@ class StepTracker:
         self.timesteps.append(t)
         return "next"
 
+    def forget(self) -> None:
+        """Undo the first call (it was refused before any block ran)."""
+        self.timesteps.clear()
+        self.layout = self.batch_size = self.device = None
+
     def describe(self) -> str:
         """``"4 steps of a 2×(3, 3, 5) generation"``."""
         return f"{len(self.timesteps)} steps of a {self.batch_size}×{self.layout.grid} generation"

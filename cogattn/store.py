@@ -279,10 +279,15 @@ class RunWriter:
         if self._error is not None and (again or not self._reported):
             self._reported = True
             kind, step, layer = self._failed_key
+            kept = (
+                f"the {self.committed} records committed before it are intact and `cogattn.load({str(self.path)!r})` "
+                "reads them"
+                if self.committed
+                else "no record had been committed, so nothing of the run is kept"
+            )
             raise StoreError(
                 f"writing record ({kind!r}, step={step}, layer={layer}) to {str(self.path)!r} failed: "
-                f"{self._error}. Capture stopped; the {self.committed} records committed before it are intact "
-                f"and `cogattn.load({str(self.path)!r})` reads them."
+                f"{self._error}. Capture stopped; {kept}."
             ) from self._error
 
     def _to_host(self, t: torch.Tensor):

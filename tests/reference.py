@@ -47,6 +47,7 @@ class QKSpy:
 def assert_matches_naive(rec, spy: QKSpy, batch, heads, kinds=KINDS, queries=None, tol: float = 1e-5) -> None:
     """Every recorded map of ``kinds`` equals the naive float64 reference from the spied q and k within ``tol``."""
     lay = rec.layout
+    assert spy.calls and all(spy.calls), "the spy saw no attention call: nothing would be compared"
     tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in queries] if queries else None
     for layer, calls in enumerate(spy.calls):
         for step, (q, k) in enumerate(calls):

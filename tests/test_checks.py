@@ -20,8 +20,9 @@ QUERIES = [0, (1, 2, 4)]
 
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch):
-    """Every test starts as a new process would: no shape checked yet."""
-    monkeypatch.setattr(checks, "SEEN", set())
+    """Every test starts as a new process would: no shape checked yet, none failed."""
+    for name in ("SEEN", "ROWS_ONLY", "STOCK_OUTPUT"):
+        monkeypatch.setattr(checks, name, set())
 
 
 def _record(pipe, **kw):
@@ -70,6 +71,9 @@ def test_a_wrong_fast_method_is_caught_and_nothing_wrong_is_stored(monkeypatch, 
     (check,) = rec.checks
     assert not check.passed and check.max_error > 1e-4
     assert_matches_naive(rec, spy, [1], "all", kinds=KINDS, queries=QUERIES)  # every layer and step exact
+    later, spy, _ = _record(pipe)  # a later recording in this process never returns to the failed method
+    assert later.checks == []
+    assert_matches_naive(later, spy, [1], "all", kinds=KINDS, queries=QUERIES)
 
 
 @pytest.mark.parametrize("mode", ["lse", "joint"])

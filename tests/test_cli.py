@@ -202,7 +202,7 @@ def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick
     out = shutil.copytree(quick_run, tmp_path / "runs")
     _, second, _ = _prompt_dirs(out)
     (second / "prompt.json").write_text(json.dumps({**_meta(second), "complete": False}))
-    lock = RunLock(second / "maps")  # as another process writing this prompt holds it
+    lock = RunLock(second)  # as another process writing this prompt holds it
     try:
         proc = dump("--set", f"save_dir={out}", *QUICK, check=1)
     finally:

@@ -80,6 +80,16 @@ def test_batch_and_head_lists_keep_their_order(pipe, tmp_path):
         cogattn.record(pipe, heads=[3, 0, 3])
 
 
+def test_every_head_in_another_order_is_not_taken_for_all_heads():
+    pipe = tiny_pipeline(num_heads=3)
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds=("frame", "query"), queries=[5], heads=[2, 1, 0], method="sdpa") as rec:
+        generate(pipe, steps=1)
+    spy.remove()
+    assert rec.head_ids == (2, 1, 0)
+    assert_matches_naive(rec, spy, [1], [2, 1, 0], kinds=("frame", "query"), queries=[5])
+
+
 @pytest.mark.parametrize("value", ["no", 0, 1, None])
 def test_boolean_options_take_booleans(pipe, value):
     with pytest.raises(TypeError, match="overwrite must be True or False"):
@@ -122,7 +132,7 @@ def test_a_transformer_called_twice_at_one_timestep_is_refused(pipe):
     with pytest.raises(RuntimeError, match=r"called again at timestep 500 \(step 0\)"), cogattn.record(t) as rec:
         t(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([500]))
         t(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([500]))
-    assert rec.timesteps == [500.0] and rec.status == "failed"
+    assert rec.timesteps == [500.0] and rec.status == "failed"  # the first call stays: it ran
 
 
 # -- crashes and lost work -----------------------------------------------------------------------------
@@ -146,6 +156,23 @@ def test_a_recording_left_open_closes_at_the_next_generation(pipe):
     assert torch.equal(second, stock) and torch.equal(generate(pipe), stock)
     assert rec.status == "finished" and len(rec.keys()) == 4 and _hooks(pipe) == 0
     assert all(pipe.transformer.attn_processors[n] is originals[n] for n in originals)
+
+
+def test_a_refused_first_call_leaves_the_recording_usable(pipe):
+    rec = cogattn.record(pipe, kinds="frame", steps=[3])  # no `with`: the refusal leaves it open
+    with pytest.raises(ValueError, match="asks for step 3"):
+        generate(pipe, steps=2)
+    assert rec.timesteps == [] and rec.layout is None  # as if the refused call never happened
+    captured = generate(pipe, steps=4)
+    rec.close()
+    assert len(rec.timesteps) == 4 and rec.keys() == [("frame", 3, 0), ("frame", 3, 1)]
+    assert torch.equal(captured, generate(pipe, steps=4))
+
+
+def test_a_recording_that_saw_no_generation_is_not_failed(pipe, tmp_path):
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "run") as rec:
+        pass
+    assert rec.status == "finished" and cogattn.load(tmp_path / "run").num_steps == 0
 
 
 def test_a_closed_recording_cannot_be_entered_again(pipe):

@@ -152,6 +152,7 @@ def test_loaded_from_pretrained_folder(tmp_path):
         ("joint", torch.bfloat16, "cond", "all"),
         ("joint", torch.float32, [3, 0], [2, 0]),  # batch items not side by side: gathered, the rest stock
         ("joint", torch.float32, "all", "mean"),
+        ("joint", torch.float32, [3, 2, 1, 0], [2, 1, 0]),  # every batch item and every head, reordered
     ],
 )
 def test_opt_in_outputs_keep_cpu_output_identical_and_maps_exact(output, dtype, batch, heads, monkeypatch):

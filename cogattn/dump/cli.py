@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..estimate import Estimate, estimate
+from ..store import disk_bytes
 from .config import ConfigError, DumpConfig, default_config, load_config
 from .generate import is_complete, load_pipeline, prompt_meta, run_prompt
 from .prompts import Prompt, read_prompts
@@ -96,13 +97,13 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
         model, cfg.capture, **call, text_len=text_len, num_prompts=len(prompts), dtype=cfg.dtype, device=device
     )
     todo = sum(1 for p in prompts if not is_complete(out / p.key()))
-    need = result.record_bytes * todo // max(1, len(prompts))
+    per_prompt = [(b, n // max(1, len(prompts))) for _, _, b, n in result.records]
+    need = disk_bytes(existing, per_prompt) * todo  # whole filesystem blocks, as a recording counts them
     free = shutil.disk_usage(existing).free
     if need > free:
         raise ConfigError(
-            f"the remaining prompts will write {need:,} bytes of maps but {str(existing)!r} has "
-            f"{free:,} bytes free; select less, use capture.storage_dtype float16, or write "
-            "elsewhere."
+            f"the remaining prompts will take {need:,} bytes of disk for their maps but {str(existing)!r} has "
+            f"{free:,} bytes free; select less, use capture.storage_dtype float16, or write elsewhere."
         )
     return result
 
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, TypeError) as err:
         print(f"{PROG}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted before anything was written.", file=sys.stderr)
+        return 130
     if args.dry_run:
         print(f"config {config}")
         print(

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import StoreError
-from ..run import is_locked
+from ..run import LOCK, RunLock
 from .config import DumpConfig
 from .prompts import Prompt
 
@@ -98,13 +98,23 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
         folder (`Path`): the prompt's folder, ``<save_dir>/<prompt.key()>``.
         process (`int`): index of this process under ``accelerate launch`` (kept in ``prompt.json``).
     """
+    folder.mkdir(parents=True, exist_ok=True)
+    try:  # held until the prompt is complete: another process never deletes or mixes into it
+        lock = RunLock(folder)
+    except StoreError:
+        raise StoreError(f"{str(folder)!r} is being written by another process; it is left alone.") from None
+    try:
+        for old in folder.iterdir():  # an incomplete earlier attempt
+            if old.name != LOCK:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        _generate(pipe, cfg, prompt, folder, process)
+    finally:
+        lock.release()
+
+
+def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int) -> None:
     from ..recording import record
 
-    if folder.exists():
-        if is_locked(folder / "maps"):
-            raise StoreError(f"{str(folder)!r} is being written by another process; it is left alone.")
-        shutil.rmtree(folder)  # an incomplete earlier attempt
-    folder.mkdir(parents=True)
     seed = cfg.seed if prompt.seed is None else prompt.seed
     meta = {
         "complete": False,
