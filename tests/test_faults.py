@@ -7,6 +7,7 @@ record the run lists loads and equals the in-memory result, and nothing half-wri
 
 import errno
 import os
+import warnings
 
 import pytest
 import torch
@@ -100,15 +101,19 @@ def test_a_failing_write_never_masks_the_user_and_never_serves_half_a_record(
     monkeypatch.setattr(store, *(("write_record", fault) if point == "write_record" else ("os", fault)))
     folder = tmp_path / "run"
     raised, reached = None, False
-    try:
-        with cogattn.record(pipe, kinds=KINDS, save_dir=folder):
-            generate(pipe, steps=1)
-            reached = True  # capture stops the generation with StoreError when a write fails in it
-            if users_error:
-                raise ValueError("the user's own error")
-    except Exception as err:
-        raised = err
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            with cogattn.record(pipe, kinds=KINDS, save_dir=folder):
+                generate(pipe, steps=1)
+                reached = True  # capture stops the generation with StoreError when a write fails in it
+                if users_error:
+                    raise ValueError("the user's own error")
+        except Exception as err:
+            raised = err
     monkeypatch.undo()
+    closing = [w for w in seen if "closing the recording after ValueError also failed" in str(w.message)]
+    assert len(closing) == (users_error and fault.failed)  # a failure at close is said, as a warning
     never = {"write_record": RECORDS + 1, "replace": RECORDS + 4, "write": RECORDS + 4, "close": 5}[point]
     assert fault.failed == (nth < never)  # every write point above is reached, as many times as counted
     if users_error:
