@@ -8,8 +8,9 @@ import cogattn.attention as attention
 from cogattn.selftest import main
 
 
-def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys):
-    assert main(["--quick", "--seq-len", "300", "--json", str(tmp_path / "report.json")]) == 0
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys, dtype):
+    assert main(["--quick", "--seq-len", "300", "--dtype", dtype, "--json", str(tmp_path / "report.json")]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "torch " in out and "diffusers " in out
     report = json.loads((tmp_path / "report.json").read_text())
@@ -21,7 +22,8 @@ def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys):
     tiny = [r for r in rows if r["part"] == "tiny 1.0 t2v" and r["passed"] is not None]
     combos = {(r["method"], r["output"]) for r in tiny} - {("triton", "stock")}  # where Triton runs here
     assert combos == {("rows", "stock"), ("sdpa", "stock"), ("auto", "lse"), ("auto", "joint")}
-    assert all(r["bit_identical"] for r in tiny) and all(r["max_error"] <= 1e-5 for r in tiny)
+    assert all(r["bit_identical"] for r in tiny) and all(r["max_error"] <= r["tolerance"] for r in tiny)
+    assert report["dtype"] == dtype
 
 
 @pytest.mark.parametrize("corrupt", ["sums", "lse"])
