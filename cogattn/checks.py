@@ -37,7 +37,7 @@ __all__ = [
     "probe_rows",
 ]
 
-# Largest allowed |fast − exact| for a probability or a pooled sum (each ≤ 1). Every method computes
+# Largest allowed |fast − exact| for a probability or a pooled sum (each ≤ 1), or relative to an entropy. Every method computes
 # them in float32 from q and k converted exactly to float32: within 1e-5 (on GPUs, float32 fused kernels
 # may run with 3×TF32, about 1e-6 relative). Maps made from an opt-in output call in a 16-bit model
 # carry that kernel's precision: the joint call's sums are rounded to the model's dtype per query row,
@@ -136,11 +136,13 @@ class Verifier:
             kb = k[b] if heads is None else k[b].index_select(0, heads.to(k.device))
             probs = torch.softmax((qb[:, probe.rows.to(q.device)].float() @ kb.float().transpose(1, 2)) * scale, -1)
             for red in reducers:
-                if red.key_groups is None:
-                    continue
-                exact = (probs @ red.key_groups.indicator(q.shape[2], device=q.device)).cpu()
+                if red.key_groups is None and red.stat != "entropy":
+                    continue  # row kinds are exact rows; ``received`` has no per-query values to probe
+                exact = red.from_rows(probs).cpu()
                 got = probe.values.get(red.kind)
-                errors.append(float("nan") if got is None else (got - exact).abs().max().item())
+                # per unit of max(1, |exact|): probabilities and sums as they are, entropies relative
+                error = ((got - exact).abs() / exact.abs().clamp(min=1)).max().item() if got is not None else None
+                errors.append(float("nan") if error is None else error)
         error = float("nan") if any(e != e for e in errors) else max(errors, default=0.0)  # a gap (NaN) fails
         rows = len(probes[0][1].rows) * len(probes) if probes else 0
         check = SpotCheck(

@@ -4,13 +4,16 @@
 the same numbers as the naive ``softmax(q @ k.T * scale)`` in float32:
 
 * :func:`row_pass`: tiles of ``r`` query rows × all ``S`` keys × ``h`` heads, one matmul and an
-  in-place float32 softmax. Serves every kind; key-pooled sums are ``tile @ indicator``.
-* :func:`pooled_pass`, per head chunk, for the key-pooled kinds without forming P:
-  multi-key groups from :func:`indicator_sums` (``Σ_{j∈group} P[i, j] = (P·V)[i, group]`` for the
-  indicator ``V``: one fused SDPA call on ``V``, which also returns every row's log-sum-exp), from
-  :func:`triton_sums` (cogattn's kernel, given the lse), or as the output call gave them
-  (``layer_output="joint"``); then single-key columns from :func:`single_key_columns`,
-  ``exp(q·kᵀ·scale − lse)``, at a cost of ``S·C·D``.
+  in-place float32 softmax. Serves every kind; key-pooled sums are a gather, sums over runs of keys
+  (frames, blocks) or ``tile @ indicator``; ``entropy`` comes with the softmax, ``received`` is a sum
+  over the tile's rows.
+* :func:`pooled_pass`, per head chunk, for the key-pooled kinds and the statistics without forming P
+  (the passes are in :mod:`cogattn.passes`): ``entropy`` from one fused pass with the keys as values;
+  multi-key groups from indicator values (``Σ_{j∈group} P[i, j] = (P·V)[i, group]`` for the indicator
+  ``V``: one fused SDPA call on ``V``, which also returns every row's log-sum-exp), from cogattn's
+  Triton kernel (given the lse), or as the output call gave them (``layer_output="joint"``); then
+  single-key columns from :func:`single_key_columns`, ``exp(q·kᵀ·scale − lse)``, at a cost of
+  ``S·C·D``; then ``received`` from one fused pass with queries and keys swapped.
 
 Why each is exact is in docs/design.md. The matmuls run in full float32 (no TF32) whatever the
 script set for the model (:func:`full_fp32_matmul`).
@@ -25,7 +28,7 @@ import warnings
 
 import torch
 
-from . import attention, kernels
+from . import attention, passes
 from .checks import RowProbe
 from .planner import TilePlan, all_rows
 from .reducers import Reducer
@@ -35,12 +38,10 @@ __all__ = [
     "capture",
     "capture_items",
     "full_fp32_matmul",
-    "indicator_sums",
     "multi_key_indicator",
     "pooled_pass",
     "row_pass",
     "single_key_columns",
-    "triton_sums",
 ]
 
 
@@ -178,7 +179,7 @@ def capture(
     S, D = q.shape[1:]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     q, k = HeadView(q, heads), HeadView(k, heads)
-    pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None]
+    pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None or r.stat is not None]
     row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
 
     every_row = [(r, o) for r, o in row_kinds if all_rows(r, S)]
@@ -188,8 +189,9 @@ def capture(
         if not all_rows(red, S):
             row_pass(q, k, red.rows, [(red, out)], [], plan, scale)
     if pooled and plan.method != "rows":
-        multi = [(r, o) for r, o in pooled if not r.key_groups.single_keys]
-        single = [(r, o) for r, o in pooled if r.key_groups.single_keys]
+        stats = [(r, o) for r, o in pooled if r.stat is not None]
+        multi = [(r, o) for r, o in pooled if r.key_groups is not None and not r.key_groups.single_keys]
+        single = [(r, o) for r, o in pooled if r.key_groups is not None and r.key_groups.single_keys]
         if plan.method == "joint" and (lse is None or (multi and sums is None)):
             raise ValueError("method 'joint' needs the lse and the key-pooled sums of the output call")
         if lse is not None and heads is not None:
@@ -198,7 +200,8 @@ def capture(
         method = plan.method
         if method == "timed":
             method = (timed or TimedChoice()).choose(q, k, multi, plan, scale, lse)
-        pooled_pass(q, k, multi, single, plan, scale, lse, fused=method == "triton", given_sums=given, probe=probe)
+        fused = method == "triton"
+        pooled_pass(q, k, multi, single, plan, scale, lse, fused, given_sums=given, probe=probe, stats=stats)
         return method
     return plan.method
 
@@ -246,14 +249,19 @@ def capture_items(
 
 
 def row_pass(q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, scale: float, probe=None) -> None:
-    """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, via the indicator, pooled kinds."""
+    """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, when every row is formed,
+    into key-pooled kinds (a gather of single keys, sums over runs of keys, else a product with the
+    indicator) and the row statistics."""
     H, S, D = q.shape
     n_rows = S if rows is None else len(rows)
-    # Single-key groups are a gather of columns; multi-key groups a product with their indicator.
-    gathers = [r.key_groups.keys.to(q.device) if r.key_groups.single_keys else None for r, _ in pooled]
+    groups = [r.key_groups for r, _ in pooled]
+    gathers = [g.keys.to(q.device) if g is not None and g.single_keys else None for g in groups]
+    runs = [g.runs if g is not None and gather is None else None for g, gather in zip(groups, gathers)]
     indicators = [
-        None if g is not None else r.key_groups.indicator(S, device=q.device) for (r, _), g in zip(pooled, gathers)
+        g.indicator(S, device=q.device) if g is not None and gather is None and run is None else None
+        for g, gather, run in zip(groups, gathers, runs)
     ]
+    wants_entropy = any(r.stat == "entropy" for r, _ in pooled)
     for h0 in range(0, H, plan.row_heads):
         h1 = min(H, h0 + plan.row_heads)
         kt = k.chunk(h0, h1).transpose(1, 2)  # (h, D, S), a transposed view: bmm reads it without a copy
@@ -261,19 +269,25 @@ def row_pass(q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, 
             r1 = min(n_rows, r0 + plan.row_rows)
             idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
             scores = torch.matmul(q.chunk(h0, h1, idx), kt).mul_(scale)  # (h, r, S)
-            probs = _softmax_(scores)
+            if wants_entropy:
+                probs, entropy = passes.softmax_entropy(scores)
+            else:
+                probs, entropy = passes.softmax_(scores), None
+            del scores
             for red, out in row_kinds:
                 red.fold_rows(out, h0, r0, probs)
-            for (red, out), keys, ind in zip(pooled, gathers, indicators):
-                sums = probs.index_select(-1, keys) if keys is not None else torch.matmul(probs, ind)
+            for (red, out), keys, run, ind in zip(pooled, gathers, runs, indicators):
+                if red.stat == "received":
+                    red.fold_received(out, h0, probs.sum(1))
+                    continue
+                if red.stat == "entropy":
+                    sums = entropy[..., None]
+                elif keys is not None:
+                    sums = probs.index_select(-1, keys)
+                else:
+                    sums = passes.run_sums(probs, run) if run is not None else torch.matmul(probs, ind)
                 _fold(red, out, h0, r0, sums, probe)
-            del scores, probs  # free this tile before the next one is allocated
-
-
-def _softmax_(scores: torch.Tensor) -> torch.Tensor:
-    """Float32 softmax over the last dim, in place (a tile is the largest buffer; do not copy it)."""
-    scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-    return scores.div_(scores.sum(-1, keepdim=True))
+            del probs  # free this tile before the next one is allocated
 
 
 def multi_key_indicator(reducers: list[Reducer], S: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -296,37 +310,47 @@ def pooled_pass(
     fused: bool = False,
     given_sums: HeadView | None = None,
     probe=None,
+    stats=(),
 ) -> None:
-    """Key-pooled kinds per head chunk: the multi-key groups' sums (:func:`indicator_sums`,
-    :func:`triton_sums` when ``fused``, or ``given_sums`` from the output call), then single-key columns
-    (:func:`single_key_columns`) from the rows' lse (``given_lse`` ``(H, S)``, or the indicator pass's)."""
+    """Key-pooled kinds and row statistics per head chunk: ``entropy`` (:func:`entropy_pass`), the multi-key
+    groups' sums (:func:`indicator_sums`, :func:`triton_sums` when ``fused``, or ``given_sums`` from the
+    output call), single-key columns (:func:`single_key_columns`), then ``received``
+    (:func:`received_pass`), the last two from the rows' lse (``given_lse`` ``(H, S)``, or a pass's)."""
     H, S, D = q.shape
     offsets = [0]
     for r, _ in multi:
         offsets.append(offsets[-1] + r.key_groups.num_groups)
+    entropy = [(r, o) for r, o in stats if r.stat == "entropy"]
+    received = [(r, o) for r, o in stats if r.stat == "received"]
     n_cols = 0 if given_sums is not None else offsets[-1]  # with no multi-key groups: a pass for the lse alone
     n_calls = max(1, math.ceil(n_cols / D))  # the fused kernels need values of the head dim: ceil(C / D) calls
-    passes = (multi and given_sums is None) or given_lse is None  # an attention pass runs per head chunk
+    needs_qk = (multi and given_sums is None) or given_lse is None or bool(stats)  # attention passes run
     indicator = None
-    if passes:
+    if needs_qk:
         indicator = torch.zeros(S, n_calls * D, device=q.device)  # zero values cost the same as any
         if n_cols:
             indicator[:, :n_cols] = multi_key_indicator([r for r, _ in multi], S, q.device)
     for h0 in range(0, H, plan.pooled_heads):
         h1 = min(H, h0 + plan.pooled_heads)
         # float32 q and k of the chunk for an attention pass; without one, single keys copy only their rows
-        qf, kf = (q.chunk(h0, h1)[None], k.chunk(h0, h1)[None]) if passes else (None, None)
+        qf, kf = (q.chunk(h0, h1)[None], k.chunk(h0, h1)[None]) if needs_qk else (None, None)
         lse = None if given_lse is None else given_lse[None, h0:h1].float()  # the output kernel's, when given
+        if entropy:
+            values, pass_lse = passes.entropy_pass(qf, kf, scale)
+            for red, o in entropy:
+                _fold(red, o, h0, 0, values[..., None], probe)
+            lse = pass_lse if lse is None else lse
+            del values
         sums = None
         if multi and given_sums is not None:
             sums = given_sums.chunk(h0, h1)
         elif multi and fused:
             qm, km = q.chunk(h0, h1, dtype=None), k.chunk(h0, h1, dtype=None)  # the model's dtype
             lse = attention.lse_only(qm[None], km[None], scale) if lse is None else lse
-            sums = triton_sums(qm, km, lse[0], indicator[:, :n_cols], scale)
+            sums = passes.triton_sums(qm, km, lse[0], indicator[:, :n_cols], scale)
             del qm, km
-        elif multi or lse is None:
-            sums, pass_lse = indicator_sums(qf, kf, indicator, n_calls, scale)
+        elif multi or (lse is None and (single or received)):
+            sums, pass_lse = passes.indicator_sums(qf, kf, indicator, n_calls, scale)
             lse = pass_lse if lse is None else lse
         if multi:
             for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
@@ -334,8 +358,13 @@ def pooled_pass(
         del sums
         for red, o in single:
             keys = red.key_groups.keys.to(q.device)
-            k_sel = kf[0][:, keys] if passes else k.chunk(h0, h1, keys)  # (h, C, D)
+            k_sel = kf[0][:, keys] if needs_qk else k.chunk(h0, h1, keys)  # (h, C, D)
             single_key_columns(_query_rows(qf, q, h0, h1), k_sel, lse[0], red, o, h0, plan.pooled_rows, scale, probe)
+        if received:
+            sums = passes.received_pass(qf[0], kf[0], lse[0], scale)
+            for red, o in received:
+                red.fold_received(o, h0, sums)
+            del sums
         del qf, kf, lse
 
 
@@ -345,28 +374,6 @@ def _query_rows(qf: torch.Tensor | None, q: HeadView, h0: int, h1: int):
     if qf is not None:
         return lambda r0, r1: qf[0, :, r0:r1]
     return lambda r0, r1: q.chunk(h0, h1, slice(r0, r1))
-
-
-def indicator_sums(qf: torch.Tensor, kf: torch.Tensor, indicator: torch.Tensor, n_calls: int, scale: float):
-    """The multi-key sums ``(h, S, n_calls·D)`` and the rows' lse ``(1, h, S)`` from fused SDPA calls on the
-    indicator values (``D`` columns a call), for float32 ``(1, h, S, D)`` q and k."""
-    _, h, S, D = qf.shape
-    sums = torch.empty(h, S, n_calls * D, device=qf.device) if n_calls > 1 else None
-    for c in range(n_calls):
-        v = indicator[:, c * D : (c + 1) * D].contiguous().expand(1, h, S, D)  # shared over heads
-        out, lse = attention.sdpa_with_lse(qf, kf, v, scale)
-        if sums is None:
-            sums = out[0]
-        else:
-            sums[..., c * D : (c + 1) * D] = out[0]
-        del out
-    return sums, lse
-
-
-def triton_sums(qm: torch.Tensor, km: torch.Tensor, lse: torch.Tensor, indicator: torch.Tensor, scale: float):
-    """The multi-key sums ``(h, S, C)`` from cogattn's fused kernel, given the rows' lse ``(h, S)``, with q
-    and k ``(h, S, D)`` in the model's dtype (:func:`cogattn.kernels.pooled_sums`)."""
-    return kernels.pooled_sums(qm, km, lse, indicator, scale)
 
 
 def single_key_columns(

@@ -53,7 +53,8 @@ class CaptureOptions:
 
     Args:
         kinds (`str | Sequence[str]`, defaults to ``("frame",)``): any of ``"full"``, ``"frame"``,
-            ``"video_to_text"``, ``"text_to_video"``, ``"query"`` (shapes in the README and
+            ``"video_to_text"``, ``"text_to_video"``, ``"query"``, and the statistics ``"entropy"``,
+            ``"received"``, ``"query_frame"``, ``"block"``, ``"topk"`` (shapes in the README and
             ``docs/design.md``).
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): 0-based block indices.
         steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): 0-based denoising-step indices
@@ -66,14 +67,22 @@ class CaptureOptions:
             heads into one head slot.
         queries (`int | Sequence[int | tuple[int, int, int]] | None`): for ``"query"``: token indices or
             video coordinates ``(frame, row, col)`` on the latent patch grid.
+        block_size (`int`, defaults to 128): tokens per block of the ``block`` kind (runs of tokens in the
+            model's order from token 0; the last may be shorter).
+        topk (`int`, defaults to 32): how many of each row's largest probabilities ``topk`` keeps (at
+            most S).
         memory_budget (`int | str`, defaults to ``"1GiB"``): bound on the transient working memory of
             capture (results excluded): bytes, or a string such as ``"512MiB"``; stored as bytes.
         method (`"auto" | "rows" | "sdpa" | "triton"`, defaults to ``"auto"``): how the key-pooled kinds
-            (``frame``, ``video_to_text``) are computed. All are exact. ``"rows"`` forms row tiles of P;
-            ``"sdpa"`` runs one fused attention call on indicator values; ``"triton"`` runs cogattn's
-            fused kernel (CUDA, or its interpreter). ``"auto"`` picks ``"sdpa"``, or ``"rows"`` when
-            ``full`` forms the rows anyway; on CUDA with Triton it times the kernel against ``"sdpa"`` at
-            the first capture of each shape and keeps the faster.
+            (``frame``, ``video_to_text``, ``query_frame``, ``block``) and the statistics ``entropy`` and
+            ``received`` are computed. All are exact. ``"rows"`` forms row tiles of P; ``"sdpa"`` runs
+            fused attention calls on other value matrices (indicator columns; the keys for
+            ``entropy``; a swapped pass for ``received``); ``"triton"`` runs cogattn's fused kernel for
+            the indicator columns (CUDA, or its interpreter). ``"auto"`` picks ``"sdpa"``, or ``"rows"``
+            when the rows are formed anyway (``full``, ``topk``) or one row pass costs less than the
+            fused passes the kinds need (three or more, e.g. ``block`` at S/block_size > 2·head dim);
+            on CUDA with Triton it times the kernel against ``"sdpa"`` at the first capture of each
+            shape and keeps the faster.
         layer_output (`"stock" | "lse" | "joint"`, defaults to ``"stock"``): how captured layers compute
             their own attention output (layers not captured always run the stock call).
 
@@ -108,6 +117,8 @@ class CaptureOptions:
     batch: str | int | Sequence[int] = "auto"
     heads: str | int | Sequence[int] = "mean"
     queries: int | Sequence[int | tuple[int, int, int]] | None = None
+    block_size: int = 128
+    topk: int = 32
     memory_budget: int | str = "1GiB"
     method: str = "auto"
     layer_output: str = "stock"
@@ -139,6 +150,10 @@ class CaptureOptions:
             raise ValueError("kind 'query' needs queries=[...]: token indices or (frame, row, col) coordinates.")
         if queries is not None and "query" not in kinds:
             raise ValueError("queries were given but 'query' is not in kinds; add it or drop queries.")
+        for name in ("block_size", "topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
         for flag in ("overwrite", "verify"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}.")
@@ -190,7 +205,18 @@ class CaptureOptions:
 
     def selection_meta(self) -> dict:
         """The selection as JSON-able values (what a run's ``run.json`` keeps under ``"selection"``)."""
-        keep = ("kinds", "layers", "steps", "batch", "heads", "queries", "memory_budget", "method")
+        keep = (
+            "kinds",
+            "layers",
+            "steps",
+            "batch",
+            "heads",
+            "queries",
+            "block_size",
+            "topk",
+            "memory_budget",
+            "method",
+        )
         return {k: _jsonable(getattr(self, k)) for k in keep}
 
     # -- against the call ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ __all__ = [
     "TilePlan",
     "can_time_triton",
     "choose_method",
+    "fused_passes",
     "plan_capture",
     "plan_tiles",
     "size_tiles",
@@ -39,6 +40,7 @@ _F32 = 4
 _MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
 _RESERVE = 16 * 2**20  # at most this much of the budget is kept back as headroom
 POOLED_METHODS = ("sdpa", "triton", "timed", "joint")  # methods that serve key-pooled kinds without row tiles
+ROWS_BEAT_PASSES = 3  # ``auto`` takes row tiles when the fused method needs this many passes or more
 
 
 @dataclass(frozen=True)
@@ -76,16 +78,40 @@ def can_time_triton(device: torch.device) -> bool:
     return device.type == "cuda" and kernels.available(device)
 
 
-def choose_method(method: str, reducers: list[Reducer], seq_len: int, device) -> str:
-    """The method that serves the key-pooled kinds of ``reducers``: ``method`` as asked (one of
-    ``CaptureOptions.method``, or ``"joint"`` for ``layer_output="joint"``), with ``"auto"`` made concrete.
-    Raises `ValueError` when the asked method cannot run on ``device``."""
+def pooled_kinds(reducers: list[Reducer]) -> list[Reducer]:
+    """The reducers a method serves: key-pooled kinds and row statistics (the others need rows)."""
+    return [r for r in reducers if r.key_groups is not None or r.stat is not None]
+
+
+def fused_passes(reducers: list[Reducer], head_dim: int) -> int:
+    """Fused attention passes per head chunk the ``sdpa`` method runs for ``reducers``: ``⌈C / D⌉`` for the
+    multi-key columns, one for ``entropy``, one for ``received``, and one for the lse when single keys or
+    ``received`` need it and no other pass gives it."""
+    pooled = pooled_kinds(reducers)
+    n_multi = sum(r.key_groups.num_groups for r in pooled if r.key_groups is not None and not r.key_groups.single_keys)
+    entropy = any(r.stat == "entropy" for r in pooled)
+    received = any(r.stat == "received" for r in pooled)
+    single = any(r.key_groups is not None and r.key_groups.single_keys for r in pooled)
+    calls = math.ceil(n_multi / head_dim)
+    lse_pass = (single or received) and not (calls or entropy)
+    return calls + entropy + received + lse_pass
+
+
+def choose_method(method: str, reducers: list[Reducer], seq_len: int, device, head_dim: int = 64) -> str:
+    """The method that serves the key-pooled kinds and statistics of ``reducers``: ``method`` as asked (one
+    of ``CaptureOptions.method``, or ``"joint"`` for ``layer_output="joint"``), with ``"auto"`` made
+    concrete: row tiles when they are formed anyway (``full``, ``topk``), when there is no fused kernel,
+    or when the fused passes would be :data:`ROWS_BEAT_PASSES` or more (one row pass with every fold
+    costs about two and a half fused passes: docs/benchmarks.md). Raises `ValueError` when the asked
+    method cannot run on ``device``."""
     device = torch.device(device)
-    if not any(r.key_groups is not None for r in reducers):
+    if not pooled_kinds(reducers):
         return "rows"  # every kind is served by row tiles
     if method == "auto":
         if any(all_rows(r, seq_len) for r in reducers) or not fused_lse_supported(device):
-            return "rows"  # the rows are formed anyway (``full``), or there is no fused kernel
+            return "rows"  # the rows are formed anyway (``full``, ``topk``), or there is no fused kernel
+        if fused_passes(reducers, head_dim) >= ROWS_BEAT_PASSES:
+            return "rows"
         return "timed" if can_time_triton(device) else "sdpa"
     if method == "joint" and not fused_lse_supported(device):
         raise ValueError(f"layer_output='joint' needs a fused attention kernel with log-sum-exp; device is {device}.")
@@ -116,29 +142,35 @@ def size_tiles(
     # Headroom for what the model below leaves out (softmax row statistics, fold temporaries, kernel
     # workspaces): measured at 1 GiB these add up to a few MiB.
     budget, asked = budget - min(budget // 32, _RESERVE), budget
-    pooled = [r for r in reducers if r.key_groups is not None]
-    row_cols = sum(r.key_groups.num_groups for r in pooled) if method == "rows" else 0
-    row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and method == "rows" else [])
-    n_single = sum(r.key_groups.num_groups for r in pooled if r.key_groups.single_keys)
-    n_multi = sum(r.key_groups.num_groups for r in pooled if not r.key_groups.single_keys)
+    pooled = pooled_kinds(reducers)
+    groups = [r.key_groups for r in pooled if r.key_groups is not None]
+    stats = {r.stat for r in pooled if r.stat is not None}
+    in_rows = method == "rows"
+    row_cols = sum(g.num_groups for g in groups) + ("entropy" in stats) if in_rows else 0
+    # with entropy, the softmax keeps a second tile buffer; with received, a column sum per head
+    row_extra = ("entropy" in stats and in_rows, "received" in stats and in_rows)
+    mean_row = any(r.needs_all_heads for r in reducers)  # topk of the head-mean row: all heads, one mean row
+    row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and in_rows else [])
+    n_single = sum(g.num_groups for g in groups if g.single_keys)
+    n_multi = sum(g.num_groups for g in groups if not g.single_keys)
 
     def row_bytes(h: int, r: int) -> int:
-        return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs)
+        return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs, *row_extra, mean_row)
 
     def pooled_bytes(h: int, r: int) -> int:
-        return _pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, joint=method == "joint")
+        return _pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, method == "joint", stats)
 
     row_heads = row_rows = 0
     if row_sets:
         most_rows = min(max(row_sets), _MAX_ROWS)
         # Prefer all heads per tile (one pass folds the head mean) with a reasonable row count.
-        for h in range(H, 0, -1):
+        for h in range(H, 0 if not mean_row else H - 1, -1):
             row_rows = _largest(lambda r, h=h: row_bytes(h, r) <= budget, most_rows)
-            if row_rows >= min(64, most_rows) or h == 1:
+            if row_rows >= min(64, most_rows) or h == 1 or mean_row:
                 row_heads = h
                 break
         if row_rows == 0:
-            raise _too_small(asked, row_bytes(1, 1), S, D)
+            raise _too_small(asked, row_bytes(H if mean_row else 1, 1), S, D)
     pooled_heads = pooled_rows = 0
     if pooled and method in POOLED_METHODS:  # the Triton pass holds less than the SDPA pass
         pooled_heads = _largest(lambda h: pooled_bytes(h, 1) <= budget, H)
@@ -156,19 +188,30 @@ def plan_tiles(
     reducers: list[Reducer], S: int, H: int, D: int, budget: int, method: str, device, copies_inputs: bool = True
 ) -> TilePlan:
     """:func:`choose_method`, then :func:`size_tiles`."""
-    return size_tiles(choose_method(method, reducers, S, device), reducers, S, H, D, budget, copies_inputs)
+    return size_tiles(choose_method(method, reducers, S, device, D), reducers, S, H, D, budget, copies_inputs)
 
 
-def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool) -> int:
+def _row_tile_bytes(
+    h: int, r: int, S: int, D: int, C: int, copies: bool, entropy=False, received=False, mean_row=False
+) -> int:
     # float32 K of the head chunk (when the input must be copied), the q rows, the scores (the softmax
-    # runs in place), the pooled sums
-    return _F32 * (h * S * D * copies + h * r * D + h * r * S + h * r * C)
+    # runs in place; a second buffer with entropy), the pooled sums, a column sum per head (received),
+    # the head-mean rows (topk of the mean)
+    return _F32 * (
+        h * S * D * copies + h * r * D + h * r * S * (1 + entropy) + h * r * C + h * S * received + r * S * mean_row
+    )
 
 
-def _pooled_bytes(h: int, r: int, S: int, D: int, n_multi: int, n_single: int, copies: bool, joint: bool) -> int:
+def _pooled_bytes(
+    h: int, r: int, S: int, D: int, n_multi: int, n_single: int, copies: bool, joint: bool, stats=frozenset()
+) -> int:
+    # Phases of a head chunk, one after another: the entropy pass (its output), the multi-key sums, the
+    # single-key tiles, the received pass (the widened keys and queries and its output).
+    width = -(-(D + 1) // 8) * 8
+    stat_phases = [h * S * D + h * S] * ("entropy" in stats) + [3 * h * S * width + h * S] * ("received" in stats)
     if joint:  # sums and lse came with the output: a float32 chunk of the sums, then the single-key tiles
-        held = h * S + h * D * n_single  # lse, the single keys' k
-        return _F32 * (held + max(h * S * n_multi, h * r * (n_single + D * copies)))
+        held = h * S + h * D * n_single + 2 * h * S * D * copies * bool(stats)  # lse, single keys' k, q and k
+        return _F32 * (held + max(h * S * n_multi, h * r * (n_single + D * copies), *stat_phases))
     # Held throughout: float32 q and k (when copied), the padded indicator (plus a per-call slice when
     # there are several calls), lse. Then first the outputs (gathered in a buffer when there are several
     # calls), freed before the single-key tiles of r rows.
@@ -176,7 +219,7 @@ def _pooled_bytes(h: int, r: int, S: int, D: int, n_multi: int, n_single: int, c
     held = 2 * h * S * D * copies + S * D * (calls + (calls > 1)) + h * S
     outputs = h * S * D * (calls + 1 if calls > 1 else 1)
     single = h * r * n_single + h * D * n_single
-    return _F32 * (held + max(outputs, single))
+    return _F32 * (held + max(outputs, single, *stat_phases))
 
 
 def _largest(fits, upper: int) -> int:
@@ -238,11 +281,12 @@ class CapturePlan:
 
     def records(self, num_steps: int | None) -> list[tuple[str, tuple[int, ...], int, int]]:
         """Per kind: ``(kind, shape, bytes of one record file in the storage dtype, records per generation)``."""
-        dtype = STORAGE_DTYPES[self.options.storage_dtype]
+        storage = STORAGE_DTYPES[self.options.storage_dtype]
         count = self.layers_captured * self.steps_captured(num_steps)
         out = []
         for r in self.reducers:
             shape = r.shape(len(self.resolved.batch))
+            dtype = torch.float32 if r.keep_float32 else storage
             out.append((r.kind, shape, record_file_bytes(shape, dtype), count))
         return out
 
@@ -290,7 +334,8 @@ def plan_capture(
     """
     num_heads, head_dim, dtype = model.num_heads, model.head_dim, model.dtype
     res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
-    reducers = [REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries) for k in options.kinds]
+    sizes = dict(block_size=options.block_size, topk=options.topk)
+    reducers = [REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries, **sizes) for k in options.kinds]
     copies = dtype != torch.float32 or res.heads != tuple(range(num_heads))
     method = "joint" if options.layer_output == "joint" else options.method
     tiles = plan_tiles(

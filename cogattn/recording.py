@@ -105,6 +105,9 @@ class Recording:
         heads = self.options.heads
         return None if heads == "mean" else tuple(range(self._shape.num_heads)) if heads == "all" else heads
 
+    block_size = property(lambda self: self.options.block_size, doc="Tokens per block of the ``block`` kind.")
+    topk = property(lambda self: self.options.topk, doc="How many of each row's largest probabilities ``topk`` keeps.")
+
     @property
     def queries(self) -> tuple:
         """The ``query`` kind's queries as given: token indices or ``(frame, row, col)``."""

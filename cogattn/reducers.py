@@ -6,7 +6,11 @@ A reducer asks the engine for one of two things:
   :meth:`Reducer.fold_rows` as tiles ``(h, r, S)``;
 * ``key_groups``: for every query token, the sums of ``P[i, j]`` over keys ``j`` in each of its key
   groups, delivered to :meth:`Reducer.fold_pooled` as tiles ``(h, r, C)``. Key-pooled sums are what the
-  engine can compute without forming P (attention applied to an indicator matrix, see docs/design.md).
+  engine can compute without forming P (attention applied to an indicator matrix, see docs/design.md);
+* ``stat``: a row statistic, ``"entropy"`` (per query, delivered to :meth:`Reducer.fold_pooled` as
+  ``(h, r, 1)``) or ``"received"`` (per key, column sums over every query, delivered to
+  :meth:`Reducer.fold_received` as ``(h, S)`` partial sums), which the engine computes from row tiles
+  or from fused passes with other value matrices (docs/design.md says why each is exact).
 
 Every result is float32 with shape ``(B, H, ...)``; ``H`` is 1 when heads are averaged. To add a kind,
 subclass :class:`Reducer`, give it its ``kind``, ``dims`` and ``unit``, implement ``shape`` and one
@@ -16,8 +20,9 @@ the class.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -31,6 +36,12 @@ __all__ = [
     "VideoToTextReducer",
     "TextToVideoReducer",
     "QueryReducer",
+    "QueryFrameReducer",
+    "BlockReducer",
+    "EntropyReducer",
+    "ReceivedReducer",
+    "TopK",
+    "TopKReducer",
     "REDUCERS",
 ]
 
@@ -47,6 +58,17 @@ class KeyGroups:
     def single_keys(self) -> bool:
         """True when every group holds exactly one key (column ``c`` is then ``P[:, keys[c]]``)."""
         return len(self.keys) == self.num_groups and bool((self.groups == torch.arange(self.num_groups)).all())
+
+    @property
+    def runs(self) -> list[tuple[int, int]] | None:
+        """``[(start, end)]`` of each group when the groups are runs of consecutive keys covering ``0..S``
+        in group order (frames, blocks), else `None`: sums over a run are a slice and a sum."""
+        S = len(self.keys)
+        if not torch.equal(self.keys.cpu(), torch.arange(S)) or bool((self.groups.diff() < 0).any()):
+            return None
+        counts = torch.bincount(self.groups.cpu(), minlength=self.num_groups).tolist()
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        return [(e - c, e) for c, e in zip(counts, ends)]
 
     def indicator(self, seq_len: int, dtype=torch.float32, device=None) -> torch.Tensor:
         """Dense indicator ``V`` of shape ``(S, C)``: ``V[j, c] = 1`` if key ``j`` is in group ``c``."""
@@ -70,12 +92,43 @@ class Reducer:
     unit: ClassVar[str] = "attention probability"  # what an entry is (colour-bar label)
     rows: torch.Tensor | None = None  # query tokens whose full rows this kind needs
     key_groups: KeyGroups | None = None  # key pooling this kind needs for every query
+    stat: ClassVar[str | None] = None  # "entropy" or "received": a row statistic the engine computes
+    keep_float32: ClassVar[bool] = False  # stored in float32 whatever the storage dtype (indices)
+    tolerance: ClassVar[float] = 1e-5  # spot checks: largest |fast − exact| per unit of max(1, |exact|)
 
-    def __init__(self, layout: TokenLayout, num_heads: int, mean_heads: bool, queries: torch.Tensor | None = None):
+    def __init__(
+        self,
+        layout: TokenLayout,
+        num_heads: int,
+        mean_heads: bool,
+        queries: torch.Tensor | None = None,
+        *,
+        block_size: int = 128,
+        topk: int = 32,
+    ):
         self.layout = layout
         self.num_heads = num_heads
         self.mean_heads = mean_heads
         self.out_heads = 1 if mean_heads else num_heads
+        self.block_size, self.topk = block_size, topk
+
+    @property
+    def needs_all_heads(self) -> bool:
+        """Whether a row tile must hold every selected head (a statistic of the head-mean row)."""
+        return False
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor):
+        """What ``get`` returns for a stored result (the tensor itself, but for ``topk``)."""
+        return tensor
+
+    def from_rows(self, probs: torch.Tensor) -> torch.Tensor:
+        """The per-query values ``(h, r, C)`` this kind's :meth:`fold_pooled` takes, from exact rows
+        ``probs`` ``(h, r, S)`` (the spot checks compare the fast methods with these)."""
+        keys = self.key_groups
+        if keys.single_keys:
+            return probs.index_select(-1, keys.keys.to(probs.device))
+        return probs @ keys.indicator(probs.shape[-1], device=probs.device)
 
     def shape(self, num_batch: int) -> tuple[int, ...]:
         """Shape of the result for ``num_batch`` selected batch items."""
@@ -93,6 +146,10 @@ class Reducer:
         """Fold ``pooled`` ``(h, r, C)``: key-group sums of heads ``h0:h0+h``, query tokens ``r0:r0+r``."""
         raise NotImplementedError
 
+    def fold_received(self, out: torch.Tensor, h0: int, sums: torch.Tensor) -> None:
+        """Fold ``sums`` ``(h, S)``: column sums of heads ``h0:h0+h`` over some query rows (``received``)."""
+        raise NotImplementedError
+
     def _accumulate(self, dest: torch.Tensor, h0: int, values: torch.Tensor) -> None:
         # dest: (H_out, ...) view of the result; values: (h, ...) for heads h0:h0+h.
         if self.mean_heads:
@@ -107,8 +164,8 @@ class FullReducer(Reducer):
     kind = "full"
     dims = ("query token", "key token")
 
-    def __init__(self, layout, num_heads, mean_heads, queries=None):
-        super().__init__(layout, num_heads, mean_heads)
+    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
+        super().__init__(layout, num_heads, mean_heads, **sizes)
         self.rows = torch.arange(layout.seq_len)
 
     def shape(self, num_batch):
@@ -124,8 +181,8 @@ class QueryReducer(Reducer):
     kind = "query"
     dims = ("query", "key token")
 
-    def __init__(self, layout, num_heads, mean_heads, queries=None):
-        super().__init__(layout, num_heads, mean_heads)
+    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
+        super().__init__(layout, num_heads, mean_heads, **sizes)
         if queries is None or len(queries) == 0:
             raise ValueError("kind 'query' needs `queries`: token indices or (frame, row, col) coordinates.")
         self.rows = queries
@@ -143,8 +200,8 @@ class TextToVideoReducer(Reducer):
     kind = "text_to_video"
     dims = ("text token", "latent frame", "patch row", "patch column")
 
-    def __init__(self, layout, num_heads, mean_heads, queries=None):
-        super().__init__(layout, num_heads, mean_heads)
+    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
+        super().__init__(layout, num_heads, mean_heads, **sizes)
         self.rows = torch.arange(layout.text_len)
 
     def shape(self, num_batch):
@@ -163,16 +220,19 @@ class FrameReducer(Reducer):
     dims = ("query group", "key group")
     unit = "attention mass (each query row sums to 1)"
 
-    def __init__(self, layout, num_heads, mean_heads, queries=None):
-        super().__init__(layout, num_heads, mean_heads)
-        group = layout.group_of_token()
-        self.key_groups = KeyGroups(torch.arange(layout.seq_len), group, layout.num_groups)
-        sizes = layout.group_sizes()
-        self._starts = [sum(sizes[:g]) for g in range(len(sizes) + 1)]  # query groups are runs of tokens
-        self._inv_size = 1.0 / torch.tensor(sizes, dtype=torch.float32)
+    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
+        super().__init__(layout, num_heads, mean_heads, **sizes)
+        self.key_groups = self._groups()
+        sizes = [b - a for a, b in self.key_groups.runs]
+        self._starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]  # query groups: the same runs of tokens
+        self._inv_size = 1.0 / torch.tensor(sizes, dtype=torch.float32).clamp(min=1)
+
+    def _groups(self) -> KeyGroups:
+        layout = self.layout
+        return KeyGroups(torch.arange(layout.seq_len), layout.group_of_token(), layout.num_groups)
 
     def shape(self, num_batch):
-        G = self.layout.num_groups
+        G = self.key_groups.num_groups
         return (num_batch, self.out_heads, G, G)
 
     def fold_pooled(self, out, h0, r0, pooled):
@@ -186,14 +246,124 @@ class FrameReducer(Reducer):
         self._accumulate(out, h0, sums * self._inv_size.to(pooled.device)[:, None])
 
 
+class BlockReducer(FrameReducer):
+    """``block``: ``(B, H, N, N)``, ``N = ⌈S / block_size⌉``: mean over queries in block m of
+    ``Σ_{j in block n} P[i, j]``; blocks are runs of ``block_size`` tokens from token 0 (text included, the
+    last may be shorter); rows sum to 1."""
+
+    kind = "block"
+    dims = ("query block", "key block")
+
+    def _groups(self) -> KeyGroups:
+        S, size = self.layout.seq_len, self.block_size
+        return KeyGroups(torch.arange(S), torch.arange(S) // size, math.ceil(S / size))
+
+
+class QueryFrameReducer(Reducer):
+    """``query_frame``: ``(B, H, S, G)``, ``Σ_{j in group g} P[i, j]`` for every query token; rows sum to 1."""
+
+    kind = "query_frame"
+    dims = ("query token", "key group")
+    unit = "attention mass (each query row sums to 1)"
+
+    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
+        super().__init__(layout, num_heads, mean_heads, **sizes)
+        self.key_groups = KeyGroups(torch.arange(layout.seq_len), layout.group_of_token(), layout.num_groups)
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.layout.seq_len, self.layout.num_groups)
+
+    def fold_pooled(self, out, h0, r0, pooled):
+        self._accumulate(out[:, r0 : r0 + pooled.shape[1]], h0, pooled)
+
+
+class EntropyReducer(Reducer):
+    """``entropy``: ``(B, H, S)``, ``−Σ_j P[i, j] ln P[i, j]`` in nats for every query token."""
+
+    kind = "entropy"
+    dims = ("query token",)
+    unit = "entropy (nats)"
+    stat = "entropy"
+    tolerance = 1e-5  # relative to max(1, H): within 1e-4 for entropies up to ln S ≈ 10
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.layout.seq_len)
+
+    def from_rows(self, probs):
+        return -torch.special.xlogy(probs, probs).sum(-1, keepdim=True)
+
+    def fold_pooled(self, out, h0, r0, pooled):
+        self._accumulate(out[:, r0 : r0 + pooled.shape[1]], h0, pooled[..., 0])
+
+
+class ReceivedReducer(Reducer):
+    """``received``: ``(B, H, S)``, ``Σ_i P[i, j]`` over every query token for every key token (sums to S)."""
+
+    kind = "received"
+    dims = ("key token",)
+    unit = "attention received (sums to S)"
+    stat = "received"
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.layout.seq_len)
+
+    def fold_received(self, out, h0, sums):
+        self._accumulate(out, h0, sums)
+
+
+class TopK(NamedTuple):
+    """``topk`` as ``get`` returns it: ``values`` ``(B, H, S, k)`` float32, largest first, and the key
+    tokens ``indices`` ``(B, H, S, k)`` int64."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+class TopKReducer(Reducer):
+    """``topk``: the k largest ``P[i, j]`` of every query row and their key tokens, stored as ``(B, H, S, k, 2)``
+    float32 (values, indices: exact below 2²⁴ tokens) and read back as a :class:`TopK`. With heads averaged,
+    of the head-mean row."""
+
+    kind = "topk"
+    dims = ("query token", "rank", "value, key token")
+    keep_float32 = True
+
+    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
+        super().__init__(layout, num_heads, mean_heads, **sizes)
+        self.rows = torch.arange(layout.seq_len)
+        self.k = min(self.topk, layout.seq_len)
+
+    @property
+    def needs_all_heads(self) -> bool:
+        return self.mean_heads
+
+    @staticmethod
+    def unpack(tensor):
+        return TopK(tensor[..., 0], tensor[..., 1].long())
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.layout.seq_len, self.k, 2)
+
+    def fold_rows(self, out, h0, r0, probs):
+        h, r, _ = probs.shape
+        if self.mean_heads:
+            if h != self.num_heads:
+                raise RuntimeError("topk of the head-mean row needs every head in one row tile")
+            probs = probs.mean(0, keepdim=True)
+        values, indices = probs.topk(self.k, dim=-1)  # sorted, largest first
+        dest = out[h0 if not self.mean_heads else 0 :][: probs.shape[0], r0 : r0 + r]
+        dest[..., 0] = values
+        dest[..., 1] = indices.to(values.dtype)
+
+
 class VideoToTextReducer(Reducer):
     """``video_to_text``: ``(B, H, T, F, Hp, Wp)``, ``P[video query (f, y, x), text key t]``."""
 
     kind = "video_to_text"
     dims = ("text token", "latent frame", "patch row", "patch column")
 
-    def __init__(self, layout, num_heads, mean_heads, queries=None):
-        super().__init__(layout, num_heads, mean_heads)
+    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
+        super().__init__(layout, num_heads, mean_heads, **sizes)
         T = layout.text_len
         self.key_groups = KeyGroups(torch.arange(T), torch.arange(T), T)
 
@@ -211,5 +381,17 @@ class VideoToTextReducer(Reducer):
 
 
 REDUCERS: dict[str, type[Reducer]] = {
-    cls.kind: cls for cls in (FullReducer, FrameReducer, VideoToTextReducer, TextToVideoReducer, QueryReducer)
+    cls.kind: cls
+    for cls in (
+        FullReducer,
+        FrameReducer,
+        VideoToTextReducer,
+        TextToVideoReducer,
+        QueryReducer,
+        EntropyReducer,
+        ReceivedReducer,
+        QueryFrameReducer,
+        BlockReducer,
+        TopKReducer,
+    )
 }

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["naive_kind", "naive_probs", "select"]
+__all__ = ["kind_error", "naive_kind", "naive_probs", "select"]
 
 
 def naive_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -21,11 +21,26 @@ def naive_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) ->
     return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1)
 
 
-def naive_kind(P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], queries=None) -> torch.Tensor:
+def naive_kind(
+    P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], queries=None, block_size: int = 128, topk: int = 32
+) -> torch.Tensor:
     """One kind from full probabilities ``P`` ``(B, H, S, S)``: ``T`` text tokens, the latent ``grid``
-    ``(F, Hp, Wp)``, and the ``query`` kind's token indices ``queries``."""
+    ``(F, Hp, Wp)``, the ``query`` kind's token indices ``queries``, the ``block`` kind's ``block_size`` and
+    ``topk``'s k (``topk``: ``(B, H, S, k, 2)``, values and key indices, as stored)."""
     B, H, S, _ = P.shape
     F, Hp, Wp = grid
+    bounds = [0, T] + [T + (f + 1) * Hp * Wp for f in range(F)]
+    if kind == "entropy":
+        return -torch.special.xlogy(P, P).sum(-1)
+    if kind == "received":
+        return P.sum(-2)
+    if kind == "query_frame":
+        return torch.stack([P[..., a:b].sum(-1) for a, b in zip(bounds, bounds[1:])], -1)
+    if kind == "block":
+        bounds = list(range(0, S, block_size)) + [S]
+    if kind == "topk":
+        values, indices = P.topk(min(topk, S), dim=-1)
+        return torch.stack([values, indices.to(values.dtype)], -1)
     if kind == "full":
         return P
     if kind == "query":
@@ -34,9 +49,8 @@ def naive_kind(P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], q
         return P[:, :, T:, :T].permute(0, 1, 3, 2).reshape(B, H, T, F, Hp, Wp)
     if kind == "text_to_video":
         return P[:, :, :T, T:].reshape(B, H, T, F, Hp, Wp)
-    if kind == "frame":
-        bounds = [0, T] + [T + (f + 1) * Hp * Wp for f in range(F)]
-        G = F + 1
+    if kind in ("frame", "block"):
+        G = len(bounds) - 1
         out = torch.empty(B, H, G, G, dtype=P.dtype)
         for g in range(G):
             for h in range(G):
@@ -54,3 +68,19 @@ def select(x: torch.Tensor, batch, heads) -> torch.Tensor:
     if heads == "all":
         return x
     return x[:, list(heads)]
+
+
+def kind_error(got, P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], queries=None, **sizes) -> float:
+    """Largest error of a result ``got`` (as ``get`` returns it, ``(B, H, ...)``) against :func:`naive_kind` of
+    ``P`` ``(B, H, S, S)``: absolute for probabilities and sums, relative to ``max(1, |H|)`` for ``entropy``;
+    for ``topk`` the values, and the probabilities at the returned key tokens (equal probabilities may come
+    in either order)."""
+    if kind == "topk":
+        values, indices = got
+        ref = P.topk(values.shape[-1], dim=-1).values
+        return max((values.double() - ref).abs().max().item(), (P.gather(-1, indices) - ref).abs().max().item())
+    ref = naive_kind(P, kind, T, grid, queries, **sizes)
+    if tuple(got.shape) != tuple(ref.shape):
+        raise ValueError(f"{kind}: shape {tuple(got.shape)}, the reference's {tuple(ref.shape)}")
+    error = (got.double() - ref).abs()
+    return (error / ref.abs().clamp(min=1) if kind == "entropy" else error).max().item()

@@ -29,6 +29,7 @@ from safetensors import safe_open
 
 from .errors import NotRecordedError, StoreError
 from .layout import TokenLayout
+from .reducers import REDUCERS
 
 try:
     import fcntl
@@ -180,6 +181,14 @@ class MapSource(Protocol):
         """The model head of each slot of a result's head axis; `None` when heads were averaged."""
 
     @property
+    def block_size(self) -> int:
+        """Tokens per block of the ``block`` kind."""
+
+    @property
+    def topk(self) -> int:
+        """How many of each row's largest probabilities ``topk`` asked for (at most S)."""
+
+    @property
     def queries(self) -> tuple:
         """The ``query`` kind's queries as given: token indices or ``(frame, row, col)``."""
 
@@ -287,6 +296,16 @@ class Run:
         return tuple(sel["heads"])
 
     @property
+    def block_size(self) -> int:
+        """Tokens per block of the ``block`` kind (128 in runs made before it existed)."""
+        return int((self.meta.get("selection") or {}).get("block_size", 128))
+
+    @property
+    def topk(self) -> int:
+        """How many of each row's largest probabilities ``topk`` asked for (at most S)."""
+        return int((self.meta.get("selection") or {}).get("topk", 32))
+
+    @property
     def queries(self) -> tuple:
         """The ``query`` kind's queries as given: token indices or ``(frame, row, col)``."""
         queries = (self.meta.get("selection") or {}).get("queries") or ()
@@ -324,8 +343,9 @@ class Run:
             raise NotRecordedError(missing_message(kind, step, layer, self.keys(), f" in {str(self.path)!r}")) from None
 
     def get(self, kind: str, step: int, layer: int, index: tuple | None = None) -> torch.Tensor:
-        """A record as a float32 tensor; ``index`` (ints and slices, e.g. ``(0, 3, slice(0, 10))`` for
-        batch item 0, head 3, the first 10 rows) reads only that part, through memory-mapped slices."""
+        """A record as a float32 tensor (``topk``: a :class:`cogattn.reducers.TopK` of values and indices);
+        ``index`` (ints and slices, e.g. ``(0, 3, slice(0, 10))`` for batch item 0, head 3, the first 10
+        rows) reads only that part, through memory-mapped slices."""
         record = self.record_info(kind, step, layer)
         file = self.path / record.file
         try:
@@ -342,7 +362,7 @@ class Run:
             raise StoreError(
                 f"record file {str(file)!r} holds shape {tuple(t.shape)}, the manifest says {record.shape}."
             )
-        return t.float()
+        return REDUCERS[kind].unpack(t.float()) if kind in REDUCERS else t.float()
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, {len(self)} records, {self.status})"

@@ -21,6 +21,7 @@ import torch
 
 from .errors import NotRecordedError, StoreError
 from .options import STORAGE_DTYPES
+from .reducers import REDUCERS
 from .run import FORMAT, LOCK, MANIFEST, META, RECORDS, Run, RunLock, missing_message, record_file_bytes, write_record
 
 __all__ = ["MemoryStore", "RunWriter", "disk_bytes", "prepare_folder", "remove_run", "write_json_atomic"]
@@ -122,7 +123,7 @@ class MemoryStore:
 
     def get(self, kind: str, step: int, layer: int) -> torch.Tensor:
         try:
-            return self._results[(kind, step, layer)]
+            return REDUCERS[kind].unpack(self._results[(kind, step, layer)])
         except KeyError:
             raise NotRecordedError(missing_message(kind, step, layer, self.keys())) from None
 
@@ -227,7 +228,8 @@ class RunWriter:
         if kind not in self._kinds_seen:
             (self.path / RECORDS / kind).mkdir(parents=True, exist_ok=True)
             self._kinds_seen.add(kind)
-        host, ready = self._to_host(tensor.to(self.dtype))
+        dtype = torch.float32 if kind in REDUCERS and REDUCERS[kind].keep_float32 else self.dtype
+        host, ready = self._to_host(tensor.to(dtype))
         n = host.numel() * host.element_size()
         with self._cond:
             t0 = time.perf_counter()

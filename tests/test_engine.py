@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from reference import naive_kind, naive_probs
+from reference import assert_topk, naive_kind, naive_probs
 
 from cogattn.engine import capture
 from cogattn.layout import TokenLayout
@@ -11,11 +11,12 @@ from cogattn.reducers import REDUCERS
 
 LAYOUTS = [TokenLayout(8, 3, 3, 5), TokenLayout(5, 2, 7, 3), TokenLayout(3, 1, 1, 1)]
 KINDS = list(REDUCERS)
+SIZES = dict(block_size=7, topk=4)  # blocks that do not divide S; fewer than S keys kept
 
 
 def _run(q, k, layout, kinds, heads_mean, budget, path, queries=None):
     H, S, D = q.shape
-    reducers = [REDUCERS[kd](layout, H, heads_mean, queries) for kd in kinds]
+    reducers = [REDUCERS[kd](layout, H, heads_mean, queries, **SIZES) for kd in kinds]
     plan = plan_tiles(reducers, S, H, D, budget, path, q.device)
     outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
     capture(q, k, reducers, outs, plan)
@@ -33,11 +34,14 @@ def test_every_kind_matches_naive_softmax(layout, path, mean):
     got, _ = _run(q, k, layout, KINDS, mean, 2**30, path, queries)
     P = naive_probs(q[None], k[None])
     for kind in KINDS:
-        ref = naive_kind(P, kind, layout.text_len, layout.grid, queries.tolist())[0]
-        ref = ref.mean(0, keepdim=True) if mean else ref
         assert got[kind].dtype == torch.float32
+        if kind == "topk":  # of the head-mean row
+            assert_topk(REDUCERS[kind].unpack(got[kind][None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
+            continue
+        ref = naive_kind(P, kind, layout.text_len, layout.grid, queries.tolist(), **SIZES)[0]
+        ref = ref.mean(0, keepdim=True) if mean else ref
         assert got[kind].shape == ref.shape, kind
-        assert (got[kind].double() - ref).abs().max() <= 1e-5, kind
+        assert (got[kind].double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
 
 
 @pytest.mark.parametrize("budget", [30_000, 60_000, 200_000, 2**30])

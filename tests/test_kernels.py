@@ -53,17 +53,17 @@ def test_engine_triton_path_matches_naive(mean):
     layout = TokenLayout(5, 2, 7, 3)
     H, S, D = 3, layout.seq_len, 16
     q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2
-    kinds = ["frame", "video_to_text"]
-    reducers = [REDUCERS[kd](layout, H, mean) for kd in kinds]
+    kinds = ["frame", "video_to_text", "entropy", "received", "query_frame", "block"]
+    reducers = [REDUCERS[kd](layout, H, mean, block_size=6) for kd in kinds]
     plan = plan_tiles(reducers, S, H, D, 2**30, "triton", DEVICE)
     assert plan.method == "triton"
     outs = [torch.zeros(r.shape(1)[1:], device=DEVICE) for r in reducers]
     capture(q.to(DEVICE), k.to(DEVICE), reducers, outs, plan)
     P = naive_probs(q[None], k[None])
     for kind, out in zip(kinds, outs):
-        ref = naive_kind(P, kind, layout.text_len, layout.grid)[0]
+        ref = naive_kind(P, kind, layout.text_len, layout.grid, block_size=6)[0]
         ref = ref.mean(0, keepdim=True) if mean else ref
-        assert (out.cpu().double() - ref).abs().max() <= 1e-5, kind
+        assert (out.cpu().double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
 
 
 def _record_tiny(**record_kw):

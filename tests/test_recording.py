@@ -10,6 +10,7 @@ from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
 
 KINDS = cogattn.KINDS
 QUERIES = [0, (1, 2, 4), (0, 0, 0), 20]
+SIZES = dict(block_size=7, topk=5)  # blocks that do not divide S (the default 128 is one block here)
 
 
 CONFIGS = [
@@ -55,7 +56,7 @@ def test_cfg_two_videos_per_prompt_match_naive(path, batch, heads, expect_batch)
     their order in the results."""
     pipe = tiny_pipeline(num_heads=3)
     spy = QKSpy(pipe.transformer)
-    with cogattn.record(pipe, kinds=KINDS, batch=batch, heads=heads, queries=QUERIES, method=path) as rec:
+    with cogattn.record(pipe, kinds=KINDS, batch=batch, heads=heads, queries=QUERIES, method=path, **SIZES) as rec:
         generate(pipe, videos=2, width=112)
     spy.remove()
     assert rec.layout.grid == (3, 3, 7) and rec.batch_items == tuple(expect_batch)
@@ -76,7 +77,10 @@ def test_model_variants_match_naive(task, version, rotary, fused):
     if fused:
         pipe.transformer.fuse_qkv_projections()
     spy = QKSpy(pipe.transformer)
-    with cogattn.record(pipe, kinds=KINDS, batch="cond", heads="mean", queries=QUERIES, memory_budget=20_000) as rec:
+    budget = 20_000
+    with cogattn.record(
+        pipe, kinds=KINDS, batch="cond", heads="mean", queries=QUERIES, memory_budget=budget, **SIZES
+    ) as rec:
         generate(pipe)
     spy.remove()
     expected_frames = 2 if version == "1.5" else 3
@@ -95,13 +99,16 @@ def test_layers_steps_selection_and_timesteps():
         rec.get("frame", 0, 0)
 
 
-def test_bf16_maps_are_float32_and_match_naive():
+@pytest.mark.parametrize("path", ["rows", "sdpa"])
+def test_bf16_maps_are_float32_and_match_naive(path):
     pipe = tiny_pipeline(dtype=torch.bfloat16)
     spy = QKSpy(pipe.transformer)
-    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all") as rec:
+    kinds = ("frame", "video_to_text", "entropy", "received", "query_frame", "block", "topk")
+    with cogattn.record(pipe, kinds=kinds, batch="cond", heads="all", method=path, **SIZES) as rec:
         generate(pipe)
     spy.remove()
-    assert_matches_naive(rec, spy, [1], "all", kinds=("frame", "video_to_text"))
+    assert all(rec.get(k, 0, 0)[0].dtype == torch.float32 for k in kinds)
+    assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
 
 
 def test_bare_transformer_target():

@@ -46,6 +46,11 @@ def test_round_trip_equals_in_memory_for_every_kind(pipe, tmp_path, storage_dtyp
     run = cogattn.load(tmp_path / "run")
     assert run.keys() == mem.keys() == disk.keys() and len(run) == len(KINDS) * 2 * 2
     for key in mem.keys():
+        if key[0] == "topk":  # values and indices, kept in float32 whatever the storage dtype
+            assert all(
+                torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(mem.get(*key), run.get(*key), disk.get(*key))
+            )
+            continue
         expected = mem.get(*key).to(getattr(torch, storage_dtype)).float()
         assert torch.equal(run.get(*key), expected), key
         assert torch.equal(disk.get(*key), expected), key

@@ -1,0 +1,102 @@
+"""The exact computations the engine tiles: a softmax over a row tile (with each row's entropy when
+asked), sums over runs of keys, and the fused attention passes with other value matrices.
+
+Each function computes, for one chunk of heads, quantities the naive ``softmax(q @ k.T * scale)`` in
+float32 defines, without forming P where it is a fused pass: the multi-key group sums from indicator
+values (:func:`indicator_sums`) or cogattn's kernel (:func:`triton_sums`), every row's entropy from the
+keys as values (:func:`entropy_pass`), and the mass every key receives from a pass with queries and keys
+swapped (:func:`received_pass`). Why each is exact is in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import attention, kernels
+
+__all__ = [
+    "entropy_pass",
+    "indicator_sums",
+    "received_pass",
+    "run_sums",
+    "softmax_",
+    "softmax_entropy",
+    "triton_sums",
+]
+
+
+def softmax_(scores: torch.Tensor) -> torch.Tensor:
+    """Float32 softmax over the last dim, in place (a tile is the largest buffer; do not copy it)."""
+    scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+    return scores.div_(scores.sum(-1, keepdim=True))
+
+
+def softmax_entropy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 softmax over the last dim and each row's entropy ``(h, r)``: with ``t = s − max`` and
+    ``e = exp(t)``, ``H = ln Σe − Σ e·t / Σe`` (no logarithm per entry; one more tile buffer)."""
+    t = scores.sub_(scores.amax(-1, keepdim=True))
+    e = torch.exp(t)
+    z = e.sum(-1, keepdim=True)
+    dot = torch.matmul(e.unsqueeze(-2), t.unsqueeze(-1))[..., 0]  # (h, r, 1): Σ_j e·t, a batched dot
+    entropy = (z.log() - dot / z)[..., 0]
+    return e.div_(z), entropy
+
+
+def run_sums(probs: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """Sums of ``probs`` ``(h, r, S)`` over runs of consecutive keys, ``(h, r, len(runs))``: a reshape and a
+    sum when the runs but the last have one length and start at 0, as blocks do; else a sum per run."""
+    lengths = {b - a for a, b in runs[:-1]}
+    if len(lengths) == 1 and runs[0][0] == 0:
+        n, size = len(runs) - 1, lengths.pop()
+        head = probs[..., : n * size].unflatten(-1, (n, size)).sum(-1)
+        return torch.cat([head, probs[..., n * size : runs[-1][1]].sum(-1, keepdim=True)], -1)
+    return torch.stack([probs[..., a:b].sum(-1) for a, b in runs], -1)
+
+
+def entropy_pass(qf: torch.Tensor, kf: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's entropy ``(h, S)`` and lse ``(1, h, S)`` from one fused pass with the keys as values, for
+    float32 ``(1, h, S, D)`` q and k: ``H_i = lse_i − scale·q_i·(P K)_i``, since ``ln P[i, j] = scale·q_i·k_j −
+    lse_i`` summed against ``P[i, j]`` is ``scale·q_i·(P K)_i − lse_i``."""
+    out, lse = attention.sdpa_with_lse(qf, kf, kf, scale)
+    dot = torch.matmul(qf[0].unsqueeze(-2), out[0].unsqueeze(-1))[..., 0, 0]  # (h, S): q_i·(P K)_i
+    return lse[0] - scale * dot, lse
+
+
+def received_pass(qf: torch.Tensor, kf: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
+    """``Σ_i P[i, j]`` for every key, ``(h, S)``, from float32 q and k ``(h, S, D)`` and the rows' lse
+    ``(h, S)``: one fused pass with the keys as queries, each widened by ``1``, and the queries as keys,
+    each widened by ``−lse_i``, so that its scores are ``scale·q_i·k_j − lse_i = ln P[i, j]`` and its
+    log-sum-exp over ``i`` is ``ln Σ_i P[i, j]`` (width rounded up to a multiple of 8 with zeros; zero values)."""
+    h, S, D = qf.shape
+    width = -(-(D + 1) // 8) * 8
+    keys_as_q = kf.new_zeros(1, h, S, width)
+    keys_as_q[0, :, :, :D] = kf * scale
+    keys_as_q[0, :, :, D] = 1.0
+    queries_as_k = qf.new_zeros(1, h, S, width)
+    queries_as_k[0, :, :, :D] = qf
+    queries_as_k[0, :, :, D] = -lse
+    zeros = qf.new_zeros(1, 1, 1, width).expand(1, h, S, width)
+    _, out_lse = attention.sdpa_with_lse(keys_as_q, queries_as_k, zeros, 1.0)
+    return out_lse[0].exp()
+
+
+def indicator_sums(qf: torch.Tensor, kf: torch.Tensor, indicator: torch.Tensor, n_calls: int, scale: float):
+    """The multi-key sums ``(h, S, n_calls·D)`` and the rows' lse ``(1, h, S)`` from fused SDPA calls on the
+    indicator values (``D`` columns a call), for float32 ``(1, h, S, D)`` q and k."""
+    _, h, S, D = qf.shape
+    sums = torch.empty(h, S, n_calls * D, device=qf.device) if n_calls > 1 else None
+    for c in range(n_calls):
+        v = indicator[:, c * D : (c + 1) * D].contiguous().expand(1, h, S, D)  # shared over heads
+        out, lse = attention.sdpa_with_lse(qf, kf, v, scale)
+        if sums is None:
+            sums = out[0]
+        else:
+            sums[..., c * D : (c + 1) * D] = out[0]
+        del out
+    return sums, lse
+
+
+def triton_sums(qm: torch.Tensor, km: torch.Tensor, lse: torch.Tensor, indicator: torch.Tensor, scale: float):
+    """The multi-key sums ``(h, S, C)`` from cogattn's fused kernel, given the rows' lse ``(h, S)``, with q
+    and k ``(h, S, D)`` in the model's dtype (:func:`cogattn.kernels.pooled_sums`)."""
+    return kernels.pooled_sums(qm, km, lse, indicator, scale)

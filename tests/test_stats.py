@@ -1,0 +1,137 @@
+"""The statistics kinds (entropy, received, query_frame, block, topk): the passes that serve them, how
+``auto`` chooses, their spot checks, and how they are stored, read back and estimated. Their values on every
+tiny model, method, budget and selection are checked against the naive reference in test_engine.py and
+test_recording.py (every kind of ``cogattn.KINDS``)."""
+
+import pytest
+import torch
+from reference import QKSpy, assert_matches_naive
+from safetensors import safe_open
+from tiny_calls import generate
+
+import cogattn
+import cogattn.attention as attention
+import cogattn.checks as checks
+import cogattn.passes as passes
+from cogattn.reducers import TopK
+from cogattn.testing import tiny_pipeline
+
+STATS = ("entropy", "received", "query_frame", "block", "topk")
+SIZES = dict(block_size=7, topk=5)
+
+
+@pytest.fixture(autouse=True)
+def fresh_process(monkeypatch):
+    for name in ("SEEN", "ROWS_ONLY", "STOCK_OUTPUT"):
+        monkeypatch.setattr(checks, name, set())
+
+
+def _count_passes(monkeypatch) -> list:
+    calls = []
+    real = attention.sdpa_with_lse
+    monkeypatch.setattr(attention, "sdpa_with_lse", lambda *a: calls.append(a[0].shape[-1]) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "kinds,output,widths",
+    [
+        (("entropy",), "stock", [16]),  # one pass, the keys as values; it gives the lse too
+        (("received",), "stock", [16, 24]),  # the lse, then the swapped pass (16 + 1 columns, padded to 24)
+        (("received",), "lse", [24]),  # the output call's lse: the swapped pass alone
+        (("entropy", "query_frame"), "stock", [16, 16]),  # the keys, then the indicator as values
+        (("entropy", "received"), "stock", [16, 24]),  # entropy's lse serves received
+        (("entropy", "received", "frame"), "joint", [16, 24]),  # frame and the lse from the output call
+    ],
+)
+def test_each_statistic_costs_the_passes_it_should_and_is_exact(monkeypatch, kinds, output, widths):
+    pipe = tiny_pipeline(num_heads=3)
+    stock = generate(pipe)
+    spy = QKSpy(pipe.transformer)
+    calls = _count_passes(monkeypatch)
+    with cogattn.record(pipe, kinds=kinds, heads="all", method="auto", layer_output=output, verify=False) as rec:
+        out = generate(pipe)
+    spy.remove()
+    assert torch.equal(out, stock)
+    layer_calls = 2 * len(pipe.transformer.transformer_blocks)  # steps × layers, one batch item (cond)
+    assert rec.plan.tiles.method == ("joint" if output == "joint" else "sdpa")
+    assert calls == widths * layer_calls
+    assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
+
+
+CHOICES = [
+    (("entropy",), {}, "sdpa"),
+    (("received",), {}, "sdpa"),
+    (("query_frame",), {}, "sdpa"),
+    (("entropy", "received"), {}, "sdpa"),  # two passes
+    (("entropy", "received", "frame"), {}, "rows"),  # three passes cost more than one row pass
+    (("block",), {}, "rows"),  # 139 blocks: three indicator passes cost more than one row pass
+    (("block",), {"block_size": 2048}, "sdpa"),  # 9 blocks: one pass
+    (("entropy", "received", "query_frame", "block"), {}, "rows"),
+    (("topk",), {}, "rows"),
+]
+
+
+@pytest.mark.parametrize("kinds,sizes,method", CHOICES)
+def test_auto_takes_row_tiles_where_one_row_pass_beats_the_fused_passes(kinds, sizes, method):
+    est = cogattn.estimate(
+        "THUDM/CogVideoX-2b", num_frames=49, height=480, width=720, num_inference_steps=50, kinds=kinds, **sizes
+    )
+    assert est.layout.seq_len == 17_776 and est.tiles.method == method
+    assert est.tiles.peak_bytes <= 2**30
+
+
+def test_a_wrong_entropy_pass_is_caught_and_nothing_wrong_is_stored(monkeypatch):
+    real = passes.entropy_pass
+    monkeypatch.setattr(passes, "entropy_pass", lambda *a: (real(*a)[0] + 1e-3, real(*a)[1]))
+    pipe = tiny_pipeline(num_heads=3)
+    spy = QKSpy(pipe.transformer)
+    with pytest.warns(UserWarning, match=r"spot check failed: sdpa"):
+        with cogattn.record(pipe, kinds=("entropy", "frame"), heads="all") as rec:
+            generate(pipe)
+    spy.remove()
+    (check,) = rec.checks
+    assert not check.passed and check.max_error > 1e-4
+    assert_matches_naive(rec, spy, [1], "all", kinds=("entropy", "frame"))
+
+
+def test_stored_statistics_read_back_with_their_sizes_and_topk_keeps_float32(tmp_path):
+    pipe = tiny_pipeline()
+    kw = dict(kinds=STATS, heads="all", **SIZES)
+    with cogattn.record(pipe, **kw) as mem:
+        generate(pipe)
+    with cogattn.record(pipe, save_dir=tmp_path / "run", storage_dtype="bfloat16", **kw):
+        generate(pipe)
+    run = cogattn.load(tmp_path / "run")
+    assert (run.block_size, run.topk) == (7, 5) == (mem.block_size, mem.topk)
+    assert run.meta["selection"]["block_size"] == 7 and run.meta["selection"]["topk"] == 5
+    got, want = run.get("topk", 1, 0), mem.get("topk", 1, 0)
+    assert isinstance(got, TopK) and got.indices.dtype == torch.long and got.values.shape == (1, 2, 53, 5)
+    assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)  # float32 on disk
+    with safe_open(str(tmp_path / "run" / run.record_info("topk", 1, 0).file), "pt") as f:
+        assert f.get_slice("map").get_dtype() == "F32"
+    entropy = run.get("entropy", 1, 0)
+    assert torch.equal(entropy, mem.get("entropy", 1, 0).bfloat16().float())
+    assert torch.equal(run.get("entropy", 1, 0, index=(0, 1, slice(3, 9))), entropy[0, 1, 3:9])
+    assert run.get("block", 0, 1).shape == (1, 2, 8, 8)  # ⌈53 / 7⌉ blocks
+    partial = run.get("topk", 0, 0, index=(0, 1, slice(0, 4)))
+    assert torch.equal(partial.indices, run.get("topk", 0, 0).indices[0, 1, :4])
+
+
+def test_estimate_predicts_the_records_a_run_writes(tmp_path):
+    kw = dict(kinds=STATS, heads=[1, 0], storage_dtype="float16", **SIZES)
+    est = cogattn.estimate("tiny", num_frames=9, height=48, width=80, num_inference_steps=2, batch="cond", **kw)
+    pipe = tiny_pipeline()
+    with cogattn.record(pipe, save_dir=tmp_path / "run", **kw):
+        generate(pipe)
+    written = sum(f.stat().st_size for f in (tmp_path / "run").rglob("*.safetensors"))
+    assert est.num_records == len(cogattn.load(tmp_path / "run")) == len(STATS) * 2 * 2
+    assert est.record_bytes == written
+
+
+@pytest.mark.parametrize(
+    "option,value", [("block_size", 0), ("block_size", 2.5), ("topk", True), ("topk", "32"), ("topk", -1)]
+)
+def test_bad_sizes_are_refused(option, value):
+    with pytest.raises(ValueError, match=f"{option} must be a positive int"):
+        cogattn.CaptureOptions(kinds=("block", "topk"), **{option: value})
