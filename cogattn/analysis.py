@@ -4,6 +4,11 @@ a source recorded, and which recorded row holds a query token. No plotting here 
 A *source* is any :class:`cogattn.run.MapSource`: an in-memory :class:`cogattn.Recording` or a run
 folder opened with :func:`cogattn.load`.
 
+The head table (:func:`cogattn.heads.head_table`, :class:`~cogattn.heads.LabelRule`,
+:func:`~cogattn.heads.temporal_decay`) and block-sparse mask recall (:mod:`cogattn.masks`:
+``mask_recall``, ``oracle_curve``, the mask helpers) live in their own modules and are reached from
+here too: ``cogattn.analysis.head_table(rec)``.
+
 ```python
 from cogattn.analysis import aggregate
 aggregate(rec, "frame")                              # (G, G): mean over recorded steps, layers, heads
@@ -22,6 +27,23 @@ from .reducers import REDUCERS
 from .run import MapSource
 
 __all__ = ["aggregate", "choose", "head_positions", "locate_query", "recorded", "recorded_kinds"]
+
+# Reached from here, defined in their own modules (which import this one: looked up on first use).
+_ELSEWHERE = {
+    **dict.fromkeys(("head_table", "temporal_decay", "LabelRule", "LABELS"), "heads"),
+    **dict.fromkeys(
+        ("mask_recall", "oracle_curve", "same_frame_mask", "temporal_window_mask", "spatial_window_mask", "BlockGrid"),
+        "masks",
+    ),
+}
+
+
+def __getattr__(name: str):
+    if name in _ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{_ELSEWHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def recorded_kinds(source: MapSource) -> list[str]:
@@ -143,7 +165,8 @@ def aggregate(
 
     Args:
         source (`MapSource`): a `Recording` or a `Run`.
-        kind (`str`): ``"frame"``, ``"video_to_text"``, ``"text_to_video"``, ``"query"`` or ``"full"``.
+        kind (`str`): any kind but ``"topk"`` (values and key indices do not average: read them with
+            ``source.get``).
         steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): steps to average (``"all"``: every
             recorded step of the kind).
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers to average.
@@ -157,6 +180,8 @@ def aggregate(
         ValueError: a malformed selector, or ``batch`` out of range.
         NotRecordedError: the kind, a step, a layer or a head was not recorded.
     """
+    if kind == "topk":
+        raise ValueError("topk records are values and key indices, which do not average; read them with source.get.")
     step_list = choose(source, kind, "step", steps)
     layer_list = choose(source, kind, "layer", layers)
     total = None

@@ -460,3 +460,23 @@ def test_ctrl_c_prints_one_line_saying_what_is_kept_and_exits_130(tmp_path, dump
     monkeypatch.setattr(cli, "run_prompt", real)
     again = dump(*QUICK, "--set", f"save_dir={out}", check=0)
     assert "1 prompts already complete, skipped" in again.stdout
+
+
+def test_the_head_table_is_saved_as_csv_next_to_the_maps(tmp_path, dump):
+    import pandas as pd
+
+    from cogattn.heads import head_table
+
+    out = tmp_path / "runs"
+    kinds = "capture.kinds=[frame,entropy,received]"
+    dump("--set", f"save_dir={out}", "--set", kinds, "--set", "capture.heads=all", "--set", "previews=false",
+         "--set", "num_inference_steps=2", check=0)  # fmt: skip
+    dirs = _prompt_dirs(out)
+    assert dirs
+    for d in dirs:
+        assert _meta(d)["head_table"] == "heads.csv"
+        saved, ref = pd.read_csv(d / "heads.csv"), head_table(cogattn.load(d / "maps"))
+        assert len(saved) == len(ref) == 2 * 2 * 2  # steps × layers × heads of the tiny model
+        for column in ("text_mass", "same_frame_mass", "entropy_mean", "sink_share"):
+            assert (saved[column] - ref[column]).abs().max() <= 1e-9, column
+        assert list(saved["label"]) == list(ref["label"])

@@ -1,6 +1,7 @@
 """One prompt's generation with capture: the pipeline of a config, the folder a prompt gets, its video.
 
-A prompt's folder holds ``maps/`` (a run: ``cogattn.load`` reads it), the video, ``previews/*.png`` and
+A prompt's folder holds ``maps/`` (a run: ``cogattn.load`` reads it), the video, ``heads.csv`` (the head
+table of :func:`cogattn.heads.head_table`, when a kind it reads was recorded), ``previews/*.png`` and
 ``prompt.json``, whose ``complete`` is set last: a folder without it is redone by a rerun.
 """
 
@@ -87,6 +88,18 @@ def _save_video(frames, path_stem: Path, cfg: DumpConfig) -> Path:
     return path
 
 
+def _write_head_table(maps: Path, path: Path) -> bool:
+    """The head table of a prompt's run as CSV, when it recorded a kind the table reads."""
+    from ..heads import TABLE_KINDS, head_table
+    from ..run import load
+
+    run = load(maps)
+    if not {kind for kind, _, _ in run.keys()} & set(TABLE_KINDS):
+        return False
+    head_table(run).to_csv(path, index=False)
+    return True
+
+
 def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int) -> None:
     """Generate one video with capture into ``folder`` (a fresh or incomplete one is (re)made).
 
@@ -147,6 +160,8 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
         frames = pipe(**call).frames[0]
     meta["seconds"] = round(time.perf_counter() - t0, 3)
     meta["video"] = _save_video(frames, folder / "video", cfg).name
+    if _write_head_table(folder / "maps", folder / "heads.csv"):
+        meta["head_table"] = "heads.csv"
     if cfg.previews:
         from .previews import write_previews
 
