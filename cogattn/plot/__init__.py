@@ -1,41 +1,56 @@
 """Figures of attention maps: frame-to-frame heatmaps, word maps on the video, query maps, grids over
-layers × steps, and animations.
+layers × steps, what each head does (atlas, decay with frame distance), per-token entropy and attention
+sinks on the video, block maps with sparse-attention masks, and animations.
 
 Every function takes a *source* (a :class:`cogattn.run.MapSource`): an in-memory
 :class:`cogattn.Recording` or a run opened with :func:`cogattn.load`, and returns a
 ``matplotlib.figure.Figure`` made without pyplot (no global backend or state): a notebook shows it when
 it is a cell's value, ``fig.savefig(path)`` saves it, and ``fig=plt.figure()`` draws into a pyplot
 figure instead. The numbers behind the figures are in :mod:`cogattn.analysis` (``aggregate``) and the
-text tokens of a prompt in :mod:`cogattn.words`.
+text tokens of a prompt in :mod:`cogattn.words`; the head table in :mod:`cogattn.heads` and block masks
+in :mod:`cogattn.masks`.
 
 ```python
-from cogattn import plot
+from cogattn import masks, plot
 plot.frame_heatmap(rec, heads="all")                                   # (G × G) per head
 plot.word_heatmap(rec, ["fox", "snow"], video, tokenizer=pipe.tokenizer, prompt=prompt)
 plot.query_map(rec, (1, 1, 2), video, scale="log")
 plot.animate(plot.word_heatmap, rec, "fox.gif", over="step", tokens="fox", video=video,
              tokenizer=pipe.tokenizer, prompt=prompt)
+plot.head_atlas(rec)                                                   # layers × heads, by label
+plot.token_stat(rec, "received", video)                                # attention sinks on the video
+plot.block_map(rec, masks.same_frame_mask(rec.layout, rec.block_size), scale="log")
 ```
 
 Modules: :mod:`~cogattn.plot.style` (colour scales, colour bars, titles, ticks),
 :mod:`~cogattn.plot.frames` (frame heatmap, layers × steps grid), :mod:`~cogattn.plot.overlays` (word
 and query maps on the video), :mod:`~cogattn.plot.video` (video arrays, upsampling to pixels, GIF and
-MP4 files), :mod:`~cogattn.plot.animation` (animations and notebook sliders).
+MP4 files), :mod:`~cogattn.plot.animation` (animations and notebook sliders), :mod:`~cogattn.plot.heads`
+(head atlas and decay curves from the head table), :mod:`~cogattn.plot.stats` (per-token entropy and
+received attention on the video, block maps with a mask's outline and recall).
 """
 
 from __future__ import annotations
 
 from .animation import animate, explore
 from .frames import frame_heatmap, layer_step_grid
+from .heads import LABEL_COLORS, decay_curves, head_atlas
 from .overlays import query_map, word_heatmap
+from .stats import block_map, mask_outline, token_stat
 from .video import upsample_to_video
 
 __all__ = [
+    "LABEL_COLORS",
     "animate",
+    "block_map",
+    "decay_curves",
     "explore",
     "frame_heatmap",
+    "head_atlas",
     "layer_step_grid",
+    "mask_outline",
     "query_map",
+    "token_stat",
     "upsample_to_video",
     "word_heatmap",
 ]

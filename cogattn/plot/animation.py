@@ -13,7 +13,9 @@ from matplotlib.figure import Figure
 from ..analysis import recorded, recorded_kinds
 from ..run import MapSource
 from .frames import frame_heatmap
+from .heads import head_atlas
 from .overlays import query_map, word_heatmap
+from .stats import block_map, token_stat
 from .style import MAP_GID
 from .video import video_array, write_animation
 
@@ -21,7 +23,14 @@ __all__ = ["animate", "explore"]
 
 
 # -- animations ------------------------------------------------------------------------------------
-_PLOT_KIND = {frame_heatmap: "frame", word_heatmap: "video_to_text", query_map: "query"}  # the kind each draws
+_PLOT_KIND = {  # the kind each draws (its steps and layers are the ones animate goes over)
+    frame_heatmap: "frame",
+    word_heatmap: "video_to_text",
+    query_map: "query",
+    head_atlas: "frame",
+    token_stat: "entropy",
+    block_map: "block",
+}
 
 
 def _render(fig: Figure) -> np.ndarray:

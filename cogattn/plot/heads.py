@@ -1,0 +1,324 @@
+"""Figures of what each head does, from :func:`cogattn.heads.head_table`: an atlas of layers × heads
+coloured by each head's label or by any number of the table, and the decay of attention mass with
+latent-frame distance."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import ListedColormap, Normalize
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from ..run import MapSource
+from .style import CMAP, MAP_GID, color_norms, frame_unit, new_figure, set_title, span_text
+
+__all__ = ["CURVE_GID", "LABEL_COLORS", "decay_curves", "head_atlas"]
+
+# One colour per label of cogattn.heads.LabelRule, in its order (colour-blind-safe Okabe–Ito hues).
+LABEL_COLORS = {
+    "text": "#0072B2",
+    "spatial": "#E69F00",
+    "temporal": "#009E73",
+    "global": "#CC79A7",
+    "unknown": "#BBBBBB",
+}
+CURVE_GID = "decay-curve"  # gid of every curve of decay_curves (tests find them by it)
+_COLUMN_TEXT = {
+    "text_mass": "mass on the text keys",
+    "same_frame_mass": "mass on the query's own frame",
+    "entropy_mean": "mean row entropy (nats)",
+    "entropy_std": "std of row entropy over queries (nats)",
+    "sink_share": "share of received mass on the top sink tokens",
+}
+
+
+# -- the table -------------------------------------------------------------------------------------
+def _is_table(obj) -> bool:
+    import pandas as pd
+
+    return isinstance(obj, pd.DataFrame)
+
+
+def _check_table(table, needs: Sequence[str]) -> None:
+    missing = [c for c in needs if c not in table.columns]
+    if missing:
+        raise ValueError(
+            f"the table has no column(s) {missing}; pass a source or a cogattn.heads.head_table (its columns are "
+            f"step, layer, head, item, text_mass, same_frame_mass, dt_*, entropy_*, sink_*, label)."
+        )
+
+
+def _select(table, what: str, value) -> list:
+    """Rows of ``table`` whose ``what`` is ``value``: ``"all"``, one value or a list; the values kept."""
+    have = sorted(table[what].unique().tolist(), key=str)
+    if isinstance(value, str) and value == "all":
+        return have
+    wanted = [int(value)] if isinstance(value, (int, np.integer)) else list(value)
+    if not wanted:
+        raise ValueError(f"{what}s is empty; the table holds {what}s {have}.")
+    for v in wanted:
+        if v not in have:
+            raise ValueError(f"{what} {v!r} is not in the table; it holds {what}s {have}.")
+    return wanted
+
+
+def _last_step(source: MapSource) -> int:
+    from ..heads import TABLE_KINDS
+
+    steps = [s for kind, s, _ in source.keys() if kind in TABLE_KINDS]
+    if not steps:
+        from ..heads import head_table
+
+        head_table(source, steps="all")  # raises the table's own error: which kinds to record
+    return max(steps)
+
+
+def _table_and_steps(source_or_table, steps, layers, rule):
+    """``(table, source or None, steps kept)``: the head table of the chosen steps and layers."""
+    if _is_table(source_or_table):
+        table, source = source_or_table, None
+        _check_table(table, ("step", "layer", "head", "item"))
+        table = table[table["layer"].isin(_select(table, "layer", layers))]
+        if isinstance(steps, str) and steps == "last":
+            steps = int(table["step"].max())
+        step_list = _select(table, "step", "all" if steps == "mean" else steps)
+        return table[table["step"].isin(step_list)], source, step_list
+    from ..heads import head_table
+
+    source = source_or_table
+    if isinstance(steps, str) and steps == "last":
+        steps = _last_step(source)
+    table = head_table(source, steps="all" if steps == "mean" else steps, layers=layers, rule=rule)
+    return table, source, sorted(table["step"].unique().tolist())
+
+
+def _items(table, item):
+    if item is None:
+        return table
+    have = sorted(table["item"].unique().tolist())
+    if item not in have:
+        raise ValueError(f"item={item!r} is not in the table; it holds batch items {have}.")
+    return table[table["item"] == item]
+
+
+def _detail(source, step_list: list[int], layers: list[int] | None, item) -> str:
+    parts = [span_text("step", step_list, source.timesteps if source is not None else None)]
+    if layers is not None:
+        parts.append(span_text("layer", layers))
+    parts.append("mean over batch items" if item is None else f"batch item {item}")
+    return " · ".join(parts)
+
+
+# -- atlas -----------------------------------------------------------------------------------------
+def head_atlas(
+    source_or_table,
+    color: str = "label",
+    *,
+    steps: str | int | Sequence[int] = "last",
+    layers: str | int | Sequence[int] = "all",
+    item: int | None = 0,
+    rule=None,
+    scale: str = "linear",
+    limits: str | tuple[float, float] = "shared",
+    annotate: bool | None = None,
+    fig: Figure | None = None,
+) -> Figure:
+    """A layers × heads grid of cells, one per head, coloured by its label or by a number of the head
+    table: what every head of the model does at a glance.
+
+    With ``color="label"`` each cell has its label's colour (``LABEL_COLORS``, legend below); with a
+    numeric column (``"text_mass"``, ``"same_frame_mass"``, ``"dt_1"``, ``"entropy_mean"``,
+    ``"sink_share"``, ...) a colour scale and bar. Over several steps the numbers are averaged, and a
+    label is the rule's label of the averaged numbers. ``plot.animate(plot.head_atlas, rec, "atlas.gif")``
+    shows the heads change over the steps (``values=`` picks steps where ``frame`` was not recorded).
+
+    Args:
+        source_or_table: a `Recording` or `Run` (its head table is made with
+            :func:`cogattn.heads.head_table`), or a head table.
+        color (`str`, defaults to ``"label"``): ``"label"`` or a numeric column of the head table.
+        steps (`"last" | "mean" | int | Sequence[int]`, defaults to ``"last"``): one step (the last
+            recorded by default), or the mean over every step (``"mean"``) or over a list.
+        layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): the rows.
+        item (`int | None`, defaults to 0): batch item; `None` averages the items.
+        rule (defaults to `None`): the labelling rule (:class:`cogattn.heads.LabelRule`), for a source and
+            for labels of averaged numbers; `None` is ``LabelRule()``.
+        scale (`str`, defaults to ``"linear"``): colour scale of a numeric column, or ``"log"``.
+        limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits of a numeric
+            column (``animate`` passes the range over all its frames).
+        annotate (`bool | None`, defaults to `None`): write each value (a label's first letters) in its cell;
+            `None`: when the grid has at most 16 × 16 cells.
+        fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
+
+    Returns:
+        `Figure`: the figure.
+    """
+    table, source, step_list = _table_and_steps(source_or_table, steps, layers, rule)
+    table = _items(table, item)
+    numeric = color != "label"
+    if numeric:
+        _check_table(table, (color,))
+        if table[color].dtype.kind not in "fiu":
+            raise ValueError(f"color={color!r} is not a numeric column; use 'label' or one of {_numeric(table)}.")
+        if table[color].isna().all():
+            raise ValueError(
+                f"column {color!r} is NaN for every head: its kind was not recorded (entropy_* needs 'entropy', "
+                "sink_share 'received', the mass columns 'frame' or 'query_frame')."
+            )
+    layer_list = sorted(table["layer"].unique().tolist())
+    head_list = sorted(table["head"].unique().tolist(), key=lambda h: (isinstance(h, str), h))
+    # one row per (layer, head): the mean of its numbers over the steps (and items) kept
+    numbers = _numeric(table)
+    mean = table.groupby(["layer", "head"], sort=False)[numbers].mean()
+    grid = np.full((len(layer_list), len(head_list)), np.nan)
+    labels = np.full(grid.shape, "", dtype=object)
+    relabel = len(step_list) > 1 or item is None
+    if not numeric and relabel:
+        from ..heads import LabelRule
+
+        rule = LabelRule() if rule is None else rule
+    for (layer, head), row in mean.iterrows():
+        r, c = layer_list.index(layer), head_list.index(head)
+        if numeric:
+            grid[r, c] = row[color]
+        elif relabel:
+            labels[r, c] = rule.label(row.to_dict())
+        else:
+            labels[r, c] = table[(table["layer"] == layer) & (table["head"] == head)]["label"].iloc[0]
+    nrows, ncols = grid.shape
+    fig = new_figure(fig, (min(16.0, max(3.6, 0.32 * ncols + 2.4)), min(16.0, max(2.8, 0.32 * nrows + 1.8))))
+    ax = fig.subplots()
+    if numeric:
+        norm = color_norms([grid[~np.isnan(grid)]], scale, limits)[0]
+        im = ax.imshow(np.ma.masked_invalid(grid), cmap=CMAP, norm=norm, interpolation="nearest", gid=MAP_GID)
+        bar = fig.colorbar(ScalarMappable(norm=norm, cmap=CMAP), ax=ax, shrink=0.8)
+        bar.set_label(_COLUMN_TEXT.get(color, _dt_text(color)), fontsize=8)
+        bar.ax.tick_params(labelsize=7)
+    else:
+        names = list(LABEL_COLORS)
+        unknown = sorted(set(labels.ravel()) - set(names) - {""})
+        if unknown:
+            raise ValueError(f"labels {unknown} have no colour; a rule's labels are {names}.")
+        codes = np.array([[names.index(v) if v else np.nan for v in row] for row in labels], dtype=float)
+        cmap = ListedColormap([LABEL_COLORS[n] for n in names])
+        norm = Normalize(-0.5, len(names) - 0.5)  # code k is the centre of colour k
+        im = ax.imshow(np.ma.masked_invalid(codes), cmap=cmap, norm=norm, interpolation="nearest", gid=MAP_GID)
+        shown = [n for n in names if n in set(labels.ravel())]
+        fig.legend(
+            handles=[Patch(facecolor=LABEL_COLORS[n], label=n) for n in shown],
+            loc="outside lower center",
+            ncol=len(shown),
+            fontsize=7,
+            frameon=False,
+        )
+    annotate = nrows <= 16 and ncols <= 16 if annotate is None else annotate
+    if annotate:
+        for r in range(nrows):
+            for c in range(ncols):
+                text = (f"{grid[r, c]:.2f}" if not np.isnan(grid[r, c]) else "") if numeric else labels[r, c][:4]
+                light = numeric and not np.isnan(grid[r, c]) and im.norm(grid[r, c]) < 0.5
+                ax.text(c, r, text, ha="center", va="center", fontsize=6, color="w" if light else "k")
+    ax.set_xticks(range(ncols), [str(h) for h in head_list], fontsize=7, rotation=90 if ncols > 24 else 0)
+    ax.set_yticks(range(nrows), [str(v) for v in layer_list], fontsize=7)
+    ax.set_xlabel("head", fontsize=8)
+    ax.set_ylabel("layer", fontsize=8)
+    what = "head atlas: " + ("label of each head" if not numeric else _COLUMN_TEXT.get(color, _dt_text(color)))
+    set_title(fig, what, _detail(source, step_list, None, item))
+    return fig
+
+
+def _numeric(table) -> list[str]:
+    skip = {"step", "timestep", "layer", "head", "item"}
+    return [c for c in table.columns if c not in skip and table[c].dtype.kind in "fiu"]
+
+
+def _dt_text(column: str) -> str:
+    if column.startswith("dt_"):
+        return f"mass at frame distance |Δf| = {column[3:]}"
+    return column
+
+
+# -- decay with frame distance ---------------------------------------------------------------------
+def decay_curves(
+    source_or_table,
+    by: str = "head",
+    *,
+    steps: str | int | Sequence[int] = "all",
+    layers: str | int | Sequence[int] = "all",
+    item: int | None = 0,
+    per_frame: bool = False,
+    scale: str = "linear",
+    fig: Figure | None = None,
+) -> Figure:
+    """Attention mass against latent-frame distance |Δf|: one curve per head (averaged over layers) or
+    per layer (averaged over heads), from :func:`cogattn.heads.temporal_decay`.
+
+    The value at d is the mean mass a video query puts on the keys of all frames at distance d from its
+    own (``dt_d`` of the head table; d = 0 is its own frame). There are fewer frames at larger d (one
+    pair of frames at d = F − 1), so even uniform attention falls off; ``per_frame=True`` divides by the
+    mean number of key frames at distance d, under which uniform attention over the video is flat.
+
+    Args:
+        source_or_table: a `Recording` or `Run`, or a head table (:func:`cogattn.heads.head_table`).
+        by (`str`, defaults to ``"head"``): ``"head"``, ``"layer"`` or ``"step"``: one curve each.
+        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
+        item (`int | None`, defaults to 0): batch item; `None` averages the items.
+        per_frame (`bool`, defaults to `False`): mass per key frame at each distance.
+        scale (`str`, defaults to ``"linear"``): the mass axis, or ``"log"``.
+        fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
+
+    Returns:
+        `Figure`: the figure.
+    """
+    from ..heads import temporal_decay
+
+    if by not in ("head", "layer", "step"):
+        raise ValueError(f"by={by!r}; choose 'head', 'layer' or 'step'.")
+    if scale not in ("linear", "log"):
+        raise ValueError(f"scale={scale!r}; choose 'linear' or 'log'.")
+    table, source, step_list = _table_and_steps(source_or_table, steps, layers, None)
+    table = _items(table, item)
+    curves = temporal_decay(table, by=by)  # index: by; columns dt_0 .. dt_{F-1}
+    F = curves.shape[1]
+    if curves.isna().all().all():
+        raise ValueError("the dt_* columns are NaN: record kind 'frame' or 'query_frame' for frame distances.")
+    d = np.arange(F)
+    values = curves.to_numpy(dtype=float)
+    if per_frame:
+        values = values / _frames_at_distance(F)
+    fig = new_figure(fig, (6.4, 4.0))
+    ax = fig.subplots()
+    cmap = ListedColormap(colormaps["viridis"](np.linspace(0, 0.9, max(2, len(curves)))))
+    for k, (key, row) in enumerate(zip(curves.index.tolist(), values)):
+        name = f"{by} {key}" if key != "mean" else "mean over heads"
+        ax.plot(d, row, marker="o", markersize=3, color=cmap(k), label=name, gid=CURVE_GID)
+    if len(curves) <= 12:
+        ax.legend(fontsize=7, ncol=2 if len(curves) > 6 else 1)
+    else:
+        numbers = [k for k in curves.index.tolist() if not isinstance(k, str)]
+        bar = fig.colorbar(ScalarMappable(norm=Normalize(min(numbers), max(numbers)), cmap=cmap), ax=ax, shrink=0.8)
+        bar.set_label(by, fontsize=8)
+    ax.set_yscale(scale)
+    ax.set_xticks(d)
+    unit = frame_unit(source.layout) if source is not None and source.layout is not None else "latent frame"
+    ax.set_xlabel(f"{unit} distance |Δf| between query and key", fontsize=8)
+    ax.set_ylabel("mass per key frame" if per_frame else "attention mass", fontsize=8)
+    ax.grid(alpha=0.3)
+    layer_list = sorted(table["layer"].unique().tolist())
+    averaged = {"head": "mean over layers", "layer": "mean over heads", "step": "mean over layers and heads"}[by]
+    set_title(
+        fig,
+        f"attention mass against {unit} distance, one curve per {by} ({averaged})",
+        _detail(source, step_list, layer_list if by != "layer" else None, item),
+    )
+    return fig
+
+
+def _frames_at_distance(F: int) -> np.ndarray:
+    """Mean over query frames of the number of key frames at distance d: 1 at d = 0, 2(F − d)/F after."""
+    f = np.arange(F)
+    distance = np.abs(f[:, None] - f[None, :])
+    return np.array([(distance == d).sum() / F for d in range(F)], dtype=float)

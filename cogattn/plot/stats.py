@@ -1,0 +1,288 @@
+"""Per-token statistics and the block map: how spread each token's attention is (``entropy``) and how
+much attention each token receives (``received``, attention sinks), drawn on the decoded video, and the
+block-to-block map (``block``) with a block-sparse mask's kept blocks outlined and its recall."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from matplotlib.collections import LineCollection
+from matplotlib.figure import Figure
+
+from ..analysis import aggregate, choose
+from ..run import MapSource
+from .overlays import _draw_panel, _text_ticks, _video_panels
+from .style import (
+    CMAP,
+    MAP_GID,
+    add_colorbars,
+    color_norms,
+    describe,
+    frame_label,
+    hide_ticks,
+    new_figure,
+    patch_ticks,
+    set_title,
+    single_head,
+)
+from .video import upsample_to_video
+
+__all__ = ["MASK_GID", "SINK_GID", "block_map", "mask_outline", "token_stat"]
+
+SINK_GID = "sink-token"  # gid of the markers on the top sink tokens
+MASK_GID = "mask-outline"  # gid of the outline of a mask's kept blocks
+
+
+# -- per-token statistics on the video -------------------------------------------------------------
+def _token_name(layout, token: int) -> str:
+    """``"text 3"`` or ``"f1 (0, 2)"``: latent frame, then (patch row, patch column)."""
+    point = layout.coordinates(token)
+    return f"text {token}" if point is None else f"f{point[0]} {point[1:]}"
+
+
+def token_stat(
+    source: MapSource,
+    kind: str = "entropy",
+    video=None,
+    *,
+    tokenizer=None,
+    prompt: str | None = None,
+    steps: str | int | Sequence[int] = "all",
+    layers: str | int | Sequence[int] = "all",
+    heads: str | int = "mean",
+    batch: int = 0,
+    sinks: int = 5,
+    num_pixel_frames: int | None = None,
+    scale: str = "linear",
+    limits: str | tuple[float, float] = "shared",
+    alpha: float = 0.6,
+    interpolation: str = "nearest",
+    fig: Figure | None = None,
+) -> Figure:
+    """Each token's ``entropy`` (how spread its attention is, as a query) or ``received`` attention (how
+    much every query gives it, as a key): one panel per latent frame over the decoded video, and the
+    text tokens as a strip below, their mean in the title.
+
+    On the video, each panel is the middle pixel frame of a latent frame, with that frame's values
+    upsampled from patches to pixels (as :func:`query_map`). For ``received`` the ``sinks`` tokens that
+    receive the most are marked (cyan circles, gid ``"sink-token"``, rank next to them) and named in the
+    title: a token that receives many times its share of S is an attention sink.
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run` holding ``kind``.
+        kind (`str`, defaults to ``"entropy"``): ``"entropy"`` (nats; ln S for a uniform row) or
+            ``"received"`` (Σ over queries; the mean over keys is 1).
+        video (defaults to `None`): the decoded video, or `None` for panels on the patch grid alone.
+        tokenizer (defaults to `None`): the pipeline's tokenizer, to name the text tokens.
+        prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]``.
+        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
+        heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
+        batch (`int`, defaults to 0): position among the recorded batch items.
+        sinks (`int`, defaults to 5): how many top receivers to mark for ``received`` (0: none).
+        num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video when no video is
+            given.
+        scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
+        limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits (text and video
+            panels share them unless ``"per-map"``).
+        alpha (`float`, defaults to 0.6): opacity over the video.
+        interpolation (`str`, defaults to ``"nearest"``): patch-to-pixel upsampling, or ``"bilinear"``.
+        fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
+
+    Returns:
+        `Figure`: the figure.
+    """
+    if kind not in ("entropy", "received"):
+        raise ValueError(f"kind={kind!r}; token_stat draws 'entropy' or 'received'.")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks={sinks!r}; pass how many top receivers to mark (0 for none).")
+    single_head(heads, "token_stat")
+    layout = source.layout
+    values = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)  # (S,)
+    T = layout.text_len
+    grid = values[T:].reshape(layout.grid)
+    pixels, panels, ranges = _video_panels(layout, video, None, num_pixel_frames)
+    if pixels is None:
+        arrays = [grid[f].numpy() for _, f in panels]
+    else:
+        up = upsample_to_video(grid, layout, len(pixels), pixels.shape[1:3], interpolation)
+        arrays = [up[n].numpy() for n, _ in panels]
+    if T:
+        arrays.append(values[:T].numpy()[None])
+    norms = color_norms(arrays, scale, limits)
+    ncols = len(panels)
+    h, w = pixels.shape[1:3] if pixels is not None else (layout.height, layout.width)
+    pw = min(2.0, 16 / ncols)  # a long video still fits a page: at most 16 inches of panels
+    per_map = 0.8 if limits == "per-map" else 0.0
+    fig = new_figure(fig, ((pw + per_map) * ncols + 1.6, pw * h / w + (2.2 if T else 1.2)))
+    gs = fig.add_gridspec(2 if T else 1, ncols, height_ratios=[pw * h / w, 0.6] if T else None)
+    axes = [fig.add_subplot(gs[0, c]) for c in range(ncols)]
+    images = []
+    for c, (n, f) in enumerate(panels):
+        ax = axes[c]
+        images.append(_draw_panel(ax, arrays[c], norms[c], pixels, n, alpha))
+        if pixels is None:
+            ax.set_title(frame_label(f, ranges, " · "), fontsize=8)
+            ax.set_xlabel("patch column", fontsize=7)
+            patch_ticks(ax, layout)
+        else:
+            ax.set_title(f"px {n} · f{f}", fontsize=8)
+            hide_ticks(ax)
+    axes[0].set_ylabel("patch row" if pixels is None else "video tokens", fontsize=8)
+    text_ax = None
+    if T:
+        text_ax = fig.add_subplot(gs[1, :])
+        images.append(
+            text_ax.imshow(arrays[-1], cmap=CMAP, norm=norms[-1], aspect="auto", interpolation="nearest", gid=MAP_GID)
+        )
+        ticks, labels = _text_ticks(source, tokenizer, prompt if prompt is not None else source.info.get("prompt"))
+        text_ax.set_xticks(ticks, labels, fontsize=6, rotation=90 if len(ticks) > 16 else 0)
+        text_ax.set_yticks([])
+        text_ax.set_xlabel("text tokens")
+    top = []
+    if kind == "received" and sinks:
+        top = torch.topk(values, min(sinks, len(values))).indices.tolist()
+        for rank, token in enumerate(top, 1):
+            point = layout.coordinates(token)
+            if point is None:
+                where, (x, y) = text_ax, (token, 0)
+            else:
+                f, y, x = point
+                column = [c for c, (_, pf) in enumerate(panels) if pf == f]
+                if not column:
+                    continue
+                where = axes[column[0]]
+                if pixels is not None:  # patch centre in pixels
+                    x, y = (x + 0.5) * w / layout.width, (y + 0.5) * h / layout.height
+            where.plot([x], [y], marker="o", mfc="none", color="cyan", markersize=10, mew=1.5, gid=SINK_GID)
+            where.annotate(str(rank), (x, y), xytext=(5, 5), textcoords="offset points", color="cyan", fontsize=7)
+    add_colorbars(fig, images, axes + ([text_ax] if T else []), kind, limits)
+    S = layout.seq_len
+    if kind == "entropy":
+        what = f"attention entropy of each query token (uniform over S = {S} keys: ln S = {math.log(S):.2f} nats)"
+    else:
+        what = f"attention each key token receives (Σ over the {S} queries; 1 on average)"
+    if T:
+        what += (
+            f"\ntext tokens' mean {values[:T].mean().item():.3g} · video tokens' mean {values[T:].mean().item():.3g}"
+        )
+    if top:
+        named = [f"#{k} {_token_name(layout, t)}: {values[t].item():.3g}" for k, t in enumerate(top, 1)]
+        what += "\ntop sinks (marked): " + ", ".join(named)
+    set_title(fig, what, describe(source, kind, steps, layers, heads))
+    return fig
+
+
+# -- block map -------------------------------------------------------------------------------------
+def mask_outline(kept) -> np.ndarray:
+    """Segments ``(K, 2, 2)`` of the boundary of a mask's kept cells, in image coordinates (cell ``[m, n]``
+    spans ``n ± 0.5``, ``m ± 0.5``): every cell edge with a kept cell on one side only (the grid's border
+    counts as not kept).
+
+    Args:
+        kept (array-like): ``(N, N)`` booleans, `True` where the mask keeps the block.
+    """
+    kept = np.asarray(kept, dtype=bool)
+    padded = np.pad(kept, 1)
+    rows, cols = np.nonzero(padded[1:-1, 1:] != padded[1:-1, :-1])  # vertical edges left of column c
+    vertical = [((c - 0.5, r - 0.5), (c - 0.5, r + 0.5)) for r, c in zip(rows.tolist(), cols.tolist())]
+    rows, cols = np.nonzero(padded[1:, 1:-1] != padded[:-1, 1:-1])  # horizontal edges above row r
+    horizontal = [((c - 0.5, r - 0.5), (c + 0.5, r - 0.5)) for r, c in zip(rows.tolist(), cols.tolist())]
+    return np.array(vertical + horizontal, dtype=float).reshape(-1, 2, 2)
+
+
+def _recall(source: MapSource, mask, step_list: list[int], layer_list: list[int], heads, batch: int) -> float:
+    """The mask's recall for the figure's selection: the mean of :func:`cogattn.masks.mask_recall`'s rows
+    of batch item ``batch`` and the chosen head (all heads for ``"mean"``)."""
+    from ..masks import mask_recall
+
+    table = mask_recall(source, mask, steps=step_list, layers=layer_list)
+    table = table[table["item"] == batch]
+    if isinstance(heads, int):
+        table = table[table["head"] == heads]
+    if table.empty:
+        raise ValueError(f"mask_recall returned no row for batch item {batch} and heads={heads!r}.")
+    return float(table["recall"].mean())
+
+
+def _group_starts(layout, block_size: int) -> tuple[list[float], list[str]]:
+    """Where the text and each latent frame start, in block coordinates, and their names."""
+    sizes = layout.group_sizes()
+    names = ["text"] + [f"f{f}" for f in range(layout.frames)]
+    starts, labels, token = [], [], 0
+    for size, name in zip(sizes, names):
+        if size:
+            starts.append(token / block_size - 0.5)
+            labels.append(name)
+        token += size
+    return starts, labels
+
+
+def block_map(
+    source: MapSource,
+    mask=None,
+    *,
+    steps: str | int | Sequence[int] = "all",
+    layers: str | int | Sequence[int] = "all",
+    heads: str | int = "mean",
+    batch: int = 0,
+    scale: str = "linear",
+    limits: str | tuple[float, float] = "shared",
+    fig: Figure | None = None,
+) -> Figure:
+    """The block-to-block map (kind ``block``): how much of each query block's attention goes to each key
+    block, with a block-sparse mask's kept blocks outlined and the attention mass it keeps (its recall,
+    from :func:`cogattn.masks.mask_recall`) in the title.
+
+    Blocks are runs of ``source.block_size`` tokens from token 0 in the model's order (text first), so a
+    frame's tokens need not start a block: ticks mark where the text and each latent frame start.
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run` holding kind ``block``.
+        mask (`torch.Tensor | None`, defaults to `None`): an ``(N, N)`` bool tensor, `True` where the mask
+            keeps a block, e.g. ``cogattn.masks.same_frame_mask(source.layout, source.block_size)``; `None`: no
+            outline.
+        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
+        heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
+        batch (`int`, defaults to 0): position among the recorded batch items.
+        scale (`str`, defaults to ``"linear"``): ``"log"`` shows the small blocks far from the diagonal.
+        limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits.
+        fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
+
+    Returns:
+        `Figure`: the figure.
+    """
+    single_head(heads, "block_map")
+    layout = source.layout
+    size = source.block_size
+    m = aggregate(source, "block", steps=steps, layers=layers, heads=heads, batch=batch).numpy()  # (N, N)
+    N = m.shape[0]
+    side = min(9.0, max(3.5, 0.12 * N + 2.0))
+    fig = new_figure(fig, (side + 1.4, side + 0.9))
+    ax = fig.subplots()
+    norm = color_norms([m], scale, limits)[0]
+    im = ax.imshow(m, cmap=CMAP, norm=norm, interpolation="nearest", gid=MAP_GID)
+    starts, labels = _group_starts(layout, size)
+    for axis, rotate in ((ax.xaxis, len(starts) > 8), (ax.yaxis, False)):
+        axis.set_ticks(starts, labels, fontsize=7, rotation=90 if rotate else 0)
+    ax.tick_params(length=6)
+    ax.set_xlabel(f"key block ({size} tokens each; ticks: where text and frames start)", fontsize=8)
+    ax.set_ylabel("query block", fontsize=8)
+    what = f"block → block attention ({N} × {N} blocks)"
+    if mask is not None:
+        recall = _recall(
+            source,
+            mask,
+            choose(source, "block", "step", steps),
+            choose(source, "block", "layer", layers),
+            heads,
+            batch,
+        )  # checks the mask first: an (N, N) bool tensor
+        kept = mask.cpu().numpy()
+        ax.add_collection(LineCollection(mask_outline(kept), colors="cyan", linewidths=1.2, gid=MASK_GID))
+        what += f"\nmask keeps {kept.mean():.1%} of the blocks · recall {recall:.4f} of the attention mass"
+    add_colorbars(fig, [im], [ax], "block", limits)
+    set_title(fig, what, describe(source, "block", steps, layers, heads))
+    return fig
