@@ -182,9 +182,13 @@ def capture(
     pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None or r.stat is not None]
     row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
 
-    every_row = [(r, o) for r, o in row_kinds if all_rows(r, S)]
+    every_row = [(r, o) for r, o in row_kinds if all_rows(r, S) and not r.mean_rows]
     if every_row or (pooled and plan.method == "rows"):
         row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale, probe)
+    mean_rows = [(r, o) for r, o in row_kinds if r.mean_rows]
+    if mean_rows:
+        passes.mean_row_pass(q, k, mean_rows, plan, scale)
+        row_kinds = [(r, o) for r, o in row_kinds if not r.mean_rows]
     for red, out in row_kinds:
         if not all_rows(red, S):
             row_pass(q, k, red.rows, [(red, out)], [], plan, scale)
@@ -262,18 +266,20 @@ def row_pass(q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, 
         for g, gather, run in zip(groups, gathers, runs)
     ]
     wants_entropy = any(r.stat == "entropy" for r, _ in pooled)
+    tile = passes.TileBuffer(plan.row_heads * min(plan.row_rows, n_rows) * S, q.device)
     for h0 in range(0, H, plan.row_heads):
         h1 = min(H, h0 + plan.row_heads)
         kt = k.chunk(h0, h1).transpose(1, 2)  # (h, D, S), a transposed view: bmm reads it without a copy
         for r0 in range(0, n_rows, plan.row_rows):
             r1 = min(n_rows, r0 + plan.row_rows)
             idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
-            scores = torch.matmul(q.chunk(h0, h1, idx), kt).mul_(scale)  # (h, r, S)
+            q_rows = q.chunk(h0, h1, idx)
+            scores = torch.matmul(q_rows, kt, out=tile.take(h1 - h0, r1 - r0, S)).mul_(scale)  # (h, r, S)
             if wants_entropy:
-                probs, entropy = passes.softmax_entropy(scores)
+                probs, entropy = passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale)
             else:
                 probs, entropy = passes.softmax_(scores), None
-            del scores
+            del scores, q_rows
             for red, out in row_kinds:
                 red.fold_rows(out, h0, r0, probs)
             for (red, out), keys, run, ind in zip(pooled, gathers, runs, indicators):

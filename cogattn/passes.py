@@ -15,7 +15,9 @@ import torch
 from . import attention, kernels
 
 __all__ = [
+    "TileBuffer",
     "entropy_pass",
+    "mean_row_pass",
     "indicator_sums",
     "received_pass",
     "run_sums",
@@ -31,15 +33,19 @@ def softmax_(scores: torch.Tensor) -> torch.Tensor:
     return scores.div_(scores.sum(-1, keepdim=True))
 
 
-def softmax_entropy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 softmax over the last dim and each row's entropy ``(h, r)``: with ``t = s − max`` and
-    ``e = exp(t)``, ``H = ln Σe − Σ e·t / Σe`` (no logarithm per entry; one more tile buffer)."""
-    t = scores.sub_(scores.amax(-1, keepdim=True))
-    e = torch.exp(t)
-    z = e.sum(-1, keepdim=True)
-    dot = torch.matmul(e.unsqueeze(-2), t.unsqueeze(-1))[..., 0]  # (h, r, 1): Σ_j e·t, a batched dot
-    entropy = (z.log() - dot / z)[..., 0]
-    return e.div_(z), entropy
+def softmax_entropy(scores: torch.Tensor, q_rows: torch.Tensor, k: torch.Tensor, scale: float):
+    """:func:`softmax_` of ``scores`` ``(h, r, S)`` and each row's entropy ``(h, r)``, from the rows' lse
+    (``max + ln Σ exp``) and ``P K``: ``H_i = lse_i − scale·q_i·(P K)_i`` (as :func:`entropy_pass`), for the
+    tile's float32 query rows ``q_rows`` ``(h, r, D)`` and keys ``k`` ``(h, S, D)``. One more matmul of
+    the tile's size and no logarithm per entry."""
+    top = scores.amax(-1, keepdim=True)
+    scores.sub_(top).exp_()
+    total = scores.sum(-1, keepdim=True)
+    probs = scores.div_(total)
+    lse = (top + total.log())[..., 0]
+    pk = torch.matmul(probs, k)  # (h, r, D)
+    dot = torch.matmul(q_rows.unsqueeze(-2), pk.unsqueeze(-1))[..., 0, 0]  # (h, r): q_i·(P K)_i
+    return probs, lse - scale * dot
 
 
 def run_sums(probs: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -75,7 +81,7 @@ def received_pass(qf: torch.Tensor, kf: torch.Tensor, lse: torch.Tensor, scale: 
     queries_as_k = qf.new_zeros(1, h, S, width)
     queries_as_k[0, :, :, :D] = qf
     queries_as_k[0, :, :, D] = -lse
-    zeros = qf.new_zeros(1, 1, 1, width).expand(1, h, S, width)
+    zeros = qf.new_zeros(1, 1, S, width).expand(1, h, S, width)  # shared over heads, not over rows (slow on CPU)
     _, out_lse = attention.sdpa_with_lse(keys_as_q, queries_as_k, zeros, 1.0)
     return out_lse[0].exp()
 
@@ -100,3 +106,37 @@ def triton_sums(qm: torch.Tensor, km: torch.Tensor, lse: torch.Tensor, indicator
     """The multi-key sums ``(h, S, C)`` from cogattn's fused kernel, given the rows' lse ``(h, S)``, with q
     and k ``(h, S, D)`` in the model's dtype (:func:`cogattn.kernels.pooled_sums`)."""
     return kernels.pooled_sums(qm, km, lse, indicator, scale)
+
+
+class TileBuffer:
+    """One float32 buffer for every row tile of a pass: the tiles are the largest allocations, and
+    allocating each anew costs page faults on a CPU."""
+
+    def __init__(self, numel: int, device):
+        self.buffer = torch.empty(numel, device=device)
+
+    def take(self, h: int, r: int, S: int) -> torch.Tensor:
+        return self.buffer[: h * r * S].view(h, r, S)
+
+
+def mean_row_pass(q, k, row_kinds, plan, scale: float) -> None:
+    """Head-mean rows of every query, ``(1, r, S)`` per row tile, summed over head chunks in float32 and
+    divided by the heads, folded into kinds of the head-mean row (``topk`` with ``heads="mean"``); ``q`` and
+    ``k`` are the engine's head views, ``plan`` its tile plan."""
+    H, S, _ = q.shape
+    tile = TileBuffer(plan.row_heads * min(plan.row_rows, S) * S, q.device)
+    totals = TileBuffer(min(plan.row_rows, S) * S, q.device)  # one buffer: no second one while the first lives
+    for r0 in range(0, S, plan.row_rows):
+        r1 = min(S, r0 + plan.row_rows)
+        total = totals.take(1, r1 - r0, S).zero_()
+        for h0 in range(0, H, plan.row_heads):
+            h1 = min(H, h0 + plan.row_heads)
+            out = tile.take(h1 - h0, r1 - r0, S)
+            scores = torch.matmul(q.chunk(h0, h1, slice(r0, r1)), k.chunk(h0, h1).transpose(1, 2), out=out)
+            scores.mul_(scale)
+            probs = softmax_(scores)
+            total += probs if probs.shape[0] == 1 else probs.sum(0, keepdim=True)  # no temporary for one head
+            del scores
+        total.div_(H)
+        for red, out in row_kinds:
+            red.fold_rows(out, 0, r0, total)

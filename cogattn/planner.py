@@ -40,7 +40,11 @@ _F32 = 4
 _MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
 _RESERVE = 16 * 2**20  # at most this much of the budget is kept back as headroom
 POOLED_METHODS = ("sdpa", "triton", "timed", "joint")  # methods that serve key-pooled kinds without row tiles
-ROWS_BEAT_PASSES = 3  # ``auto`` takes row tiles when the fused method needs this many passes or more
+CPU_ROW_TILE = 8 * 2**20  # a CPU's row tile of scores: cache-sized (docs/benchmarks.md)
+# ``auto`` takes row tiles when the fused method needs this many passes or more: on a CPU one row pass
+# with every fold costs about two fused passes (docs/benchmarks.md); on a GPU the fused kernels keep P
+# out of memory, which row tiles write and read back, so rows win only against many passes.
+ROWS_BEAT_PASSES = {"cpu": 2, "cuda": 6}
 
 
 @dataclass(frozen=True)
@@ -83,34 +87,36 @@ def pooled_kinds(reducers: list[Reducer]) -> list[Reducer]:
     return [r for r in reducers if r.key_groups is not None or r.stat is not None]
 
 
-def fused_passes(reducers: list[Reducer], head_dim: int) -> int:
+def fused_passes(reducers: list[Reducer], head_dim: int, lse_given: bool = False) -> int:
     """Fused attention passes per head chunk the ``sdpa`` method runs for ``reducers``: ``⌈C / D⌉`` for the
     multi-key columns, one for ``entropy``, one for ``received``, and one for the lse when single keys or
-    ``received`` need it and no other pass gives it."""
+    ``received`` need it and neither another pass nor the output call (``lse_given``) gives it."""
     pooled = pooled_kinds(reducers)
     n_multi = sum(r.key_groups.num_groups for r in pooled if r.key_groups is not None and not r.key_groups.single_keys)
     entropy = any(r.stat == "entropy" for r in pooled)
     received = any(r.stat == "received" for r in pooled)
     single = any(r.key_groups is not None and r.key_groups.single_keys for r in pooled)
     calls = math.ceil(n_multi / head_dim)
-    lse_pass = (single or received) and not (calls or entropy)
+    lse_pass = (single or received) and not (calls or entropy or lse_given)
     return calls + entropy + received + lse_pass
 
 
-def choose_method(method: str, reducers: list[Reducer], seq_len: int, device, head_dim: int = 64) -> str:
+def choose_method(
+    method: str, reducers: list[Reducer], seq_len: int, device, head_dim: int = 64, lse_given: bool = False
+) -> str:
     """The method that serves the key-pooled kinds and statistics of ``reducers``: ``method`` as asked (one
     of ``CaptureOptions.method``, or ``"joint"`` for ``layer_output="joint"``), with ``"auto"`` made
     concrete: row tiles when they are formed anyway (``full``, ``topk``), when there is no fused kernel,
-    or when the fused passes would be :data:`ROWS_BEAT_PASSES` or more (one row pass with every fold
-    costs about two and a half fused passes: docs/benchmarks.md). Raises `ValueError` when the asked
-    method cannot run on ``device``."""
+    or when the fused passes would be :data:`ROWS_BEAT_PASSES` or more for the device (on a CPU one row
+    pass with every fold costs about two fused passes: docs/benchmarks.md). Raises `ValueError` when the
+    asked method cannot run on ``device``."""
     device = torch.device(device)
     if not pooled_kinds(reducers):
         return "rows"  # every kind is served by row tiles
     if method == "auto":
         if any(all_rows(r, seq_len) for r in reducers) or not fused_lse_supported(device):
             return "rows"  # the rows are formed anyway (``full``, ``topk``), or there is no fused kernel
-        if fused_passes(reducers, head_dim) >= ROWS_BEAT_PASSES:
+        if fused_passes(reducers, head_dim, lse_given) >= ROWS_BEAT_PASSES.get(device.type, 6):
             return "rows"
         return "timed" if can_time_triton(device) else "sdpa"
     if method == "joint" and not fused_lse_supported(device):
@@ -126,7 +132,14 @@ def choose_method(method: str, reducers: list[Reducer], seq_len: int, device, he
 
 
 def size_tiles(
-    method: str, reducers: list[Reducer], S: int, H: int, D: int, budget: int, copies_inputs: bool = True
+    method: str,
+    reducers: list[Reducer],
+    S: int,
+    H: int,
+    D: int,
+    budget: int,
+    copies_inputs: bool = True,
+    tile_cap: int | None = None,
 ) -> TilePlan:
     """Chunk sizes for ``reducers`` on ``method`` (from :func:`choose_method`) within ``budget`` bytes;
     raises `ValueError` when no tile fits.
@@ -138,6 +151,8 @@ def size_tiles(
         budget (`int`): bytes of transient working memory allowed.
         copies_inputs (`bool`, defaults to `True`): whether q and k must be copied to float32 per head
             chunk (not for contiguous float32 inputs with every head selected).
+        tile_cap (`int | None`): largest row tile of scores in bytes, one head at a time (the CPU's
+            :data:`CPU_ROW_TILE`); `None` makes tiles as large as the budget allows (GPUs).
     """
     # Headroom for what the model below leaves out (softmax row statistics, fold temporaries, kernel
     # workspaces): measured at 1 GiB these add up to a few MiB.
@@ -146,16 +161,16 @@ def size_tiles(
     groups = [r.key_groups for r in pooled if r.key_groups is not None]
     stats = {r.stat for r in pooled if r.stat is not None}
     in_rows = method == "rows"
-    row_cols = sum(g.num_groups for g in groups) + ("entropy" in stats) if in_rows else 0
-    # with entropy, the softmax keeps a second tile buffer; with received, a column sum per head
-    row_extra = ("entropy" in stats and in_rows, "received" in stats and in_rows)
-    mean_row = any(r.needs_all_heads for r in reducers)  # topk of the head-mean row: all heads, one mean row
+    # pooled sums per row (with entropy: P K, D more); with received, a column sum per head
+    row_cols = sum(g.num_groups for g in groups) + D * ("entropy" in stats) if in_rows else 0
+    received = "received" in stats and in_rows
+    mean_row = any(r.mean_rows for r in reducers)  # topk of the head-mean row: a sum of the heads' rows
     row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and in_rows else [])
     n_single = sum(g.num_groups for g in groups if g.single_keys)
     n_multi = sum(g.num_groups for g in groups if not g.single_keys)
 
     def row_bytes(h: int, r: int) -> int:
-        return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs, *row_extra, mean_row)
+        return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs, received, mean_row)
 
     def pooled_bytes(h: int, r: int) -> int:
         return _pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, method == "joint", stats)
@@ -163,14 +178,21 @@ def size_tiles(
     row_heads = row_rows = 0
     if row_sets:
         most_rows = min(max(row_sets), _MAX_ROWS)
-        # Prefer all heads per tile (one pass folds the head mean) with a reasonable row count.
-        for h in range(H, 0 if not mean_row else H - 1, -1):
-            row_rows = _largest(lambda r, h=h: row_bytes(h, r) <= budget, most_rows)
-            if row_rows >= min(64, most_rows) or h == 1 or mean_row:
-                row_heads = h
-                break
+        if tile_cap is not None:
+            # Cache-sized tiles: one head's K stays in cache across its row tiles, and each tile is
+            # written and read back from cache, not memory (3× faster than 1 GiB tiles on a CPU).
+            row_heads = 1
+            row_rows = _largest(lambda r: row_bytes(1, r) <= budget and _F32 * r * S <= tile_cap, most_rows)
+            row_rows = row_rows or _largest(lambda r: row_bytes(1, r) <= budget, 1)
+        else:
+            # All heads per tile (one pass folds the head mean) with a reasonable row count.
+            for h in range(H, 0, -1):
+                row_rows = _largest(lambda r, h=h: row_bytes(h, r) <= budget, most_rows)
+                if row_rows >= min(64, most_rows) or h == 1:
+                    row_heads = h
+                    break
         if row_rows == 0:
-            raise _too_small(asked, row_bytes(H if mean_row else 1, 1), S, D)
+            raise _too_small(asked, row_bytes(1, 1), S, D)
     pooled_heads = pooled_rows = 0
     if pooled and method in POOLED_METHODS:  # the Triton pass holds less than the SDPA pass
         pooled_heads = _largest(lambda h: pooled_bytes(h, 1) <= budget, H)
@@ -185,21 +207,26 @@ def size_tiles(
 
 
 def plan_tiles(
-    reducers: list[Reducer], S: int, H: int, D: int, budget: int, method: str, device, copies_inputs: bool = True
+    reducers: list[Reducer],
+    S: int,
+    H: int,
+    D: int,
+    budget: int,
+    method: str,
+    device,
+    copies_inputs: bool = True,
+    lse_given: bool = False,
 ) -> TilePlan:
-    """:func:`choose_method`, then :func:`size_tiles`."""
-    return size_tiles(choose_method(method, reducers, S, device, D), reducers, S, H, D, budget, copies_inputs)
+    """:func:`choose_method`, then :func:`size_tiles` (``lse_given``: the output call gives every row's lse)."""
+    cap = CPU_ROW_TILE if torch.device(device).type == "cpu" else None
+    method = choose_method(method, reducers, S, device, D, lse_given)
+    return size_tiles(method, reducers, S, H, D, budget, copies_inputs, cap)
 
 
-def _row_tile_bytes(
-    h: int, r: int, S: int, D: int, C: int, copies: bool, entropy=False, received=False, mean_row=False
-) -> int:
+def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool, received=False, mean_row=False) -> int:
     # float32 K of the head chunk (when the input must be copied), the q rows, the scores (the softmax
-    # runs in place; a second buffer with entropy), the pooled sums, a column sum per head (received),
-    # the head-mean rows (topk of the mean)
-    return _F32 * (
-        h * S * D * copies + h * r * D + h * r * S * (1 + entropy) + h * r * C + h * S * received + r * S * mean_row
-    )
+    # runs in place), the pooled sums, a column sum per head (received), the head-mean rows (topk of the mean)
+    return _F32 * (h * S * D * copies + h * r * D + h * r * S + h * r * C + h * S * received + r * S * mean_row)
 
 
 def _pooled_bytes(
@@ -208,7 +235,9 @@ def _pooled_bytes(
     # Phases of a head chunk, one after another: the entropy pass (its output), the multi-key sums, the
     # single-key tiles, the received pass (the widened keys and queries and its output).
     width = -(-(D + 1) // 8) * 8
-    stat_phases = [h * S * D + h * S] * ("entropy" in stats) + [3 * h * S * width + h * S] * ("received" in stats)
+    stat_phases = [h * S * D + h * S] * ("entropy" in stats) + [3 * h * S * width + h * S + S * width] * (
+        "received" in stats
+    )
     if joint:  # sums and lse came with the output: a float32 chunk of the sums, then the single-key tiles
         held = h * S + h * D * n_single + 2 * h * S * D * copies * bool(stats)  # lse, single keys' k, q and k
         return _F32 * (held + max(h * S * n_multi, h * r * (n_single + D * copies), *stat_phases))
@@ -338,8 +367,9 @@ def plan_capture(
     reducers = [REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries, **sizes) for k in options.kinds]
     copies = dtype != torch.float32 or res.heads != tuple(range(num_heads))
     method = "joint" if options.layer_output == "joint" else options.method
+    lse = options.layer_output == "lse"
     tiles = plan_tiles(
-        reducers, layout.seq_len, len(res.heads), head_dim, options.memory_budget, method, device, copies
+        reducers, layout.seq_len, len(res.heads), head_dim, options.memory_budget, method, device, copies, lse
     )
     joint_bytes = 0
     n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)

@@ -270,7 +270,7 @@ class Recording:
         method = "rows" if shape in self._verifier.rows_only else self.plan.tiles.method
         if method == "joint" and lse is None:  # the output call fell back to the stock one
             method = "auto"
-        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method)
+        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None)
         heads = None if all_heads else torch.tensor(res.heads, device=query.device)
         checked = tiles.method != "rows" and self._verifier.due((*shape[:2], tiles.method, shape[2:]))
         rows = probe_rows(res.layout) if checked else None
@@ -292,12 +292,11 @@ class Recording:
         largest error against exact rows, tolerance, passed."""
         return list(self._verifier.checks)
 
-    def _tiles_for(self, S: int, H: int, D: int, device, copies: bool, method: str) -> TilePlan:
-        key = (S, D, torch.device(device).type, copies, method)
+    def _tiles_for(self, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False) -> TilePlan:
+        key = (S, D, torch.device(device).type, copies, method, lse)
         if key not in self._tiles:
-            self._tiles[key] = plan_tiles(
-                self.plan.reducers, S, H, D, self.options.memory_budget, method, device, copies
-            )
+            budget = self.options.memory_budget
+            self._tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse)
         return self._tiles[key]
 
     # -- processors and cleanup --------------------------------------------------------------------

@@ -113,8 +113,9 @@ class Reducer:
         self.block_size, self.topk = block_size, topk
 
     @property
-    def needs_all_heads(self) -> bool:
-        """Whether a row tile must hold every selected head (a statistic of the head-mean row)."""
+    def mean_rows(self) -> bool:
+        """Whether :meth:`fold_rows` takes head-mean rows ``(1, r, S)`` (a statistic of the head-mean row)
+        instead of each head's rows."""
         return False
 
     @staticmethod
@@ -152,8 +153,8 @@ class Reducer:
 
     def _accumulate(self, dest: torch.Tensor, h0: int, values: torch.Tensor) -> None:
         # dest: (H_out, ...) view of the result; values: (h, ...) for heads h0:h0+h.
-        if self.mean_heads:
-            dest[0].add_(values.sum(0), alpha=1.0 / self.num_heads)
+        if self.mean_heads:  # one head (a CPU's row tiles) needs no temporary sum
+            dest[0].add_(values[0] if values.shape[0] == 1 else values.sum(0), alpha=1.0 / self.num_heads)
         else:
             dest[h0 : h0 + values.shape[0]] += values
 
@@ -334,7 +335,7 @@ class TopKReducer(Reducer):
         self.k = min(self.topk, layout.seq_len)
 
     @property
-    def needs_all_heads(self) -> bool:
+    def mean_rows(self) -> bool:
         return self.mean_heads
 
     @staticmethod
@@ -345,13 +346,9 @@ class TopKReducer(Reducer):
         return (num_batch, self.out_heads, self.layout.seq_len, self.k, 2)
 
     def fold_rows(self, out, h0, r0, probs):
-        h, r, _ = probs.shape
-        if self.mean_heads:
-            if h != self.num_heads:
-                raise RuntimeError("topk of the head-mean row needs every head in one row tile")
-            probs = probs.mean(0, keepdim=True)
+        h, r, _ = probs.shape  # with heads averaged: the head-mean rows (1, r, S)
         values, indices = probs.topk(self.k, dim=-1)  # sorted, largest first
-        dest = out[h0 if not self.mean_heads else 0 :][: probs.shape[0], r0 : r0 + r]
+        dest = out[h0 : h0 + h, r0 : r0 + r]
         dest[..., 0] = values
         dest[..., 1] = indices.to(values.dtype)
 

@@ -44,7 +44,7 @@ def test_every_kind_matches_naive_softmax(layout, path, mean):
         assert (got[kind].double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
 
 
-@pytest.mark.parametrize("budget", [30_000, 60_000, 200_000, 2**30])
+@pytest.mark.parametrize("budget", [40_000, 60_000, 200_000, 2**30])
 @pytest.mark.parametrize("path", ["rows", "sdpa"])
 def test_results_do_not_depend_on_budget(budget, path):
     torch.manual_seed(1)

@@ -49,7 +49,8 @@ def test_each_statistic_costs_the_passes_it_should_and_is_exact(monkeypatch, kin
     stock = generate(pipe)
     spy = QKSpy(pipe.transformer)
     calls = _count_passes(monkeypatch)
-    with cogattn.record(pipe, kinds=kinds, heads="all", method="auto", layer_output=output, verify=False) as rec:
+    method = "auto" if output == "joint" else "sdpa"  # auto takes row tiles for two passes on a CPU
+    with cogattn.record(pipe, kinds=kinds, heads="all", method=method, layer_output=output, verify=False) as rec:
         out = generate(pipe)
     spy.remove()
     assert torch.equal(out, stock)
@@ -59,26 +60,30 @@ def test_each_statistic_costs_the_passes_it_should_and_is_exact(monkeypatch, kin
     assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
 
 
-CHOICES = [
-    (("entropy",), {}, "sdpa"),
-    (("received",), {}, "sdpa"),
-    (("query_frame",), {}, "sdpa"),
-    (("entropy", "received"), {}, "sdpa"),  # two passes
-    (("entropy", "received", "frame"), {}, "rows"),  # three passes cost more than one row pass
-    (("block",), {}, "rows"),  # 139 blocks: three indicator passes cost more than one row pass
-    (("block",), {"block_size": 2048}, "sdpa"),  # 9 blocks: one pass
-    (("entropy", "received", "query_frame", "block"), {}, "rows"),
-    (("topk",), {}, "rows"),
+CHOICES = [  # (kinds, sizes, on a CPU, on CUDA)
+    (("entropy",), {}, "sdpa", "timed"),  # one pass: the keys as values
+    (("query_frame",), {}, "sdpa", "timed"),  # one pass: 14 indicator columns
+    (("received",), {}, "rows", "timed"),  # the lse, then the swapped pass: two
+    (("received",), {"layer_output": "lse"}, "sdpa", "timed"),  # the output call's lse: one
+    (("entropy", "received"), {}, "rows", "timed"),  # entropy's lse serves received: two
+    (("block",), {}, "rows", "timed"),  # 139 blocks: three indicator passes
+    (("block",), {"block_size": 2048}, "sdpa", "timed"),  # 9 blocks: one pass
+    (("entropy", "received", "query_frame", "block"), {}, "rows", "timed"),  # five
+    (("entropy", "received", "block"), {"block_size": 16}, "rows", "rows"),  # 1,111 blocks: 18 passes
+    (("topk",), {}, "rows", "rows"),  # every score of a row
 ]
 
 
-@pytest.mark.parametrize("kinds,sizes,method", CHOICES)
-def test_auto_takes_row_tiles_where_one_row_pass_beats_the_fused_passes(kinds, sizes, method):
-    est = cogattn.estimate(
-        "THUDM/CogVideoX-2b", num_frames=49, height=480, width=720, num_inference_steps=50, kinds=kinds, **sizes
-    )
-    assert est.layout.seq_len == 17_776 and est.tiles.method == method
-    assert est.tiles.peak_bytes <= 2**30
+@pytest.mark.parametrize("kinds,sizes,cpu,cuda", CHOICES)
+def test_auto_takes_row_tiles_where_one_row_pass_beats_the_fused_passes(kinds, sizes, cpu, cuda, monkeypatch):
+    monkeypatch.setattr(cogattn.planner, "can_time_triton", lambda device: device.type == "cuda")
+    for device, method in (("cpu", cpu), ("cuda", cuda)):
+        est = cogattn.estimate(
+            "THUDM/CogVideoX-2b", num_frames=49, height=480, width=720, num_inference_steps=50, kinds=kinds,
+            device=device, **sizes,
+        )  # fmt: skip
+        assert est.layout.seq_len == 17_776 and est.tiles.method == method, device
+        assert est.tiles.peak_bytes <= 2**30
 
 
 def test_a_wrong_entropy_pass_is_caught_and_nothing_wrong_is_stored(monkeypatch):
@@ -87,7 +92,7 @@ def test_a_wrong_entropy_pass_is_caught_and_nothing_wrong_is_stored(monkeypatch)
     pipe = tiny_pipeline(num_heads=3)
     spy = QKSpy(pipe.transformer)
     with pytest.warns(UserWarning, match=r"spot check failed: sdpa"):
-        with cogattn.record(pipe, kinds=("entropy", "frame"), heads="all") as rec:
+        with cogattn.record(pipe, kinds=("entropy", "frame"), heads="all", method="sdpa") as rec:
             generate(pipe)
     spy.remove()
     (check,) = rec.checks
@@ -135,3 +140,19 @@ def test_estimate_predicts_the_records_a_run_writes(tmp_path):
 def test_bad_sizes_are_refused(option, value):
     with pytest.raises(ValueError, match=f"{option} must be a positive int"):
         cogattn.CaptureOptions(kinds=("block", "topk"), **{option: value})
+
+
+def test_cpu_row_tiles_are_cache_sized_one_head_at_a_time():
+    from cogattn.layout import TokenLayout
+    from cogattn.planner import CPU_ROW_TILE, plan_tiles
+    from cogattn.reducers import REDUCERS
+
+    layout = TokenLayout(226, 13, 30, 45)  # CogVideoX-2b at 49 frames
+    S = layout.seq_len
+    for mean in (False, True):
+        reducers = [REDUCERS[k](layout, 30, mean) for k in ("entropy", "received", "block", "topk")]
+        cpu = plan_tiles(reducers, S, 30, 64, 2**30, "auto", "cpu")
+        assert cpu.method == "rows" and cpu.row_heads == 1 and 4 * cpu.row_rows * S <= CPU_ROW_TILE
+        assert 4 * (cpu.row_rows + 1) * S > CPU_ROW_TILE and cpu.peak_bytes <= 2**30
+        gpu = plan_tiles(reducers, S, 30, 64, 2**30, "rows", "cuda")  # as large as the budget allows
+        assert gpu.row_heads == 30 and gpu.peak_bytes <= 2**30 < gpu.peak_bytes * 1.1
