@@ -18,7 +18,8 @@
 #
 # This notebook generates one video, records exact attention maps while it is generated, and draws
 # them: frame-to-frame attention, where the video attends to each word (and the reverse), where one
-# video point attends, grids over layers × steps, an animation, and interactive sliders.
+# video point attends, grids over layers × steps, an animation, which heads are temporal and how much
+# of the attention a same-frame block-sparse mask would keep, and interactive sliders.
 #
 # It runs end to end on the embedded **tiny random CogVideoX** (no download, CPU, well under two
 # minutes). Its weights are random, so the video is noise and the maps carry no meaning; the shapes,
@@ -36,6 +37,8 @@ from IPython.display import Image, display
 import cogattn
 from cogattn import plot
 from cogattn.analysis import aggregate
+from cogattn.heads import head_table
+from cogattn.masks import mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
 from cogattn.words import word_positions
 
 # %%
@@ -202,6 +205,96 @@ gif = plot.animate(
     tokenizer=pipe.tokenizer,
 )
 display(Image(filename=str(gif)))
+
+# %% [markdown]
+# ## Which heads are temporal, and how much would a same-frame mask keep?
+#
+# Four small statistics of every head answer this: `frame` (where each latent frame's queries put
+# their mass), `entropy` (how spread each query's row is), `received` (how much attention each key
+# token gets: sinks) and `block` (the mass each block of `block_size` query tokens gives each block of
+# keys, the unit of block-sparse attention kernels). Each is S or (S / block_size)² floats per head, so this
+# records every layer and head; on a real model at three steps, about 0.6 GB for CogVideoX-2b and
+# 1.3 GB for CogVideoX-5b. The video itself is not needed again, so the generation stops at the latents.
+
+# %%
+# The tiny model has S = 53 tokens: the default block_size (128, the usual kernel block) would make one
+# block; 8 makes 7, the text exactly block 0.
+block_size = 8 if TINY else 128
+with cogattn.record(
+    pipe,
+    kinds=("frame", "entropy", "received", "block"),
+    steps="all" if TINY else [0, 25, 49],
+    layers="all",
+    batch="cond",
+    heads="all",
+    block_size=block_size,
+) as stats:
+    pipe(prompt=PROMPT, generator=torch.Generator(device).manual_seed(SEED), output_type="latent", **call)
+
+# %% [markdown]
+# `head_table` gives one row per (step, layer, head, batch item): `text_mass`, the mass a video query
+# puts on the text; `dt_d`, on the frames at latent-frame distance d from its own (`same_frame_mass` is
+# `dt_0`; with `text_mass` they sum to 1); the mean and spread of the row entropy (nats); the share of
+# all attention that the top 1% of key tokens receive (`sink_share`) and which they are; and a label
+# from `cogattn.heads.LabelRule`: `text`, `spatial` (own frame ≥ 0.5), `temporal` (adjacent frames
+# ≥ 0.5) or `global`. Pass `rule=LabelRule(...)` to change the thresholds. The tiny model's random
+# heads attend almost uniformly: all `global`.
+
+# %%
+table = head_table(stats)
+table.round(3)
+
+# %%
+print("heads by label, over the recorded steps and layers:")
+print(table["label"].value_counts().to_string())
+table.groupby(["layer", "label"]).size().unstack(fill_value=0)  # labels per layer
+
+# %% [markdown]
+# The head atlas: one cell per (layer, head), coloured by its label at the last recorded step
+# (`color="dt_1"`, `"entropy_mean"` or any other column for a number instead). Then the mass against
+# latent-frame distance, one curve per head averaged over layers and steps: a temporal head's curve
+# peaks at |Δf| = 1 and falls off.
+
+# %%
+plot.head_atlas(stats)
+
+# %%
+plot.decay_curves(stats)
+
+# %% [markdown]
+# A block-sparse kernel computes only the (query block, key block) pairs its mask keeps. `mask_recall`
+# gives, exactly, the share of all attention mass a mask keeps, per step, layer and head;
+# `oracle_curve` the most that any mask keeping k key blocks per query block could keep (each query
+# block's k largest blocks), a bound to hold a fixed pattern of the same density to.
+
+# %%
+same = same_frame_mask(stats.layout, block_size)
+near = temporal_window_mask(stats.layout, block_size, 1)
+for name, mask in [("same frame", same), ("frames at most 1 apart", near)]:
+    recall = mask_recall(stats, mask)["recall"]
+    print(
+        f"{name}: keeps {mask.float().mean().item():.1%} of the {mask.numel()} block pairs, recall "
+        f"{recall.mean():.3f} (min {recall.min():.3f}, max {recall.max():.3f} over steps, layers and heads)"
+    )
+k = round(same.sum().item() / len(same))  # the same-frame mask's key blocks per query block, on average
+best = oracle_curve(stats, ks=[k])["recall"]
+print(
+    f"the best masks with {k} key blocks per query block ({k / len(same):.1%} of the pairs): recall "
+    f"{best.mean():.3f} (min {best.min():.3f})"
+)
+
+# %% [markdown]
+# The heads a same-frame mask would hurt most: lowest recall, mean over the recorded steps.
+
+# %%
+mask_recall(stats, same).groupby(["layer", "head"])["recall"].mean().sort_values().head(10)
+
+# %% [markdown]
+# The block map, mean over steps, layers and heads, with the same-frame mask's kept blocks outlined
+# and its recall in the title (a log scale shows the small blocks as well as the large).
+
+# %%
+plot.block_map(stats, same, scale="log")
 
 # %% [markdown]
 # ## Explore

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import cogattn  # noqa: E402
 from cogattn import plot  # noqa: E402
+from cogattn.masks import same_frame_mask  # noqa: E402
 
 PNG_META = {"Software": None}  # no matplotlib version in the files: regenerating changes only what changed
 
@@ -34,6 +35,10 @@ def generate(model: str, prompt: str, seed: int):
         pipe = tiny_pipeline()
         call = dict(num_frames=9, height=48, width=80, num_inference_steps=4, max_sequence_length=TINY_TEXT_LEN)
         steps, layers, heads = "all", "all", "all"
+        # Every statistics kind (all small here). S = 53 tokens: the default block_size of 128 would make
+        # one block; 8 makes 7, the 8 text tokens exactly block 0 and each 15-token latent frame 2 to 3
+        # blocks, so the block map and a same-frame mask have some structure to show.
+        stats, block_size = ("entropy", "received", "query_frame", "block", "topk"), 8
     else:
         from diffusers import CogVideoXPipeline
 
@@ -45,6 +50,10 @@ def generate(model: str, prompt: str, seed: int):
         n = pipe.transformer.config.num_layers
         # Text maps are T × F × Hp × Wp per head: a few steps, layers and heads keep them to about a GB.
         steps, layers, heads = [0, 25, 49], [0, n // 2, n - 1], [0, 1, 2, 3]
+        # The statistics the figures draw, S or ⌈S / 128⌉² floats per head: a few MB a record at most (the
+        # head atlas then shows these 3 layers × 4 heads). Not topk or query_frame (S × k and S × G floats
+        # per head), which no figure here needs.
+        stats, block_size = ("entropy", "received", "block"), 128
     config = pipe.transformer.config
     layout = cogattn.TokenLayout.for_video(
         call["num_frames"],
@@ -57,12 +66,13 @@ def generate(model: str, prompt: str, seed: int):
     query = tuple(g // 2 for g in layout.grid)  # the centre of the middle frame
     with cogattn.record(
         pipe,
-        kinds=("frame", "video_to_text", "text_to_video", "query"),
+        kinds=("frame", "video_to_text", "text_to_video", "query", *stats),
         steps=steps,
         layers=layers,
         batch="cond",
         heads=heads,
         queries=[query],
+        block_size=block_size,
         info={"prompt": prompt, "seed": seed},
     ) as rec:
         video = pipe(
@@ -104,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             rec, words, video, kind="text_to_video", tokenizer=pipe.tokenizer, scale="log", limits="per-map"
         ),
         "query_map.png": plot.query_map(rec, query, video, tokenizer=pipe.tokenizer, scale="log"),
+        "head_atlas.png": plot.head_atlas(rec),
+        "decay_curves.png": plot.decay_curves(rec),
+        "token_stat.png": plot.token_stat(rec, "received", video, tokenizer=pipe.tokenizer),
+        "block_map.png": plot.block_map(rec, same_frame_mask(rec.layout, rec.block_size)),
     }
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=args.dpi, metadata=PNG_META)
