@@ -345,7 +345,7 @@ def pooled_pass(
             values, pass_lse = passes.entropy_pass(qf, kf, scale)
             for red, o in entropy:
                 _fold(red, o, h0, 0, values[..., None], probe)
-            lse = pass_lse if lse is None else lse
+            lse = pass_lse  # a float32 pass's lse: more precise than a 16-bit output call's
             del values
         sums = None
         if multi and given_sums is not None:
@@ -357,7 +357,7 @@ def pooled_pass(
             del qm, km
         elif multi or (lse is None and (single or received)):
             sums, pass_lse = passes.indicator_sums(qf, kf, indicator, n_calls, scale)
-            lse = pass_lse if lse is None else lse
+            lse = pass_lse  # a float32 pass's, as above
         if multi:
             for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
                 _fold(red, o, h0, 0, sums[..., c0:c1], probe)

@@ -79,9 +79,9 @@ class CaptureOptions:
             fused attention calls on other value matrices (indicator columns; the keys for
             ``entropy``; a swapped pass for ``received``); ``"triton"`` runs cogattn's fused kernel for
             the indicator columns (CUDA, or its interpreter). ``"auto"`` picks ``"sdpa"``, or ``"rows"``
-            when the rows are formed anyway (``full``, ``topk``) or one row pass costs less than the
-            fused passes the kinds need (three or more, e.g. ``block`` at S/block_size > 2·head dim);
-            on CUDA with Triton it times the kernel against ``"sdpa"`` at the first capture of each
+            when each head's rows are formed anyway (``full``, ``topk`` per head) or one row pass costs
+            less than the fused passes the kinds need (on a CPU two or more: ``received``, ``block`` at
+            S/block_size > head dim, several statistics together; on CUDA six); on CUDA with Triton it times the kernel against ``"sdpa"`` at the first capture of each
             shape and keeps the faster.
         layer_output (`"stock" | "lse" | "joint"`, defaults to ``"stock"``): how captured layers compute
             their own attention output (layers not captured always run the stock call).

@@ -69,13 +69,14 @@ def entropy_pass(qf: torch.Tensor, kf: torch.Tensor, scale: float) -> tuple[torc
 
 
 def received_pass(qf: torch.Tensor, kf: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
-    """``Σ_i P[i, j]`` for every key, ``(h, S)``, from float32 q and k ``(h, S, D)`` and the rows' lse
-    ``(h, S)``: one fused pass with the keys as queries, each widened by ``1``, and the queries as keys,
+    """``Σ_i P[i, j]`` for every key, ``(h, S_k)``, from float32 queries ``(h, S_q, D)``, keys ``(h, S_k, D)``
+    and the queries' lse ``(h, S_q)`` (the sum over those queries): one fused pass with the keys as queries, each widened by ``1``, and the queries as keys,
     each widened by ``−lse_i``, so that its scores are ``scale·q_i·k_j − lse_i = ln P[i, j]`` and its
     log-sum-exp over ``i`` is ``ln Σ_i P[i, j]`` (width rounded up to a multiple of 8 with zeros; zero values)."""
     h, S, D = qf.shape
+    keys = kf.shape[1]
     width = -(-(D + 1) // 8) * 8
-    keys_as_q = kf.new_zeros(1, h, S, width)
+    keys_as_q = kf.new_zeros(1, h, keys, width)
     keys_as_q[0, :, :, :D] = kf * scale
     keys_as_q[0, :, :, D] = 1.0
     queries_as_k = qf.new_zeros(1, h, S, width)
@@ -124,6 +125,7 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float) -> None:
     divided by the heads, folded into kinds of the head-mean row (``topk`` with ``heads="mean"``); ``q`` and
     ``k`` are the engine's head views, ``plan`` its tile plan."""
     H, S, _ = q.shape
+    kt = k.chunk(0, H).transpose(1, 2)  # converted once (when it must be): the loop revisits every head per row tile
     tile = TileBuffer(plan.row_heads * min(plan.row_rows, S) * S, q.device)
     totals = TileBuffer(min(plan.row_rows, S) * S, q.device)  # one buffer: no second one while the first lives
     for r0 in range(0, S, plan.row_rows):
@@ -132,10 +134,11 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float) -> None:
         for h0 in range(0, H, plan.row_heads):
             h1 = min(H, h0 + plan.row_heads)
             out = tile.take(h1 - h0, r1 - r0, S)
-            scores = torch.matmul(q.chunk(h0, h1, slice(r0, r1)), k.chunk(h0, h1).transpose(1, 2), out=out)
+            scores = torch.matmul(q.chunk(h0, h1, slice(r0, r1)), kt[h0:h1], out=out)
             scores.mul_(scale)
             probs = softmax_(scores)
-            total += probs if probs.shape[0] == 1 else probs.sum(0, keepdim=True)  # no temporary for one head
+            for head in probs:  # no temporary
+                total[0] += head
             del scores
         total.div_(H)
         for red, out in row_kinds:

@@ -114,8 +114,9 @@ def choose_method(
     if not pooled_kinds(reducers):
         return "rows"  # every kind is served by row tiles
     if method == "auto":
-        if any(all_rows(r, seq_len) for r in reducers) or not fused_lse_supported(device):
-            return "rows"  # the rows are formed anyway (``full``, ``topk``), or there is no fused kernel
+        formed = any(all_rows(r, seq_len) and not r.mean_rows for r in reducers)  # head-mean rows serve no other kind
+        if formed or not fused_lse_supported(device):
+            return "rows"  # each head's rows are formed anyway (``full``, ``topk``), or there is no fused kernel
         if fused_passes(reducers, head_dim, lse_given) >= ROWS_BEAT_PASSES.get(device.type, 6):
             return "rows"
         return "timed" if can_time_triton(device) else "sdpa"
@@ -163,6 +164,7 @@ def size_tiles(
     in_rows = method == "rows"
     # pooled sums per row (with entropy: P K, D more); with received, a column sum per head
     row_cols = sum(g.num_groups for g in groups) + D * ("entropy" in stats) if in_rows else 0
+    row_cols += sum(4 * r.k for r in reducers if r.kind == "topk")  # values, int64 indices, their float copy
     received = "received" in stats and in_rows
     mean_row = any(r.mean_rows for r in reducers)  # topk of the head-mean row: a sum of the heads' rows
     row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and in_rows else [])
@@ -170,7 +172,7 @@ def size_tiles(
     n_multi = sum(g.num_groups for g in groups if not g.single_keys)
 
     def row_bytes(h: int, r: int) -> int:
-        return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs, received, mean_row)
+        return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs, received, mean_row * H)
 
     def pooled_bytes(h: int, r: int) -> int:
         return _pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, method == "joint", stats)
@@ -223,10 +225,12 @@ def plan_tiles(
     return size_tiles(method, reducers, S, H, D, budget, copies_inputs, cap)
 
 
-def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool, received=False, mean_row=False) -> int:
-    # float32 K of the head chunk (when the input must be copied), the q rows, the scores (the softmax
-    # runs in place), the pooled sums, a column sum per head (received), the head-mean rows (topk of the mean)
-    return _F32 * (h * S * D * copies + h * r * D + h * r * S + h * r * C + h * S * received + r * S * mean_row)
+def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool, received=False, mean_heads: int = 0) -> int:
+    # float32 K of the head chunk (when the input must be copied; of all ``mean_heads`` heads for head-mean
+    # rows, which revisit every head per row tile), the q rows, the scores (the softmax runs in place), the
+    # pooled sums, a column sum per head (received), the head-mean rows (topk of the mean)
+    k_copy = max(h, mean_heads) * S * D * copies
+    return _F32 * (k_copy + h * r * D + h * r * S + h * r * C + h * S * received + r * S * bool(mean_heads))
 
 
 def _pooled_bytes(

@@ -186,7 +186,7 @@ class MapSource(Protocol):
 
     @property
     def topk(self) -> int:
-        """How many of each row's largest probabilities ``topk`` asked for (at most S)."""
+        """How many of each row's largest probabilities ``topk`` asked for (the records keep min(topk, S))."""
 
     @property
     def queries(self) -> tuple:
@@ -302,7 +302,7 @@ class Run:
 
     @property
     def topk(self) -> int:
-        """How many of each row's largest probabilities ``topk`` asked for (at most S)."""
+        """How many of each row's largest probabilities ``topk`` asked for (the records keep min(topk, S))."""
         return int((self.meta.get("selection") or {}).get("topk", 32))
 
     @property

@@ -468,8 +468,8 @@ def test_the_head_table_is_saved_as_csv_next_to_the_maps(tmp_path, dump):
     from cogattn.heads import head_table
 
     out = tmp_path / "runs"
-    kinds = "capture.kinds=[frame,entropy,received]"
-    dump("--set", f"save_dir={out}", "--set", kinds, "--set", "capture.heads=all", "--set", "previews=false",
+    kinds = "capture.kinds=[frame,entropy,received,block]"
+    dump("--set", f"save_dir={out}", "--set", kinds, "--set", "capture.heads=all", "--set", "capture.block_size=16",
          "--set", "num_inference_steps=2", check=0)  # fmt: skip
     dirs = _prompt_dirs(out)
     assert dirs
@@ -480,3 +480,4 @@ def test_the_head_table_is_saved_as_csv_next_to_the_maps(tmp_path, dump):
         for column in ("text_mass", "same_frame_mass", "entropy_mean", "sink_share"):
             assert (saved[column] - ref[column]).abs().max() <= 1e-9, column
         assert list(saved["label"]) == list(ref["label"])
+        assert set(_meta(d)["previews"]) == {f"{k}.png" for k in ("frame", "entropy", "received", "block", "heads")}

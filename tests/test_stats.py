@@ -156,3 +156,68 @@ def test_cpu_row_tiles_are_cache_sized_one_head_at_a_time():
         assert 4 * (cpu.row_rows + 1) * S > CPU_ROW_TILE and cpu.peak_bytes <= 2**30
         gpu = plan_tiles(reducers, S, 30, 64, 2**30, "rows", "cuda")  # as large as the budget allows
         assert gpu.row_heads == 30 and gpu.peak_bytes <= 2**30 < gpu.peak_bytes * 1.1
+
+
+def test_a_wrong_received_pass_is_caught(monkeypatch):
+    real = passes.received_pass
+    monkeypatch.setattr(passes, "received_pass", lambda *a: real(*a) * 1.001)
+    pipe = tiny_pipeline(num_heads=3)
+    spy = QKSpy(pipe.transformer)
+    with pytest.warns(UserWarning, match=r"spot check failed: sdpa"):
+        with cogattn.record(pipe, kinds=("received",), heads="all", method="sdpa") as rec:
+            generate(pipe)
+    spy.remove()
+    (check,) = rec.checks
+    assert not check.passed and check.max_error > 1e-4
+    assert_matches_naive(rec, spy, [1], "all", kinds=("received",))  # recomputed on row tiles
+
+
+@pytest.mark.parametrize("logit", [5.0, 60.0])
+def test_the_entropy_check_holds_peaked_rows_of_large_logits(logit):
+    """lse − scale·q·(PK) cancels numbers of the size of the largest logit: the check counts the error per
+    unit of |lse|, so a correct pass on rows with logits of 60 passes, and the values stay within 1e-4."""
+    from cogattn.checks import RowProbe, Verifier, probe_rows
+    from cogattn.engine import capture
+    from cogattn.layout import TokenLayout
+    from cogattn.planner import plan_tiles
+    from cogattn.reducers import REDUCERS
+    from cogattn.reference import naive_kind, naive_probs
+
+    torch.manual_seed(0)
+    layout = TokenLayout(10, 4, 9, 10)
+    H, S, D = 4, layout.seq_len, 64
+    q = torch.randn(H, S, D)
+    k = torch.nn.functional.normalize(torch.randn(H, S, D), dim=-1) * logit  # q·k/8 up to ~logit
+    reducers = [REDUCERS["entropy"](layout, H, False), REDUCERS["received"](layout, H, False)]
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    probe = RowProbe(probe_rows(layout), H)
+    capture(q, k, reducers, outs, plan_tiles(reducers, S, H, D, 2**30, "sdpa", "cpu"), probe=probe)
+    check = Verifier(True).check_maps([(0, probe)], q[None], k[None], None, reducers, 0, 0, "sdpa", D**-0.5)
+    assert check.passed, check
+    P = naive_probs(q[None], k[None])
+    assert (outs[0].double() - naive_kind(P, "entropy", 10, layout.grid)[0]).abs().max() <= 1e-4
+    assert (outs[1].double() - naive_kind(P, "received", 10, layout.grid)[0]).abs().max() <= 1e-4
+
+
+def test_one_block_per_token_and_topk_of_the_mean_beside_a_pooled_kind():
+    from reference import assert_topk
+
+    from cogattn.engine import capture
+    from cogattn.layout import TokenLayout
+    from cogattn.planner import plan_tiles
+    from cogattn.reducers import REDUCERS
+    from cogattn.reference import naive_kind, naive_probs
+
+    torch.manual_seed(1)
+    layout = TokenLayout(3, 2, 3, 4)
+    H, S, D = 3, layout.seq_len, 16
+    q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2
+    reducers = [REDUCERS["block"](layout, H, True, block_size=1), REDUCERS["topk"](layout, H, True, topk=S + 5)]
+    plan = plan_tiles(reducers, S, H, D, 2**30, "auto", "cpu")
+    assert plan.method == "sdpa"  # the head-mean rows of topk serve no per-head kind: block takes its pass
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    capture(q, k, reducers, outs, plan)
+    P = naive_probs(q[None], k[None])
+    block = naive_kind(P, "block", 3, layout.grid, block_size=1)[0].mean(0, keepdim=True)
+    assert (outs[0].double() - block).abs().max() <= 1e-5  # block_size 1: P itself, head-mean
+    assert_topk(REDUCERS["topk"].unpack(outs[1][None]), P.mean(1, keepdim=True), 1e-5)  # k = S: every key

@@ -23,7 +23,9 @@ def _words(run, tokenizer, prompt: str | None, limit: int = 4) -> list[int]:
 
 
 def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None = None, dpi: int = 90) -> list[Path]:
-    """Write one PNG per recorded kind (averaged over the recorded steps, layers and heads).
+    """Write preview PNGs: one per recorded map kind (averaged over the recorded steps, layers and heads),
+    ``entropy`` and ``received`` over the video, the ``block`` map, and the head atlas of the head table's
+    kinds (at the last step).
 
     Args:
         run_path: a run folder written by ``cogattn.record(..., save_dir=...)``.
@@ -48,6 +50,13 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
             figures[kind] = plot.word_heatmap(run, _words(run, tokenizer, prompt), video, kind=kind, **text)
     if "query" in kinds:
         figures["query"] = plot.query_map(run, 0, video, **text)
+    for kind in ("entropy", "received"):
+        if kind in kinds:
+            figures[kind] = plot.token_stat(run, kind, video, **text)
+    if "block" in kinds:
+        figures["block"] = plot.block_map(run, scale="log")
+    if kinds & {"frame", "query_frame", "entropy", "received"}:
+        figures["heads"] = plot.head_atlas(run)
     paths = []
     for name, fig in figures.items():
         path = folder / f"{name}.png"

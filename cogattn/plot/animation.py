@@ -33,6 +33,17 @@ _PLOT_KIND = {  # the kind each draws (its steps and layers are the ones animate
 }
 
 
+def _plot_kind(plot: Callable, source: MapSource) -> str:
+    """The kind whose steps and layers an animation of ``plot`` goes over (the head atlas: the first of the
+    head table's kinds recorded)."""
+    if plot is head_atlas:
+        from ..heads import TABLE_KINDS
+
+        held = recorded_kinds(source)
+        return next((k for k in TABLE_KINDS if k in held), "frame")
+    return _PLOT_KIND[plot]
+
+
 def _render(fig: Figure) -> np.ndarray:
     """The figure drawn to an RGB ``uint8`` array ``(H, W, 3)`` at its own dpi."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -77,7 +88,7 @@ def animate(
         raise ValueError(f"animate draws {[p.__name__ for p in _PLOT_KIND]}; got {plot!r}.")
     if over not in ("step", "layer", "frame"):
         raise ValueError(f"over={over!r}; choose 'step', 'layer' or 'frame'.")
-    kind = kwargs.get("kind", _PLOT_KIND[plot])
+    kind = kwargs.get("kind", _plot_kind(plot, source))
     if over == "frame":
         if plot is not word_heatmap:
             raise ValueError("over='frame' animates word_heatmap over the frames of the video.")
@@ -135,7 +146,7 @@ def explore(source: MapSource, video=None, *, view: str = "word", static: bool |
     plot = plots[view]
     if view != "frame":
         kwargs["video"] = video
-    kind = kwargs.get("kind", _PLOT_KIND[plot])
+    kind = kwargs.get("kind", _plot_kind(plot, source))
     if view == "query" and "query" not in recorded_kinds(source):
         kind = "full"
     steps, layers = recorded(source, kind, "step"), recorded(source, kind, "layer")
