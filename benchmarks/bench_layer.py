@@ -29,7 +29,7 @@ from cogattn.checks import RowProbe, Verifier, probe_rows
 from cogattn.engine import capture, multi_key_indicator
 from cogattn.layout import TokenLayout
 from cogattn.options import parse_bytes
-from cogattn.planner import plan_tiles
+from cogattn.planner import choose_method, plan_tiles
 from cogattn.reducers import REDUCERS
 
 MiB = 2**20
@@ -69,8 +69,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=45)
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--budget", default="1GiB")
-    ap.add_argument("--out", default="benchmarks/results/layer_cpu.md")
+    ap.add_argument("--cases", choices=("maps", "stats"), default="maps", help="the map kinds, or the statistics kinds")
+    ap.add_argument("--out", default=None, help="defaults to benchmarks/results/layer_cpu.md (stats_cpu.md)")
     args = ap.parse_args()
+    args.out = args.out or f"benchmarks/results/{'layer' if args.cases == 'maps' else 'stats'}_cpu.md"
 
     torch.manual_seed(0)
     layout = TokenLayout(args.text, args.frames, args.height, args.width)
@@ -138,6 +140,24 @@ def main() -> None:
         (("frame", "video_to_text"), "sdpa, checked"),
     ]
     cases += [(("frame",), "joint"), (("frame", "video_to_text"), "joint")]
+    four = ("entropy", "received", "query_frame", "block")
+    stats = [
+        (("frame",), "sdpa"),  # the baseline pass the issue compares with
+        (("entropy",), "sdpa"),
+        (("entropy",), "rows"),
+        (("query_frame",), "sdpa"),
+        (("query_frame",), "rows"),
+        (("received",), "sdpa"),
+        (("received",), "sdpa+lse"),
+        (("received",), "rows"),
+        (("block",), "rows"),
+        (("block",), "sdpa"),
+        (four, "rows"),
+        (four, "sdpa"),
+        (("topk",), "rows"),
+    ]
+    if args.cases == "stats":
+        cases = stats
     rows = []
     for kinds, method in cases:
         if method == "joint":
@@ -151,6 +171,7 @@ def main() -> None:
             )
             continue
         reducers = [REDUCERS[kd](layout, H, True, queries) for kd in kinds]
+        auto = choose_method("auto", reducers, S, "cpu", D)
         given = lse if method.endswith("+lse") else None
         copies = not q.is_contiguous()  # as the recording decides: contiguous float32 q, k are not copied
         plan = plan_tiles(reducers, S, H, D, budget, method.split("+")[0].split(",")[0], "cpu", copies)
@@ -166,7 +187,9 @@ def main() -> None:
         dt = time.perf_counter() - t0
         peak = memory.stop()
         result = sum(r.nbytes(1) for r in reducers)
-        rows.append((" + ".join(kinds), method, dt, dt / t_stock, peak, plan.peak_bytes, result))
+        rows.append(
+            (" + ".join(kinds), method + " (auto)" * (method == auto), dt, dt / t_stock, peak, plan.peak_bytes, result)
+        )
         print(
             f"{rows[-1][0]:>22} {method:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  peak +{peak / MiB:7.1f} MiB",
             flush=True,
@@ -184,7 +207,8 @@ def main() -> None:
         f"(its SDPA call alone: {t_sdpa:.2f} s). Method `sdpa+lse`: the output kernel's log-sum-exp reused "
         '(`layer_output="lse"`). Method `joint` (`layer_output="joint"`): the widened output call\'s time over the '
         "stock SDPA call's, plus the capture that remains; its peak is over the stock call's. `sdpa, checked`: "
-        "with the spot check a recording makes at the first capture of a shape (8 rows recomputed exactly).",
+        "with the spot check a recording makes at the first capture of a shape (8 rows recomputed exactly). "
+        '`(auto)`: the method `method="auto"` chooses for these kinds. `block_size` = 128, `topk` = 32.',
         f"Naive full P = softmax(QKᵀ) for this layer: {naive / 1e9:.1f} GB ({naive / 2**30:.1f} GiB) in float32, "
         "before any softmax temporaries (not run).",
         "",
