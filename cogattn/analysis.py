@@ -26,7 +26,7 @@ from .errors import NotRecordedError
 from .reducers import REDUCERS
 from .run import MapSource
 
-__all__ = ["aggregate", "choose", "head_positions", "locate_query", "recorded", "recorded_kinds"]
+__all__ = ["aggregate", "choose", "head_positions", "locate_query", "pick", "recorded", "recorded_kinds"]
 
 # Reached from here, defined in their own modules (which import this one: looked up on first use).
 _ELSEWHERE = {
@@ -100,17 +100,22 @@ def choose(source: MapSource, kind: str, what: str, value: str | int | Sequence[
         ValueError: ``value`` is malformed or empty.
         NotRecordedError: the kind, or one of the chosen steps or layers, was not recorded.
     """
-    have = recorded(source, kind, what)
+    return pick(recorded(source, kind, what), what, value, repr(kind))
+
+
+def pick(have: list[int], what: str, value: str | int | Sequence[int], of: str) -> list[int]:
+    """``value`` (``"all"``, an index or a list) made concrete against the recorded steps or layers ``have``
+    (sorted); ``of`` names what recorded them in the errors. Raises as :func:`choose`."""
     if isinstance(value, str):
         if value != "all":
             raise ValueError(f"{what}s={value!r}; use 'all', an index, or a list of indices.")
         return have
     wanted = [value] if isinstance(value, int) else list(value)
     if not wanted:
-        raise ValueError(f"{what}s is empty; recorded {what}s of {kind!r} are {have}.")
+        raise ValueError(f"{what}s is empty; recorded {what}s of {of} are {have}.")
     for v in wanted:
         if v not in have:
-            raise NotRecordedError(f"{what} {v!r} of {kind!r} was not recorded; recorded {what}s are {have}.")
+            raise NotRecordedError(f"{what} {v!r} of {of} was not recorded; recorded {what}s are {have}.")
     return wanted
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from .analysis import choose, recorded_kinds
+from .analysis import pick, recorded, recorded_kinds
 from .errors import NotRecordedError
 from .layout import TokenLayout
 from .run import MapSource
@@ -262,15 +262,4 @@ def _layout(source: MapSource) -> TokenLayout:
 def _union_choice(source: MapSource, kinds: list[str], what: str, value) -> list[int]:
     """``analysis.choose`` over several kinds: ``"all"`` is every step (layer) any of them recorded; a
     chosen one must be recorded for at least one of them."""
-    have = sorted({v for k in kinds for v in choose(source, k, what, "all")})
-    if isinstance(value, str):
-        if value != "all":
-            raise ValueError(f"{what}s={value!r}; use 'all', an index, or a list of indices.")
-        return have
-    wanted = [value] if isinstance(value, int) else list(value)
-    if not wanted:
-        raise ValueError(f"{what}s is empty; recorded {what}s of {kinds} are {have}.")
-    for v in wanted:
-        if v not in have:
-            raise NotRecordedError(f"{what} {v!r} of {kinds} was not recorded; recorded {what}s are {have}.")
-    return wanted
+    return pick(sorted({v for k in kinds for v in recorded(source, k, what)}), what, value, str(kinds))

@@ -21,6 +21,7 @@ the class.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -60,7 +61,7 @@ class KeyGroups:
         """True when every group holds exactly one key (column ``c`` is then ``P[:, keys[c]]``)."""
         return len(self.keys) == self.num_groups and bool((self.groups == torch.arange(self.num_groups)).all())
 
-    @property
+    @functools.cached_property  # asked at every capture; a frozen dataclass keeps it in its __dict__
     def runs(self) -> list[tuple[int, int]] | None:
         """``[(start, end)]`` of each group when the groups are runs of consecutive keys covering ``0..S``
         in group order (frames, blocks), else `None`: sums over a run are a slice and a sum."""

@@ -114,6 +114,64 @@ def _draw_panel(ax, heat: np.ndarray, norm, pixels, n: int, alpha: float):
     return im
 
 
+def token_figure(source: MapSource, values, video, kind: str, labels: tuple[str, str], text: dict, style: dict):
+    """One value per token ``values`` ``(S,)`` drawn on the video: a panel per latent frame (its middle pixel
+    frame, the values upsampled from patches to pixels; or the patch grid alone) and the text tokens as a
+    strip below, with colour bars. ``labels``: the video and text axes' names; ``text``: ``tokenizer`` and
+    ``prompt`` for the strip's ticks; ``style``: ``fig``, ``num_pixel_frames``, ``scale``, ``limits``,
+    ``alpha``, ``interpolation``.
+
+    Returns:
+        `tuple`: ``(fig, axes, text_ax or None, pixels or None, panels [(pixel frame, latent frame)],
+        (panel height, width))``, for the caller's marks and title.
+    """
+    layout = source.layout
+    T = layout.text_len
+    grid = values[T:].reshape(layout.grid)
+    pixels, panels, ranges = _video_panels(layout, video, None, style["num_pixel_frames"])
+    if pixels is None:
+        arrays = [grid[f].numpy() for _, f in panels]
+    else:
+        up = upsample_to_video(grid, layout, len(pixels), pixels.shape[1:3], style["interpolation"])
+        arrays = [up[n].numpy() for n, _ in panels]
+    if T:
+        arrays.append(values[:T].numpy()[None])
+    limits = style["limits"]
+    norms = color_norms(arrays, style["scale"], limits)
+    ncols = len(panels)
+    h, w = pixels.shape[1:3] if pixels is not None else (layout.height, layout.width)
+    pw = min(2.0, 16 / ncols)  # a long video still fits a page: at most 16 inches of panels
+    per_map = 0.8 if limits == "per-map" else 0.0  # room for a colour bar per panel
+    fig = new_figure(style["fig"], ((pw + per_map) * ncols + 1.6, pw * h / w + (2.2 if T else 1.2)))
+    gs = fig.add_gridspec(2 if T else 1, ncols, height_ratios=[pw * h / w, 0.6] if T else None)
+    axes = [fig.add_subplot(gs[0, c]) for c in range(ncols)]
+    images = []
+    for c, (n, f) in enumerate(panels):
+        ax = axes[c]
+        images.append(_draw_panel(ax, arrays[c], norms[c], pixels, n, style["alpha"]))
+        if pixels is None:
+            ax.set_title(frame_label(f, ranges, " · "), fontsize=8)
+            ax.set_xlabel("patch column", fontsize=7)
+            patch_ticks(ax, layout)
+        else:
+            ax.set_title(f"px {n} · f{f}", fontsize=8)
+            hide_ticks(ax)
+    axes[0].set_ylabel("patch row" if pixels is None else labels[0], fontsize=8)
+    text_ax = None
+    if T:
+        text_ax = fig.add_subplot(gs[1, :])
+        images.append(
+            text_ax.imshow(arrays[-1], cmap=CMAP, norm=norms[-1], aspect="auto", interpolation="nearest", gid=MAP_GID)
+        )
+        prompt = text["prompt"] if text["prompt"] is not None else source.info.get("prompt")
+        ticks, names = _text_ticks(source, text["tokenizer"], prompt)
+        text_ax.set_xticks(ticks, names, fontsize=6, rotation=90 if len(ticks) > 16 else 0)
+        text_ax.set_yticks([])
+        text_ax.set_xlabel(labels[1])
+    add_colorbars(fig, images, axes + ([text_ax] if T else []), kind, limits)
+    return fig, axes, text_ax, pixels, panels, (h, w)
+
+
 def word_heatmap(
     source: MapSource,
     tokens: int | str | Sequence[int | str],
@@ -266,48 +324,18 @@ def query_map(
     kind, index, token = locate_query(source, query)
     row = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)[index]  # (S,)
     point = layout.coordinates(token)
-    T = layout.text_len
-    grid = row[T:].reshape(layout.grid)
-    pixels, panels, ranges = _video_panels(layout, video, None, num_pixel_frames)
-    if pixels is None:
-        arrays = [grid[f].numpy() for _, f in panels]
-    else:
-        up = upsample_to_video(grid, layout, len(pixels), pixels.shape[1:3], interpolation)
-        arrays = [up[n].numpy() for n, _ in panels]
-    arrays.append(row[:T].numpy()[None])
-    norms = color_norms(arrays, scale, limits)
-    ncols = len(panels)
-    h, w = pixels.shape[1:3] if pixels is not None else (layout.height, layout.width)
-    pw = min(2.0, 16 / ncols)  # a long video still fits a page: at most 16 inches of panels
-    fig = new_figure(fig, (pw * ncols + 1.6, pw * h / w + 2.0))
-    gs = fig.add_gridspec(2, ncols, height_ratios=[pw * h / w, 0.6])
-    axes = [fig.add_subplot(gs[0, c]) for c in range(ncols)]
-    images = []
-    for c, (n, f) in enumerate(panels):
-        ax = axes[c]
-        images.append(_draw_panel(ax, arrays[c], norms[c], pixels, n, alpha))
-        if pixels is None:
-            ax.set_title(frame_label(f, ranges, " · "), fontsize=8)
-            ax.set_xlabel("patch column", fontsize=7)
-            patch_ticks(ax, layout)
-        else:
-            ax.set_title(f"px {n} · f{f}", fontsize=8)
-            hide_ticks(ax)
+    style = dict(fig=fig, num_pixel_frames=num_pixel_frames, scale=scale, limits=limits, alpha=alpha)
+    style["interpolation"] = interpolation
+    text = dict(tokenizer=tokenizer, prompt=prompt)
+    fig, axes, _, pixels, panels, (h, w) = token_figure(
+        source, row, video, kind, ("video keys", "text keys"), text, style
+    )
+    for ax, (_, f) in zip(axes, panels):
         if point is not None and f == point[0]:
             _, y, x = point
             if pixels is not None:  # patch centre in pixels
                 x, y = (x + 0.5) * w / layout.width, (y + 0.5) * h / layout.height
             ax.plot([x], [y], marker="x", color="cyan", markersize=9, mew=2, gid=POINT_GID)
-    axes[0].set_ylabel("patch row" if pixels is None else "video keys", fontsize=8)
-    text_ax = fig.add_subplot(gs[1, :])
-    images.append(
-        text_ax.imshow(arrays[-1], cmap=CMAP, norm=norms[-1], aspect="auto", interpolation="nearest", gid=MAP_GID)
-    )
-    ticks, labels = _text_ticks(source, tokenizer, prompt if prompt is not None else source.info.get("prompt"))
-    text_ax.set_xticks(ticks, labels, fontsize=6, rotation=90 if len(ticks) > 16 else 0)
-    text_ax.set_yticks([])
-    text_ax.set_xlabel("text keys")
-    add_colorbars(fig, images, axes + [text_ax], kind, limits)
     who = f"text token {token}" if point is None else f"video point (frame, row, col) = {point}"
     set_title(fig, f"where {who} attends", describe(source, kind, steps, layers, heads))
     return fig

@@ -14,21 +14,17 @@ from matplotlib.figure import Figure
 
 from ..analysis import aggregate, choose
 from ..run import MapSource
-from .overlays import _draw_panel, _text_ticks, _video_panels
+from .overlays import token_figure
 from .style import (
     CMAP,
     MAP_GID,
     add_colorbars,
     color_norms,
     describe,
-    frame_label,
-    hide_ticks,
     new_figure,
-    patch_ticks,
     set_title,
     single_head,
 )
-from .video import upsample_to_video
 
 __all__ = ["MASK_GID", "SINK_GID", "block_map", "mask_outline", "token_stat"]
 
@@ -102,45 +98,11 @@ def token_stat(
     layout = source.layout
     values = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)  # (S,)
     T = layout.text_len
-    grid = values[T:].reshape(layout.grid)
-    pixels, panels, ranges = _video_panels(layout, video, None, num_pixel_frames)
-    if pixels is None:
-        arrays = [grid[f].numpy() for _, f in panels]
-    else:
-        up = upsample_to_video(grid, layout, len(pixels), pixels.shape[1:3], interpolation)
-        arrays = [up[n].numpy() for n, _ in panels]
-    if T:
-        arrays.append(values[:T].numpy()[None])
-    norms = color_norms(arrays, scale, limits)
-    ncols = len(panels)
-    h, w = pixels.shape[1:3] if pixels is not None else (layout.height, layout.width)
-    pw = min(2.0, 16 / ncols)  # a long video still fits a page: at most 16 inches of panels
-    per_map = 0.8 if limits == "per-map" else 0.0
-    fig = new_figure(fig, ((pw + per_map) * ncols + 1.6, pw * h / w + (2.2 if T else 1.2)))
-    gs = fig.add_gridspec(2 if T else 1, ncols, height_ratios=[pw * h / w, 0.6] if T else None)
-    axes = [fig.add_subplot(gs[0, c]) for c in range(ncols)]
-    images = []
-    for c, (n, f) in enumerate(panels):
-        ax = axes[c]
-        images.append(_draw_panel(ax, arrays[c], norms[c], pixels, n, alpha))
-        if pixels is None:
-            ax.set_title(frame_label(f, ranges, " · "), fontsize=8)
-            ax.set_xlabel("patch column", fontsize=7)
-            patch_ticks(ax, layout)
-        else:
-            ax.set_title(f"px {n} · f{f}", fontsize=8)
-            hide_ticks(ax)
-    axes[0].set_ylabel("patch row" if pixels is None else "video tokens", fontsize=8)
-    text_ax = None
-    if T:
-        text_ax = fig.add_subplot(gs[1, :])
-        images.append(
-            text_ax.imshow(arrays[-1], cmap=CMAP, norm=norms[-1], aspect="auto", interpolation="nearest", gid=MAP_GID)
-        )
-        ticks, labels = _text_ticks(source, tokenizer, prompt if prompt is not None else source.info.get("prompt"))
-        text_ax.set_xticks(ticks, labels, fontsize=6, rotation=90 if len(ticks) > 16 else 0)
-        text_ax.set_yticks([])
-        text_ax.set_xlabel("text tokens")
+    style = dict(fig=fig, num_pixel_frames=num_pixel_frames, scale=scale, limits=limits, alpha=alpha)
+    style["interpolation"] = interpolation
+    text = dict(tokenizer=tokenizer, prompt=prompt)
+    labels = ("video tokens", "text tokens")
+    fig, axes, text_ax, pixels, panels, (h, w) = token_figure(source, values, video, kind, labels, text, style)
     top = []
     if kind == "received" and sinks:
         top = torch.topk(values, min(sinks, len(values))).indices.tolist()
@@ -158,7 +120,6 @@ def token_stat(
                     x, y = (x + 0.5) * w / layout.width, (y + 0.5) * h / layout.height
             where.plot([x], [y], marker="o", mfc="none", color="cyan", markersize=10, mew=1.5, gid=SINK_GID)
             where.annotate(str(rank), (x, y), xytext=(5, 5), textcoords="offset points", color="cyan", fontsize=7)
-    add_colorbars(fig, images, axes + ([text_ax] if T else []), kind, limits)
     S = layout.seq_len
     if kind == "entropy":
         what = f"attention entropy of each query token (uniform over S = {S} keys: ln S = {math.log(S):.2f} nats)"
