@@ -1,4 +1,4 @@
-"""cogattn: exact, memory-bounded attention maps from CogVideoX with the model's output untouched.
+"""cogattn: exact, memory-bounded attention maps from CogVideoX and Wan with the model's output untouched.
 
 ```python
 with cogattn.record(pipe, kinds=("frame", "video_to_text")) as rec:
@@ -12,9 +12,11 @@ option), :func:`load` and :class:`Run` (runs on disk), :func:`estimate` (costs b
 Figures are in :mod:`cogattn.plot`, the numbers behind them in :mod:`cogattn.analysis`.
 """
 
+from .context import VideoToImageReducer  # noqa: F401  (registers the video_to_image kind)
 from .errors import NotRecordedError, StoreError
 from .estimate import Estimate, estimate
 from .layout import TokenLayout
+from .models import wan as _wan
 from .options import CaptureOptions
 from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
 from .recording import Recording, record
@@ -22,7 +24,8 @@ from .reducers import REDUCERS
 from .run import Run, load
 
 __version__ = "0.1.0"
-KINDS = tuple(REDUCERS)
+KINDS = tuple(REDUCERS)  # every kind; a family refuses those it has no attention for (cogattn.models)
+WanAttnMapProcessor = None if _wan is None else _wan.WanAttnMapProcessor  # None: diffusers < 0.35
 
 __all__ = [
     "KINDS",
@@ -35,6 +38,7 @@ __all__ = [
     "Run",
     "StoreError",
     "TokenLayout",
+    "WanAttnMapProcessor",
     "estimate",
     "load",
     "record",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import TokenLayout
-from .models import transformer_config
+from .models import spec_for_config, transformer_config
 from .options import CaptureOptions
 from .planner import CapturePlan, ModelShape, TilePlan, plan_capture
 
@@ -112,16 +112,11 @@ def estimate(
     options = CaptureOptions.build(options, **kwargs)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     cfg = transformer_config(model)
+    spec = spec_for_config(cfg)
+    spec.check_kinds(options.kinds)
     num_layers, num_heads = int(cfg["num_layers"]), int(cfg["num_attention_heads"])
     options.check_model(num_layers, num_heads)
-    layout = TokenLayout.for_video(
-        num_frames,
-        height,
-        width,
-        text_len or int(cfg["max_text_seq_length"]),
-        int(cfg["patch_size"]),
-        cfg.get("patch_size_t"),
-    )
+    layout = spec.layout_for_video(cfg, num_frames, height, width, text_len)
     guidance = guidance_scale > 1
     model = ModelShape(num_layers, num_heads, int(cfg["attention_head_dim"]), dtype)
     plan = plan_capture(
@@ -132,6 +127,7 @@ def estimate(
         guidance=guidance,
         num_steps=num_inference_steps,
         device=device,
+        sources={k: spec.source(k) for k in options.kinds if spec.source(k) != "self"},
     )
     records = [(k, shape, b, n * num_prompts) for k, shape, b, n in plan.records(num_inference_steps)]
     return Estimate(plan, records)

@@ -1,7 +1,10 @@
-"""Where every token and every frame comes from: the joint text + video sequence and the decoded video.
+"""Where every token and every frame comes from: the attention sequence and the decoded video.
 
 Token order (the model's own): text tokens ``[0, T)``, then video token
 ``T + f·Hp·Wp + y·Wp + x`` for latent frame (temporal patch) ``f``, patch row ``y``, patch column ``x``.
+In CogVideoX the text is part of the one joint sequence (``text_len = T``). In Wan the self-attention
+sequence is the video alone (``text_len = 0``) and the text (``context_len`` tokens) and, for Wan 2.1
+image-to-video, the image (``image_len`` tokens) are keys of a separate cross-attention.
 
 Frames (the VAE's geometry, kept here and nowhere else): the CogVideoX VAE keeps pixel frame 0 as
 latent frame 0 and packs each later group of 4 pixel frames into one latent frame, and compresses
@@ -18,7 +21,7 @@ import torch
 __all__ = ["TokenLayout", "VAE_SPATIAL", "VAE_TEMPORAL"]
 
 VAE_TEMPORAL = 4  # pixel frames per latent frame after the first (every CogVideoX VAE)
-VAE_SPATIAL = 8  # pixels per latent pixel, each way
+VAE_SPATIAL = 8  # pixels per latent pixel, each way (Wan 2.2 TI2V-5B: 16)
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class TokenLayout:
         width (`int`): patch columns Wp.
         patch_size (`int`, defaults to 2): spatial patch size in latent pixels.
         patch_size_t (`int | None`, defaults to `None`): temporal patch size (CogVideoX 1.5), `None` for 1.0.
+        context_len (`int`, defaults to 0): text tokens of a separate cross-attention (Wan: 512); 0 when
+            the text is in the sequence.
+        image_len (`int`, defaults to 0): image tokens of a separate cross-attention (Wan 2.1
+            image-to-video: 257 CLIP tokens).
     """
 
     text_len: int
@@ -40,6 +47,8 @@ class TokenLayout:
     width: int
     patch_size: int = 2
     patch_size_t: int | None = None
+    context_len: int = 0
+    image_len: int = 0
 
     @classmethod
     def from_latents(cls, latent_shape: tuple[int, ...], text_len: int, config) -> TokenLayout:
@@ -64,18 +73,25 @@ class TokenLayout:
         text_len: int,
         patch_size: int = 2,
         patch_size_t: int | None = None,
+        *,
+        spatial_compression: int = VAE_SPATIAL,
+        context_len: int = 0,
+        image_len: int = 0,
     ) -> TokenLayout:
-        """The layout a pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels produces."""
+        """The layout a pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels produces
+        (``spatial_compression``: the VAE's pixels per latent pixel)."""
         latent = (int(num_frames) - 1) // VAE_TEMPORAL + 1
         pt = patch_size_t or 1
         latent += (-latent) % pt  # CogVideoX 1.5 pads at the start
         return cls(
             text_len=int(text_len),
             frames=latent // pt,
-            height=int(height) // VAE_SPATIAL // patch_size,
-            width=int(width) // VAE_SPATIAL // patch_size,
+            height=int(height) // spatial_compression // patch_size,
+            width=int(width) // spatial_compression // patch_size,
             patch_size=patch_size,
             patch_size_t=patch_size_t or None,
+            context_len=int(context_len),
+            image_len=int(image_len),
         )
 
     @property
@@ -99,9 +115,20 @@ class TokenLayout:
         return (self.frames, self.height, self.width)
 
     @property
+    def prompt_len(self) -> int:
+        """Text tokens of the prompt, in the sequence or in the cross-attention (the T of ``video_to_text``)."""
+        return self.text_len or self.context_len
+
+    @property
+    def text_groups(self) -> int:
+        """1 when the sequence starts with a text group, 0 when it is the video alone (Wan)."""
+        return 1 if self.text_len else 0
+
+    @property
     def num_groups(self) -> int:
-        """Frame groups G = F + 1: group 0 is the text, group g ≥ 1 is latent frame g − 1."""
-        return self.frames + 1
+        """Frame groups G: with text in the sequence F + 1 (group 0 is the text, group g ≥ 1 latent frame
+        g − 1); without, F (group g is latent frame g)."""
+        return self.frames + self.text_groups
 
     def token_index(self, frame: int, row: int, col: int) -> int:
         """Sequence index of the video token at latent frame ``frame``, patch row ``row``, column ``col``."""
@@ -125,14 +152,16 @@ class TokenLayout:
         return (frame, row, col)
 
     def group_of_token(self, device=None) -> torch.Tensor:
-        """Frame group of every token, shape ``(S,)``: 0 for text, ``f + 1`` for latent frame ``f``."""
+        """Frame group of every token, shape ``(S,)``: 0 for text, ``f + 1`` for latent frame ``f`` (``f``
+        without text in the sequence)."""
         text = torch.zeros(self.text_len, dtype=torch.long, device=device)
-        video = torch.arange(1, self.frames + 1, device=device).repeat_interleave(self.frame_tokens)
+        first = self.text_groups
+        video = torch.arange(first, self.frames + first, device=device).repeat_interleave(self.frame_tokens)
         return torch.cat([text, video])
 
     def group_sizes(self) -> list[int]:
-        """Tokens in each frame group: ``[T, Hp·Wp, ..., Hp·Wp]``."""
-        return [self.text_len] + [self.frame_tokens] * self.frames
+        """Tokens in each frame group: ``[T, Hp·Wp, ..., Hp·Wp]`` (no text entry without text)."""
+        return [self.text_len] * self.text_groups + [self.frame_tokens] * self.frames
 
     # -- latent frames ↔ pixel frames of the decoded video ------------------------------------------
     @property

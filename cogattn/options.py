@@ -54,13 +54,16 @@ class CaptureOptions:
     Args:
         kinds (`str | Sequence[str]`, defaults to ``("frame",)``): any of ``"full"``, ``"frame"``,
             ``"video_to_text"``, ``"text_to_video"``, ``"query"``, and the statistics ``"entropy"``,
-            ``"received"``, ``"query_frame"``, ``"block"``, ``"topk"`` (shapes in the README and
-            ``docs/design.md``).
+            ``"received"``, ``"query_frame"``, ``"block"``, ``"topk"``, and Wan 2.1 image-to-video's
+            ``"video_to_image"`` (shapes in the README and ``docs/design.md``). In Wan the self-attention
+            kinds come from the video-only self-attention and ``video_to_text`` from the cross-attention;
+            ``text_to_video`` does not exist there.
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): 0-based block indices.
         steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): 0-based denoising-step indices
             (they count the transformer calls of the generation).
         batch (`"auto" | "all" | "cond" | "uncond" | int | Sequence[int]`, defaults to ``"auto"``):
-            transformer batch items. Under classifier-free guidance the batch is ``[uncond..., cond...]``;
+            transformer batch items. Under classifier-free guidance the batch is ``[uncond..., cond...]``
+            (Wan makes one call per half; its items are numbered the same way);
             ``"auto"`` is ``"cond"`` when a pipeline runs with guidance and ``"all"`` otherwise; ``"cond"``
             and ``"uncond"`` need a pipeline.
         heads (`"all" | "mean" | int | Sequence[int]`, defaults to ``"mean"``): ``"mean"`` averages all

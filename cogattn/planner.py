@@ -19,6 +19,7 @@ import torch
 
 from . import kernels
 from .attention import fused_lse_supported, joint_extra_bytes
+from .context import CONTEXT_REDUCERS, context_tile
 from .layout import TokenLayout
 from .options import STORAGE_DTYPES, CaptureOptions, Resolved
 from .reducers import REDUCERS, Reducer
@@ -284,11 +285,13 @@ class CapturePlan:
     Args:
         options (`CaptureOptions`): what was asked.
         resolved (`Resolved`): batch items, heads and query tokens of this call.
-        reducers (`list[Reducer]`): one per kind, in ``options.kinds`` order.
+        reducers (`list[Reducer]`): one per self-attention kind, in ``options.kinds`` order.
         tiles (`TilePlan`): the tiles for the model's dtype and head selection.
         num_layers (`int`): blocks of the model.
         joint_bytes (`int`): with ``layer_output="joint"``, what the widened output call holds beyond
             the stock call (:func:`cogattn.attention.joint_extra_bytes`); 0 otherwise.
+        context (`list[Reducer]`): one per cross-attention kind (Wan's ``video_to_text``, ``video_to_image``).
+        context_bytes (`int`): peak bytes of a cross-attention tile (:func:`cogattn.context.context_tile`).
     """
 
     options: CaptureOptions
@@ -297,6 +300,8 @@ class CapturePlan:
     tiles: TilePlan
     num_layers: int
     joint_bytes: int = 0
+    context: tuple[Reducer, ...] = ()
+    context_bytes: int = 0
 
     @property
     def layout(self) -> TokenLayout:
@@ -317,7 +322,7 @@ class CapturePlan:
         storage = STORAGE_DTYPES[self.options.storage_dtype]
         count = self.layers_captured * self.steps_captured(num_steps)
         out = []
-        for r in self.reducers:
+        for r in [*self.reducers, *self.context]:
             shape = r.shape(len(self.resolved.batch))
             dtype = torch.float32 if r.keep_float32 else storage
             out.append((r.kind, shape, record_file_bytes(shape, dtype), count))
@@ -326,13 +331,13 @@ class CapturePlan:
     @property
     def result_bytes(self) -> int:
         """The float32 results of one layer call, held while it runs."""
-        return sum(r.nbytes(len(self.resolved.batch)) for r in self.reducers)
+        return sum(r.nbytes(len(self.resolved.batch)) for r in [*self.reducers, *self.context])
 
     @property
     def peak_extra_memory(self) -> int:
         """Predicted peak memory capture adds to a generation: the tile working set (or, with
         ``layer_output="joint"``, the widened output call when it is larger) plus one layer's results."""
-        return max(self.tiles.peak_bytes, self.joint_bytes) + self.result_bytes
+        return max(self.tiles.peak_bytes, self.joint_bytes, self.context_bytes) + self.result_bytes
 
 
 @dataclass(frozen=True)
@@ -354,6 +359,7 @@ def plan_capture(
     guidance: bool | None,
     num_steps: int | None,
     device,
+    sources: dict[str, str] | None = None,
 ) -> CapturePlan:
     """Plan a capture for a call of ``batch_size`` items on ``layout``; raises `ValueError` for what does not fit.
 
@@ -364,20 +370,44 @@ def plan_capture(
         batch_size (`int`): the transformer batch; ``guidance``: whether classifier-free guidance is on
             (`None` when unknown, as with a bare transformer); ``num_steps``: steps of the generation.
         device: where capture runs.
+        sources (`dict[str, str] | None`): kinds made by a cross-attention → ``"text"`` or ``"image"``
+            (:attr:`cogattn.models.ModelSpec.context_kinds`); the rest come from the self-attention.
     """
     num_heads, head_dim, dtype = model.num_heads, model.head_dim, model.dtype
     res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
     sizes = dict(block_size=options.block_size, topk=options.topk)
-    reducers = [REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries, **sizes) for k in options.kinds]
+    sources = sources or {}
+    reducers, context = [], []
+    for k in options.kinds:
+        if k in sources:
+            red = CONTEXT_REDUCERS[k](layout, len(res.heads), res.mean_heads, **sizes)
+            if red.context_len == 0:
+                raise ValueError(
+                    f"kind {k!r} needs a {sources[k]} context, which this generation has none of"
+                    + (
+                        " (Wan 2.1 image-to-video has one; Wan 2.2 puts the image in the latents)."
+                        if k == "video_to_image"
+                        else "."
+                    )
+                )
+            context.append(red)
+        else:
+            reducers.append(REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries, **sizes))
     copies = dtype != torch.float32 or res.heads != tuple(range(num_heads))
     method = "joint" if options.layer_output == "joint" else options.method
     lse = options.layer_output == "lse"
-    tiles = plan_tiles(
-        reducers, layout.seq_len, len(res.heads), head_dim, options.memory_budget, method, device, copies, lse
+    budget = options.memory_budget
+    if reducers:
+        tiles = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, budget, method, device, copies, lse)
+    else:  # cross-attention kinds only: no self-attention pass
+        tiles = TilePlan("none", 0, 0, 0, 0, 0)
+    context_bytes = max(
+        (context_tile(len(res.heads), layout.video_len, r.context_len, head_dim, budget, device)[2] for r in context),
+        default=0,
     )
     joint_bytes = 0
     n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)
     if options.layer_output == "joint" and n_cols:
         elem = torch.empty((), dtype=dtype).element_size()
         joint_bytes = joint_extra_bytes(len(res.batch), num_heads, layout.seq_len, head_dim, n_cols, elem)
-    return CapturePlan(options, res, reducers, tiles, model.num_layers, joint_bytes)
+    return CapturePlan(options, res, reducers, tiles, model.num_layers, joint_bytes, tuple(context), context_bytes)

@@ -16,19 +16,19 @@ import weakref
 import torch
 
 from . import engine
-from .attention import attention_joint_for, attention_with_lse
-from .checks import SpotCheck, Verifier, probe_rows
+from .checks import Verifier
 from .layout import TokenLayout
-from .models import EagerWhileRecording, find_transformer
+from .models import Transformers, find_transformer
 from .options import CaptureOptions
-from .planner import CapturePlan, ModelShape, TilePlan, plan_capture, plan_tiles
+from .planner import CapturePlan, ModelShape, TilePlan, plan_capture
+from .sink import CaptureSink
 from .steps import StepTracker, WeakHook
 from .store import MemoryStore, RunWriter, StoreError
 
 __all__ = ["Recording", "record"]
 
 
-class Recording:
+class Recording(CaptureSink):
     """Attention maps of one generation, keyed by ``(kind, step, layer)``.
 
     Building a recording checks the options against the model and registers its forward pre-hook; it
@@ -36,7 +36,8 @@ class Recording:
     Use it as a context manager or call :meth:`close`.
 
     Args:
-        target: a CogVideoX pipeline (text-to-video or image-to-video) or a ``CogVideoXTransformer3DModel``.
+        target: a CogVideoX or Wan pipeline (text-to-video or image-to-video; Wan 2.2's two experts
+            are both followed) or a ``CogVideoXTransformer3DModel`` / ``WanTransformer3DModel``.
         options (`CaptureOptions | None`): the options; keyword arguments (any field of
             :class:`CaptureOptions`) are applied on top.
     """
@@ -44,24 +45,26 @@ class Recording:
     def __init__(self, target, options: CaptureOptions | None = None, **kwargs):
         self.options = CaptureOptions.build(options, **kwargs)
         self.transformer, self.pipeline, self._spec = find_transformer(target)
-        self._modules = self._spec.attention_modules(self.transformer)
-        self._layer_of = {id(m): i for i, m in enumerate(self._modules)}
-        heads = self._modules[0].heads
-        self._shape = ModelShape(len(self._modules), heads, self._modules[0].inner_dim // heads, self.transformer.dtype)
-        self.options.check_model(len(self._modules), heads)
+        self._spec.check_kinds(self.options.kinds)
+        modules = self._spec.attention_modules(self.transformer)
+        heads = modules[0].heads
+        self._shape = ModelShape(len(modules), heads, modules[0].inner_dim // heads, self.transformer.dtype)
+        self.options.check_model(len(modules), heads)
+        self._sources = {k: self._spec.source(k) for k in self.options.kinds}
         if self.options.batch in ("cond", "uncond") and self.pipeline is None:
             raise ValueError(
                 f"batch={self.options.batch!r} needs a pipeline to know whether classifier-free guidance "
                 "is on; with a bare transformer pass batch indices (under guidance the batch is "
                 "[uncond..., cond...])."
             )
-        self._steps = StepTracker(self.transformer, self.pipeline)
+        self._models = Transformers(self.pipeline, self.transformer, self._spec)
+        self._steps = StepTracker(self._spec, self.pipeline)
         self.plan: CapturePlan | None = None  # made at the first transformer call
         self._joint_indicator: torch.Tensor | None = None
         self._tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method) of the calls seen
         self._timed = engine.TimedChoice()
         self._verifier = Verifier(self.options.verify)
-        self._originals: dict | None = None
+        self._pending: dict[tuple, list] = {}  # (kind, layer) → [result, items filled] across a step's calls
         self._closed = False
         self._entered = False  # used as a context manager: a second generation raises instead of closing
         self._status = "running"
@@ -73,9 +76,9 @@ class Recording:
             )
         # The hook holds the recording weakly: a recording dropped without close() stops capturing and
         # its hook goes away with it, instead of outliving it in the transformer.
-        self._hook = self.transformer.register_forward_pre_hook(WeakHook(self._on_forward), with_kwargs=True)
-        self._eager = EagerWhileRecording(self.pipeline, self.transformer)
-        self._finalizer = weakref.finalize(self, _abandon, self._hook, self._store, self._eager)
+        self._hooks = self._models.hook(WeakHook(self._on_forward))
+        self._models.run_eager()
+        self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models)
 
     # -- reading (the interface `cogattn.store.MapSource` shares with a loaded run) ----------------
     def get(self, kind: str, step: int, layer: int) -> torch.Tensor:
@@ -134,8 +137,16 @@ class Recording:
         """Index of the denoising step now running (or last run), `None` before the first."""
         return self._steps.step
 
+    family = property(lambda self: self._spec.family, doc='The model family: ``"cogvideox"`` or ``"wan"``.')
+
+    @property
+    def experts(self) -> list[str]:
+        """Per step, the pipeline attribute of the transformer that ran it (``"transformer"``, or Wan 2.2's
+        low-noise ``"transformer_2"``); each step's layers are that transformer's blocks."""
+        return [self._models.names[i] for i in self._steps.experts]
+
     def _on_forward(self, module, args, kwargs):
-        seen = self._steps.observe(args, kwargs)
+        seen = self._steps.observe(module, self._models.index[id(module)], args, kwargs)
         if seen == "first":
             try:
                 self._start(self._steps.layout, self._steps.batch_size, self._steps.device)
@@ -169,10 +180,11 @@ class Recording:
             self.options,
             self._shape,
             layout,
-            batch_size=batch_size,
+            batch_size=batch_size * self._steps.calls_per_step,  # Wan's guidance batch spans two calls
             guidance=self._steps.guidance,
             num_steps=num_steps,
             device=device,
+            sources={k: v for k, v in self._sources.items() if v != "self"},
         )
         if self.options.layer_output == "joint":
             indicator = engine.multi_key_indicator(self.plan.reducers, layout.seq_len, device)
@@ -201,11 +213,15 @@ class Recording:
                 "heads_resolved": res and list(res.heads),
             },
             "model": {
+                "family": self._spec.family,
                 "class": type(self.transformer).__name__,
+                "experts": list(self._models.names),
+                "step_experts": self.experts,
                 "config": dict(self.transformer.config),
                 "dtype": str(self.transformer.dtype).removeprefix("torch."),
                 "pipeline": None if self.pipeline is None else type(self.pipeline).__name__,
             },
+            "sources": self._sources,
             "layer_output": self.options.layer_output,
             "storage_dtype": self.options.storage_dtype,
             "info": self.options.info,
@@ -213,99 +229,11 @@ class Recording:
             "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
         }
 
-    # -- called by the processors (cogattn.processor.MapSink) ---------------------------------------
-    def layer_to_capture(self, attn) -> int | None:
-        """Block index of ``attn`` when the current step and its layer are selected, else `None`."""
-        try:
-            layer = self._layer_of[id(attn)]
-        except KeyError:
-            raise ValueError("this processor serves an attention module outside the recorded transformer") from None
-        wanted = not self._closed and self.plan is not None and self.step is not None
-        wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
-        return layer if wanted else None
-
-    def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        """The output call of a captured layer: `None` for the stock call, else ``(output, lse, sums)``.
-
-        ``layer_output="lse"``: the flash kernel, which also returns the lse. ``"joint"``: one widened
-        fused call for the captured batch items (:func:`cogattn.attention.attention_joint`), the stock
-        call for the others. Spot-checked against the stock call on a few rows (:mod:`cogattn.checks`)."""
-        mode = self.options.layer_output
-        shape = (str(query.device), query.dtype, mode, tuple(query.shape[1:]))
-        if mode == "stock" or shape in self._verifier.stock_output:
-            return None
-        if mode == "lse" or self._joint_indicator is None:  # no multi-key kinds: the lse alone is reused
-            result = (*attention_with_lse(query, key, value), None)
-        else:
-            indicator = self._joint_indicator.to(query.device)
-            result = attention_joint_for(query, key, value, indicator, self.plan.resolved.batch)
-        if self._verifier.due(("output", *shape)):
-            check = self._verifier.check_output(
-                result[0], query, key, value, probe_rows(self.layout), self.step, layer, mode
-            )
-            if not check.passed:
-                self._verifier.output_failed(check, shape)
-                return None
-        return result
-
-    def capture(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        lse: torch.Tensor | None = None,
-        sums: torch.Tensor | None = None,
-    ) -> None:
-        """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
-        ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
-        ``(B, H, S, C)`` when it gave them); spot-check the method that served them."""
-        res, reducers = self.plan.resolved, self.plan.reducers
-        B, H, S, D = query.shape
-        if S != res.layout.seq_len:
-            raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
-        # The engine copies q and k per head chunk unless they already are contiguous float32 with every head.
-        all_heads = res.heads == tuple(range(H))  # every head, in the model's order: no gather needed
-        copies = query.dtype != torch.float32 or not all_heads or not query[0].is_contiguous()
-        shape = (str(query.device), query.dtype, S, len(res.heads), D)
-        method = "rows" if shape in self._verifier.rows_only else self.plan.tiles.method
-        if method == "joint" and lse is None:  # the output call fell back to the stock one
-            method = "auto"
-        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None)
-        heads = None if all_heads else torch.tensor(res.heads, device=query.device)
-        checked = tiles.method != "rows" and self._verifier.due((*shape[:2], tiles.method, shape[2:]))
-        rows = probe_rows(res.layout) if checked else None
-        args = (query, key, res.batch, reducers)
-        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self._timed, rows)
-        if probes:
-            what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
-            check = self._verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, what, D**-0.5)
-            if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
-                self._verifier.maps_failed(check, shape)
-                rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
-                outs, _, _ = engine.capture_items(*args, rows_tiles, heads)
-        for red, out in zip(reducers, outs):
-            self._store.put(red.kind, self.step, layer, self.timesteps[-1], out)
-
-    @property
-    def checks(self) -> list[SpotCheck]:
-        """The spot checks made so far (:mod:`cogattn.checks`): step, layer, method, device, dtype, rows,
-        largest error against exact rows, tolerance, passed."""
-        return list(self._verifier.checks)
-
-    def _tiles_for(self, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False) -> TilePlan:
-        key = (S, D, torch.device(device).type, copies, method, lse)
-        if key not in self._tiles:
-            budget = self.options.memory_budget
-            self._tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse)
-        return self._tiles[key]
-
     # -- processors and cleanup --------------------------------------------------------------------
     def install_processors(self) -> None:
-        """Replace the stock CogVideoX processors of every layer; :meth:`close` restores them."""
-        current = self.transformer.attn_processors
-        replacement = self._spec.map_processors(current, len(self._modules), self)
-        self._originals = current
-        self.transformer.set_attn_processor({**current, **replacement})
+        """Replace the stock processors of every captured attention module (of every expert);
+        :meth:`close` restores them."""
+        self._models.install(self)
 
     @property
     def status(self) -> str:
@@ -326,11 +254,9 @@ class Recording:
             return
         self._closed = True
         self._finalizer.detach()
-        self._hook.remove()
-        self._eager.restore()
-        if self._originals is not None:
-            self.transformer.set_attn_processor(self._originals)
-            self._originals = None
+        for hook in self._hooks:
+            hook.remove()
+        self._models.restore()
         if status is None:
             status = "interrupted" if self._steps.pipeline_attr("interrupt") else "finished"
         self._status = status
@@ -383,7 +309,7 @@ class Recording:
 
 
 def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording:
-    """Record exact attention maps of a CogVideoX pipeline or transformer while it runs.
+    """Record exact attention maps of a CogVideoX or Wan pipeline or transformer while it runs.
 
     ```python
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond") as rec:
@@ -392,7 +318,8 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
     ```
 
     Args:
-        target: a CogVideoX pipeline (text-to-video or image-to-video) or a ``CogVideoXTransformer3DModel``.
+        target: a CogVideoX or Wan pipeline (text-to-video or image-to-video; Wan 2.2's two experts are
+            both followed) or a ``CogVideoXTransformer3DModel`` / ``WanTransformer3DModel``.
         options (`CaptureOptions | None`): the options as one object; keyword arguments (any field of
             :class:`cogattn.CaptureOptions`, which documents each) are applied on top.
 
@@ -408,11 +335,12 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
     return rec
 
 
-def _abandon(hook, store, eager: EagerWhileRecording) -> None:
-    """A recording was garbage-collected without close(): its hook goes, a compiled transformer is
+def _abandon(hooks, store, models: Transformers) -> None:
+    """A recording was garbage-collected without close(): its hooks go, a compiled transformer is
     compiled again, its run is flushed (its run.json then reads "stopped")."""
-    hook.remove()
-    eager.restore()
+    for hook in hooks:
+        hook.remove()
+    models.restore()
     try:
         store.close(None)
     except StoreError:

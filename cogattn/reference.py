@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["kind_error", "naive_kind", "naive_probs", "select"]
+__all__ = ["kind_error", "naive_context", "naive_kind", "naive_probs", "select"]
 
 
 def naive_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -29,7 +29,7 @@ def naive_kind(
     ``topk``'s k (``topk``: ``(B, H, S, k, 2)``, values and key indices, as stored)."""
     B, H, S, _ = P.shape
     F, Hp, Wp = grid
-    bounds = [0, T] + [T + (f + 1) * Hp * Wp for f in range(F)]
+    bounds = ([0, T] if T else [0]) + [T + (f + 1) * Hp * Wp for f in range(F)]  # no text group without text
     if kind == "entropy":
         return -torch.special.xlogy(P, P).sum(-1)
     if kind == "received":
@@ -58,6 +58,13 @@ def naive_kind(
                 out[:, :, g, h] = block.sum(-1).mean(-1)
         return out
     raise ValueError(kind)
+
+
+def naive_context(P: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    """``video_to_text`` / ``video_to_image`` from a cross-attention's probabilities ``P`` ``(B, H, V, C)``
+    (video queries, context keys): ``(B, H, C, F, Hp, Wp)``."""
+    B, H, _, C = P.shape
+    return P.permute(0, 1, 3, 2).reshape(B, H, C, *grid)
 
 
 def select(x: torch.Tensor, batch, heads) -> torch.Tensor:

@@ -284,6 +284,17 @@ class Run:
         return dict(self.meta.get("info") or {})
 
     @property
+    def family(self) -> str:
+        """The model family that made this run: ``"cogvideox"`` or ``"wan"``."""
+        return (self.meta.get("model") or {}).get("family", "cogvideox")
+
+    @property
+    def experts(self) -> list[str]:
+        """Per step, the pipeline attribute of the transformer that ran it (``"transformer"``, or Wan 2.2's
+        ``"transformer_2"``)."""
+        return list((self.meta.get("model") or {}).get("step_experts") or ["transformer"] * self.num_steps)
+
+    @property
     def head_ids(self) -> tuple[int, ...] | None:
         """The model head of each slot of a result's head axis; `None` when heads were averaged."""
         sel = self.meta.get("selection") or {}

@@ -1,9 +1,10 @@
 """Which denoising step is running, told by the transformer's own calls.
 
-A recording registers one forward pre-hook on the transformer; every call passes through
-:meth:`StepTracker.observe`, which reads the latent grid, the batch size and the timestep and says
-whether the call starts the generation, continues it with the next step, or starts another
-generation. It asks the pipeline (when there is one) for its guidance scale, its number of steps and
+A recording registers one forward pre-hook on each transformer of the pipeline (Wan 2.2's two experts
+take turns by step); every call passes through :meth:`StepTracker.observe`, which reads the latent
+grid, the batch size and the timestep (as the model family's ``read_call`` says) and tells whether the
+call starts the generation, continues it with the next step, is the step's second call (Wan's
+unconditional call under guidance), or starts another generation. It asks the pipeline (when there is one) for its guidance scale, its number of steps and
 its interrupt flag; a bare transformer tells none of them.
 """
 
@@ -14,6 +15,7 @@ import weakref
 import torch
 
 from .layout import TokenLayout
+from .models import ModelSpec
 
 __all__ = ["StepTracker", "WeakHook"]
 
@@ -35,13 +37,15 @@ class StepTracker:
     """The steps of one generation.
 
     Args:
-        transformer: the transformer whose calls are the steps (its config gives the patch sizes).
+        spec (`ModelSpec`): the model family (how a call tells its layout, and how many calls a step makes).
         pipeline: the pipeline running it, or `None` for a bare transformer.
     """
 
-    def __init__(self, transformer, pipeline=None):
-        self.transformer, self.pipeline = transformer, pipeline
+    def __init__(self, spec: ModelSpec, pipeline=None):
+        self.spec, self.pipeline = spec, pipeline
         self.timesteps: list[float] = []
+        self.experts: list[int] = []  # per step, which of the pipeline's transformers ran it
+        self.call = 0  # the call of the step now running: 0, or 1 for Wan's unconditional call
         self.layout: TokenLayout | None = None
         self.batch_size: int | None = None
         self.device: torch.device | None = None  # where the latents are (capture runs there)
@@ -67,23 +71,30 @@ class StepTracker:
         scale = self.pipeline_attr("guidance_scale")
         return bool(scale is not None and scale > 1)
 
-    def observe(self, args: tuple, kwargs: dict) -> str:
-        """Read one transformer call: ``"first"`` (the generation starts; :attr:`layout`,
-        :attr:`batch_size` and :attr:`device` are set), ``"next"`` (a later step; :attr:`timesteps` grows by one in both
-        cases), or ``"another"`` (a new generation; nothing changes). Raises `RuntimeError` for a call at
-        the timestep of the step before, which is not a denoising step of its own."""
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[1]
-        t = kwargs["timestep"] if "timestep" in kwargs else args[2]
-        t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
-        layout = TokenLayout.from_latents(tuple(hidden.shape), text.shape[1], self.transformer.config)
-        batch_size = hidden.shape[0]
+    @property
+    def calls_per_step(self) -> int:
+        """Transformer calls each step makes: 2 for Wan under guidance (conditional, then unconditional)."""
+        return self.spec.guidance_calls if self.guidance else 1
+
+    def observe(self, module, expert: int, args: tuple, kwargs: dict) -> str:
+        """Read one call of ``module`` (the pipeline's transformer number ``expert``): ``"first"`` (the
+        generation starts; :attr:`layout`, :attr:`batch_size` and :attr:`device` are set), ``"next"`` (a
+        later step; :attr:`timesteps` grows by one in both cases), ``"again"`` (the step's next call, as
+        Wan's unconditional call under guidance), or ``"another"`` (a new generation; nothing changes).
+        Raises `RuntimeError` for another call at the timestep of the step before, which is not a
+        denoising step of its own."""
+        layout, batch_size, t, device = self.spec.read_call(module.config, args, kwargs)
         if not self.timesteps:
-            self.layout, self.batch_size, self.device = layout, batch_size, hidden.device
+            self.layout, self.batch_size, self.device = layout, batch_size, device
             self.timesteps.append(t)
+            self.experts.append(expert)
+            self.call = 0
             return "first"
         same_call = layout == self.layout and batch_size == self.batch_size
         if same_call and t == self.timesteps[-1]:
+            if self.call + 1 < self.calls_per_step:
+                self.call += 1
+                return "again"
             raise RuntimeError(
                 f"the transformer was called again at timestep {t:g} (step {self.step}); a recording counts "
                 "one transformer call per denoising step. Batch such calls as the pipelines do "
@@ -93,11 +104,14 @@ class StepTracker:
         if not same_call or t > self.timesteps[-1] or (num_steps is not None and len(self.timesteps) >= num_steps):
             return "another"
         self.timesteps.append(t)
+        self.experts.append(expert)
+        self.call = 0
         return "next"
 
     def forget(self) -> None:
         """Undo the first call (it was refused before any block ran)."""
         self.timesteps.clear()
+        self.experts.clear()
         self.layout = self.batch_size = self.device = None
 
     def describe(self) -> str:

@@ -1,4 +1,4 @@
-"""Tiny random CogVideoX pipelines and transformers: the embedded default, built from configs, no download.
+"""Tiny random CogVideoX and Wan pipelines and transformers: the embedded defaults, built from configs, no download.
 
 The shapes are small enough for a CPU test in seconds but keep what matters for attention maps: a
 joint text + video sequence, several latent frames, odd and non-square patch grids, rotary or sincos
@@ -7,6 +7,8 @@ positions, temporal patches (CogVideoX 1.5), fused QKV, and the image-to-video p
 ```python
 pipe = tiny_pipeline()                                # text-to-video, CogVideoX 1.0 layout
 video = pipe(prompt="a red fox", num_frames=9, num_inference_steps=2).frames
+wan = tiny_wan_pipeline()                             # Wan 2.1 text-to-video; experts=2: Wan 2.2 A14B
+video = wan(prompt="a red fox", num_frames=9, height=32, width=48, num_inference_steps=2).frames
 ```
 """
 
@@ -21,6 +23,8 @@ __all__ = [
     "tiny_text_encoder",
     "tiny_tokenizer",
     "tiny_pipeline",
+    "tiny_wan_transformer",
+    "tiny_wan_pipeline",
 ]
 
 TINY_TEXT_LEN = 8  # text tokens (max_sequence_length); pass it to the pipeline call
@@ -201,5 +205,125 @@ def tiny_pipeline(
         transformer=transformer,
         scheduler=scheduler,
     )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# -- Wan -------------------------------------------------------------------------------------------
+_WAN_IMAGE_DIM = 4  # CLIP width of the tiny image encoder
+
+
+def tiny_wan_transformer(
+    image_to_video: bool = False,
+    *,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 12,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """A random ``WanTransformer3DModel`` (diffusers' own test config); with ``image_to_video`` the Wan 2.1
+    image-to-video one (36 input channels, an image cross-attention)."""
+    from diffusers import WanTransformer3DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=num_heads,
+            attention_head_dim=head_dim,
+            in_channels=36 if image_to_video else 16,
+            out_channels=16,
+            text_dim=_TEXT_DIM,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=num_layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+            image_dim=_WAN_IMAGE_DIM if image_to_video else None,
+            added_kv_proj_dim=num_heads * head_dim if image_to_video else None,
+        )
+    return _cast(model, dtype)
+
+
+def _cast(model, dtype: torch.dtype):
+    """``model`` in ``dtype``, in eval mode (a float32 model is left as built: no cast, no cast warning)."""
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+def tiny_wan_pipeline(
+    task: str = "text-to-video",
+    experts: int = 1,
+    *,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 12,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """A random Wan pipeline with real components at toy size (no download).
+
+    Call it as a real one: ``height=32, width=48`` gives 2×3 patches per latent frame and
+    ``num_frames=9`` 3 latent frames; the prompt is padded to 512 tokens as in Wan, and image-to-video
+    adds 17 image tokens (an 8×8 CLIP of patch 2).
+
+    Args:
+        task (`str`, defaults to ``"text-to-video"``): or ``"image-to-video"`` (Wan 2.1, with a CLIP image
+            encoder; pass ``image=`` a PIL image).
+        experts (`int`, defaults to 1): 2 gives Wan 2.2 A14B's two experts (``transformer`` for the
+            high-noise steps, ``transformer_2`` for the others, ``boundary_ratio=0.875``).
+        num_layers, num_heads, head_dim (`int`): transformer size.
+        dtype (`torch.dtype`, defaults to `torch.float32`): dtype of every component.
+        seed (`int`, defaults to 0): seed of the random weights.
+    """
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+
+    if task not in ("text-to-video", "image-to-video"):
+        raise ValueError(f"task={task!r}; choose 'text-to-video' or 'image-to-video'.")
+    if experts not in (1, 2):
+        raise ValueError(f"experts={experts!r}; Wan pipelines have 1 or 2 transformers.")
+    i2v = task == "image-to-video"
+    size = dict(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        )
+    parts = dict(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=tiny_text_encoder(seed, dtype),
+        vae=_cast(vae, dtype),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        transformer=tiny_wan_transformer(i2v, seed=seed, **size),
+    )
+    if experts == 2:
+        parts.update(transformer_2=tiny_wan_transformer(i2v, seed=seed + 1, **size), boundary_ratio=0.875)
+    if i2v:
+        from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+        try:  # transformers 5 names the processor that needs no torchvision so
+            from transformers import CLIPImageProcessorPil as CLIPImageProcessor
+        except ImportError:
+            from transformers import CLIPImageProcessor
+
+        config = CLIPVisionConfig(
+            hidden_size=_WAN_IMAGE_DIM,
+            projection_dim=_WAN_IMAGE_DIM,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=8,
+            intermediate_size=16,
+            patch_size=2,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            encoder = CLIPVisionModelWithProjection(config)
+        parts.update(image_encoder=_cast(encoder, dtype), image_processor=CLIPImageProcessor(crop_size=8, size=8))
+    if i2v:
+        from diffusers import WanImageToVideoPipeline as cls
+    else:
+        from diffusers import WanPipeline as cls
+    pipe = cls(**parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe

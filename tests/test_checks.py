@@ -79,13 +79,13 @@ def test_a_wrong_fast_method_is_caught_and_nothing_wrong_is_stored(monkeypatch, 
 @pytest.mark.parametrize("mode", ["lse", "joint"])
 def test_a_wrong_output_call_falls_back_to_the_stock_one(monkeypatch, mode):
     name = "attention_with_lse" if mode == "lse" else "attention_joint_for"
-    real = getattr(cogattn.recording, name)
+    real = getattr(cogattn.sink, name)
 
     def wrong(*args):
         out, *rest = real(*args)
         return (out + 1e-2, *rest)
 
-    monkeypatch.setattr(cogattn.recording, name, wrong)
+    monkeypatch.setattr(cogattn.sink, name, wrong)
     pipe = tiny_pipeline(num_heads=3)
     stock = generate(pipe)
     with pytest.warns(UserWarning, match=rf"spot check failed: layer_output={mode} .* take the stock output call"):

@@ -10,7 +10,7 @@ from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
 
 LAYOUTS = [TokenLayout(8, 3, 3, 5), TokenLayout(5, 2, 7, 3), TokenLayout(3, 1, 1, 1)]
-KINDS = list(REDUCERS)
+KINDS = [k for k in REDUCERS if k != "video_to_image"]  # CogVideoX-style joint attention
 SIZES = dict(block_size=7, topk=4)  # blocks that do not divide S; fewer than S keys kept
 
 

@@ -76,7 +76,7 @@ def test_bad_selection_for_this_call_refused_before_any_block(pipe, kwargs, call
 
 
 def test_not_a_cogvideox_model():
-    with pytest.raises(TypeError, match="Linear is not a CogVideoX-like pipeline or transformer"):
+    with pytest.raises(TypeError, match="Linear is not a pipeline or transformer cogattn supports"):
         cogattn.record(torch.nn.Linear(2, 2))
 
 

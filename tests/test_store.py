@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import KINDS
 from tiny_calls import generate
 
 import cogattn
@@ -19,7 +20,6 @@ import cogattn.store as store
 from cogattn.store import RunWriter, record_file_bytes
 from cogattn.testing import tiny_pipeline
 
-KINDS = cogattn.KINDS
 QUERIES = [0, (1, 2, 4)]
 
 

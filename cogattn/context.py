@@ -1,0 +1,130 @@
+"""Kinds of a separate cross-attention (Wan's ``attn2``): video queries attending to the text or image context.
+
+A cross-attention's softmax runs over its context keys alone (512 text tokens, 257 image tokens), so
+its probabilities are small rows: :func:`context_pass` forms them exactly, in float32, in tiles of
+heads × query rows that fit the memory budget, and folds them into the result; the full
+``(B, H, S, T)`` tensor is never held (docs/design.md, "The model seam").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .reducers import REDUCERS, Reducer
+
+__all__ = ["ContextReducer", "VideoToImageReducer", "context_pass", "context_tile", "CONTEXT_REDUCERS"]
+
+_F32 = 4
+
+
+class ContextReducer(Reducer):
+    """``video_to_text`` of a cross-attention: ``(B, H, T, F, Hp, Wp)``, ``P[video query (f, y, x), text
+    key t]`` with the softmax over the text keys."""
+
+    kind = "video_to_text"
+    dims = ("text token", "latent frame", "patch row", "patch column")
+    source = "text"
+
+    @property
+    def context_len(self) -> int:
+        return self.layout.context_len
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.context_len, *self.layout.grid)
+
+    def fold_rows(self, out, h0, r0, probs):
+        """``probs`` ``(h, r, C)``: the rows of video queries ``r0 … r0 + r − 1``."""
+        flat = out.view(self.out_heads, self.context_len, self.layout.video_len)
+        self._accumulate(flat[:, :, r0 : r0 + probs.shape[1]], h0, probs.transpose(1, 2))
+
+
+class VideoToImageReducer(ContextReducer):
+    """``video_to_image``: ``(B, H, I, F, Hp, Wp)``, ``P[video query (f, y, x), image key i]`` of Wan 2.1
+    image-to-video's image cross-attention (its own softmax over the I = 257 CLIP tokens)."""
+
+    kind = "video_to_image"
+    dims = ("image token", "latent frame", "patch row", "patch column")
+    source = "image"
+
+    @property
+    def context_len(self) -> int:
+        return self.layout.image_len
+
+
+CONTEXT_REDUCERS = {cls.kind: cls for cls in (ContextReducer, VideoToImageReducer)}
+
+
+def context_tile(
+    heads: int, queries: int, context: int, head_dim: int, budget: int, device="cpu"
+) -> tuple[int, int, int]:
+    """``(heads, rows, peak bytes)`` of the largest tile within ``budget``: float32 scores of ``heads ×
+    rows × context``, and the tile's float32 copies of q and of the heads' keys. On a CPU a tile is at
+    most ``cogattn.planner.CPU_ROW_TILE`` bytes, which stays in cache (docs/benchmarks.md)."""
+    from .planner import CPU_ROW_TILE
+
+    if torch.device(device).type == "cpu":
+        budget = min(budget, CPU_ROW_TILE)
+
+    def cost(h: int, r: int) -> int:
+        return _F32 * h * (r * context + r * head_dim + context * head_dim)
+
+    h = max(1, min(heads, budget // max(1, cost(1, queries))))
+    r = queries
+    if cost(h, r) > budget:
+        h = 1
+        r = max(1, min(queries, (budget // _F32 - context * head_dim) // (context + head_dim)))
+    return h, r, cost(h, r)
+
+
+@torch.no_grad()
+def context_pass(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    items,
+    reducers: list[ContextReducer],
+    heads: torch.Tensor | None,
+    budget: int,
+) -> list[torch.Tensor]:
+    """Exact cross-attention probabilities ``softmax(q kᵀ / √D)`` of the batch ``items``, folded into each
+    reducer.
+
+    Args:
+        query (`torch.Tensor`): video queries ``(B, H, V, D)``.
+        key (`torch.Tensor`): context keys ``(B, H, C, D)``.
+        items: batch items of ``query`` to compute.
+        reducers (`list[ContextReducer]`): the kinds of this context.
+        heads (`torch.Tensor | None`): the selected heads, `None` for all.
+        budget (`int`): bytes the transient tiles may take.
+
+    Returns:
+        `list[torch.Tensor]`: one float32 ``(len(items), H_out, C, F, Hp, Wp)`` result per reducer.
+    """
+    from .engine import full_fp32_matmul
+
+    _, H, V, D = query.shape
+    C = key.shape[2]
+    n_heads = H if heads is None else len(heads)
+    scale = 1.0 / math.sqrt(D)
+    hc, rc, _ = context_tile(n_heads, V, C, D, budget, query.device)
+    outs = [torch.zeros(r.shape(len(items)), device=query.device) for r in reducers]
+    with full_fp32_matmul():
+        for i, b in enumerate(items):
+            for h0 in range(0, n_heads, hc):
+                idx = torch.arange(h0, min(h0 + hc, n_heads)) if heads is None else heads[h0 : h0 + hc]
+                idx = idx.to(query.device)
+                k = key[b].index_select(0, idx).float()
+                for r0 in range(0, V, rc):
+                    q = query[b, :, r0 : r0 + rc].index_select(0, idx).float()
+                    probs = torch.matmul(q, k.transpose(1, 2)).mul_(scale)  # softmax in place: one tile
+                    probs.sub_(probs.amax(-1, keepdim=True)).exp_()
+                    probs.div_(probs.sum(-1, keepdim=True))
+                    for red, out in zip(reducers, outs):
+                        red.fold_rows(out[i], h0, r0, probs)
+    return outs
+
+
+# Registered beside the self-attention kinds (options, the store and plots read a kind's class there);
+# `cogattn` imports this module whenever it imports the reducers.
+REDUCERS.setdefault(VideoToImageReducer.kind, VideoToImageReducer)

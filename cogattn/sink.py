@@ -1,0 +1,159 @@
+"""What a captured attention call does: the :class:`cogattn.processor.MapSink` side of a recording.
+
+:class:`CaptureSink` is the part of :class:`cogattn.Recording` the processors call: whether a call is
+captured, the opt-in output call, and the capture of a self-attention (:func:`cogattn.engine.capture_items`,
+spot-checked) or a cross-attention (:func:`cogattn.context.context_pass`) into the store. It reads the
+state the recording keeps: ``options``, ``plan``, the step tracker ``_steps``, the transformers
+``_models``, the store ``_store``, the verifier ``_verifier``, the tile plans ``_tiles``, ``_timed``,
+``_joint_indicator`` and ``_pending``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import engine
+from .attention import attention_joint_for, attention_with_lse
+from .checks import SpotCheck, probe_rows
+from .context import context_pass
+from .planner import TilePlan, plan_tiles
+
+__all__ = ["CaptureSink"]
+
+
+class CaptureSink:
+    """The processors' side of a recording (docs/design.md, "Data flow")."""
+
+    # -- called by the processors (cogattn.processor.MapSink) ---------------------------------------
+    def layer_to_capture(self, attn) -> int | None:
+        """Block index of ``attn`` when the current step, its layer, a kind of its attention (self or
+        cross) and an item of the current call are selected, else `None`."""
+        try:
+            layer, role = self._models.roles[id(attn)]
+        except KeyError:
+            raise ValueError("this processor serves an attention module outside the recorded transformer") from None
+        wanted = not self._closed and self.plan is not None and self.step is not None
+        wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
+        wanted = wanted and bool(self.plan.reducers if role == "self" else self.plan.context)
+        return layer if wanted and self._call_items()[0] else None
+
+    def _call_items(self) -> tuple[list[int], list[int]]:
+        """The selected items of the current call, as indices of its batch and as slots of the results'
+        batch axis. The results' batch is the guidance batch ``[uncond..., cond...]``; a family whose
+        pipelines make one call per half (Wan: the conditional call first) gives each call its half."""
+        B, calls = self._steps.batch_size, self._steps.calls_per_step
+        offset = B * (calls - 1 - self._steps.call)
+        slots = [i for i, b in enumerate(self.plan.resolved.batch) if offset <= b < offset + B]
+        return [self.plan.resolved.batch[i] - offset for i in slots], slots
+
+    def _put(self, kind: str, layer: int, out: torch.Tensor, slots: list[int]) -> None:
+        """Store ``out`` (the items ``slots`` of a result); a result split over a step's calls when whole."""
+        n = len(self.plan.resolved.batch)
+        if len(slots) == n:
+            self._store.put(kind, self.step, layer, self.timesteps[-1], out)
+            return
+        key = (kind, layer)
+        if key not in self._pending or self._pending[key][2] != self.step:
+            self._pending[key] = [out.new_zeros((n, *out.shape[1:])), 0, self.step]
+        entry = self._pending[key]
+        entry[0][slots] = out
+        entry[1] += len(slots)
+        if entry[1] == n:
+            del self._pending[key]
+            self._store.put(kind, self.step, layer, self.timesteps[-1], entry[0])
+
+    def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """The output call of a captured layer: `None` for the stock call, else ``(output, lse, sums)``.
+
+        ``layer_output="lse"``: the flash kernel, which also returns the lse. ``"joint"``: one widened
+        fused call for the captured batch items (:func:`cogattn.attention.attention_joint`), the stock
+        call for the others. Spot-checked against the stock call on a few rows (:mod:`cogattn.checks`)."""
+        mode = self.options.layer_output
+        shape = (str(query.device), query.dtype, mode, tuple(query.shape[1:]))
+        if mode == "stock" or shape in self._verifier.stock_output:
+            return None
+        if mode == "lse" or self._joint_indicator is None:  # no multi-key kinds: the lse alone is reused
+            result = (*attention_with_lse(query, key, value), None)
+        else:
+            indicator = self._joint_indicator.to(query.device)
+            result = attention_joint_for(query, key, value, indicator, self.plan.resolved.batch)
+        if self._verifier.due(("output", *shape)):
+            check = self._verifier.check_output(
+                result[0], query, key, value, probe_rows(self.layout), self.step, layer, mode
+            )
+            if not check.passed:
+                self._verifier.output_failed(check, shape)
+                return None
+        return result
+
+    def capture(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None,
+    ) -> None:
+        """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
+        ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
+        ``(B, H, S, C)`` when it gave them); spot-check the method that served them."""
+        res, reducers = self.plan.resolved, self.plan.reducers
+        items, slots = self._call_items()
+        B, H, S, D = query.shape
+        if S != res.layout.seq_len:
+            raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
+        # The engine copies q and k per head chunk unless they already are contiguous float32 with every head.
+        all_heads = res.heads == tuple(range(H))  # every head, in the model's order: no gather needed
+        copies = query.dtype != torch.float32 or not all_heads or not query[0].is_contiguous()
+        shape = (str(query.device), query.dtype, S, len(res.heads), D)
+        method = "rows" if shape in self._verifier.rows_only else self.plan.tiles.method
+        if method == "joint" and lse is None:  # the output call fell back to the stock one
+            method = "auto"
+        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None)
+        heads = None if all_heads else torch.tensor(res.heads, device=query.device)
+        checked = tiles.method != "rows" and self._verifier.due((*shape[:2], tiles.method, shape[2:]))
+        rows = probe_rows(res.layout) if checked else None
+        args = (query, key, items, reducers)
+        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self._timed, rows)
+        if probes:
+            what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
+            check = self._verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, what, D**-0.5)
+            if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
+                self._verifier.maps_failed(check, shape)
+                rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
+                outs, _, _ = engine.capture_items(*args, rows_tiles, heads)
+        for red, out in zip(reducers, outs):
+            self._put(red.kind, layer, out, slots)
+
+    def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
+        """Compute the cross-attention kinds of ``context`` (``"text"`` or ``"image"``) for ``layer`` from
+        the video queries ``query`` ``(B, H, V, D)`` and the context keys ``key`` ``(B, H, C, D)``."""
+        reducers = [r for r in self.plan.context if r.source == context]
+        if not reducers:
+            return
+        layout, res = self.plan.layout, self.plan.resolved
+        if query.shape[2] != layout.video_len or key.shape[2] != reducers[0].context_len:
+            raise RuntimeError(
+                f"the cross-attention has {query.shape[2]} queries and {key.shape[2]} {context} keys, but the "
+                f"layout {layout} of this step says {layout.video_len} and {reducers[0].context_len}."
+            )
+        if key.shape[0] != query.shape[0]:  # a context given once for all videos, as attention broadcasts it
+            key = key.expand(query.shape[0], -1, -1, -1)
+        items, slots = self._call_items()
+        heads = None if res.heads == tuple(range(query.shape[1])) else torch.tensor(res.heads, device=query.device)
+        outs = context_pass(query, key, items, reducers, heads, self.options.memory_budget)
+        for red, out in zip(reducers, outs):
+            self._put(red.kind, layer, out, slots)
+
+    @property
+    def checks(self) -> list[SpotCheck]:
+        """The spot checks made so far (:mod:`cogattn.checks`): step, layer, method, device, dtype, rows,
+        largest error against exact rows, tolerance, passed."""
+        return list(self._verifier.checks)
+
+    def _tiles_for(self, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False) -> TilePlan:
+        key = (S, D, torch.device(device).type, copies, method, lse)
+        if key not in self._tiles:
+            budget = self.options.memory_budget
+            self._tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse)
+        return self._tiles[key]

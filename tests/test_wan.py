@@ -1,0 +1,335 @@
+"""Wan 2.1 / 2.2 end to end on tiny random pipelines: every kind equal to the naive float64 reference of q and k
+recomputed from each attention module's inputs, the video bit-identical, runs on disk, refusals, estimates."""
+
+import json
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+pytest.importorskip("diffusers.models.transformers.transformer_wan")
+
+import cogattn
+import cogattn.models
+
+if cogattn.models.wan is None:
+    pytest.skip("cogattn has no Wan support with this diffusers (WanAttention came with 0.35)", allow_module_level=True)
+
+from diffusers import WanImageToVideoPipeline
+from reference import assert_topk
+
+from cogattn.reference import naive_context, naive_kind, naive_probs, select
+from cogattn.testing import tiny_wan_pipeline
+
+T2V, I2V = "text-to-video", "image-to-video"
+TEXT = 512  # Wan's text context; diffusers' processor splits the image tokens off before it
+SIZES = dict(block_size=7, topk=5)  # blocks that do not divide S = 18
+SELF_KINDS = ("full", "frame", "query", "entropy", "received", "query_frame", "block", "topk")
+CONTEXT = {"video_to_text": "text", "video_to_image": "image"}
+BOUNDARY = 875  # tiny_wan_pipeline(experts=2): boundary_ratio 0.875 of 1000 training timesteps
+
+
+def queries_for(grid):
+    """Video coordinates and a token index: (2, 1, 2) on the 3 × 2 × 3 grid, the last token of the last frame."""
+    return [(0, 0, 0), (grid[0] - 1, grid[1] - 1, grid[2] - 1), 5]
+
+
+def kinds_for(task):
+    return SELF_KINDS + ("video_to_text",) + (("video_to_image",) if task == I2V else ())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: these tiny ops run 10-20× slower on two threads of a shared CPU (spinning workers)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    """``pipes(task, experts, dtype)``: one tiny Wan pipeline per configuration for the whole module."""
+    cache = {}
+
+    def get(task=T2V, experts=1, dtype=torch.float32):
+        if (task, experts, dtype) not in cache:
+            cache[task, experts, dtype] = tiny_wan_pipeline(task, experts, dtype=dtype)
+        return cache[task, experts, dtype]
+
+    return get
+
+
+def generate(pipe, *, steps=2, guidance=5.0, videos=1, height=32, width=48, seed=0, output="pt", embeds=None):
+    """Output of one seeded call: 9 frames → 3 latent frames of (height/16) × (width/16) patches. With
+    ``embeds`` (always for image-to-video, whose pipeline cleans a prompt with ftfy, not installed) random
+    text embeddings of batch 1 stand in for the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    i2v = isinstance(pipe, WanImageToVideoPipeline)
+    if embeds or i2v:
+        emb = torch.randn(1, TEXT, 16, generator=g).to(pipe.transformer.dtype)
+        extra = dict(prompt_embeds=emb, negative_prompt_embeds=-emb)
+    else:
+        extra = dict(prompt="a red fox running", negative_prompt="blue sky")
+    if i2v:
+        pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8).numpy()
+        extra["image"] = PIL.Image.fromarray(np.asarray(pixels))
+    return pipe(
+        num_frames=9,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        num_videos_per_prompt=videos,
+        output_type=output,
+        generator=torch.Generator().manual_seed(seed + 1),
+        **extra,
+    ).frames
+
+
+def _rope(x, freqs_cos, freqs_sin):
+    """diffusers' WanAttnProcessor rotary embedding, on ``(B, S, H, D)``."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class WanSpy:
+    """q and k of every ``attn1`` / ``attn2`` call of every transformer of a Wan pipeline, recomputed from the
+    module's inputs with its own layers (no cogattn code), in call order: ``(expert, layer, role, q, keys)``
+    with ``(B, H, S, D)`` tensors in the model's dtype; ``keys``: ``self``, or ``text`` (and ``image``)."""
+
+    ARGS = ("hidden_states", "encoder_hidden_states", "attention_mask", "rotary_emb")
+
+    def __init__(self, pipe):
+        self.calls, self._handles = [], []
+        for expert in ("transformer", "transformer_2"):
+            for layer, block in enumerate(getattr(getattr(pipe, expert, None), "blocks", [])):
+                for role, attn in (("self", block.attn1), ("cross", block.attn2)):
+                    hook = self._hook(expert, layer, role)
+                    self._handles.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def _hook(self, expert, layer, role):
+        def hook(attn, args, kwargs):
+            given = {**dict(zip(self.ARGS, args)), **kwargs}
+            hs, ctx, rope = given["hidden_states"], given.get("encoder_hidden_states"), given.get("rotary_emb")
+            keys = {}
+            if ctx is None:
+                ctx = hs
+            elif attn.add_k_proj is not None:  # Wan 2.1 I2V: image tokens first, then the 512 text tokens
+                n = ctx.shape[1] - TEXT
+                keys["image"] = attn.norm_added_k(attn.add_k_proj(ctx[:, :n])).unflatten(2, (attn.heads, -1))
+                ctx = ctx[:, n:]
+            q = attn.norm_q(attn.to_q(hs)).unflatten(2, (attn.heads, -1))
+            k = attn.norm_k(attn.to_k(ctx)).unflatten(2, (attn.heads, -1))
+            if rope is not None:
+                q, k = _rope(q, *rope), _rope(k, *rope)
+            keys["self" if role == "self" else "text"] = k
+            take = lambda x: x.detach().transpose(1, 2).clone()  # noqa: E731
+            self.calls.append((expert, layer, role, take(q), {n: take(v) for n, v in keys.items()}))
+
+        return hook
+
+    def steps(self, layer, role, calls_per_step):
+        """Per step ``(expert, q, keys)`` of ``layer``: under guidance the step's two calls (conditional
+        first) joined as the guidance batch ``[uncond..., cond...]``."""
+        calls = [c for c in self.calls if c[1:3] == (layer, role)]
+        out = []
+        for i in range(0, len(calls), calls_per_step):
+            group = calls[i : i + calls_per_step][::-1]
+            assert len({c[0] for c in group}) == 1, "one step's calls ran on two transformers"
+            # a context of batch 1 (prompt_embeds given with several videos) is broadcast, as SDPA does
+            keys = {n: torch.cat([c[4][n].expand(len(c[3]), -1, -1, -1) for c in group]) for n in group[0][4]}
+            out.append((group[0][0], torch.cat([c[3] for c in group]), keys))
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+
+
+def assert_matches_spy(rec, spy, kinds, batch, heads, calls_per_step, tol=1e-5):
+    """Every recorded map of ``kinds`` (every step and layer) equals the naive reference of the spied q, k."""
+    lay = rec.layout
+    tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in queries_for(lay.grid)]
+    layers = {c[1] for c in spy.calls}
+    checked = 0
+    for layer in sorted(layers):
+        selfs, crosses = spy.steps(layer, "self", calls_per_step), spy.steps(layer, "cross", calls_per_step)
+        assert len(selfs) == len(crosses) == len(rec.timesteps) > 0
+        for step, ((expert, q, keys), (cross_expert, qc, kc)) in enumerate(zip(selfs, crosses)):
+            assert expert == cross_expert == rec.experts[step], (step, layer)
+            P = naive_probs(q, keys["self"])
+            for kind in kinds:
+                got = rec.get(kind, step, layer)
+                if kind == "topk":
+                    assert_topk(got, select(P, batch, heads), tol)
+                    continue
+                if kind in CONTEXT:
+                    ref = naive_context(naive_probs(qc, kc[CONTEXT[kind]]), lay.grid)
+                else:
+                    ref = naive_kind(P, kind, 0, lay.grid, tokens, **SIZES)
+                ref = select(ref, batch, heads)
+                assert got.shape == ref.shape, (kind, got.shape, ref.shape)
+                err = (got.double() - ref).abs().max().item()
+                assert err <= (10 * tol if kind == "entropy" else tol), (kind, step, layer, err)
+                checked += 1
+    assert checked
+
+
+# id: task, experts, dtype, call (generate's keywords), batch, the batch items it resolves to, heads, memory
+# budget, methods
+CASES = {
+    "t2v-all-all": (T2V, 1, torch.float32, {}, "all", [0, 1], "all", "1GiB", ("rows", "sdpa", "auto")),
+    "t2v-cond-h1-small": (T2V, 1, torch.float32, {}, "cond", [1], [1], 20_000, ("rows", "sdpa")),
+    "t2v-3x2-mean": (T2V, 1, torch.float32, dict(height=48, width=32), "auto", [1], "mean", 20_000, ("auto",)),
+    "t2v-noguidance": (T2V, 1, torch.float32, dict(guidance=1.0), "auto", [0], "all", "1GiB", ("sdpa",)),
+    "t2v-2videos-list": (T2V, 1, torch.float32, dict(videos=2), [3, 0], [3, 0], [1], "1GiB", ("rows",)),
+    "i2v-all-mean": (I2V, 1, torch.float32, {}, "all", [0, 1], "mean", "1GiB", ("rows", "sdpa", "auto")),
+    "i2v-cond-all-small": (I2V, 1, torch.float32, {}, "cond", [1], "all", 20_000, ("rows", "auto")),
+    "t2v-bf16": (T2V, 1, torch.bfloat16, {}, "all", [0, 1], "all", 20_000, ("rows", "sdpa", "auto")),
+    "i2v-bf16": (I2V, 1, torch.bfloat16, {}, "cond", [1], "mean", "1GiB", ("auto",)),
+    "t2v-2experts": (T2V, 2, torch.float32, dict(steps=3), "all", [0, 1], "all", "1GiB", ("sdpa",)),
+}
+
+
+@pytest.mark.parametrize(
+    "task,experts,dtype,call,batch,expect,heads,budget,method",
+    [pytest.param(*case[:-1], m, id=f"{name}-{m}") for name, case in CASES.items() for m in case[-1]],
+)
+def test_maps_match_reference(pipes, task, experts, dtype, call, batch, expect, heads, budget, method):
+    """bf16 too at 1e-5: the maps and the reference come from the same bf16 q and k (naive_probs upcasts)."""
+    pipe, kinds = pipes(task, experts, dtype), kinds_for(task)
+    grid = (3, call.get("height", 32) // 16, call.get("width", 48) // 16)
+    opts = dict(kinds=kinds, batch=batch, heads=heads, queries=queries_for(grid), memory_budget=budget, method=method)
+    with WanSpy(pipe) as spy, cogattn.record(pipe, **opts, **SIZES) as rec:
+        generate(pipe, output="latent", **call)
+    assert rec.layout.grid == grid and rec.layout.text_len == 0
+    assert (rec.layout.context_len, rec.layout.image_len) == (TEXT, 17 if task == I2V else 0)
+    assert rec.batch_items == tuple(expect)
+    if experts == 2:  # the pipeline's own rule: transformer above the boundary timestep, transformer_2 below
+        assert rec.experts == ["transformer" if t >= BOUNDARY else "transformer_2" for t in rec.timesteps]
+        assert set(rec.experts) == {"transformer", "transformer_2"}
+    assert len(rec.keys()) == len(kinds) * len(rec.timesteps) * 2
+    calls_per_step = 2 if call.get("guidance", 5.0) > 1 else 1
+    assert_matches_spy(rec, spy, kinds, expect, heads, calls_per_step)
+
+
+def _processor_names(pipe):
+    models = [pipe.transformer] + ([pipe.transformer_2] if getattr(pipe, "transformer_2", None) else [])
+    return {type(p).__name__ for m in models for p in m.attn_processors.values()}
+
+
+@pytest.mark.parametrize(
+    "task,experts,dtype",
+    [(T2V, 1, torch.float32), (T2V, 1, torch.bfloat16), (I2V, 1, torch.float32), (I2V, 1, torch.bfloat16)]
+    + [(T2V, 2, torch.float32)],
+    ids=["t2v-fp32", "t2v-bf16", "i2v-fp32", "i2v-bf16", "t2v-2experts"],
+)
+def test_output_bit_identical_and_processors_restored(pipes, task, experts, dtype):
+    pipe = pipes(task, experts, dtype)
+    stock = generate(pipe)
+    assert _processor_names(pipe) == {"WanAttnProcessor"}
+    with cogattn.record(
+        pipe, kinds=kinds_for(task), batch="all", heads="all", queries=queries_for((3, 2, 3)), **SIZES
+    ) as rec:
+        assert _processor_names(pipe) == {"WanAttnMapProcessor"}
+        captured = generate(pipe)
+    assert torch.equal(captured, stock)
+    assert _processor_names(pipe) == {"WanAttnProcessor"}
+    assert rec.keys() and rec.status == "finished"
+
+
+def test_save_dir_round_trip(pipes, tmp_path):
+    pipe, kinds = pipes(I2V), ("frame", "topk", "video_to_text", "video_to_image")
+    path = tmp_path / "run"
+    with WanSpy(pipe) as spy, cogattn.record(pipe, kinds=kinds, heads="all", save_dir=path, **SIZES) as rec:
+        generate(pipe, output="latent")
+    assert_matches_spy(rec, spy, kinds, [1], "all", 2)  # read back from disk
+    run = cogattn.load(path)
+    assert rec.keys() and run.keys() == rec.keys()
+    for key in rec.keys():
+        got, want = run.get(*key), rec.get(*key)
+        for a, b in zip(*((got, want) if key[0] == "topk" else ((got,), (want,)))):
+            assert torch.equal(a, b), key
+    meta = json.loads((path / "run.json").read_text())
+    assert meta["model"]["family"] == "wan" and meta["model"]["class"] == "WanTransformer3DModel"
+    assert meta["sources"] == {"frame": "self", "topk": "self", "video_to_text": "text", "video_to_image": "image"}
+    assert meta["layout"]["context_len"] == TEXT and meta["layout"]["image_len"] == 17
+
+
+def test_text_to_video_refused(pipes):
+    pipe = pipes(T2V)
+    with pytest.raises(ValueError, match="text never queries"):
+        cogattn.record(pipe, kinds=("text_to_video",))
+    assert _processor_names(pipe) == {"WanAttnProcessor"}
+
+
+def test_video_to_image_refused_without_image_context(pipes):
+    pipe = pipes(T2V)
+    rec = cogattn.record(pipe, kinds=("video_to_image",))  # the layout is known at the first call only
+    with pytest.raises(ValueError, match="image context"), rec:
+        generate(pipe)
+    assert rec.keys() == [] and _processor_names(pipe) == {"WanAttnProcessor"}
+
+
+@pytest.mark.parametrize("heads,H", [(None, 1), ("all", 12), ([3, 5], 2)])  # default "mean": one head slot
+def test_estimate_released_wan(heads, H):
+    kw = {} if heads is None else dict(heads=heads)
+    est = cogattn.estimate(
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        num_frames=81,
+        height=480,
+        width=832,
+        num_inference_steps=50,
+        kinds=("frame", "video_to_text"),
+        **kw,
+    )
+    lay = est.layout  # (81 - 1) / 4 + 1 = 21 latent frames of 480/16 × 832/16 patches
+    assert (lay.text_len, lay.grid, lay.seq_len, lay.context_len) == (0, (21, 30, 52), 21 * 30 * 52, TEXT)
+    assert lay.seq_len == 32760
+    shapes = {kind: shape for kind, shape, _, _ in est.records}
+    assert shapes == {"frame": (1, H, 21, 21), "video_to_text": (1, H, TEXT, 21, 30, 52)}
+    assert all(n == 50 * 30 for *_, n in est.records)  # 50 steps × 30 layers
+
+
+def test_estimate_released_wan_image_to_video():
+    """Wan 2.1 I2V 480P: 257 CLIP tokens (ViT-H/14 at 224 px: 16 × 16 patches and the class token)."""
+    est = cogattn.estimate(
+        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+        num_frames=81,
+        height=480,
+        width=832,
+        num_inference_steps=40,
+        kinds=("video_to_image",),
+        batch="all",
+    )
+    assert (est.layout.grid, est.layout.image_len) == ((21, 30, 52), 257)
+    assert [(k, s, n) for k, s, _, n in est.records] == [("video_to_image", (2, 1, 257, 21, 30, 52), 40 * 40)]
+
+
+def test_estimate_tiny_wan_matches_a_recording(pipes):
+    kinds = ("frame", "video_to_text", "entropy")
+    est = cogattn.estimate("tiny-wan", num_frames=9, height=32, width=48, num_inference_steps=2, kinds=kinds)
+    pipe = pipes(T2V)
+    with cogattn.record(pipe, kinds=kinds) as rec:
+        generate(pipe)
+    assert est.layout == rec.layout
+    assert {k: s for k, s, _, _ in est.records} == {k: tuple(rec.get(k, 0, 0).shape) for k in kinds}
+    assert est.num_records == len(rec.keys())
+
+
+def test_context_kinds_with_a_broadcast_text_batch(pipes):
+    """Wan pipelines use ``prompt_embeds`` as given, unrepeated for ``num_videos_per_prompt``: the text keys
+    have batch 1 against 2 videos, which the stock attention broadcasts."""
+    pipe = pipes(T2V)
+    with WanSpy(pipe) as spy, cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="all", heads="all") as rec:
+        generate(pipe, videos=2, embeds=True, output="latent")
+    assert_matches_spy(rec, spy, ("frame", "video_to_text"), [0, 1, 2, 3], "all", 2)
