@@ -5,7 +5,7 @@ A *source* is any :class:`cogattn.run.MapSource`: an in-memory :class:`cogattn.R
 folder opened with :func:`cogattn.load`.
 
 The head table (:func:`cogattn.heads.head_table`, :class:`~cogattn.heads.LabelRule`,
-:func:`~cogattn.heads.temporal_decay`) and block-sparse mask recall (:mod:`cogattn.masks`:
+:func:`~cogattn.heads.label_row`, :func:`~cogattn.heads.temporal_decay`) and block-sparse mask recall (:mod:`cogattn.masks`:
 ``mask_recall``, ``oracle_curve``, the mask helpers) live in their own modules and are reached from
 here too: ``cogattn.analysis.head_table(rec)``.
 
@@ -30,7 +30,7 @@ __all__ = ["aggregate", "choose", "head_positions", "locate_query", "pick", "rec
 
 # Reached from here, defined in their own modules (which import this one: looked up on first use).
 _ELSEWHERE = {
-    **dict.fromkeys(("head_table", "temporal_decay", "LabelRule", "LABELS"), "heads"),
+    **dict.fromkeys(("head_table", "temporal_decay", "LabelRule", "LABELS", "label_row"), "heads"),
     **dict.fromkeys(
         ("mask_recall", "oracle_curve", "same_frame_mask", "temporal_window_mask", "spatial_window_mask", "BlockGrid"),
         "masks",

@@ -27,7 +27,7 @@ from .errors import NotRecordedError
 from .layout import TokenLayout
 from .run import MapSource
 
-__all__ = ["LABELS", "LabelRule", "head_table", "temporal_decay"]
+__all__ = ["LABELS", "LabelRule", "head_table", "label_row", "temporal_decay"]
 
 TABLE_KINDS = ("frame", "query_frame", "entropy", "received")
 LABELS = ("text", "spatial", "temporal", "global", "unknown")  # every label LabelRule gives
@@ -45,6 +45,9 @@ class LabelRule:
     4. ``"global"``: none of these (attention spread over the text and the whole video).
 
     A row whose ``text_mass`` or ``same_frame_mass`` is NaN (``frame`` not recorded) is ``"unknown"``.
+    A model without text keys in its self-attention (Wan) has ``text_mass`` NaN and the frame numbers
+    known: `head_table` and the head atlas label its rows with a text mass of 0 (there are no text keys
+    to attend to), so its heads are ``"spatial"``, ``"temporal"`` or ``"global"`` (over the video).
     Replace the thresholds (``head_table(rec, rule=LabelRule(text_min=0.3))``), or pass any object with
     a ``label(row) -> str`` method.
 
@@ -92,16 +95,20 @@ def head_table(
     Every number is about the video query tokens (the F·Hp·Wp queries of the latent frames), each
     row of P summing to 1:
 
-    * ``text_mass``: mean over video queries of the mass on the T text keys;
+    * ``text_mass``: mean over video queries of the mass on the T text keys; NaN for a model whose
+      self-attention has no text keys (Wan, ``layout.text_len == 0``: its text is in a separate
+      cross-attention, see ``video_to_text``);
     * ``same_frame_mass``: mean mass on the keys of the query's own latent frame;
     * ``dt_0 … dt_{F-1}``: mean mass on video keys whose latent frame is at distance d from the
-      query's (``dt_0`` is ``same_frame_mass``; ``text_mass + Σ dt_d = 1``);
+      query's (``dt_0`` is ``same_frame_mass``; ``text_mass + Σ dt_d = 1``, or ``Σ dt_d = 1`` without
+      text keys);
     * ``entropy_mean``, ``entropy_std``: mean and (population) standard deviation over video queries
       of the row entropy, in nats (``ln S`` is a uniform row);
     * ``sink_share``: share of all received mass (S in total) on the top ``sink_fraction`` of key
       tokens (``⌊sink_fraction·S⌋``, at least 1), over every query, text included;
       ``sink_tokens``: those key token indices, largest first, space separated;
-    * ``label``: ``rule.label(row)`` (see `LabelRule`).
+    * ``label``: ``rule.label(row)`` (see `LabelRule`; without text keys, of the row with a text mass of
+      0: `label_row`).
 
     The frame numbers come from ``frame`` or else ``query_frame``, the entropy from ``entropy``, the
     sinks from ``received``; where a kind was not recorded (at all, or at that step and layer), its
@@ -153,8 +160,15 @@ def head_table(
             "choose steps and layers recorded together."
         )
     table = pd.concat(frames, ignore_index=True)
-    table["label"] = [rule.label(row) for row in table.to_dict("records")]
+    table["label"] = [label_row(rule, row) for row in table.to_dict("records")]
     return table
+
+
+def label_row(rule, row: Mapping) -> str:
+    """``rule.label(row)``, where a row without text keys (``text_mass`` NaN, ``same_frame_mass`` known:
+    Wan, whose text is in a separate cross-attention) is labelled with a text mass of 0."""
+    text, same = float(row.get("text_mass", math.nan)), float(row.get("same_frame_mass", math.nan))
+    return rule.label({**row, "text_mass": 0.0} if math.isnan(text) and not math.isnan(same) else row)
 
 
 def temporal_decay(table: pd.DataFrame, by: str = "head") -> pd.DataFrame:
@@ -198,7 +212,7 @@ def _record_rows(
     nan = torch.full((B, H), math.nan, dtype=torch.float64)
     video = None  # (B, H, F, G): mean key-group mass of the queries of each latent frame
     if "frame" in present:
-        video = present["frame"].double()[:, :, 1:, :]
+        video = present["frame"].double()[:, :, layout.text_groups :, :]
     elif "query_frame" in present:
         qf = present["query_frame"].double()[:, :, T:, :]
         video = qf.reshape(B, H, F, layout.frame_tokens, -1).mean(3)
@@ -239,15 +253,16 @@ def _record_rows(
 def _frame_numbers(layout: TokenLayout, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``text_mass`` (B, H) and ``dt`` (B, H, F) from the frame map's video query rows ``video`` (B, H, F, G).
 
-    Query groups are weighted by their token counts (all equal to Hp·Wp, so this is their plain mean)."""
-    F = layout.frames
-    sizes = torch.tensor(layout.group_sizes()[1:], dtype=torch.float64)
+    Query groups are weighted by their token counts (all equal to Hp·Wp, so this is their plain mean).
+    Without a text group (Wan) ``text_mass`` is NaN and the key groups are the F latent frames."""
+    F, first = layout.frames, layout.text_groups
+    sizes = torch.tensor(layout.group_sizes()[first:], dtype=torch.float64)
     weight = sizes / sizes.sum()  # (F,)
-    text_mass = (video[..., 0] * weight).sum(-1)
+    text_mass = (video[..., 0] * weight).sum(-1) if first else torch.full(video.shape[:2], math.nan).double()
     f = torch.arange(F)
     distance = (f[:, None] - f[None, :]).abs()  # (F query frames, F key frames)
     onehot = torch.nn.functional.one_hot(distance, F).double()  # (F, F, F distances)
-    dt = torch.einsum("bhqk,q,qkd->bhd", video[..., 1:], weight, onehot)
+    dt = torch.einsum("bhqk,q,qkd->bhd", video[..., first:], weight, onehot)
     return text_mass, dt
 
 

@@ -1,7 +1,8 @@
 """Block-sparse attention masks and how much of the real attention they keep, from ``block`` records.
 
 A block-sparse kernel splits the joint sequence into blocks of ``block_size`` tokens in the model's
-own order (text first; the last block may be shorter) and computes only the (query block, key block)
+own order (text first, when the sequence has it: Wan's self-attention is the video alone, and its masks
+have no text blocks; the last block may be shorter) and computes only the (query block, key block)
 pairs its mask keeps. The ``block`` kind holds, for every pair (m, n), the mean over the queries of
 block m of their mass on the keys of block n, so the share of all attention mass a mask keeps is exact:
 
@@ -53,7 +54,8 @@ class BlockGrid:
         frame_touch (`torch.Tensor`): ``(N, F)`` bool, block m holds a video token of latent frame f.
         position_touch (`torch.Tensor`): ``(N, Hp, Wp)`` bool, block m holds a video token at patch
             (row, col) of some frame.
-        has_text (`torch.Tensor`): ``(N,)`` bool, block m holds a text token.
+        has_text (`torch.Tensor`): ``(N,)`` bool, block m holds a text token (none when
+            ``layout.text_len == 0``, Wan).
     """
 
     def __init__(self, layout: TokenLayout, block_size: int):

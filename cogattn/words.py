@@ -5,35 +5,58 @@ word of it: what names the text axis of a map and finds a word in it (no plottin
 from cogattn.words import text_tokens, word_positions
 text_tokens(pipe.tokenizer, prompt, 226)[:5]                 # ['▁a', '▁red', '▁fox', ...]
 word_positions("fox", pipe.tokenizer, prompt, 226)           # [2]: rows of video_to_text for "fox"
+word_positions("fox", wan.tokenizer, prompt, 512, clean=True)  # Wan: its 512 UMT5 tokens, cleaned prompt
 ```
+
+The text length is the T of ``video_to_text``: ``layout.prompt_len`` (226 in CogVideoX, whose text is in
+the sequence; Wan's ``context_len``, 512, whose text is in a separate cross-attention). Any tokenizer
+with the ``transformers`` call works: a fast one's character offsets find a word exactly, and pieces of
+a slow sentencepiece one (T5, UMT5) are grouped at their ``▁`` word-start marker.
 """
 
 from __future__ import annotations
 
+import html
 import re
 
-__all__ = ["text_tokens", "word_positions"]
+__all__ = ["clean_prompt", "text_tokens", "word_positions"]
+
+
+def clean_prompt(prompt: str) -> str:
+    """The prompt as Wan's pipelines tokenize it (their ``prompt_clean``): ``ftfy.fix_text`` when ftfy is
+    installed, HTML entities unescaped (twice), runs of white space made one space, ends stripped."""
+    try:
+        import ftfy
+
+        prompt = ftfy.fix_text(prompt)
+    except ImportError:
+        pass
+    return re.sub(r"\s+", " ", html.unescape(html.unescape(prompt)).strip()).strip()
 
 
 def _encode(tokenizer, prompt: str, text_len: int, offsets: bool) -> dict:
-    # The pipelines' own call (CogVideoXPipeline._get_t5_prompt_embeds): positions then match the maps.
+    # The pipelines' own call (CogVideoXPipeline and WanPipeline._get_t5_prompt_embeds): positions then
+    # match the maps.
     kwargs = {"padding": "max_length", "max_length": text_len, "truncation": True, "add_special_tokens": True}
     if offsets:
         kwargs["return_offsets_mapping"] = True
     return tokenizer(prompt, **kwargs)
 
 
-def text_tokens(tokenizer, prompt: str, text_len: int) -> list[str]:
+def text_tokens(tokenizer, prompt: str, text_len: int, *, clean: bool = False) -> list[str]:
     """The ``text_len`` text tokens of ``prompt`` as the pipeline feeds them to the transformer.
 
     Args:
         tokenizer: the pipeline's tokenizer (``pipe.tokenizer``).
         prompt (`str`): the prompt of the generation.
-        text_len (`int`): text tokens T of the layout (``max_sequence_length`` of the call).
+        text_len (`int`): text tokens T of the layout, ``layout.prompt_len`` (``max_sequence_length`` of
+            the call).
+        clean (`bool`, defaults to `False`): tokenize :func:`clean_prompt` of the prompt, as Wan does.
 
     Returns:
         `list[str]`: ``text_len`` token strings, padding included.
     """
+    prompt = clean_prompt(prompt) if clean else prompt
     ids = _encode(tokenizer, prompt, text_len, offsets=False)["input_ids"]
     return [str(t) for t in tokenizer.convert_ids_to_tokens(list(ids))]
 
@@ -42,7 +65,7 @@ def _norm_word(text: str) -> str:
     return re.sub(r"[^\w]", "", text.replace("▁", "")).lower()
 
 
-def word_positions(word: str, tokenizer, prompt: str, text_len: int) -> list[int]:
+def word_positions(word: str, tokenizer, prompt: str, text_len: int, *, clean: bool = False) -> list[int]:
     """Text-token positions whose pieces form ``word`` in ``prompt``, for every occurrence of it.
 
     A word may be several sentencepiece pieces (``'▁fox', 'hound'``); all of them are returned. A fast
@@ -53,7 +76,9 @@ def word_positions(word: str, tokenizer, prompt: str, text_len: int) -> list[int
         word (`str`): one or more words of the prompt (case-insensitive).
         tokenizer: the pipeline's tokenizer.
         prompt (`str`): the prompt of the generation.
-        text_len (`int`): text tokens T of the layout.
+        text_len (`int`): text tokens T of the layout, ``layout.prompt_len``.
+        clean (`bool`, defaults to `False`): find the word in :func:`clean_prompt` of the prompt, the text
+            Wan tokenizes.
 
     Returns:
         `list[int]`: sorted token positions in ``0 .. text_len - 1``.
@@ -64,6 +89,7 @@ def word_positions(word: str, tokenizer, prompt: str, text_len: int) -> list[int
     core = re.sub(r"^\W+|\W+$", "", word)  # "Fox," means the word fox: punctuation is not part of a word
     if not core:
         raise ValueError(f"word {word!r} has no letters or digits; pass a word of the prompt.")
+    prompt = clean_prompt(prompt) if clean else prompt
     fast = bool(getattr(tokenizer, "is_fast", False))
     enc = _encode(tokenizer, prompt, text_len, offsets=fast)
     positions: list[int] = []
@@ -92,8 +118,12 @@ def word_positions(word: str, tokenizer, prompt: str, text_len: int) -> list[int
                 positions += [i for w in words[k : k + len(target)] for i in w if _norm_word(pieces[i])]
     if not positions:
         shown = text_tokens(tokenizer, prompt, text_len)
+        pad, n = getattr(tokenizer, "pad_token", None), len(shown)
+        while n and pad is not None and shown[n - 1] == pad:  # 512 tokens of Wan are mostly padding
+            n -= 1
+        tail = f" then {len(shown) - n} × {pad!r}" if n < len(shown) else ""
         raise ValueError(
             f"word {word!r} is not among the first {text_len} text tokens of the prompt {prompt!r}; its tokens "
-            f"are {shown}. Pass a word of the prompt, or token indices 0..{text_len - 1}."
+            f"are {shown[:n]}{tail}. Pass a word of the prompt, or token indices 0..{text_len - 1}."
         )
     return sorted(set(positions))

@@ -15,6 +15,7 @@ from cogattn import masks, plot
 plot.frame_heatmap(rec, heads="all")                                   # (G × G) per head
 plot.word_heatmap(rec, ["fox", "snow"], video, tokenizer=pipe.tokenizer, prompt=prompt)
 plot.query_map(rec, (1, 1, 2), video, scale="log")
+plot.word_heatmap(rec, [0, 5], video, kind="video_to_image")          # Wan 2.1 I2V: image tokens
 plot.animate(plot.word_heatmap, rec, "fox.gif", over="step", tokens="fox", video=video,
              tokenizer=pipe.tokenizer, prompt=prompt)
 plot.head_atlas(rec)                                                   # layers × heads, by label

@@ -79,7 +79,9 @@ def animate(
             recorded (all frames of the video).
         fps (`float`, defaults to 2.0): frames per second.
         dpi (`int`, defaults to 80): resolution of the rendered frames.
-        **kwargs: passed to ``plot`` (e.g. ``tokens=``, ``video=``, ``tokenizer=``, ``heads=``).
+        **kwargs: passed to ``plot`` (e.g. ``tokens=``, ``video=``, ``tokenizer=``, ``heads=``); a ``kind=``
+            (``word_heatmap``'s ``"text_to_video"`` or ``"video_to_image"``, ``token_stat``'s
+            ``"received"``) is also the kind whose steps and layers are gone over.
 
     Returns:
         `Path`: the file written.

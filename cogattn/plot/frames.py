@@ -47,10 +47,11 @@ def frame_heatmap(
     fig: Figure | None = None,
 ) -> Figure:
     """Frame-to-frame attention (kind ``frame``): how much of each query group's attention goes to each
-    key group, where group 0 is the text and group f + 1 is latent frame f.
+    key group, where group 0 is the text and group f + 1 is latent frame f; without text in the sequence
+    (Wan, whose text is in a separate cross-attention) group f is latent frame f.
 
-    Ticks name each group: ``text``, then ``f<k>`` with the pixel frames latent frame k covers. With
-    ``heads="all"`` (or a list), one panel per head (small multiples).
+    Ticks name each group: ``text`` (when the sequence has it), then ``f<k>`` with the pixel frames latent
+    frame k covers. With ``heads="all"`` (or a list), one panel per head (small multiples).
 
     Args:
         source (`MapSource`): a `Recording` or a `Run` holding kind ``frame``.
@@ -76,7 +77,7 @@ def frame_heatmap(
     maps = m[None] if m.ndim == 2 else m
     labels = head_labels(source, heads, maps.shape[0])
     ranges = pixel_ranges(layout, num_pixel_frames)
-    ticks = ["text"] + [frame_label(f, ranges) for f in range(layout.frames)]
+    ticks = _group_ticks(layout, [frame_label(f, ranges) for f in range(layout.frames)])
     G = layout.num_groups
     n = maps.shape[0]
     many = n > 8  # e.g. 48 heads of CogVideoX-5b: smaller panels, 8 to a row, no numbers
@@ -89,7 +90,7 @@ def frame_heatmap(
     norms = color_norms(arrays, scale, limits)
     annotate = G <= 8 and not many if annotate is None else annotate
     images = []
-    unit = frame_unit(layout)
+    unit = ("text or " if layout.text_groups else "") + frame_unit(layout)
     for i, ax in enumerate(axes):
         if i >= n:
             ax.set_visible(False)
@@ -98,8 +99,8 @@ def frame_heatmap(
         images.append(im)
         ax.set_xticks(range(G), ticks, fontsize=7, rotation=90 if G > 8 else 0)
         ax.set_yticks(range(G), ticks, fontsize=7)
-        ax.set_xlabel(f"key: text or {unit}", fontsize=8)
-        ax.set_ylabel(f"query: text or {unit}", fontsize=8)
+        ax.set_xlabel(f"key: {unit}", fontsize=8)
+        ax.set_ylabel(f"query: {unit}", fontsize=8)
         if heads != "mean":  # one mean panel: the title above says it
             ax.set_title(labels[i], fontsize=9)
         if annotate:
@@ -109,6 +110,11 @@ def frame_heatmap(
     add_colorbars(fig, images, [a for a in axes[:n]], "frame", limits)
     set_title(fig, "frame → frame attention", describe(source, "frame", steps, layers, heads))
     return fig
+
+
+def _group_ticks(layout, frames: list[str]) -> list[str]:
+    """The names of the frame groups: ``"text"`` first when the sequence starts with the text, then ``frames``."""
+    return ["text"] * layout.text_groups + frames
 
 
 # -- grid over layers × steps ----------------------------------------------------------------------
@@ -178,7 +184,7 @@ def layer_step_grid(
     axes = fig.subplots(nrows, ncols, squeeze=False)
     norms = color_norms(arrays, scale, limits)
     images = []
-    group_ticks = ["text"] + [f"f{f}" for f in range(source.layout.frames)]
+    group_ticks = _group_ticks(source.layout, [f"f{f}" for f in range(source.layout.frames)])
     for r, layer in enumerate(layer_list):
         for c, s in enumerate(step_list):
             ax = axes[r, c]

@@ -163,6 +163,12 @@ def head_atlas(
         _check_table(table, (color,))
         if table[color].dtype.kind not in "fiu":
             raise ValueError(f"color={color!r} is not a numeric column; use 'label' or one of {_numeric(table)}.")
+        known = "same_frame_mass" in table.columns and table["same_frame_mass"].notna().any()
+        if color == "text_mass" and known and table[color].isna().all():
+            raise ValueError(
+                "column 'text_mass' is NaN for every head: this model's self-attention has no text keys (Wan; its "
+                "text is in a separate cross-attention, kind 'video_to_text'). Colour by 'same_frame_mass' or 'dt_1'."
+            )
         if table[color].isna().all():
             raise ValueError(
                 f"column {color!r} is NaN for every head: its kind was not recorded (entropy_* needs 'entropy', "
@@ -177,7 +183,7 @@ def head_atlas(
     labels = np.full(grid.shape, "", dtype=object)
     relabel = len(step_list) > 1 or item is None
     if not numeric and relabel:
-        from ..heads import LabelRule
+        from ..heads import LabelRule, label_row
 
         rule = LabelRule() if rule is None else rule
     for (layer, head), row in mean.iterrows():
@@ -185,7 +191,7 @@ def head_atlas(
         if numeric:
             grid[r, c] = row[color]
         elif relabel:
-            labels[r, c] = rule.label(row.to_dict())
+            labels[r, c] = label_row(rule, row.to_dict())
         else:
             labels[r, c] = table[(table["layer"] == layer) & (table["head"] == head)]["label"].iloc[0]
     nrows, ncols = grid.shape

@@ -45,30 +45,40 @@ def _text_ticks(source: MapSource, tokenizer, prompt: str | None, limit: int = 4
     return keep, [names[i] if i in named else str(i) for i in keep]
 
 
-def _resolve_tokens(source: MapSource, tokens, tokenizer, prompt) -> list[tuple[list[int], str]]:
-    """``[(positions, label), ...]`` for token indices and words."""
-    T = source.layout.text_len
+def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt) -> list[tuple[list[int], str]]:
+    """``[(positions, label), ...]`` for token indices and words of ``kind``'s token axis: the prompt's
+    ``layout.prompt_len`` text tokens (in the sequence, or Wan's cross-attention), or for
+    ``video_to_image`` the ``layout.image_len`` image tokens (indices only)."""
+    layout = source.layout
+    image = kind == "video_to_image"
+    T = layout.image_len if image else layout.prompt_len
+    what = "image token" if image else "text token"
     items = [tokens] if isinstance(tokens, (int, str)) else list(tokens)
     if not items:
-        raise ValueError("tokens is empty; pass token indices or words of the prompt.")
-    names = text_tokens(tokenizer, prompt, T) if tokenizer is not None and prompt is not None else None
+        raise ValueError(f"tokens is empty; pass {what} indices{'' if image else ' or words of the prompt'}.")
+    clean = layout.text_len == 0  # the text is in a cross-attention: Wan, which cleans the prompt first
+    names = None
+    if not image and tokenizer is not None and prompt is not None:
+        names = text_tokens(tokenizer, prompt, T, clean=clean)
     out = []
     for item in items:
         if isinstance(item, str):
+            if image:
+                raise ValueError(f"token {item!r} is a word, but image tokens have none; pass indices 0..{T - 1}.")
             if tokenizer is None or prompt is None:
                 raise ValueError(
                     f"token {item!r} is a word: pass tokenizer= (pipe.tokenizer) and prompt= (the generation's "
                     f"prompt), or token indices 0..{T - 1}."
                 )
-            pos = word_positions(item, tokenizer, prompt, T)
+            pos = word_positions(item, tokenizer, prompt, T, clean=clean)
             where = f"token {pos[0]}" if len(pos) == 1 else f"tokens {', '.join(map(str, pos))}"
             out.append((pos, f'"{item}" ({where})'))
         elif isinstance(item, int) and not isinstance(item, bool):
             if not 0 <= item < T:
-                raise ValueError(
-                    f"text token index {item} is out of range; this layout has T = {T} tokens (0..{T - 1})."
-                )
-            out.append(([item], f'"{names[item]}" (token {item})' if names else f"token {item}"))
+                count = f"I = {T} image tokens" if image else f"T = {T} tokens"
+                raise ValueError(f"{what} index {item} is out of range; this layout has {count} (0..{T - 1}).")
+            label = f"image token {item}" if image else f"token {item}"
+            out.append(([item], f'"{names[item]}" (token {item})' if names else label))
         else:
             raise TypeError(f"tokens must hold token indices or words, got {item!r}.")
     return out
@@ -193,19 +203,25 @@ def word_heatmap(
     fig: Figure | None = None,
 ) -> Figure:
     """Where the video attends to each word (``video_to_text``), or where each word attends in the
-    video (``text_to_video``): one row per word, one column per frame, over the decoded video.
+    video (``text_to_video``): one row per word, one column per frame, over the decoded video. With
+    ``kind="video_to_image"`` (Wan 2.1 image-to-video) the rows are image tokens of the conditioning
+    image's cross-attention instead: where the video attends to each.
 
     A word of several tokens shows the sum of its tokens for ``video_to_text`` (the attention mass on
-    the word) and their mean for ``text_to_video`` (each token's row is its own distribution). On the
-    video, pixel frame n shows the map of the latent frame covering it
+    the word) and their mean for ``text_to_video`` (each token's row is its own distribution). The text
+    axis has ``layout.prompt_len`` tokens: CogVideoX's T in the sequence, or Wan's 512 of its text
+    cross-attention (there each video query's row over them sums to 1; Wan has no ``text_to_video``,
+    its text never queries). On the video, pixel frame n shows the map of the latent frame covering it
     (:meth:`cogattn.TokenLayout.pixel_frames`), upsampled from patches to pixels.
 
     Args:
         source (`MapSource`): a `Recording` or a `Run` holding ``kind``.
-        tokens (`int | str | Sequence[int | str]`): text-token indices, or words of the prompt.
+        tokens (`int | str | Sequence[int | str]`): text-token indices, or words of the prompt; for
+            ``video_to_image`` image-token indices (Wan 2.1: 0 is CLIP's class token, 1 … 256 its 16 × 16
+            patches of the image in row order).
         video (defaults to `None`): the decoded video of the generation (``pipe(...).frames[0]``, any
             output type), or `None` for maps on the patch grid alone.
-        kind (`str`, defaults to ``"video_to_text"``): or ``"text_to_video"``.
+        kind (`str`, defaults to ``"video_to_text"``): or ``"text_to_video"``, ``"video_to_image"``.
         tokenizer (defaults to `None`): the pipeline's tokenizer, to find words and name tokens.
         prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]`` of the
             recording or run.
@@ -225,14 +241,21 @@ def word_heatmap(
     Returns:
         `Figure`: the figure.
     """
-    if kind not in ("video_to_text", "text_to_video"):
-        raise ValueError(f"kind={kind!r}; word maps come from 'video_to_text' or 'text_to_video'.")
+    if kind not in ("video_to_text", "text_to_video", "video_to_image"):
+        raise ValueError(
+            f"kind={kind!r}; word maps come from 'video_to_text' or 'text_to_video' (image tokens: 'video_to_image')."
+        )
     single_head(heads, "word_heatmap")
     layout = source.layout
     prompt = prompt if prompt is not None else source.info.get("prompt")
-    chosen = _resolve_tokens(source, tokens, tokenizer, prompt)
+    if kind == "text_to_video" and layout is not None and layout.text_len == 0:
+        raise ValueError(
+            "kind='text_to_video' needs text queries in the self-attention; this model's text is in a separate "
+            "cross-attention (Wan), where only the video queries: use kind='video_to_text'."
+        )
+    chosen = _resolve_tokens(source, kind, tokens, tokenizer, prompt)
     m = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)  # (T, F, Hp, Wp)
-    per_word = [m[pos].sum(0) if kind == "video_to_text" else m[pos].mean(0) for pos, _ in chosen]
+    per_word = [m[pos].mean(0) if kind == "text_to_video" else m[pos].sum(0) for pos, _ in chosen]
     pixels, panels, ranges = _video_panels(layout, video, frames, num_pixel_frames)
     arrays = []
     for word_map in per_word:
@@ -266,11 +289,11 @@ def word_heatmap(
             if c == 0:
                 ax.set_ylabel(label + ("\npatch row" if pixels is None else ""), fontsize=8)
     add_colorbars(fig, images, list(axes.ravel()), kind, limits)
-    what = (
-        "video → text: where the video attends to each word"
-        if kind == "video_to_text"
-        else "text → video: where each word attends in the video"
-    )
+    what = {
+        "video_to_text": "video → text: where the video attends to each word",
+        "text_to_video": "text → video: where each word attends in the video",
+        "video_to_image": "video → image: where the video attends to each image token",
+    }[kind]
     set_title(fig, what, describe(source, kind, steps, layers, heads))
     return fig
 
@@ -295,7 +318,8 @@ def query_map(
     fig: Figure | None = None,
 ) -> Figure:
     """Where one video point attends: a strip over every latent frame (the point marked with a cross in
-    its own frame) and, below, its attention to each text token.
+    its own frame) and, below, its attention to each text token (none for Wan, whose self-attention has
+    no text keys: its text attention is ``video_to_text``).
 
     Args:
         source (`MapSource`): a `Recording` or a `Run` holding kind ``query`` (or ``full``).

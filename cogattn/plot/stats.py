@@ -60,7 +60,8 @@ def token_stat(
 ) -> Figure:
     """Each token's ``entropy`` (how spread its attention is, as a query) or ``received`` attention (how
     much every query gives it, as a key): one panel per latent frame over the decoded video, and the
-    text tokens as a strip below, their mean in the title.
+    text tokens as a strip below, their mean in the title (no strip for Wan, whose self-attention
+    sequence is the video alone).
 
     On the video, each panel is the middle pixel frame of a latent frame, with that frame's values
     upsampled from patches to pixels (as :func:`query_map`). For ``received`` the ``sinks`` tokens that
@@ -169,9 +170,10 @@ def _recall(source: MapSource, mask, step_list: list[int], layer_list: list[int]
 
 
 def _group_starts(layout, block_size: int) -> tuple[list[float], list[str]]:
-    """Where the text and each latent frame start, in block coordinates, and their names."""
+    """Where the text (when the sequence has it) and each latent frame start, in block coordinates, and
+    their names."""
     sizes = layout.group_sizes()
-    names = ["text"] + [f"f{f}" for f in range(layout.frames)]
+    names = ["text"] * layout.text_groups + [f"f{f}" for f in range(layout.frames)]
     starts, labels, token = [], [], 0
     for size, name in zip(sizes, names):
         if size:
@@ -197,8 +199,9 @@ def block_map(
     block, with a block-sparse mask's kept blocks outlined and the attention mass it keeps (its recall,
     from :func:`cogattn.masks.mask_recall`) in the title.
 
-    Blocks are runs of ``source.block_size`` tokens from token 0 in the model's order (text first), so a
-    frame's tokens need not start a block: ticks mark where the text and each latent frame start.
+    Blocks are runs of ``source.block_size`` tokens from token 0 in the model's order (text first, when
+    the sequence has it: Wan's is the video alone), so a frame's tokens need not start a block: ticks
+    mark where the text and each latent frame start.
 
     Args:
         source (`MapSource`): a `Recording` or a `Run` holding kind ``block``.
@@ -229,7 +232,8 @@ def block_map(
     for axis, rotate in ((ax.xaxis, len(starts) > 8), (ax.yaxis, False)):
         axis.set_ticks(starts, labels, fontsize=7, rotation=90 if rotate else 0)
     ax.tick_params(length=6)
-    ax.set_xlabel(f"key block ({size} tokens each; ticks: where text and frames start)", fontsize=8)
+    starts_of = "text and frames" if layout.text_groups else "frames"
+    ax.set_xlabel(f"key block ({size} tokens each; ticks: where {starts_of} start)", fontsize=8)
     ax.set_ylabel("query block", fontsize=8)
     what = f"block → block attention ({N} × {N} blocks)"
     if mask is not None:
