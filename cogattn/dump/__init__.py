@@ -1,4 +1,4 @@
-"""``cogattn-dump``: generate with a CogVideoX pipeline for many prompts and save the attention maps.
+"""``cogattn-dump``: generate with a CogVideoX or Wan pipeline for many prompts and save the attention maps.
 
 Run it as the console script ``cogattn-dump``, as ``python -m cogattn.dump``, or from a checkout as
 ``python scripts/dump_maps.py``; ``cogattn-dump -h`` says how. Modules:

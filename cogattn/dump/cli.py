@@ -3,6 +3,7 @@
     cogattn-dump                                         # the shipped tiny.yaml: the tiny random pipeline
     cogattn-dump configs/cogvideox-5b.yaml --set num_inference_steps=20 --set save_dir=runs/5b
     cogattn-dump configs/cogvideox-5b.yaml --set capture.steps=[0,5] --dry-run   # the plan, no weights loaded
+    cogattn-dump configs/tiny-wan.yaml                   # the tiny random Wan pipeline (configs/wan*.yaml: Wan)
     accelerate launch -m cogattn.dump configs/cogvideox-5b.yaml                  # prompts split over GPUs
 
 Also ``python scripts/dump_maps.py`` from a checkout and ``python -m cogattn.dump``. Each prompt gets
@@ -21,6 +22,7 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -85,14 +87,10 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
                 "write to another save_dir, or delete it to redo it."
             )
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
-    if cfg.model == "tiny":  # the tiny pipeline's transformer, at the configured version
-        from ..testing import tiny_transformer
-
-        model = tiny_transformer(cfg.tiny_version, image_to_video=cfg.task == "image-to-video")
-    else:
-        model = cfg.model
+    model = SimpleNamespace(config=cfg.model_config())  # as a transformer: the config the checks read
     call = cfg.call_arguments()
     text_len = call.pop("max_sequence_length")
+    call.pop("guidance_scale_2", None)  # guidance (the batch) is decided by guidance_scale alone
     result = estimate(
         model, cfg.capture, **call, text_len=text_len, num_prompts=len(prompts), dtype=cfg.dtype, device=device
     )
@@ -106,6 +104,20 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
             f"{free:,} bytes free; select less, use capture.storage_dtype float16, or write elsewhere."
         )
     return result
+
+
+def _missing_package(cfg: DumpConfig) -> str | None:
+    """What a run lacks that a plan does not: diffusers' ``WanImageToVideoPipeline`` cleans every prompt
+    with ftfy, without the guard its ``WanPipeline`` has, so without ftfy every prompt would fail."""
+    if cfg.family != "wan" or cfg.task != "image-to-video":
+        return None
+    from diffusers.pipelines.wan import pipeline_wan_i2v
+
+    try:
+        pipeline_wan_i2v.basic_clean("x")
+    except NameError:
+        return "task image-to-video with Wan needs ftfy (pip install ftfy), which its pipeline cleans prompts with."
+    return None
 
 
 def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
@@ -156,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config, args.overrides)
         prompts = read_prompts(cfg)
         result = plan(cfg, prompts)
+        missing = _missing_package(cfg)
     except (ConfigError, ValueError, TypeError) as err:
         print(f"{PROG}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -169,9 +182,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.num_frames} frames at {cfg.height}×{cfg.width} -> {cfg.save_dir}"
         )
         print(result.table())
+        if missing:
+            print(f"note: {missing}")
         return 0
+    if missing:
+        print(f"{PROG}: {missing}", file=sys.stderr)
+        return 2
     try:
         return _run(cfg, prompts)
+    except ConfigError as err:  # found once the pipeline is loaded (guidance_scale_2 with one expert)
+        print(f"{PROG}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         out = Path(cfg.save_dir)
         done = sum(1 for p in prompts if is_complete(out / p.key()))

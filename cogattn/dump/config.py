@@ -7,6 +7,10 @@ key, a wrong type or a value outside its choices is refused with a one-line mess
 
 The shipped configs (the repository's top-level ``configs/`` folder) are package data of this package,
 installed as ``cogattn.dump.configs``; :func:`default_config` finds ``tiny.yaml`` there.
+
+The model's family (CogVideoX or Wan) comes from its transformer config (``cogattn.models``: a local
+folder, the hub cache or the table of released shapes, never the weights), read once when the config
+is checked; the family sets the call's rules (frame count, pixel multiples, text length) and defaults.
 """
 
 from __future__ import annotations
@@ -22,14 +26,18 @@ from pathlib import Path
 import yaml
 
 from ..layout import VAE_SPATIAL, VAE_TEMPORAL
+from ..models import KNOWN_MODELS, spec_for_config, transformer_config
 from ..options import CaptureOptions
 
-__all__ = ["CAPTURE_KEYS", "ConfigError", "DumpConfig", "default_config", "load_config"]
+__all__ = ["CAPTURE_KEYS", "ConfigError", "DumpConfig", "TEXT_LEN", "default_config", "load_config"]
 
 TASKS = ("text-to-video", "image-to-video")
 DTYPES = ("float32", "bfloat16", "float16")
 OFFLOAD = ("none", "model", "sequential")
 VIDEO_FORMATS = ("auto", "mp4", "gif")
+TEXT_LEN = {"cogvideox": 226, "wan": 512}  # max_sequence_length when the config leaves it out
+# Settings added after configs were hashed, left out of the hash at these defaults (old folders stay valid).
+_LATER = {"tiny_experts": 1, "guidance_scale_2": None}
 # Capture options the tool sets itself for each prompt, refused inside ``capture:``.
 PER_PROMPT = {
     "save_dir": "(<save_dir>/<index>-<hash>/maps); set the top-level save_dir instead",
@@ -60,9 +68,12 @@ class DumpConfig:
     starts at the config file's folder; a relative ``save_dir`` or ``model`` folder where the command runs.
 
     Args:
-        model (`str`): hub id, local checkpoint folder, or ``"tiny"`` (the embedded random pipeline).
+        model (`str`): hub id or local checkpoint folder of a CogVideoX or Wan 2.1 / 2.2 pipeline (the family
+            is read from its transformer config), or ``"tiny"`` / ``"tiny-wan"`` (the embedded random
+            CogVideoX / Wan pipeline).
         task (`str`): ``"text-to-video"`` or ``"image-to-video"``.
         tiny_version (`str`): ``"1.0"`` or ``"1.5"``, layout of the tiny pipeline (``model: tiny`` only).
+        tiny_experts (`int`): ``1``, or ``2`` for Wan 2.2 A14B's two experts (``model: tiny-wan`` only).
         dtype (`str`): ``"bfloat16"``, ``"float16"`` or ``"float32"``.
         device (`str`): ``"auto"`` (this process's GPU under accelerate, else the first GPU, else CPU),
             ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
@@ -73,6 +84,11 @@ class DumpConfig:
             optional ``negative_prompt``, ``seed``, ``image``; a relative image starts at the file's folder).
         num_frames, height, width (`int`), num_inference_steps (`int`), guidance_scale (`float`),
             max_sequence_length (`int`, the text tokens T): the pipeline call, named as its arguments.
+            ``num_frames`` is 4k + 1; ``height`` and ``width`` are multiples of the VAE's compression × the
+            patch size (16; Wan 2.2 TI2V-5B: 32). ``max_sequence_length`` left out is the family's (226
+            CogVideoX, 512 Wan).
+        guidance_scale_2 (`float | None`): Wan 2.2 A14B's guidance of its low-noise expert (the pipeline's
+            ``guidance_scale_2``; left out: ``guidance_scale``); two-expert Wan pipelines only.
         seed (`int`): the generator's seed; a prompt's own seed wins.
         capture (`CaptureOptions`): the ``capture:`` mapping: ``kinds``, ``layers``, ``steps`` (the
             denoising steps captured, 0-based), ``batch``, ``heads``, ``queries``, ``block_size``, ``topk``,
@@ -88,6 +104,7 @@ class DumpConfig:
     model: str = "tiny"
     task: str = "text-to-video"
     tiny_version: str = "1.0"
+    tiny_experts: int = 1
     dtype: str = "bfloat16"
     device: str = "auto"
     offload: str = "none"
@@ -98,14 +115,16 @@ class DumpConfig:
     width: int = 720
     num_inference_steps: int = 50
     guidance_scale: float = 6.0
+    guidance_scale_2: float | None = None
     seed: int = 0
-    max_sequence_length: int = 226
+    max_sequence_length: int | None = None  # the family's (TEXT_LEN) once checked
     capture: CaptureOptions = field(default_factory=CaptureOptions)
     save_dir: str = "runs/dump"
     video_format: str = "auto"
     fps: int = 8
     previews: bool = True
     config_dir: str = field(default=".", metadata={"internal": True})  # where relative paths start
+    transformer: dict | None = field(default=None, repr=False, compare=False, metadata={"internal": True})
 
     def __post_init__(self):
         if not isinstance(self.capture, CaptureOptions):  # the mapping of a config file
@@ -116,10 +135,42 @@ class DumpConfig:
         p = Path(relative)
         return p if p.is_absolute() else Path(self.config_dir) / p
 
+    def model_config(self) -> dict:
+        """The transformer config of ``model`` (read once; no weights): the tiny ones for ``task`` and
+        ``tiny_version``, else ``cogattn.models.transformer_config``. Raises `ConfigError`."""
+        if self.transformer is None:
+            i2v = self.task == "image-to-video"
+            try:
+                if self.model == "tiny":
+                    from ..testing import tiny_transformer
+
+                    self.transformer = dict(tiny_transformer(self.tiny_version, image_to_video=i2v).config)
+                elif self.model == "tiny-wan":
+                    from ..testing import tiny_wan_transformer
+
+                    self.transformer = dict(tiny_wan_transformer(i2v).config)
+                else:
+                    self.transformer = transformer_config(self.model)
+                spec_for_config(self.transformer)
+            except ValueError as err:
+                self.transformer = None
+                raise ConfigError(f"model: {err}") from None
+        return self.transformer
+
+    @property
+    def family(self) -> str:
+        """``"cogvideox"`` or ``"wan"``: the family of ``model`` (from its transformer config)."""
+        return spec_for_config(self.model_config()).family
+
     def call_arguments(self) -> dict:
         """The pipeline call's arguments this config sets, named as the pipeline names them."""
         keys = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length")
-        return {key: getattr(self, key) for key in keys}
+        call = {key: getattr(self, key) for key in keys}
+        if call["max_sequence_length"] is None:
+            call["max_sequence_length"] = TEXT_LEN[self.family]
+        if self.guidance_scale_2 is not None:
+            call["guidance_scale_2"] = self.guidance_scale_2
+        return call
 
     def capture_options(self, **per_prompt) -> CaptureOptions:
         """The capture options of one prompt: ``capture`` with ``save_dir``, ``info``, ... on top."""
@@ -138,6 +189,9 @@ class DumpConfig:
         settings = self.to_dict()
         for key in ("device", "offload", "vae_tiling", "save_dir", "prompts"):
             del settings[key]
+        for key, default in _LATER.items():
+            if settings[key] == default:
+                del settings[key]
         for key in ("memory_budget", "method", "verify"):
             del settings["capture"][key]
         return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -149,6 +203,7 @@ _CHOICES = {
     "offload": OFFLOAD,
     "video_format": VIDEO_FORMATS,
     "tiny_version": ("1.0", "1.5"),
+    "tiny_experts": (1, 2),
 }
 _TYPES = {
     "vae_tiling": bool,
@@ -161,11 +216,14 @@ _TYPES = {
     "max_sequence_length": int,
     "fps": int,
     "guidance_scale": (int, float),
+    "guidance_scale_2": (int, float),
+    "tiny_experts": int,
     "model": str,
     "prompts": str,
     "save_dir": str,
     "device": str,
 }
+_OPTIONAL = ("guidance_scale_2", "max_sequence_length")  # None: the pipeline's or the family's default
 
 
 def _fields() -> list[str]:
@@ -209,6 +267,8 @@ def _check(data: dict, config_dir: str) -> DumpConfig:
     cfg = DumpConfig(**data, config_dir=config_dir)
     for key, types in _TYPES.items():
         value = getattr(cfg, key)
+        if value is None and key in _OPTIONAL:
+            continue
         if isinstance(value, bool) and types is not bool or not isinstance(value, types):
             raise ConfigError(f"{key}: expected {getattr(types, '__name__', 'a number')}, got {value!r}.")
     for key, choices in _CHOICES.items():
@@ -221,20 +281,32 @@ def _check(data: dict, config_dir: str) -> DumpConfig:
 def _check_call(cfg: DumpConfig) -> None:
     """The pipeline's own rules for the call, before anything loads (a bad value would fail every prompt)."""
     for key in ("num_inference_steps", "fps", "max_sequence_length"):
-        if getattr(cfg, key) < 1:
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ConfigError(f"{key}: {getattr(cfg, key)!r} must be at least 1.")
+    if cfg.tiny_experts != 1 and cfg.model != "tiny-wan":
+        raise ConfigError(f"tiny_experts: {cfg.tiny_experts!r} is for model: tiny-wan (Wan 2.2's two experts) only.")
+    config = cfg.model_config()
+    family = cfg.family
+    name = {"cogvideox": "CogVideoX", "wan": "Wan"}[family]
     if cfg.num_frames < 1 or (cfg.num_frames - 1) % VAE_TEMPORAL:
         below = max(1, (cfg.num_frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1)
+        examples = "9, 13, ..., 49, ..., 81" if family == "cogvideox" else "9, 13, ..., 81, ..., 121"
         raise ConfigError(
-            f"num_frames: {cfg.num_frames!r}; the CogVideoX VAE decodes 4k + 1 frames (9, 13, ..., 49, ..., 81): "
+            f"num_frames: {cfg.num_frames!r}; the {name} VAE decodes 4k + 1 frames ({examples}): "
             f"use {below} or {below + VAE_TEMPORAL}."
         )
-    step = 2 * VAE_SPATIAL  # latent pixels in patches of 2
+    if family == "wan":
+        from ..wan import spatial_compression
+
+        vae, patch, whose = spatial_compression(config), int(config["patch_size"][1]), "the Wan VAE's"
+    else:
+        vae, patch, whose = VAE_SPATIAL, int(config["patch_size"]), "the VAE's"
+    step = vae * patch  # pixels per patch
     for key in ("height", "width"):
         value = getattr(cfg, key)
         if value < step or value % step:
             raise ConfigError(
-                f"{key}: {value!r} must be a positive multiple of {step} (the VAE's 8 × the patch size 2)."
+                f"{key}: {value!r} must be a positive multiple of {step} ({whose} {vae} × the patch size {patch})."
             )
     if cfg.seed < 0 or not cfg.guidance_scale >= 0:
         raise ConfigError(
@@ -242,6 +314,41 @@ def _check_call(cfg: DumpConfig) -> None:
         )
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise ConfigError(f"device: {cfg.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    if family == "wan":
+        _check_wan(cfg, config)
+    elif cfg.guidance_scale_2 is not None:
+        raise ConfigError("guidance_scale_2 is the guidance of Wan 2.2's second expert; CogVideoX has one transformer.")
+    if cfg.max_sequence_length is None:
+        cfg.max_sequence_length = TEXT_LEN[family]
+
+
+def _check_wan(cfg: DumpConfig, config: dict) -> None:
+    """Wan's rules: the checkpoint's task, the 512 text tokens of its image cross-attention, the experts."""
+    from ..wan import TEXT_LEN as WAN_TEXT_LEN
+
+    in_channels, out_channels = int(config.get("in_channels", 16)), int(config.get("out_channels", 16))
+    if out_channels != 48:  # Wan 2.2 TI2V-5B does both tasks; the others one
+        made_for = "an image-to-video" if in_channels > out_channels else "a text-to-video"
+        if cfg.task != made_for.split()[1]:
+            raise ConfigError(
+                f"task: {cfg.task!r}, but {cfg.model} is {made_for} checkpoint ({in_channels} input channels); "
+                f"set task: {made_for.split()[1]}."
+            )
+    if config.get("image_dim") and cfg.max_sequence_length not in (None, WAN_TEXT_LEN):
+        raise ConfigError(
+            f"max_sequence_length: {cfg.max_sequence_length!r}; Wan 2.1 image-to-video takes {WAN_TEXT_LEN} text "
+            f"tokens (its attention splits the image tokens from the last {WAN_TEXT_LEN}): leave it out."
+        )
+    if cfg.guidance_scale_2 is not None:
+        known = KNOWN_MODELS[cfg.model].get("experts", 1) if cfg.model in KNOWN_MODELS else None
+        experts = cfg.tiny_experts if cfg.model == "tiny-wan" else known  # None: told when it loads
+        if experts == 1:
+            raise ConfigError(
+                f"guidance_scale_2 is the guidance of Wan 2.2's second expert; {cfg.model} has one transformer"
+                + (" (set tiny_experts: 2)." if cfg.model == "tiny-wan" else ".")
+            )
+        if not cfg.guidance_scale_2 >= 0:
+            raise ConfigError(f"guidance_scale_2: {cfg.guidance_scale_2!r} must be ≥ 0.")
 
 
 def _override(data: dict, item: str) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import StoreError
 from ..run import LOCK, RunLock
-from .config import DumpConfig
+from .config import ConfigError, DumpConfig
 from .prompts import Prompt
 
 __all__ = ["load_pipeline", "run_prompt", "prompt_meta", "is_complete"]
@@ -26,18 +26,39 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def load_pipeline(cfg: DumpConfig, device: str):
-    """The pipeline of ``cfg`` on ``device``: from the hub or a folder (weights in ``cfg.dtype``), or the
-    tiny random one; with the offload and VAE tiling the config asks for."""
-    from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
+    """The pipeline of ``cfg`` on ``device``: from the hub or a folder (weights in ``cfg.dtype``), or a tiny
+    random one; with the offload and VAE tiling the config asks for.
 
+    The family comes from the checkpoint's transformer config: CogVideoX loads as ``CogVideoXPipeline`` or
+    ``CogVideoXImageToVideoPipeline``, Wan as ``WanPipeline`` (text-to-video, Wan 2.2 TI2V-5B's included)
+    or ``WanImageToVideoPipeline``, with its VAE (and image encoder) in float32 as the Wan model cards
+    load them. Raises `ConfigError` when ``guidance_scale_2`` is set for a pipeline with one expert.
+    """
     dtype = _DTYPES[cfg.dtype]
+    i2v = cfg.task == "image-to-video"
     if cfg.model == "tiny":
         from ..testing import tiny_pipeline
 
         pipe = tiny_pipeline(cfg.task, cfg.tiny_version, dtype=dtype)
+    elif cfg.model == "tiny-wan":
+        from ..testing import tiny_wan_pipeline
+
+        pipe = tiny_wan_pipeline(cfg.task, cfg.tiny_experts, dtype=dtype)
+    elif cfg.family == "wan":
+        from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
+
+        vae = AutoencoderKLWan.from_pretrained(cfg.model, subfolder="vae", torch_dtype=torch.float32)
+        dtypes = {"default": dtype, "image_encoder": torch.float32}  # Wan 2.1 image-to-video's CLIP
+        pipe = (WanImageToVideoPipeline if i2v else WanPipeline).from_pretrained(cfg.model, vae=vae, torch_dtype=dtypes)
     else:
-        cls = CogVideoXImageToVideoPipeline if cfg.task == "image-to-video" else CogVideoXPipeline
+        from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
+
+        cls = CogVideoXImageToVideoPipeline if i2v else CogVideoXPipeline
         pipe = cls.from_pretrained(cfg.model, torch_dtype=dtype)
+    if cfg.guidance_scale_2 is not None and getattr(pipe.config, "boundary_ratio", None) is None:
+        raise ConfigError(
+            f"guidance_scale_2 is the guidance of Wan 2.2's second expert; {cfg.model} has one transformer."
+        )
     if cfg.offload == "model":
         pipe.enable_model_cpu_offload(device=device)
     elif cfg.offload == "sequential":
