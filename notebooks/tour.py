@@ -19,7 +19,7 @@
 # This notebook generates one video, records exact attention maps while it is generated, and draws
 # them: frame-to-frame attention, where the video attends to each word (and the reverse), where one
 # video point attends, grids over layers × steps, an animation, which heads are temporal and how much
-# of the attention a same-frame block-sparse mask would keep, and interactive sliders.
+# of the attention a same-frame block-sparse mask would keep, interactive sliders, and the same on Wan.
 #
 # It runs end to end on the embedded **tiny random CogVideoX** (no download, CPU, well under two
 # minutes). Its weights are random, so the video is noise and the maps carry no meaning; the shapes,
@@ -39,6 +39,7 @@ from cogattn import plot
 from cogattn.analysis import aggregate
 from cogattn.heads import head_table
 from cogattn.masks import mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
+from cogattn.testing import tiny_wan_pipeline
 from cogattn.words import word_positions
 
 # %%
@@ -304,3 +305,39 @@ plot.block_map(stats, same, scale="log")
 
 # %%
 plot.explore(source, video, view="word", tokens=["fox", "snow"], tokenizer=pipe.tokenizer)
+
+# %% [markdown]
+# ## Wan
+#
+# The same API records Wan 2.1 / 2.2 (diffusers ≥ 0.35). Its blocks have a self-attention over the
+# video alone and a cross-attention to the 512 text tokens: `frame` has no text group there, and
+# `video_to_text` is the cross-attention's own probabilities. Under guidance Wan calls the transformer
+# twice per step; the recording numbers both calls as one step. Here a tiny random Wan 2.2-style
+# pipeline with two experts (`transformer` for the high-noise steps, `transformer_2` for the rest);
+# for a real one, `WanPipeline.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")`.
+
+# %%
+wan = tiny_wan_pipeline(experts=2)
+wan_prompt = "a red fox running in the snow"
+with cogattn.record(wan, kinds=("frame", "video_to_text", "entropy"), batch="cond") as wan_rec:
+    wan_video = wan(
+        prompt=wan_prompt,
+        num_frames=9,
+        height=32,
+        width=48,
+        num_inference_steps=4,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).frames[0]
+print(wan_rec.layout)
+print("expert of each step:", wan_rec.experts)
+
+# %% [markdown]
+# Frame-to-frame attention of the video-only self-attention (no text row or column), and where the
+# video attends to two words of the prompt in the cross-attention.
+
+# %%
+plot.frame_heatmap(wan_rec, steps="all", layers="all")
+
+# %%
+plot.word_heatmap(wan_rec, ["fox", "snow"], wan_video, tokenizer=wan.tokenizer, prompt=wan_prompt)
