@@ -31,10 +31,10 @@ from .attention import attention_joint, attention_with_lse, fused_lse_supported
 from .checks import OUTPUT_MAPS_TOLERANCE, OUTPUT_RTOL, TOLERANCE
 from .engine import capture, multi_key_indicator
 from .layout import TokenLayout
-from .models import COGVIDEOX
+from .models import COGVIDEOX, wan
 from .planner import plan_tiles
 from .reducers import REDUCERS
-from .reference import kind_error, naive_probs
+from .reference import kind_error, naive_context, naive_probs, select
 
 __all__ = ["Row", "main", "run"]
 
@@ -239,6 +239,77 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
     return rows
 
 
+def _spying(rec, inner, context: bool, calls: dict):
+    """``inner`` (a recording's ``capture`` or ``capture_context``), keeping each call's q and k in ``calls``."""
+
+    def spy(layer, query, key, *rest):
+        qk = (query.detach().float().cpu(), key.detach().float().cpu())
+        calls.setdefault((rec.step, layer, rest[0] if context else "self"), []).append(qk)
+        inner(layer, query, key, *rest)
+
+    return spy
+
+
+WAN_SELF = [k for k in JOINT_KINDS if k not in ("video_to_text", "text_to_video")]  # Wan's self-attention kinds
+
+
+def wan_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """Every method recording every Wan kind of a 2-step guided generation of the tiny Wan pipelines
+    (text- and image-to-video): the self-attention kinds and the cross-attention's, against the reference
+    of the q and k the processors handed over, and the video against the stock one."""
+    import cogattn
+    from cogattn.testing import tiny_wan_pipeline
+
+    rows = []
+    for task in ("text-to-video", "image-to-video"):
+        pipe = tiny_wan_pipeline(task, dtype=dtype, num_heads=3, head_dim=16).to(device)  # Triton: D ≥ 16
+        part = f"tiny wan {'i2v' if task == 'image-to-video' else 't2v'}"
+        gen = torch.Generator().manual_seed(0)
+        emb = torch.randn(1, 512, 16, generator=gen).to(device, dtype)
+        call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, height=32, width=48)
+        call.update(num_inference_steps=2, output_type="pt")
+        context = ["video_to_text"] + (["video_to_image"] if task == "image-to-video" else [])
+        if task == "image-to-video":
+            call["image"] = torch.rand(3, 32, 48, generator=gen)
+
+        def generate(pipe=pipe, call=call):
+            return pipe(generator=torch.Generator(device).manual_seed(1), **call).frames
+
+        generate()  # warm up
+        stock, t_stock = _timed(generate, device)
+        for method, skipped in _methods(device):
+            if skipped:
+                rows.append(Row(part, "all", method, "stock", None, None, None, None, None, skipped))
+                continue
+            kinds = tuple(WAN_SELF + context)
+            rec = cogattn.record(
+                pipe, kinds=kinds, queries=[0, (1, 1, 2)], batch="all", heads="all", method=method, **SIZES
+            )
+            calls: dict = {}  # (step, layer, source) → [(q, k) of each call]: cond first, as Wan calls them
+
+            for name in ("capture", "capture_context"):
+                setattr(rec, name, _spying(rec, getattr(rec, name), name == "capture_context", calls))
+            with rec:
+                video, seconds = _timed(generate, device)
+            limit, worst, lay = TOLERANCE.get(dtype, 1e-5), 0.0, rec.layout
+            for (step, layer, source), pairs in calls.items():
+                pairs = pairs[::-1]  # the guidance batch [uncond..., cond...]
+                P = naive_probs(torch.cat([q for q, _ in pairs]), torch.cat([k for _, k in pairs]))
+                for kind in WAN_SELF if source == "self" else [c for c in context if c.endswith(source)]:
+                    if source == "self":
+                        tokens = [0, lay.token_index(1, 1, 2)]
+                        err = kind_error(rec.get(kind, step, layer), P, kind, 0, lay.grid, tokens, **SIZES)
+                    else:
+                        ref = select(naive_context(P, lay.grid), rec.batch_items, "all")
+                        err = (rec.get(kind, step, layer).double() - ref).abs().max().item()
+                    worst = max(worst, err)
+            same = bool(torch.equal(video, stock))
+            rows.append(
+                Row(part, "all", method, "stock", worst, limit, same, seconds / t_stock, worst <= limit and same)
+            )
+    return rows
+
+
 # -- the report -----------------------------------------------------------------------------------------
 def versions(device: torch.device) -> dict:
     import diffusers
@@ -267,6 +338,8 @@ def run(device: str | None = None, dtype: str = "float32", seq_len: int = 1024, 
     dt = DTYPES[dtype]
     t0 = time.perf_counter()
     rows = layer_rows(device, dt, seq_len) + pipeline_rows(device, dt, PIPELINES[:1] if quick else PIPELINES)
+    if not quick and wan is not None:
+        rows += wan_rows(device, dt)
     checked = [r for r in rows if r.passed is not None]
     return {
         "rows": [asdict(r) for r in rows],

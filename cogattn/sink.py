@@ -76,7 +76,7 @@ class CaptureSink:
             result = (*attention_with_lse(query, key, value), None)
         else:
             indicator = self._joint_indicator.to(query.device)
-            result = attention_joint_for(query, key, value, indicator, self.plan.resolved.batch)
+            result = attention_joint_for(query, key, value, indicator, self._call_items()[0])
         if self._verifier.due(("output", *shape)):
             check = self._verifier.check_output(
                 result[0], query, key, value, probe_rows(self.layout), self.step, layer, mode

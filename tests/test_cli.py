@@ -391,6 +391,8 @@ def test_accelerate_launch_two_processes_cover_every_prompt_once(tmp_path):
 def test_every_shipped_config_plans_offline(config, tmp_path, dump, monkeypatch):
     import huggingface_hub.constants
 
+    if config.startswith(("wan", "tiny-wan")) and cogattn.models.wan is None:
+        pytest.skip("cogattn has no Wan support with this diffusers (WanAttention came with 0.35)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import; set it for this call
     proc = dump(ROOT / "configs" / config, "--dry-run", "--set", f"save_dir={tmp_path / 'x'}", check=0)

@@ -8,6 +8,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+import cogattn.models
+
+if cogattn.models.wan is None:
+    pytest.skip("cogattn has no Wan support with this diffusers (WanAttention came with 0.35)", allow_module_level=True)
 import torch
 from PIL import Image
 

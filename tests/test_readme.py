@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cogattn.models
 from cogattn.dump import main
 
 ROOT = Path(__file__).parents[1]
@@ -35,6 +36,8 @@ def test_python_snippets_run_in_order_and_say_what_they_print(tmp_path, monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     scope: dict = {}
     for number, code in enumerate(_blocks("python"), 1):
+        if "tiny_wan_pipeline" in code and cogattn.models.wan is None:
+            continue  # the Wan section: Wan needs diffusers >= 0.35
         exec(compile(code, f"README.md, Python block {number}", "exec"), scope)
     rec, video = scope["rec"], scope["video"]
     assert tuple(rec.get("frame", step=0, layer=1).shape) == (1, 1, 4, 4)
@@ -55,6 +58,8 @@ def test_python_snippets_run_in_order_and_say_what_they_print(tmp_path, monkeypa
 def test_every_command_runs(command, tmp_path, monkeypatch, capsys):
     if command == "bash .ci/run":
         return  # this suite
+    if "wan" in command and cogattn.models.wan is None:
+        pytest.skip("cogattn has no Wan support with this diffusers (WanAttention came with 0.35)")
     if command.startswith("python -m cogattn.selftest"):
         from cogattn.selftest import main as selftest
 
@@ -69,13 +74,13 @@ def test_every_command_runs(command, tmp_path, monkeypatch, capsys):
     if command in DRY_ONLY:
         words.append("--dry-run")
     else:
-        assert words[:1] in ([], ["--dry-run"]) or "--dry-run" in words, (
-            f"{command!r} needs a checkpoint: add it to DRY_ONLY"
-        )
+        tiny = words[:1] in ([], ["--dry-run"]) or words[0].startswith("configs/tiny")  # the tiny random models
+        assert tiny or "--dry-run" in words, f"{command!r} needs a checkpoint: add it to DRY_ONLY"
     code = main([*words, "--set", f"save_dir={tmp_path / 'runs'}"])
     assert code == 0, capsys.readouterr().err
-    if "--dry-run" not in words:
-        assert len(list((tmp_path / "runs").glob("*/prompt.json"))) == 3  # the tiny default: three prompts
+    if "--dry-run" not in words:  # tiny.yaml has three prompts, tiny-wan.yaml two
+        prompts = 2 if "tiny-wan" in command else 3
+        assert len(list((tmp_path / "runs").glob("*/prompt.json"))) == prompts
 
 
 def test_the_dry_run_output_shown_is_what_it_prints(monkeypatch, capsys):

@@ -333,3 +333,17 @@ def test_context_kinds_with_a_broadcast_text_batch(pipes):
     with WanSpy(pipe) as spy, cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="all", heads="all") as rec:
         generate(pipe, videos=2, embeds=True, output="latent")
     assert_matches_spy(rec, spy, ("frame", "video_to_text"), [0, 1, 2, 3], "all", 2)
+
+
+def test_the_selftest_checks_wan_and_catches_a_wrong_map(monkeypatch):
+    """``python -m cogattn.selftest`` (not ``--quick``) records every Wan kind with every method against the
+    reference; a cross-attention map off by 1e-3 fails it."""
+    from cogattn import context, selftest
+
+    rows = selftest.wan_rows(torch.device("cpu"), torch.float32)
+    checked = [r for r in rows if r.passed is not None]
+    assert len(checked) >= 4 and all(r.passed and r.bit_identical for r in checked), rows
+    real = context.context_pass
+    monkeypatch.setattr(cogattn.sink, "context_pass", lambda *a: [o + 1e-3 for o in real(*a)])
+    rows = selftest.wan_rows(torch.device("cpu"), torch.float32)
+    assert not any(r.passed for r in rows if r.passed is not None)
