@@ -21,7 +21,8 @@ __all__ = ["CogVideoXAttnMapProcessor", "FusedCogVideoXAttnMapProcessor", "MapSi
 
 
 class MapSink(Protocol):
-    """What a map processor hands its captures to (a :class:`cogattn.Recording`)."""
+    """What a map processor hands its captures to (a :class:`cogattn.Recording`); CogVideoX's and Wan's
+    processors (:mod:`cogattn.wan`) both use it."""
 
     def layer_to_capture(self, attn) -> int | None:
         """The block index of the module ``attn`` when this call is captured, else `None`."""
@@ -36,6 +37,10 @@ class MapSink(Protocol):
         self, layer: int, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor | None, sums: torch.Tensor | None
     ) -> None:
         """Compute the selected maps of ``layer`` from ``query`` and ``key`` ``(B, H, S, D)``."""
+
+    def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
+        """Compute the selected kinds of a cross-attention (Wan's ``attn2``) from the video queries ``query``
+        ``(B, H, V, D)`` and the keys ``key`` ``(B, H, C, D)`` of its ``context`` (``"text"`` or ``"image"``)."""
 
 
 class CogVideoXAttnMapProcessor:

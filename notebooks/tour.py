@@ -298,15 +298,6 @@ mask_recall(stats, same).groupby(["layer", "head"])["recall"].mean().sort_values
 plot.block_map(stats, same, scale="log")
 
 # %% [markdown]
-# ## Explore
-#
-# With ipywidgets installed: sliders over step, layer (or their mean), head (or the mean) and frame.
-# Without it, the same call returns a static figure of the last step.
-
-# %%
-plot.explore(source, video, view="word", tokens=["fox", "snow"], tokenizer=pipe.tokenizer)
-
-# %% [markdown]
 # ## Wan
 #
 # The same API records Wan 2.1 / 2.2 (diffusers ≥ 0.35). Its blocks have a self-attention over the
@@ -341,3 +332,12 @@ plot.frame_heatmap(wan_rec, steps="all", layers="all")
 
 # %%
 plot.word_heatmap(wan_rec, ["fox", "snow"], wan_video, tokenizer=wan.tokenizer, prompt=wan_prompt)
+
+# %% [markdown]
+# ## Explore
+#
+# With ipywidgets installed: sliders over step, layer (or their mean), head (or the mean) and frame.
+# Without it, the same call returns a static figure of the last step.
+
+# %%
+plot.explore(source, video, view="word", tokens=["fox", "snow"], tokenizer=pipe.tokenizer)

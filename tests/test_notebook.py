@@ -46,11 +46,13 @@ def test_notebook_runs_end_to_end_on_the_tiny_default(tmp_path, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     figures = [o for o in outputs[:-1] if "image/png" in o.get("data", {})]
-    assert len(figures) == 10  # frame map, per head, two grids, two word maps, query map, atlas, decay, block map
+    # frame map, per head, two grids, two word maps, query map, atlas, decay, block map; Wan's frame and word maps
+    assert len(figures) == 12
     assert any("image/gif" in o.get("data", {}) for o in outputs)
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "latent grid (F, Hp, Wp) = (3, 3, 5); following the video point (1, 1, 2)" in text
     assert "pixel frames of each latent frame: [range(0, 1), range(1, 5), range(5, 9)]" in text
+    assert "expert of each step: ['transformer', 'transformer', 'transformer_2', 'transformer_2']" in text
     assert (tmp_path / "cogattn_fox_steps.gif").exists()
     widget = outputs[-1].get("data", {})
     has_widgets = importlib.util.find_spec("ipywidgets") is not None

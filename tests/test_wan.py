@@ -347,3 +347,19 @@ def test_the_selftest_checks_wan_and_catches_a_wrong_map(monkeypatch):
     monkeypatch.setattr(cogattn.sink, "context_pass", lambda *a: [o + 1e-3 for o in real(*a)])
     rows = selftest.wan_rows(torch.device("cpu"), torch.float32)
     assert not any(r.passed for r in rows if r.passed is not None)
+
+
+def test_wan_2_2_ti2v_5b_geometry_and_per_token_timesteps():
+    """TI2V-5B's VAE compresses space by 16 (patch 2: 32 pixels a token); its pipeline gives a timestep per
+    token, 0 on a conditioning first frame, and the step's is the largest."""
+    est = cogattn.estimate(
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers", num_frames=121, height=704, width=1280, num_inference_steps=50
+    )
+    assert est.layout.grid == ((121 - 1) // 4 + 1, 704 // 32, 1280 // 32) and est.layout.context_len == 512
+    config = {"patch_size": (1, 2, 2)}
+    latents = torch.zeros(2, 48, 31, 44, 80)
+    t = torch.full((2, 31 * 22 * 40), 812.0)
+    t[:, : 22 * 40] = 0  # the first latent frame is the given image
+    layout, batch, step_t, _ = cogattn.models.wan.read_call(config, (latents, t, torch.zeros(2, 512, 8)), {})
+    assert (layout.grid, layout.text_len, batch, step_t) == ((31, 22, 40), 0, 2, 812.0)
+    assert layout.pixel_frames(121)[1] == range(1, 5)  # Wan's VAE: frame 0 alone, then 4 per latent frame
