@@ -119,6 +119,9 @@ class ModelSpec:
                     f"Reset with `transformer.set_attn_processor({stock[0]}())`."
                 )
             replacement[name] = self.processors[type(proc)](sink)
+            for attr in ("_attention_backend", "_parallel_config"):  # set_attention_backend(...) and the like
+                if hasattr(proc, attr):
+                    setattr(replacement[name], attr, getattr(proc, attr))
         return replacement
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import cogattn.models
+
 ROOT = Path(__file__).parents[1]
 NOTEBOOK = ROOT / "notebooks" / "tour.ipynb"
 SCRIPT = ROOT / "notebooks" / "tour.py"
@@ -37,6 +39,11 @@ def test_notebook_runs_end_to_end_on_the_tiny_default(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the notebook writes its GIF
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    wan = cogattn.models.wan is not None
+    if not wan:  # its Wan section needs diffusers >= 0.35: run the rest
+        start = next(i for i, c in enumerate(nb.cells) if c.source.startswith("## Wan"))
+        end = next(i for i, c in enumerate(nb.cells) if c.source.startswith("## Explore"))
+        del nb.cells[start:end]
     client = nbclient.NotebookClient(
         nb, timeout=120, kernel_name="cogattn-test", resources={"metadata": {"path": str(tmp_path)}}
     )
@@ -47,12 +54,12 @@ def test_notebook_runs_end_to_end_on_the_tiny_default(tmp_path, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     figures = [o for o in outputs[:-1] if "image/png" in o.get("data", {})]
     # frame map, per head, two grids, two word maps, query map, atlas, decay, block map; Wan's frame and word maps
-    assert len(figures) == 12
+    assert len(figures) == (12 if wan else 10)
     assert any("image/gif" in o.get("data", {}) for o in outputs)
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "latent grid (F, Hp, Wp) = (3, 3, 5); following the video point (1, 1, 2)" in text
     assert "pixel frames of each latent frame: [range(0, 1), range(1, 5), range(5, 9)]" in text
-    assert "expert of each step: ['transformer', 'transformer', 'transformer_2', 'transformer_2']" in text
+    assert not wan or "expert of each step: ['transformer', 'transformer', 'transformer_2', 'transformer_2']" in text
     assert (tmp_path / "cogattn_fox_steps.gif").exists()
     widget = outputs[-1].get("data", {})
     has_widgets = importlib.util.find_spec("ipywidgets") is not None

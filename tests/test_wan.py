@@ -63,7 +63,7 @@ def pipes():
 
 def generate(pipe, *, steps=2, guidance=5.0, videos=1, height=32, width=48, seed=0, output="pt", embeds=None):
     """Output of one seeded call: 9 frames → 3 latent frames of (height/16) × (width/16) patches. With
-    ``embeds`` (always for image-to-video, whose pipeline cleans a prompt with ftfy, not installed) random
+    ``embeds`` (always for image-to-video: no text encoder run, which its maps do not need) random
     text embeddings of batch 1 stand in for the prompt."""
     g = torch.Generator().manual_seed(seed)
     i2v = isinstance(pipe, WanImageToVideoPipeline)
@@ -363,3 +363,25 @@ def test_wan_2_2_ti2v_5b_geometry_and_per_token_timesteps():
     layout, batch, step_t, _ = cogattn.models.wan.read_call(config, (latents, t, torch.zeros(2, 512, 8)), {})
     assert (layout.grid, layout.text_len, batch, step_t) == ((31, 22, 40), 0, 2, 812.0)
     assert layout.pixel_frames(121)[1] == range(1, 5)  # Wan's VAE: frame 0 alone, then 4 per latent frame
+
+
+def test_hand_wired_processors_and_a_chosen_attention_backend():
+    """``set_attn_processor(cogattn.WanAttnMapProcessor(rec))`` records what ``record`` records, and a
+    recording keeps the attention backend the model was set to (the output stays the stock one's)."""
+    pipe = tiny_wan_pipeline()  # its own: the backend and processors are changed here
+    with cogattn.record(pipe, kinds=("frame", "video_to_text")) as auto:
+        generate(pipe, output="latent")
+    stock = pipe.transformer.attn_processors
+    rec = cogattn.Recording(pipe, kinds=("frame", "video_to_text"))
+    pipe.transformer.set_attn_processor(cogattn.WanAttnMapProcessor(rec))
+    generate(pipe, output="latent")
+    rec.close()
+    pipe.transformer.set_attn_processor(stock)
+    assert rec.keys() == auto.keys() and all(torch.equal(rec.get(*k), auto.get(*k)) for k in auto.keys())
+
+    pipe.transformer.set_attention_backend("_native_math")
+    reference = generate(pipe)
+    with cogattn.record(pipe, kinds=("frame",)):
+        backends = {getattr(p._attention_backend, "value", None) for p in pipe.transformer.attn_processors.values()}
+        out = generate(pipe)
+    assert backends == {"_native_math"} and torch.equal(out, reference)
