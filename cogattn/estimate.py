@@ -57,8 +57,14 @@ class Estimate:
 
     def table(self) -> str:
         lay = self.layout
+        video = f"{lay.frames}×{lay.height}×{lay.width} video tokens, S = {lay.seq_len:,}"
+        if lay.text_len or not lay.context_len:  # CogVideoX: one joint sequence
+            layout = f"layout: {lay.text_len} text + {video}"
+        else:  # Wan: the video alone, and the context of the cross-attention
+            image = f" + {lay.image_len} image" if lay.image_len else ""
+            layout = f"layout: {video}; cross-attention to {lay.context_len} text{image} tokens"
         lines = [
-            f"layout: {lay.text_len} text + {lay.frames}×{lay.height}×{lay.width} video tokens, S = {lay.seq_len:,}",
+            layout,
             f"{'kind':>14}  {'shape':<28} {'bytes/record':>14} {'records':>8} {'bytes':>16}",
         ]
         for kind, shape, b, n in self.records:

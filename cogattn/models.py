@@ -26,9 +26,11 @@ from .layout import TokenLayout
 from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
 
 try:  # Wan's attention modules came with diffusers 0.35
-    from . import wan
+    from diffusers.models.transformers.transformer_wan import WanAttention  # noqa: F401
 except ImportError:
     wan = None
+else:
+    from . import wan
 
 __all__ = [
     "KNOWN_MODELS",

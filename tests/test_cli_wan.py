@@ -341,7 +341,8 @@ def test_the_released_wan_configs_plan_their_models(dump, tmp_path):
     assert sorted(shapes) == sorted(p.name for p in (ROOT / "configs").glob("wan*.yaml"))
     for name, shape in shapes.items():
         proc = dump(ROOT / "configs" / name, "--dry-run", "--set", f"save_dir={tmp_path / 'x'}", check=0)
-        assert f"layout: 0 text + {shape}" in proc.stdout, name
+        image = " + 257 image" if name.startswith("wan2.1-i2v") else ""  # Wan 2.1 I2V: CLIP tokens
+        assert f"layout: {shape}; cross-attention to 512 text{image} tokens" in proc.stdout, name
         assert load_config(ROOT / "configs" / name).family == "wan"
     i2v = dump(ROOT / "configs" / "wan2.1-i2v-14b-480p.yaml", "--dry-run", "--set", f"save_dir={tmp_path / 'x'}")
     assert "video_to_image  (1, 1, 257, 21, 30, 52)" in i2v.stdout
