@@ -385,3 +385,39 @@ def test_hand_wired_processors_and_a_chosen_attention_backend():
         backends = {getattr(p._attention_backend, "value", None) for p in pipe.transformer.attn_processors.values()}
         out = generate(pipe)
     assert backends == {"_native_math"} and torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("task", [T2V, "image-to-video"])
+def test_a_ti2v_5b_style_pipeline_end_to_end(task):
+    """Wan 2.2 TI2V-5B's build at toy size: a 48-channel VAE compressing space by 16, per-token timesteps
+    (``expand_timesteps``; image-to-video with the image in the first latent frame, no CLIP): the video is
+    bit-identical, the steps are the scheduler's, and the maps match the reference."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    from cogattn.testing import tiny_text_encoder, tiny_tokenizer
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+        latents_mean=[0.0] * 48, latents_std=[1.0] * 48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        scale_factor_spatial=16, scale_factor_temporal=4, temperal_downsample=[False, True, True],
+    )  # fmt: skip
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=48, out_channels=48,
+        text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    )  # fmt: skip
+    cls = WanPipeline if task == T2V else WanImageToVideoPipeline
+    pipe = cls(
+        tokenizer=tiny_tokenizer(), text_encoder=tiny_text_encoder(), vae=vae.eval(), transformer=transformer.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), expand_timesteps=True,
+    )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    extra = {} if task == T2V else {"image": PIL.Image.new("RGB", (96, 64), (200, 10, 10))}
+    call = dict(prompt="a red fox", num_frames=9, height=64, width=96, num_inference_steps=2, output_type="pt", **extra)
+    stock = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    with WanSpy(pipe) as spy, cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="all", heads="all") as rec:
+        out = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    assert torch.equal(out, stock)
+    assert rec.layout.grid == (3, 64 // 32, 96 // 32) and rec.timesteps == [float(t) for t in pipe.scheduler.timesteps]
+    assert_matches_spy(rec, spy, ("frame", "video_to_text"), [0, 1], "all", 2)
