@@ -200,6 +200,11 @@ def find_transformer(target) -> tuple[object, object | None, ModelSpec]:
     transformer = target
     if not isinstance(_uncompiled(target), tuple(MODELS)) and hasattr(target, "transformer"):
         pipeline, transformer = target, target.transformer
+    if pipeline is not None and transformer is None:
+        raise TypeError(
+            f"this {type(target).__name__} has no `transformer` (it is None); cogattn records a pipeline's "
+            "`transformer` and the experts that take turns with it (`transformer_2`): load the pipeline with both."
+        )
     inner = _uncompiled(transformer)
     for cls, spec in MODELS.items():
         if isinstance(inner, cls):
@@ -226,9 +231,10 @@ def _uncompiled(module):
 class EagerWhileRecording:
     """Runs a compiled transformer eagerly while a recording is open, and compiled again after.
 
-    Both ``pipe.transformer = torch.compile(pipe.transformer)`` (the pipeline then holds the module
-    inside the wrapper for the recording) and ``pipe.transformer.compile()`` (its compiled call is set
-    aside) are undone by :meth:`restore`. Capture runs cogattn's code at every layer, which a compiled
+    ``pipe.transformer = torch.compile(pipe.transformer)`` (the pipeline then holds the module inside the
+    wrapper for the recording), ``pipe.transformer.compile()`` and compiled blocks
+    (``compile_repeated_blocks()``, diffusers' usual way to compile Wan: each compiled call is set aside)
+    are undone by :meth:`restore`. Capture runs cogattn's code at every layer, which a compiled
     graph cannot call; the output is then the uncompiled model's, and a warning says so."""
 
     def __init__(self, pipeline, transformer, attr: str = "transformer", stacklevel: int = 4):
@@ -237,10 +243,11 @@ class EagerWhileRecording:
             wrapper = getattr(pipeline, attr)
             setattr(pipeline, attr, transformer)
             self._undo.append(lambda: setattr(pipeline, attr, wrapper))
-        compiled_call = getattr(transformer, "_compiled_call_impl", None)
-        if compiled_call is not None:
-            transformer._compiled_call_impl = None
-            self._undo.append(lambda: setattr(transformer, "_compiled_call_impl", compiled_call))
+        for module in transformer.modules():  # the transformer itself, or its blocks
+            compiled_call = getattr(module, "_compiled_call_impl", None)
+            if compiled_call is not None:
+                module._compiled_call_impl = None
+                self._undo.append(lambda m=module, c=compiled_call: setattr(m, "_compiled_call_impl", c))
         if self._undo:
             warnings.warn(
                 "the transformer is compiled with torch.compile; while this recording is open it runs uncompiled "

@@ -47,16 +47,17 @@ class CaptureSink:
         return [self.plan.resolved.batch[i] - offset for i in slots], slots
 
     def _put(self, kind: str, layer: int, out: torch.Tensor, slots: list[int]) -> None:
-        """Store ``out`` (the items ``slots`` of a result); a result split over a step's calls when whole."""
+        """Store ``out`` (the items ``slots`` of a result); a result split over a step's calls when whole,
+        kept in host memory until then (Wan runs every block for one call before the next call starts)."""
         n = len(self.plan.resolved.batch)
         if len(slots) == n:
             self._store.put(kind, self.step, layer, self.timesteps[-1], out)
             return
         key = (kind, layer)
-        if key not in self._pending or self._pending[key][2] != self.step:
-            self._pending[key] = [out.new_zeros((n, *out.shape[1:])), 0, self.step]
+        if key not in self._pending or self._pending[key][2] != self.step:  # on the host: every layer waits
+            self._pending[key] = [torch.zeros((n, *out.shape[1:])), 0, self.step]
         entry = self._pending[key]
-        entry[0][slots] = out
+        entry[0][slots] = out.cpu()
         entry[1] += len(slots)
         if entry[1] == n:
             del self._pending[key]
@@ -135,7 +136,9 @@ class CaptureSink:
         if query.shape[2] != layout.video_len or key.shape[2] != reducers[0].context_len:
             raise RuntimeError(
                 f"the cross-attention has {query.shape[2]} queries and {key.shape[2]} {context} keys, but the "
-                f"layout {layout} of this step says {layout.video_len} and {reducers[0].context_len}."
+                f"layout {layout} of this generation says {layout.video_len} and {reducers[0].context_len}; the "
+                f"{context} kinds need the same {context} length in every call (prompt_embeds and "
+                "negative_prompt_embeds of one length)."
             )
         if key.shape[0] != query.shape[0]:  # a context given once for all videos, as attention broadcasts it
             key = key.expand(query.shape[0], -1, -1, -1)

@@ -90,19 +90,30 @@ class StepTracker:
             self.experts.append(expert)
             self.call = 0
             return "first"
-        same_call = layout == self.layout and batch_size == self.batch_size
-        if same_call and t == self.timesteps[-1]:
-            if self.call + 1 < self.calls_per_step:
-                self.call += 1
-                return "again"
+        # The same video and batch (a step's calls may differ in their text: negative embeddings of another length)
+        same_call = (layout.grid, layout.text_len, batch_size) == (
+            self.layout.grid,
+            self.layout.text_len,
+            self.batch_size,
+        )
+        num_steps = self.pipeline_attr("num_timesteps")
+        if same_call and t == self.timesteps[-1] and self.call + 1 < self.calls_per_step:
+            self.call += 1
+            return "again"
+        if not same_call or t > self.timesteps[-1] or (num_steps is not None and len(self.timesteps) >= num_steps):
+            return "another"
+        if t == self.timesteps[-1]:
+            if self.spec.guidance_calls > 1 and self.pipeline is None:
+                raise RuntimeError(
+                    f"the transformer was called again at timestep {t:g} (step {self.step}): under guidance "
+                    f"{self.spec.family}'s pipelines call it twice per step (conditional, then unconditional), "
+                    "which only a recording of the pipeline knows; record the pipeline, `cogattn.record(pipe, ...)`."
+                )
             raise RuntimeError(
                 f"the transformer was called again at timestep {t:g} (step {self.step}); a recording counts "
                 "one transformer call per denoising step. Batch such calls as the pipelines do "
                 "([uncond..., cond...]), or use one recording per call."
             )
-        num_steps = self.pipeline_attr("num_timesteps")
-        if not same_call or t > self.timesteps[-1] or (num_steps is not None and len(self.timesteps) >= num_steps):
-            return "another"
         self.timesteps.append(t)
         self.experts.append(expert)
         self.call = 0

@@ -220,7 +220,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         p_t if p_t > 1 else None,
         spatial_compression=spatial_compression(config),
         context_len=text_len or TEXT_LEN,
-        image_len=IMAGE_LEN if config.get("image_dim") else 0,
+        image_len=(config.get("pos_embed_seq_len") or IMAGE_LEN) if config.get("image_dim") else 0,  # FLF2V: 2 images
     )
 
 

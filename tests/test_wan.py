@@ -421,3 +421,45 @@ def test_a_ti2v_5b_style_pipeline_end_to_end(task):
     assert torch.equal(out, stock)
     assert rec.layout.grid == (3, 64 // 32, 96 // 32) and rec.timesteps == [float(t) for t in pipe.scheduler.timesteps]
     assert_matches_spy(rec, spy, ("frame", "video_to_text"), [0, 1], "all", 2)
+
+
+def test_compiled_blocks_run_eagerly_while_recording():
+    """``compile_repeated_blocks()`` (diffusers' way to compile Wan) compiles each block: a recording sets the
+    compiled calls aside, with a warning, and puts them back when it closes."""
+    pipe = tiny_wan_pipeline()
+    stock = generate(pipe)
+    pipe.transformer.compile_repeated_blocks(backend="eager", fullgraph=True)
+    compiled = [b._compiled_call_impl for b in pipe.transformer.blocks]
+    assert all(c is not None for c in compiled)
+    with pytest.warns(UserWarning, match="runs uncompiled"), cogattn.record(pipe, kinds=("frame",)) as rec:
+        assert all(b._compiled_call_impl is None for b in pipe.transformer.blocks)
+        out = generate(pipe)
+    assert torch.equal(out, stock) and len(rec.keys()) == 2 * 2
+    assert [b._compiled_call_impl for b in pipe.transformer.blocks] == compiled
+
+
+def test_misuse_gives_messages_that_say_what_to_do(pipes):
+    pipe = pipes(T2V)
+    with pytest.raises(RuntimeError, match=r"record the pipeline, `cogattn.record\(pipe"):
+        with cogattn.record(pipe.transformer, kinds=("frame",), batch=[0]):
+            generate(pipe, output="latent")  # the unconditional call looks like a repeated step to a bare transformer
+    assert {type(p).__name__ for p in pipe.transformer.attn_processors.values()} == {"WanAttnProcessor"}
+
+    # negative embeddings of another length than the prompt's: one generation; self kinds fine, text kinds refused
+    emb = torch.randn(1, TEXT, 16)
+    call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb[:, :300], num_frames=9, height=32, width=48)
+    call.update(num_inference_steps=2, output_type="latent")
+    with cogattn.record(pipe, kinds=("frame",), batch="all") as rec:
+        pipe(**call)
+    assert rec.status == "finished" and len(rec.timesteps) == 2 and len(rec.keys()) == 2 * 2
+    with pytest.raises(RuntimeError, match="negative_prompt_embeds of one length"):
+        with cogattn.record(pipe, kinds=("video_to_text",), batch="all"):
+            pipe(**call)
+
+    flf2v = {"patch_size": [1, 2, 2], "image_dim": 1280, "pos_embed_seq_len": 514, "out_channels": 16}
+    assert cogattn.models.wan.layout_for_video(flf2v, 81, 480, 832, None).image_len == 514  # two CLIP images
+
+    no_transformer = tiny_wan_pipeline(experts=2)
+    no_transformer.transformer = None
+    with pytest.raises(TypeError, match="has no `transformer`"):
+        cogattn.record(no_transformer, kinds=("frame",))
