@@ -133,7 +133,7 @@ def estimate(
         guidance=guidance,
         num_steps=num_inference_steps,
         device=device,
-        sources={k: spec.source(k) for k in options.kinds if spec.source(k) != "self"},
+        sources=spec.context_kinds,
     )
     records = [(k, shape, b, n * num_prompts) for k, shape, b, n in plan.records(num_inference_steps)]
     return Estimate(plan, records)

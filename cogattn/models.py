@@ -78,6 +78,14 @@ class ModelSpec:
     experts: tuple[str, ...] = ("transformer",)
     guidance_calls: int = 1
 
+    def kinds(self, source: str | None = None) -> tuple[str, ...]:
+        """The kinds this family makes (of one ``source``: ``"self"``, ``"text"``, ``"image"``), in
+        ``cogattn.KINDS`` order."""
+        from .reducers import REDUCERS  # every kind is registered once cogattn is imported
+
+        made = [k for k in REDUCERS if k not in self.refused]
+        return tuple(k for k in made if source is None or self.source(k) == source)
+
     def source(self, kind: str) -> str:
         """Which attention makes ``kind``: ``"self"``, or the cross-attention's ``"text"`` / ``"image"``."""
         return self.context_kinds.get(kind, "self")

@@ -184,7 +184,7 @@ class Recording(CaptureSink):
             guidance=self._steps.guidance,
             num_steps=num_steps,
             device=device,
-            sources={k: v for k, v in self._sources.items() if v != "self"},
+            sources=self._spec.context_kinds,
         )
         if self.options.layer_output == "joint":
             indicator = engine.multi_key_indicator(self.plan.reducers, layout.seq_len, device)

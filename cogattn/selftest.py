@@ -38,7 +38,7 @@ from .reference import kind_error, naive_context, naive_probs, select
 
 __all__ = ["Row", "main", "run"]
 
-JOINT_KINDS = [k for k in REDUCERS if k not in COGVIDEOX.refused]  # the kinds of CogVideoX's joint attention
+JOINT_KINDS = COGVIDEOX.kinds()  # the kinds of CogVideoX's joint attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the kinds the fast methods serve (the others always take row tiles), and those the output's lse serves
@@ -250,15 +250,15 @@ def _spying(rec, inner, context: bool, calls: dict):
     return spy
 
 
-WAN_SELF = [k for k in JOINT_KINDS if k not in ("video_to_text", "text_to_video")]  # Wan's self-attention kinds
-
-
 def wan_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
     """Every method recording every Wan kind of a 2-step guided generation of the tiny Wan pipelines
     (text- and image-to-video): the self-attention kinds and the cross-attention's, against the reference
     of the q and k the processors handed over, and the video against the stock one."""
     import cogattn
+    from cogattn.models import WAN
     from cogattn.testing import tiny_wan_pipeline
+
+    self_kinds = WAN.kinds("self")
 
     rows = []
     for task in ("text-to-video", "image-to-video"):
@@ -281,7 +281,7 @@ def wan_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
             if skipped:
                 rows.append(Row(part, "all", method, "stock", None, None, None, None, None, skipped))
                 continue
-            kinds = tuple(WAN_SELF + context)
+            kinds = self_kinds + tuple(context)
             rec = cogattn.record(
                 pipe, kinds=kinds, queries=[0, (1, 1, 2)], batch="all", heads="all", method=method, **SIZES
             )
@@ -295,7 +295,7 @@ def wan_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
             for (step, layer, source), pairs in calls.items():
                 pairs = pairs[::-1]  # the guidance batch [uncond..., cond...]
                 P = naive_probs(torch.cat([q for q, _ in pairs]), torch.cat([k for _, k in pairs]))
-                for kind in WAN_SELF if source == "self" else [c for c in context if c.endswith(source)]:
+                for kind in self_kinds if source == "self" else [c for c in context if WAN.source(c) == source]:
                     if source == "self":
                         tokens = [0, lay.token_index(1, 1, 2)]
                         err = kind_error(rec.get(kind, step, layer), P, kind, 0, lay.grid, tokens, **SIZES)

@@ -175,11 +175,7 @@ TRANSFORMER = WanTransformer3DModel
 def spatial_compression(config) -> int:
     """Pixels per latent pixel of the VAE a Wan transformer works with: 16 for Wan 2.2 TI2V-5B (48 latent
     channels), 8 otherwise."""
-    return 16 if int(_get(config, "out_channels", 16)) == 48 else VAE_SPATIAL
-
-
-def _get(config, name, default=None):
-    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+    return 16 if int(config.get("out_channels", 16)) == 48 else VAE_SPATIAL
 
 
 def read_call(config, args: tuple, kwargs: dict):
@@ -190,11 +186,11 @@ def read_call(config, args: tuple, kwargs: dict):
     image = kwargs.get("encoder_hidden_states_image", args[3] if len(args) > 3 else None)
     # TI2V-5B gives a timestep per token, 0 on a conditioning first frame: the step's is the largest
     t = float(t.max()) if isinstance(t, torch.Tensor) else float(t)
-    p_t, p_h, p_w = (int(p) for p in _get(config, "patch_size"))
+    p_t, p_h, p_w = (int(p) for p in config["patch_size"])
     _, _, frames, height, width = hidden.shape
     image_len = 0 if image is None else image.shape[1]
-    if image is not None and _get(config, "pos_embed_seq_len"):  # FLF2V: two images, joined by the model
-        image_len = int(_get(config, "pos_embed_seq_len"))
+    if image is not None and config.get("pos_embed_seq_len"):  # FLF2V: two images, joined by the model
+        image_len = int(config["pos_embed_seq_len"])
     layout = TokenLayout(
         text_len=0,
         frames=frames // p_t,

@@ -16,22 +16,17 @@ a slow sentencepiece one (T5, UMT5) are grouped at their ``▁`` word-start mark
 
 from __future__ import annotations
 
-import html
 import re
 
 __all__ = ["clean_prompt", "text_tokens", "word_positions"]
 
 
 def clean_prompt(prompt: str) -> str:
-    """The prompt as Wan's pipelines tokenize it (their ``prompt_clean``): ``ftfy.fix_text`` when ftfy is
-    installed, HTML entities unescaped (twice), runs of white space made one space, ends stripped."""
-    try:
-        import ftfy
+    """The prompt as Wan's pipelines tokenize it: diffusers' own ``prompt_clean`` (ftfy, HTML entities
+    unescaped twice, runs of white space made one space)."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-        prompt = ftfy.fix_text(prompt)
-    except ImportError:
-        pass
-    return re.sub(r"\s+", " ", html.unescape(html.unescape(prompt)).strip()).strip()
+    return prompt_clean(prompt)
 
 
 def _encode(tokenizer, prompt: str, text_len: int, offsets: bool) -> dict:

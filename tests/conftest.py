@@ -20,3 +20,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+# -- the batch tool's tests (tests/test_cli.py, tests/test_cli_wan.py) -----------------------------------
+@pytest.fixture(scope="module")
+def forget_accelerate_state():
+    """``cogattn.dump.main`` sets up accelerate's process state (a singleton); later test files start without it."""
+    yield
+    from accelerate import PartialState
+
+    PartialState._reset_state()
+
+
+@pytest.fixture
+def dump(capsys, forget_accelerate_state):
+    """``cogattn.dump.main(argv)`` in this process: its exit code, stdout and stderr."""
+    from types import SimpleNamespace
+
+    from cogattn.dump import main
+
+    def run(*args, check=None):
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        if check is not None:
+            assert code == check, err[-3000:]
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run

@@ -7,13 +7,12 @@ from __future__ import annotations
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
-import cogattn
 from cogattn.models import COGVIDEOX
 from cogattn.reference import naive_kind, naive_probs, select
 
 __all__ = ["KINDS", "QKSpy", "assert_matches_naive", "naive_kind", "naive_probs", "select"]
 
-KINDS = tuple(k for k in cogattn.KINDS if k not in COGVIDEOX.refused)  # every kind CogVideoX makes
+KINDS = COGVIDEOX.kinds()  # every kind CogVideoX makes
 
 
 class QKSpy:

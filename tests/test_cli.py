@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from PIL import Image
@@ -24,6 +23,7 @@ from cogattn.dump.config import CAPTURE_KEYS, DumpConfig, default_config, load_c
 from cogattn.dump.prompts import read_prompts
 from cogattn.estimate import estimate
 
+pytestmark = pytest.mark.usefixtures("forget_accelerate_state")  # every test of the module (conftest.py)
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "dump_maps.py"
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -37,29 +37,6 @@ def _in_tmp(tmp_path, monkeypatch):
     """Each test runs in its own folder, with tracebacks of failed prompts on stderr."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COGATTN_DEBUG", "1")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _forget_accelerate_state():
-    """``main`` sets up accelerate's process state (a singleton); later test files start without it."""
-    yield
-    from accelerate import PartialState
-
-    PartialState._reset_state()
-
-
-@pytest.fixture
-def dump(capsys):
-    """``main(argv)`` in this process: its exit code, stdout and stderr."""
-
-    def run(*args, check=None):
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        if check is not None:
-            assert code == check, err[-3000:]
-        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
 
 
 def _run_once(save_dir: Path, *args) -> Path:

@@ -5,7 +5,6 @@ the Wan rules of the config. In-process through ``main(argv)``, as tests/test_cl
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -17,10 +16,10 @@ import torch
 from PIL import Image
 
 import cogattn
-from cogattn.dump import main
 from cogattn.dump.config import load_config
 from cogattn.testing import tiny_wan_pipeline
 
+pytestmark = pytest.mark.usefixtures("forget_accelerate_state")  # every test of the module (conftest.py)
 ROOT = Path(__file__).resolve().parents[1]
 TINY_WAN = ROOT / "configs" / "tiny-wan.yaml"
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -37,29 +36,6 @@ def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("COGATTN_DEBUG", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _forget_accelerate_state():
-    """``main`` sets up accelerate's process state (a singleton); later test files start without it."""
-    yield
-    from accelerate import PartialState
-
-    PartialState._reset_state()
-
-
-@pytest.fixture
-def dump(capsys):
-    """``main(argv)`` in this process: its exit code, stdout and stderr."""
-
-    def run(*args, check=None):
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        if check is not None:
-            assert code == check, err[-3000:]
-        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
 
 
 def wan21_image_to_video():
@@ -173,33 +149,7 @@ def test_tiny_wan_text_to_video_writes_the_maps_of_a_direct_recording(tmp_path, 
         assert meta["head_table"] == "heads.csv" and (d / "heads.csv").is_file()
 
 
-@pytest.fixture
-def no_ftfy(monkeypatch):
-    """diffusers' WanImageToVideoPipeline cleans prompts with ftfy (not installed here) without checking it is."""
-    from diffusers.pipelines.wan import pipeline_wan_i2v
-
-    monkeypatch.delattr(pipeline_wan_i2v, "ftfy", raising=False)
-    return pipeline_wan_i2v
-
-
-@pytest.fixture
-def ftfy(no_ftfy, monkeypatch):
-    """An identity ftfy for it (the prompts here need no fixing)."""
-    monkeypatch.setattr(no_ftfy, "ftfy", SimpleNamespace(fix_text=lambda text: text), raising=False)
-
-
-def test_wan_image_to_video_without_ftfy_is_refused_before_anything_loads(tmp_path, dump, no_ftfy):
-    out = tmp_path / "runs"
-    sets = [f"prompts={_one_prompt(tmp_path, image=True)}", "task=image-to-video", f"save_dir={out}"]
-    message = "task image-to-video with Wan needs ftfy (pip install ftfy), which its pipeline cleans prompts with."
-    dry = dump(TINY_WAN, *(a for s in sets for a in ("--set", s)), "--dry-run", check=0)
-    assert dry.stdout.splitlines()[-1] == f"note: {message}"  # a plan is made all the same
-    proc = dump(TINY_WAN, *(a for s in sets for a in ("--set", s)), check=2)
-    assert proc.stderr.strip() == f"dump_maps: {message}"
-    assert not out.exists()
-
-
-def test_tiny_wan_image_to_video(tmp_path, dump, ftfy):
+def test_tiny_wan_image_to_video(tmp_path, dump):
     out = tmp_path / "runs"
     kinds = ("frame", "entropy")  # self-attention: the tiny pipeline has no image cross-attention of its own
     sets = [f"prompts={_one_prompt(tmp_path, image=True)}", "task=image-to-video", "previews=false",
@@ -210,7 +160,7 @@ def test_tiny_wan_image_to_video(tmp_path, dump, ftfy):
     _check_prompt(folder, tiny_wan_pipeline("image-to-video"), kinds, 2)
 
 
-def test_a_wan_image_to_video_checkpoint_records_the_image_cross_attention(tmp_path, dump, checkpoints, ftfy):
+def test_a_wan_image_to_video_checkpoint_records_the_image_cross_attention(tmp_path, dump, checkpoints):
     out = tmp_path / "runs"
     kinds = ("frame", "video_to_text", "video_to_image")
     folder, pipe = checkpoints["image-to-video"]

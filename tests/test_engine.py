@@ -6,11 +6,12 @@ from reference import assert_topk, naive_kind, naive_probs
 
 from cogattn.engine import capture
 from cogattn.layout import TokenLayout
+from cogattn.models import COGVIDEOX
 from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
 
 LAYOUTS = [TokenLayout(8, 3, 3, 5), TokenLayout(5, 2, 7, 3), TokenLayout(3, 1, 1, 1)]
-KINDS = [k for k in REDUCERS if k != "video_to_image"]  # CogVideoX-style joint attention
+KINDS = list(COGVIDEOX.kinds())  # the kinds of a joint text + video attention
 SIZES = dict(block_size=7, topk=4)  # blocks that do not divide S; fewer than S keys kept
 
 

@@ -106,20 +106,6 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
     return result
 
 
-def _missing_package(cfg: DumpConfig) -> str | None:
-    """What a run lacks that a plan does not: diffusers' ``WanImageToVideoPipeline`` cleans every prompt
-    with ftfy, without the guard its ``WanPipeline`` has, so without ftfy every prompt would fail."""
-    if cfg.family != "wan" or cfg.task != "image-to-video":
-        return None
-    from diffusers.pipelines.wan import pipeline_wan_i2v
-
-    try:
-        pipeline_wan_i2v.basic_clean("x")
-    except NameError:
-        return "task image-to-video with Wan needs ftfy (pip install ftfy), which its pipeline cleans prompts with."
-    return None
-
-
 def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
     """Generate the prompts not yet complete (this process's share under ``accelerate launch``)."""
     from accelerate import PartialState
@@ -168,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config, args.overrides)
         prompts = read_prompts(cfg)
         result = plan(cfg, prompts)
-        missing = _missing_package(cfg)
     except (ConfigError, ValueError, TypeError) as err:
         print(f"{PROG}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -182,12 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.num_frames} frames at {cfg.height}×{cfg.width} -> {cfg.save_dir}"
         )
         print(result.table())
-        if missing:
-            print(f"note: {missing}")
         return 0
-    if missing:
-        print(f"{PROG}: {missing}", file=sys.stderr)
-        return 2
     try:
         return _run(cfg, prompts)
     except ConfigError as err:  # found once the pipeline is loaded (guidance_scale_2 with one expert)
