@@ -1,17 +1,18 @@
 """Spot checks: every capture verifies its fast method against exact float32 rows, wherever it runs.
 
 The fast methods (the fused SDPA pass, the Triton kernel, the output call's lse and sums) run kernels
-no test here sees on a user's GPU. At the first capture of each (device, dtype, method, shape) in a
-process, and again with a small probability after, a :class:`RowProbe` keeps what the method produced
-for a few query rows (2 text and 6 video tokens, all selected heads), and :class:`Verifier` recomputes
-those rows exactly: float32 ``softmax(q·kᵀ·scale)`` from the same q and k, pooled with each kind's own
-key groups. A disagreement beyond :data:`TOLERANCE` is warned about once, the layer call's maps are
-recomputed with row tiles (nothing wrong is stored), and that shape stays on row tiles. The opt-in
-``layer_output`` modes are checked the same way against the stock SDPA call, and fall back to it.
+no test here sees on a user's GPU. Every recording checks the first capture of each (device, dtype,
+method, shape, kind) itself, and again a small share of later ones: a :class:`RowProbe` keeps what the
+method produced for a few query rows (2 text and 6 video tokens, all selected heads), and
+:class:`Verifier` recomputes those rows exactly: float32 ``softmax(q·kᵀ·scale)`` from the same q and k,
+pooled with each kind's own key groups. Each kind is held to its bound (:func:`bound`). A disagreement
+is warned about once, the layer call's maps are recomputed with row tiles (nothing wrong is stored),
+and that shape stays on row tiles. The opt-in ``layer_output`` modes are checked the same way against the
+stock SDPA call, and fall back to it.
 
-Which shapes were checked, and which failed, is process-wide by design (:data:`SEEN`, :data:`ROWS_ONLY`,
-:data:`STOCK_OUTPUT`): the kernels are the process's, so a later recording never returns to a method that
-failed.
+Which shapes failed is process-wide by design (:data:`ROWS_ONLY`, :data:`STOCK_OUTPUT`): the kernels are
+the process's, so a later recording never returns to a method that failed. Which were checked is each
+recording's own, so every run holds its own evidence.
 """
 
 from __future__ import annotations
@@ -33,25 +34,61 @@ __all__ = [
     "RECHECK_RATE",
     "TOLERANCE",
     "RowProbe",
+    "bound",
+    "error_units",
+    "output_kinds",
     "SpotCheck",
     "Verifier",
     "probe_rows",
 ]
 
-# Largest allowed |fast − exact| for a probability or a pooled sum (each ≤ 1), or relative to an entropy. Every method computes
-# them in float32 from q and k converted exactly to float32: within 1e-5 (on GPUs, float32 fused kernels
-# may run with 3×TF32, about 1e-6 relative). Maps made from an opt-in output call in a 16-bit model
-# carry that kernel's precision: the joint call's sums are rounded to the model's dtype per query row,
-# and the flash kernel's lse is off by a few 1e-5 (measured by the self-test): half an ulp at 1.
+# Largest allowed |fast − exact| for a probability or a pooled sum (each ≤ 1); for `entropy` and `received`
+# in the units :func:`bound` gives. Every method computes them in float32 from q and k converted exactly
+# to float32: within 1e-5 (on GPUs, float32 fused kernels may run with 3×TF32, about 1e-6 relative). Maps
+# made from an opt-in output call in a 16-bit model carry that kernel's precision: the joint call's sums
+# are rounded to the model's dtype per query row, and the flash kernel's lse is off by a few 1e-5
+# (measured by the self-test): half an ulp at 1.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
 OUTPUT_MAPS_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 # Largest allowed |opt-in output − stock output|, relative to the stock output's largest entry: a few
 # roundings in the model's dtype.
 OUTPUT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}
-RECHECK_RATE = 0.01  # after the first check of a shape, the share of captures checked again
-SEEN: set[tuple] = set()  # (device, dtype, method, shape) checked in this process
+RECHECK_RATE = 0.01  # after a recording's first check of a shape and kind, the share of captures checked again
 ROWS_ONLY: set[tuple] = set()  # (device, dtype, S, heads, D) whose fast method failed: row tiles from now on
 STOCK_OUTPUT: set[tuple] = set()  # (device, dtype, mode, shape) whose opt-in output failed: the stock call
+
+
+def bound(kind: str, dtype: torch.dtype, made_from_output: bool) -> float:
+    """The documented bound of a kind (README, "Exactness"; docs/design.md, "Spot checks"), in its units.
+
+    Probabilities and pooled sums: absolute. ``entropy``: per unit of ``max(1, |lse_i|)``, the row's
+    log-sum-exp of scaled scores (``lse − scale·q·(PK)`` cancels two numbers of that size). ``received``:
+    per unit of ``max(1, Σ_i P[i, j]·max(1, |lse_i|))`` (each term ``exp(s − lse)`` carries a float32
+    rounding of its exponent, of the size of ``|lse_i|``). ``made_from_output``: the kind was made from what
+    a model-dtype output call brought (its lse or sums), held to :data:`OUTPUT_MAPS_TOLERANCE` (half an ulp
+    at 1 in a 16-bit model) instead of :data:`TOLERANCE`."""
+    return (OUTPUT_MAPS_TOLERANCE if made_from_output else TOLERANCE).get(dtype, 1e-5)
+
+
+def output_kinds(layer_output: str) -> tuple[str, ...]:
+    """The kinds that may be made from what an opt-in output call brought, held to
+    :data:`OUTPUT_MAPS_TOLERANCE` in a 16-bit model: single keys (``video_to_text``) and ``received`` from
+    its lse (when no float32 pass gave one), and with ``"joint"`` the multi-key groups from its sums."""
+    if layer_output == "stock":
+        return ()
+    return ("video_to_text", "received") + (("frame", "query_frame", "block") if layer_output == "joint" else ())
+
+
+def error_units(kind: str, probs: torch.Tensor, lse: torch.Tensor) -> torch.Tensor | None:
+    """What an error of ``kind`` is divided by before it is compared with :func:`bound`, from float
+    probabilities ``probs`` ``(..., R, S)`` and the rows' lse ``(..., R)``: per row for ``entropy``
+    ``(..., R)``, per key for ``received`` ``(..., S)``; `None` for kinds whose error is absolute."""
+    per_row = lse.abs().clamp(min=1)
+    if kind == "entropy":
+        return per_row
+    if kind == "received":
+        return (probs * per_row[..., None]).sum(-2).clamp(min=1)
+    return None
 
 
 def probe_rows(layout: TokenLayout, count: int = 8) -> torch.Tensor:
@@ -64,11 +101,14 @@ def probe_rows(layout: TokenLayout, count: int = 8) -> torch.Tensor:
 
 
 class RowProbe:
-    """The key-pooled values a method produced for ``rows``, per kind: ``(H, len(rows), C)`` float32."""
+    """The key-pooled values a method produced for ``rows``, per kind: ``(H, len(rows), C)`` float32. For
+    ``received``, which has no per-query value, the rows' lse its pass used ``(H, len(rows), 1)``, and
+    ``lse_from_output`` says whether that was the output call's (else a float32 pass's)."""
 
     def __init__(self, rows: torch.Tensor, num_heads: int):
         self.rows, self.num_heads = rows, num_heads
         self.values: dict[str, torch.Tensor] = {}
+        self.lse_from_output = False
 
     def take(self, red: Reducer, h0: int, r0: int, values: torch.Tensor) -> None:
         """Keep what of ``values`` ``(h, r, C)`` (heads ``h0:``, query rows ``r0:``) falls on the probe's rows."""
@@ -112,16 +152,19 @@ class Verifier:
         self.enabled = enabled
         self.checks: list[SpotCheck] = []
         self.rows_only, self.stock_output = ROWS_ONLY, STOCK_OUTPUT
+        self.seen: set[tuple] = set()  # (device, dtype, method, shape, kind) this recording checked
         self._rng = random.Random(seed)
 
-    def due(self, key: tuple) -> bool:
-        """Whether the capture (or output call) of ``key`` is checked now: the first time this process sees
-        the key, then at :data:`RECHECK_RATE` of the calls. Keys name the device, dtype, method (or output
-        mode) and shape; the row-tile method is the exact one the checks compare with, and is not checked."""
+    def due(self, key: tuple, kinds: tuple[str, ...] = ("",)) -> bool:
+        """Whether the capture (or output call) of ``key`` serving ``kinds`` is checked now: when this
+        recording has not yet checked ``key`` for one of the kinds, else at :data:`RECHECK_RATE` of the
+        calls. Keys name the device, dtype, method (or output mode) and shape; the row-tile method is the
+        exact one the checks compare with, and is not checked."""
         if not self.enabled:
             return False
-        if key not in SEEN:
-            SEEN.add(key)
+        new = {(*key, kind) for kind in kinds} - self.seen
+        if new:
+            self.seen |= new
             return True
         return self._rng.random() < RECHECK_RATE
 
@@ -129,16 +172,13 @@ class Verifier:
         """Compare the probes (``(batch item, RowProbe)`` pairs) with exact float32 rows of ``q`` and ``k``
         ``(B, H, S, D)`` (``heads``: the selected heads, `None` for all, in order); record and return the check.
 
-        Each kind is held to its own tolerance: :data:`TOLERANCE` for what float32 passes made,
-        :data:`OUTPUT_MAPS_TOLERANCE` for what a 16-bit output call's lse or sums made (single keys with
-        its lse, multi-key groups from the joint call); an entropy's error counts per unit of
-        ``max(1, |lse|)`` (``lse − scale·q·(PK)`` cancels two numbers of that size). ``received`` has no
-        per-query value: its swapped pass runs on the probe rows with their exact lse, against the
-        column sums of those rows. The check keeps the worst error relative to its tolerance."""
-        from_output = method.startswith("joint") or "output call" in method
-        strict = TOLERANCE.get(q.dtype, 1e-5)
-        loose = OUTPUT_MAPS_TOLERANCE.get(q.dtype, 1e-5) if from_output else strict
-        worst = (0.0, 0.0, strict)  # (error / tolerance, error, tolerance)
+        Each kind is held to its :func:`bound`, in its units (:func:`error_units`): what a 16-bit output
+        call's lse or sums made (single keys and ``received`` from its lse, multi-key groups from the joint
+        call) to :data:`OUTPUT_MAPS_TOLERANCE`, the rest to :data:`TOLERANCE`. ``received`` has no per-query
+        value: its swapped pass runs on the probe rows with the lse the capture used for them, against the
+        column sums of those rows, so the check covers that lse too. The check keeps the worst error
+        relative to its bound."""
+        worst = (0.0, 0.0, TOLERANCE.get(q.dtype, 1e-5))  # (error / bound, error, bound)
         for b, probe in probes:
             qb = q[b] if heads is None else q[b].index_select(0, heads.to(q.device))
             kb = k[b] if heads is None else k[b].index_select(0, heads.to(k.device))
@@ -146,24 +186,27 @@ class Verifier:
             logits = (q_rows @ kb.float().transpose(1, 2)) * scale
             lse, probs = torch.logsumexp(logits, -1), torch.softmax(logits, -1)
             for red in reducers:
-                if red.stat == "received":
-                    got = passes.received_pass(q_rows, kb.float(), lse, scale)
-                    error, tol = (got - probs.sum(1)).abs().max().item(), strict
-                elif red.key_groups is None and red.stat != "entropy":
+                if red.key_groups is None and red.stat is None:
                     continue  # row kinds are exact rows
+                got = probe.values.get(red.kind)
+                if red.stat == "received":
+                    exact, from_output = probs.sum(1), probe.lse_from_output
+                    if got is not None:
+                        got = passes.received_pass(q_rows, kb.float(), got[..., 0].to(q.device), scale)
                 else:
-                    exact, got = red.from_rows(probs).cpu(), probe.values.get(red.kind)
-                    if got is None:
-                        error, tol = float("nan"), strict  # a gap fails
-                    elif red.stat == "entropy":
-                        error, tol = (
-                            ((got - exact).abs() / lse.cpu().abs().clamp(min=1)[..., None]).max().item(),
-                            strict,
-                        )
-                    else:
-                        single = red.key_groups.single_keys
-                        tol = loose if (single or method.startswith("joint")) else strict
-                        error = (got - exact).abs().max().item()
+                    exact = red.from_rows(probs)
+                    single = red.key_groups is not None and red.key_groups.single_keys
+                    joint_sums = red.key_groups is not None and not single and method.startswith("joint")
+                    from_output = joint_sums or (single and probe.lse_from_output)
+                tol = bound(red.kind, q.dtype, from_output)
+                units = error_units(red.stat or red.kind, probs, lse)
+                if got is None:
+                    error = float("nan")  # a gap fails
+                else:
+                    diff = (got.cpu() - exact.cpu()).abs()
+                    if units is not None:
+                        diff = diff / units.cpu().reshape(*units.shape, *[1] * (diff.dim() - units.dim()))
+                    error = diff.max().item()
                 if error != error or error / tol > worst[0]:
                     worst = (float("inf") if error != error else error / tol, error, tol)
         _, error, tolerance = worst

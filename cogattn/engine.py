@@ -341,11 +341,12 @@ def pooled_pass(
         # float32 q and k of the chunk for an attention pass; without one, single keys copy only their rows
         qf, kf = (q.chunk(h0, h1)[None], k.chunk(h0, h1)[None]) if needs_qk else (None, None)
         lse = None if given_lse is None else given_lse[None, h0:h1].float()  # the output kernel's, when given
+        lse_from_output = given_lse is not None
         if entropy:
             values, pass_lse = passes.entropy_pass(qf, kf, scale)
             for red, o in entropy:
                 _fold(red, o, h0, 0, values[..., None], probe)
-            lse = pass_lse  # a float32 pass's lse: more precise than a 16-bit output call's
+            lse, lse_from_output = pass_lse, False  # a float32 pass's lse: more precise than a 16-bit output call's
             del values
         sums = None
         if multi and given_sums is not None:
@@ -357,11 +358,13 @@ def pooled_pass(
             del qm, km
         elif multi or (lse is None and (single or received)):
             sums, pass_lse = passes.indicator_sums(qf, kf, indicator, n_calls, scale)
-            lse = pass_lse  # a float32 pass's, as above
+            lse, lse_from_output = pass_lse, False  # a float32 pass's, as above
         if multi:
             for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
                 _fold(red, o, h0, 0, sums[..., c0:c1], probe)
         del sums
+        if probe is not None:
+            probe.lse_from_output = lse_from_output
         for red, o in single:
             keys = red.key_groups.keys.to(q.device)
             k_sel = kf[0][:, keys] if needs_qk else k.chunk(h0, h1, keys)  # (h, C, D)
@@ -369,6 +372,8 @@ def pooled_pass(
         if received:
             sums = passes.received_pass(qf[0], kf[0], lse[0], scale)
             for red, o in received:
+                if probe is not None:  # no per-query value: the check takes the lse this pass used
+                    probe.take(red, h0, 0, lse[0][..., None])
                 red.fold_received(o, h0, sums)
             del sums
         del qf, kf, lse

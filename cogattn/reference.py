@@ -2,7 +2,8 @@
 taken from it by plain indexing (the definitions in docs/design.md).
 
 It forms the full S × S probabilities, so it is for small sequences only: the tests, and
-``python -m cogattn.selftest``. It shares no code with the engine or the reducers.
+``python -m cogattn.selftest``. It shares no code with the engine or the reducers (it takes only the
+units of the bounds from :mod:`cogattn.checks`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import math
 
 import torch
 
-__all__ = ["kind_error", "naive_context", "naive_kind", "naive_probs", "select"]
+from .checks import error_units  # the units of the documented bounds: the spot checks' own
+
+__all__ = ["kind_error", "naive_context", "naive_kind", "naive_lse", "naive_probs", "select"]
 
 
 def naive_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -19,6 +22,14 @@ def naive_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) ->
     q, k = q.double(), k.double()
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1)
+
+
+def naive_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``(..., S)`` float64 log-sum-exp of each row of ``q kᵀ · scale`` (the units of the bounds of ``entropy``
+    and ``received``: :func:`cogattn.checks.error_units`)."""
+    q, k = q.double(), k.double()
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.logsumexp(q @ k.transpose(-1, -2) * scale, dim=-1)
 
 
 def naive_kind(
@@ -77,11 +88,15 @@ def select(x: torch.Tensor, batch, heads) -> torch.Tensor:
     return x[:, list(heads)]
 
 
-def kind_error(got, P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], queries=None, **sizes) -> float:
+def kind_error(
+    got, P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], queries=None, lse=None, **sizes
+) -> float:
     """Largest error of a result ``got`` (as ``get`` returns it, ``(B, H, ...)``) against :func:`naive_kind` of
-    ``P`` ``(B, H, S, S)``: absolute for probabilities and sums, relative to ``max(1, |H|)`` for ``entropy``;
-    for ``topk`` the values, and the probabilities at the returned key tokens (equal probabilities may come
-    in either order)."""
+    ``P`` ``(B, H, S, S)``: absolute for probabilities and sums; for ``entropy`` and ``received``, given the
+    rows' ``lse`` ``(B, H, S)`` (:func:`naive_lse`), in the units of their documented bounds
+    (:func:`cogattn.checks.error_units`), else relative to ``max(1, |H|)`` for ``entropy`` and absolute for
+    ``received``; for ``topk`` the values, and the probabilities at the returned key tokens (equal
+    probabilities may come in either order)."""
     if kind == "topk":
         values, indices = got
         ref = P.topk(values.shape[-1], dim=-1).values
@@ -90,4 +105,6 @@ def kind_error(got, P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, in
     if tuple(got.shape) != tuple(ref.shape):
         raise ValueError(f"{kind}: shape {tuple(got.shape)}, the reference's {tuple(ref.shape)}")
     error = (got.double() - ref).abs()
+    if lse is not None and kind in ("entropy", "received"):
+        return (error / error_units(kind, P, lse)).max().item()
     return (error / ref.abs().clamp(min=1) if kind == "entropy" else error).max().item()

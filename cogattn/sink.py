@@ -112,7 +112,8 @@ class CaptureSink:
             method = "auto"
         tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None)
         heads = None if all_heads else torch.tensor(res.heads, device=query.device)
-        checked = tiles.method != "rows" and self._verifier.due((*shape[:2], tiles.method, shape[2:]))
+        kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
+        checked = tiles.method != "rows" and self._verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
         rows = probe_rows(res.layout) if checked else None
         args = (query, key, items, reducers)
         outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self._timed, rows)

@@ -3,10 +3,11 @@ exact row tiles, so nothing wrong is stored; an opt-in output call that is wrong
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
-from reference import QKSpy, assert_matches_naive
+from reference import QKSpy, assert_matches_naive, naive_kind, naive_probs
 from tiny_calls import generate
 
 import cogattn
@@ -21,7 +22,7 @@ QUERIES = [0, (1, 2, 4)]
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch):
     """Every test starts as a new process would: no shape checked yet, none failed."""
-    for name in ("SEEN", "ROWS_ONLY", "STOCK_OUTPUT"):
+    for name in ("ROWS_ONLY", "STOCK_OUTPUT"):
         monkeypatch.setattr(checks, name, set())
 
 
@@ -33,7 +34,7 @@ def _record(pipe, **kw):
     return rec, spy, video
 
 
-def test_every_fast_method_is_checked_once_per_shape_and_passes(tmp_path):
+def test_every_recording_checks_each_fast_method_once_per_shape_and_passes(tmp_path):
     pipe = tiny_pipeline(num_heads=3)
     rec, spy, _ = _record(pipe, save_dir=tmp_path / "run")
     assert [(c.step, c.layer, c.what, c.device, c.dtype, c.rows) for c in rec.checks] == [
@@ -43,8 +44,8 @@ def test_every_fast_method_is_checked_once_per_shape_and_passes(tmp_path):
     assert check.passed and check.max_error <= 1e-6 and check.tolerance == 1e-5
     assert json.loads((tmp_path / "run" / "run.json").read_text())["checks"] == [check.asdict()]
     assert_matches_naive(rec, spy, [1], "all", kinds=KINDS, queries=QUERIES)
-    rec, _, _ = _record(pipe)  # the same shape in the same process: not checked again (but 1% of captures)
-    assert rec.checks == []
+    again, _, _ = _record(pipe)  # the same shape in the same process: this recording checks it itself
+    assert [(c.step, c.layer, c.what, c.passed) for c in again.checks] == [(0, 0, "sdpa", True)]
 
 
 def test_rows_are_not_checked_and_verify_false_checks_nothing():
@@ -144,3 +145,83 @@ def test_lse_only_honours_the_scale():
     for scale in (0.3, 1 / math.sqrt(16)):
         expected = torch.logsumexp(q @ k.transpose(-1, -2) * scale, -1)
         assert (attention.lse_only(q, k, scale) - expected).abs().max() < 1e-5
+
+
+def test_a_kind_first_served_by_a_later_recording_is_checked(monkeypatch):
+    """A recording of ``frame`` checks the shape; a later one of ``entropy`` from a broken pass of the same
+    shape is still checked, caught, and stores exact entropy."""
+    pipe = tiny_pipeline(num_heads=3)
+    rec, _, _ = _record(pipe)
+    assert [c.passed for c in rec.checks] == [True]
+    real = cogattn.passes.entropy_pass
+    monkeypatch.setattr(cogattn.passes, "entropy_pass", lambda *a: (lambda e, lse: (e + 0.5, lse))(*real(*a)))
+    spy = QKSpy(pipe.transformer)
+    with pytest.warns(UserWarning, match="spot check failed: sdpa"):
+        with cogattn.record(pipe, kinds="entropy", heads="all", method="sdpa") as later:
+            generate(pipe, steps=2)
+    spy.remove()
+    assert [c.passed for c in later.checks] == [False] and later.checks[0].max_error > 0.1
+    assert_matches_naive(later, spy, [1], "all", kinds=("entropy",))
+
+
+def test_the_lse_received_takes_from_another_pass_is_checked(monkeypatch):
+    """``received`` alone takes its rows' lse from a pass of its own; a wrong lse there is caught."""
+    real = cogattn.passes.indicator_sums
+    monkeypatch.setattr(cogattn.passes, "indicator_sums", lambda *a: (lambda s, lse: (s, lse + 0.1))(*real(*a)))
+    pipe = tiny_pipeline(num_heads=3)
+    spy = QKSpy(pipe.transformer)
+    with pytest.warns(UserWarning, match="spot check failed: sdpa"):
+        with cogattn.record(pipe, kinds="received", heads="all", method="sdpa") as rec:
+            generate(pipe, steps=2)
+    spy.remove()
+    (check,) = rec.checks
+    assert not check.passed and check.max_error > 1e-3
+    assert_matches_naive(rec, spy, [1], "all", kinds=("received",))
+    S = rec.layout.seq_len
+    assert abs(rec.get("received", 1, 1).sum(-1) - S).max() < 1e-3  # every row's mass: S in all
+
+
+@pytest.mark.parametrize("peak", [30.0, 200.0, 465.0, 800.0])
+def test_received_and_entropy_bounds_scale_with_lse(peak):
+    """Peaked attention (|lse| up to ``peak``): the fused passes are exact to what float32 can do, so the
+    spot check passes, and every method stays within the documented bound against float64."""
+    H, S, D, T = 2, 61, 16, 5
+    layout = cogattn.TokenLayout(T, 2, 4, 7)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(1, H, S, D, generator=gen), dim=-1) * peak**0.5 * D**0.25
+    k = q + 0.01 * torch.randn(1, H, S, D, generator=gen)  # each query finds its own key: logits near peak
+    P = naive_probs(q, k)[0]
+    lse = torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * D**-0.5, -1)[0]
+    assert lse.abs().max() > 0.9 * peak
+    reducers = [cogattn.reducers.REDUCERS[kind](layout, H, False) for kind in ("entropy", "received")]
+    for method in ("sdpa", "rows"):
+        plan = cogattn.planner.plan_tiles(reducers, S, H, D, 2**30, method, "cpu")
+        outs, _, probes = cogattn.engine.capture_items(q, k, [0], reducers, plan, probe_rows=checks.probe_rows(layout))
+        for red, out in zip(reducers, outs):
+            exact = naive_kind(P[None], red.kind, T, layout.grid)[0]
+            units = checks.error_units(red.kind, P, lse)
+            error = ((out[0].double() - exact).abs() / units).max().item()
+            assert error <= checks.bound(red.kind, torch.float32, False), (method, red.kind, error)
+        if method == "sdpa":
+            check = checks.Verifier(True).check_maps(probes, q, k, None, reducers, 0, 0, method, D**-0.5)
+            assert check.passed, check
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.02])
+def test_received_from_a_16_bit_output_calls_lse_is_held_to_its_bound(monkeypatch, corrupt):
+    """bf16 with ``layer_output="lse"``: ``received`` takes the output call's lse, and its check takes that lse
+    too, held to half an ulp at 1 (in received's units): an lse off by 0.02 is caught, none stored."""
+    real = cogattn.sink.attention_with_lse
+    monkeypatch.setattr(cogattn.sink, "attention_with_lse", lambda *a: (lambda o, lse: (o, lse + corrupt))(*real(*a)))
+    pipe = tiny_pipeline(num_heads=3, dtype=torch.bfloat16)
+    spy = QKSpy(pipe.transformer)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with cogattn.record(pipe, kinds="received", heads="all", layer_output="lse", method="sdpa") as rec:
+            generate(pipe, steps=2)
+    spy.remove()
+    maps = [c for c in rec.checks if c.what != "layer_output=lse"]
+    assert [c.what for c in maps] == ["sdpa, lse of the output call"] and maps[0].tolerance == 2**-8
+    failed = [w for w in seen if "spot check failed" in str(w.message)]
+    assert maps[0].passed == (not failed) == (corrupt == 0), maps
+    assert_matches_naive(rec, spy, [1], "all", kinds=("received",), tol=2**-8 if corrupt == 0 else 1e-5)

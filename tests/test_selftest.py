@@ -3,8 +3,10 @@
 import json
 
 import pytest
+import torch
 
 import cogattn.attention as attention
+import cogattn.checks as checks
 from cogattn.selftest import main
 
 
@@ -24,6 +26,12 @@ def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys, dtype
     assert combos == {("rows", "stock"), ("sdpa", "stock"), ("auto", "lse"), ("auto", "joint")}
     assert all(r["bit_identical"] for r in tiny) and all(r["max_error"] <= r["tolerance"] for r in tiny)
     assert report["dtype"] == dtype
+    # every kind is held to its documented bound: half an ulp at 1 only where made from the output call
+    torch_dtype = getattr(torch, dtype)
+    for r in rows:
+        if r["part"].startswith("layer") and r["kind"] != "output":
+            expect = checks.bound(r["kind"], torch_dtype, r["kind"] in checks.output_kinds(r["output"]))
+            assert r["tolerance"] == expect, r
 
 
 @pytest.mark.parametrize("corrupt", ["sums", "lse"])

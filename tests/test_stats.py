@@ -22,7 +22,7 @@ SIZES = dict(block_size=7, topk=5)
 
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch):
-    for name in ("SEEN", "ROWS_ONLY", "STOCK_OUTPUT"):
+    for name in ("ROWS_ONLY", "STOCK_OUTPUT"):
         monkeypatch.setattr(checks, name, set())
 
 
