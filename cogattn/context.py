@@ -2,7 +2,7 @@
 
 A cross-attention's softmax runs over its context keys alone (512 text tokens, 257 image tokens), so
 its probabilities are small rows: :func:`context_pass` forms them exactly, in float32, in tiles of
-heads × query rows that fit the memory budget, and folds them into the result; the full
+heads × query rows that fit the memory budget (:func:`cogattn.memory.context_tile`), and folds them into the result; the full
 ``(B, H, S, T)`` tensor is never held (docs/design.md, "The model seam").
 """
 
@@ -14,9 +14,7 @@ import torch
 
 from .reducers import REDUCERS, Reducer
 
-__all__ = ["ContextReducer", "VideoToImageReducer", "context_pass", "context_tile", "CONTEXT_REDUCERS"]
-
-_F32 = 4
+__all__ = ["ContextReducer", "VideoToImageReducer", "context_pass", "CONTEXT_REDUCERS"]
 
 
 class ContextReducer(Reducer):
@@ -56,28 +54,6 @@ class VideoToImageReducer(ContextReducer):
 CONTEXT_REDUCERS = {cls.kind: cls for cls in (ContextReducer, VideoToImageReducer)}
 
 
-def context_tile(
-    heads: int, queries: int, context: int, head_dim: int, budget: int, device="cpu"
-) -> tuple[int, int, int]:
-    """``(heads, rows, peak bytes)`` of the largest tile within ``budget``: float32 scores of ``heads ×
-    rows × context``, and the tile's float32 copies of q and of the heads' keys. On a CPU a tile is at
-    most ``cogattn.planner.CPU_ROW_TILE`` bytes, which stays in cache (docs/benchmarks.md)."""
-    from .planner import CPU_ROW_TILE
-
-    if torch.device(device).type == "cpu":
-        budget = min(budget, CPU_ROW_TILE)
-
-    def cost(h: int, r: int) -> int:
-        return _F32 * h * (r * context + r * head_dim + context * head_dim)
-
-    h = max(1, min(heads, budget // max(1, cost(1, queries))))
-    r = queries
-    if cost(h, r) > budget:
-        h = 1
-        r = max(1, min(queries, (budget // _F32 - context * head_dim) // (context + head_dim)))
-    return h, r, cost(h, r)
-
-
 @torch.no_grad()
 def context_pass(
     query: torch.Tensor,
@@ -85,7 +61,7 @@ def context_pass(
     items,
     reducers: list[ContextReducer],
     heads: torch.Tensor | None,
-    budget: int,
+    tile: tuple[int, int],
 ) -> list[torch.Tensor]:
     """Exact cross-attention probabilities ``softmax(q kᵀ / √D)`` of the batch ``items``, folded into each
     reducer.
@@ -96,7 +72,8 @@ def context_pass(
         items: batch items of ``query`` to compute.
         reducers (`list[ContextReducer]`): the kinds of this context.
         heads (`torch.Tensor | None`): the selected heads, `None` for all.
-        budget (`int`): bytes the transient tiles may take.
+        tile (`tuple[int, int]`): heads and query rows per tile, within the memory budget
+            (:func:`cogattn.memory.context_tile`, planned in :attr:`cogattn.planner.CapturePlan.context_tiles`).
 
     Returns:
         `list[torch.Tensor]`: one float32 ``(len(items), H_out, C, F, Hp, Wp)`` result per reducer.
@@ -104,10 +81,9 @@ def context_pass(
     from .engine import full_fp32_matmul
 
     _, H, V, D = query.shape
-    C = key.shape[2]
     n_heads = H if heads is None else len(heads)
     scale = 1.0 / math.sqrt(D)
-    hc, rc, _ = context_tile(n_heads, V, C, D, budget, query.device)
+    hc, rc = tile
     outs = [torch.zeros(r.shape(len(items)), device=query.device) for r in reducers]
     with full_fp32_matmul():
         for i, b in enumerate(items):

@@ -75,6 +75,12 @@ class Estimate:
             f"({self.record_bytes / 2**30:.2f} GiB)",
             f"predicted peak extra memory: {peak:,} bytes ({peak / 2**20:.1f} MiB; method {self.tiles.method})",
         ]
+        waiting = self.plan.waiting_bytes
+        if waiting:
+            lines.append(
+                f"  of which {waiting:,} bytes ({waiting / 2**20:.1f} MiB) of results wait in host memory for each "
+                "step's second call"
+            )
         return "\n".join(lines)
 
 
@@ -134,6 +140,7 @@ def estimate(
         num_steps=num_inference_steps,
         device=device,
         sources=spec.context_kinds,
+        calls_per_step=spec.guidance_calls if guidance else 1,
     )
     records = [(k, shape, b, n * num_prompts) for k, shape, b, n in plan.records(num_inference_steps)]
     return Estimate(plan, records)

@@ -13,14 +13,15 @@ are what the user asked for) but are reported with the plan.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels
+from . import kernels, memory
 from .attention import fused_lse_supported, joint_extra_bytes
-from .context import CONTEXT_REDUCERS, context_tile
+from .context import CONTEXT_REDUCERS
 from .layout import TokenLayout
+from .memory import CPU_ROW_TILE, context_tile, too_small, usable
 from .options import STORAGE_DTYPES, CaptureOptions, Resolved
 from .reducers import REDUCERS, Reducer
 from .run import record_file_bytes
@@ -37,11 +38,8 @@ __all__ = [
     "size_tiles",
 ]
 
-_F32 = 4
 _MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
-_RESERVE = 16 * 2**20  # at most this much of the budget is kept back as headroom
 POOLED_METHODS = ("sdpa", "triton", "timed", "joint")  # methods that serve key-pooled kinds without row tiles
-CPU_ROW_TILE = 8 * 2**20  # a CPU's row tile of scores: cache-sized (docs/benchmarks.md)
 # ``auto`` takes row tiles when the fused method needs this many passes or more: on a CPU one row pass
 # with every fold costs about two fused passes (docs/benchmarks.md); on a GPU the fused kernels keep P
 # out of memory, which row tiles write and read back, so rows win only against many passes.
@@ -156,9 +154,7 @@ def size_tiles(
         tile_cap (`int | None`): largest row tile of scores in bytes, one head at a time (the CPU's
             :data:`CPU_ROW_TILE`); `None` makes tiles as large as the budget allows (GPUs).
     """
-    # Headroom for what the model below leaves out (softmax row statistics, fold temporaries, kernel
-    # workspaces): measured at 1 GiB these add up to a few MiB.
-    budget, asked = budget - min(budget // 32, _RESERVE), budget
+    budget, asked = usable(budget), budget  # less the headroom (cogattn.memory)
     pooled = pooled_kinds(reducers)
     groups = [r.key_groups for r in pooled if r.key_groups is not None]
     stats = {r.stat for r in pooled if r.stat is not None}
@@ -173,10 +169,10 @@ def size_tiles(
     n_multi = sum(g.num_groups for g in groups if not g.single_keys)
 
     def row_bytes(h: int, r: int) -> int:
-        return _row_tile_bytes(h, r, S, D, row_cols, copies_inputs, received, mean_row * H)
+        return memory.row_tile_bytes(h, r, S, D, row_cols, copies_inputs, received, mean_row * H)
 
     def pooled_bytes(h: int, r: int) -> int:
-        return _pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, method == "joint", stats)
+        return memory.pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, method == "joint", stats)
 
     row_heads = row_rows = 0
     if row_sets:
@@ -185,7 +181,7 @@ def size_tiles(
             # Cache-sized tiles: one head's K stays in cache across its row tiles, and each tile is
             # written and read back from cache, not memory (3× faster than 1 GiB tiles on a CPU).
             row_heads = 1
-            row_rows = _largest(lambda r: row_bytes(1, r) <= budget and _F32 * r * S <= tile_cap, most_rows)
+            row_rows = _largest(lambda r: row_bytes(1, r) <= budget and 4 * r * S <= tile_cap, most_rows)
             row_rows = row_rows or _largest(lambda r: row_bytes(1, r) <= budget, 1)
         else:
             # All heads per tile (one pass folds the head mean) with a reasonable row count.
@@ -195,12 +191,12 @@ def size_tiles(
                     row_heads = h
                     break
         if row_rows == 0:
-            raise _too_small(asked, row_bytes(1, 1), S, D)
+            raise too_small(asked, row_bytes(1, 1), S, D)
     pooled_heads = pooled_rows = 0
     if pooled and method in POOLED_METHODS:  # the Triton pass holds less than the SDPA pass
         pooled_heads = _largest(lambda h: pooled_bytes(h, 1) <= budget, H)
         if pooled_heads == 0:
-            raise _too_small(asked, pooled_bytes(1, 1), S, D)
+            raise too_small(asked, pooled_bytes(1, 1), S, D)
         pooled_rows = _largest(lambda r: pooled_bytes(pooled_heads, r) <= budget, S) if n_single else S
     peak = max(
         row_bytes(row_heads, row_rows) if row_sets else 0,
@@ -226,36 +222,6 @@ def plan_tiles(
     return size_tiles(method, reducers, S, H, D, budget, copies_inputs, cap)
 
 
-def _row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool, received=False, mean_heads: int = 0) -> int:
-    # float32 K of the head chunk (when the input must be copied; of all ``mean_heads`` heads for head-mean
-    # rows, which revisit every head per row tile), the q rows, the scores (the softmax runs in place), the
-    # pooled sums, a column sum per head (received), the head-mean rows (topk of the mean)
-    k_copy = max(h, mean_heads) * S * D * copies
-    return _F32 * (k_copy + h * r * D + h * r * S + h * r * C + h * S * received + r * S * bool(mean_heads))
-
-
-def _pooled_bytes(
-    h: int, r: int, S: int, D: int, n_multi: int, n_single: int, copies: bool, joint: bool, stats=frozenset()
-) -> int:
-    # Phases of a head chunk, one after another: the entropy pass (its output), the multi-key sums, the
-    # single-key tiles, the received pass (the widened keys and queries and its output).
-    width = -(-(D + 1) // 8) * 8
-    stat_phases = [h * S * D + h * S] * ("entropy" in stats) + [3 * h * S * width + h * S + S * width] * (
-        "received" in stats
-    )
-    if joint:  # sums and lse came with the output: a float32 chunk of the sums, then the single-key tiles
-        held = h * S + h * D * n_single + 2 * h * S * D * copies * bool(stats)  # lse, single keys' k, q and k
-        return _F32 * (held + max(h * S * n_multi, h * r * (n_single + D * copies), *stat_phases))
-    # Held throughout: float32 q and k (when copied), the padded indicator (plus a per-call slice when
-    # there are several calls), lse. Then first the outputs (gathered in a buffer when there are several
-    # calls), freed before the single-key tiles of r rows.
-    calls = max(1, math.ceil(n_multi / D))
-    held = 2 * h * S * D * copies + S * D * (calls + (calls > 1)) + h * S
-    outputs = h * S * D * (calls + 1 if calls > 1 else 1)
-    single = h * r * n_single + h * D * n_single
-    return _F32 * (held + max(outputs, single, *stat_phases))
-
-
 def _largest(fits, upper: int) -> int:
     """Largest n in [1, upper] with fits(n) (fits is monotone), or 0."""
     lo, hi = 0, upper
@@ -266,15 +232,6 @@ def _largest(fits, upper: int) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _too_small(budget: int, need: int, S: int, D: int) -> ValueError:
-    # a budget whose part left after the reserve holds `need`
-    enough = need + _RESERVE if need + _RESERVE > 32 * _RESERVE else -(-need * 32 // 31) + 1
-    return ValueError(
-        f"memory_budget={budget} bytes is too small for one tile at sequence length S={S}, head dim {D}: "
-        f"the smallest tile needs {need} bytes. Raise memory_budget to at least {enough} (e.g. '1GiB')."
-    )
 
 
 # -- the whole capture ---------------------------------------------------------------------------------
@@ -291,7 +248,13 @@ class CapturePlan:
         joint_bytes (`int`): with ``layer_output="joint"``, what the widened output call holds beyond
             the stock call (:func:`cogattn.attention.joint_extra_bytes`); 0 otherwise.
         context (`list[Reducer]`): one per cross-attention kind (Wan's ``video_to_text``, ``video_to_image``).
-        context_bytes (`int`): peak bytes of a cross-attention tile (:func:`cogattn.context.context_tile`).
+        context_bytes (`int`): peak bytes of a cross-attention tile (:func:`cogattn.memory.context_tile`).
+        context_tiles (`dict[str, tuple[int, int]]`): heads and query rows per cross-attention tile, by
+            context (``"text"``, ``"image"``).
+        waiting_bytes (`int`): results that wait in host memory for the step's last call (Wan under
+            guidance, a selection spanning both halves): the earlier calls' items of every captured layer
+            (:mod:`cogattn.memory` says how they are bounded).
+        tile_budget (`int`): what the tiles may take: ``memory_budget``, less ``waiting_bytes`` on a CPU.
     """
 
     options: CaptureOptions
@@ -302,6 +265,9 @@ class CapturePlan:
     joint_bytes: int = 0
     context: tuple[Reducer, ...] = ()
     context_bytes: int = 0
+    context_tiles: dict[str, tuple[int, int]] = field(default_factory=dict)
+    waiting_bytes: int = 0
+    tile_budget: int = 0
 
     @property
     def layout(self) -> TokenLayout:
@@ -336,8 +302,10 @@ class CapturePlan:
     @property
     def peak_extra_memory(self) -> int:
         """Predicted peak memory capture adds to a generation: the tile working set (or, with
-        ``layer_output="joint"``, the widened output call when it is larger) plus one layer's results."""
-        return max(self.tiles.peak_bytes, self.joint_bytes, self.context_bytes) + self.result_bytes
+        ``layer_output="joint"``, the widened output call when it is larger), the results waiting for a
+        step's last call, and one layer's results."""
+        transient = max(self.tiles.peak_bytes, self.joint_bytes, self.context_bytes)
+        return transient + self.waiting_bytes + self.result_bytes
 
 
 @dataclass(frozen=True)
@@ -360,6 +328,7 @@ def plan_capture(
     num_steps: int | None,
     device,
     sources: dict[str, str] | None = None,
+    calls_per_step: int = 1,
 ) -> CapturePlan:
     """Plan a capture for a call of ``batch_size`` items on ``layout``; raises `ValueError` for what does not fit.
 
@@ -372,6 +341,9 @@ def plan_capture(
         device: where capture runs.
         sources (`dict[str, str] | None`): kinds made by a cross-attention → ``"text"`` or ``"image"``
             (:attr:`cogattn.models.ModelSpec.context_kinds`); the rest come from the self-attention.
+        calls_per_step (`int`, defaults to 1): transformer calls that share the ``batch_size`` items of a
+            step, the last call holding the first ``batch_size / calls_per_step`` (Wan under guidance: 2,
+            the conditional call first); the results of the earlier calls wait for the last.
     """
     num_heads, head_dim, dtype = model.num_heads, model.head_dim, model.dtype
     res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
@@ -396,18 +368,51 @@ def plan_capture(
     copies = dtype != torch.float32 or res.heads != tuple(range(num_heads))
     method = "joint" if options.layer_output == "joint" else options.method
     lse = options.layer_output == "lse"
-    budget = options.memory_budget
-    if reducers:
-        tiles = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, budget, method, device, copies, lse)
-    else:  # cross-attention kinds only: no self-attention pass
-        tiles = TilePlan("none", 0, 0, 0, 0, 0)
-    context_bytes = max(
-        (context_tile(len(res.heads), layout.video_len, r.context_len, head_dim, budget, device)[2] for r in context),
-        default=0,
-    )
+    layers = model.num_layers if options.layers == "all" else len(options.layers)
+    waiting = memory.waiting_bytes([*reducers, *context], res.batch, batch_size, calls_per_step, layers)
+    on_host = torch.device(device).type == "cpu"
+    budget = options.memory_budget - waiting * on_host  # on a CPU the waiting results and the tiles share it
+    available = None if on_host or not waiting else memory.host_available()
+    if available is not None and waiting > available:
+        raise ValueError(
+            f"the {waiting:,} bytes of results that wait in host memory for each step's second call (batch="
+            f"{options.batch!r} spans both of its calls, so every captured layer's first half waits) exceed the "
+            f"{available:,} bytes of host memory available; capture fewer layers or heads, or one half "
+            "(batch='cond' or 'uncond')."
+        )
+    try:
+        if reducers:
+            tiles = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, budget, method, device, copies, lse)
+        else:  # cross-attention kinds only: no self-attention pass
+            tiles = TilePlan("none", 0, 0, 0, 0, 0)
+        context_tiles, context_bytes = {}, 0
+        for r in context:
+            h, rows, peak = context_tile(len(res.heads), layout.video_len, r.context_len, head_dim, budget, device)
+            context_tiles[r.source], context_bytes = (h, rows), max(context_bytes, peak)
+    except ValueError as err:
+        if not waiting:
+            raise
+        raise ValueError(
+            f"memory_budget={options.memory_budget} bytes cannot hold the {waiting:,} bytes of results that wait in "
+            f"host memory for each step's second call (batch={options.batch!r} spans both of its calls, so every "
+            "captured layer's first half waits) and the tiles beside them. Raise memory_budget by that much, "
+            "capture fewer layers or heads, or one half (batch='cond' or 'uncond')."
+        ) from err
     joint_bytes = 0
     n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)
     if options.layer_output == "joint" and n_cols:
         elem = torch.empty((), dtype=dtype).element_size()
         joint_bytes = joint_extra_bytes(len(res.batch), num_heads, layout.seq_len, head_dim, n_cols, elem)
-    return CapturePlan(options, res, reducers, tiles, model.num_layers, joint_bytes, tuple(context), context_bytes)
+    return CapturePlan(
+        options,
+        res,
+        reducers,
+        tiles,
+        model.num_layers,
+        joint_bytes,
+        tuple(context),
+        context_bytes,
+        context_tiles,
+        waiting,
+        budget,
+    )

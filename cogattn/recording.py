@@ -64,7 +64,7 @@ class Recording(CaptureSink):
         self._tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method) of the calls seen
         self._timed = engine.TimedChoice()
         self._verifier = Verifier(self.options.verify)
-        self._pending: dict[tuple, list] = {}  # (kind, layer) → [result, items filled] across a step's calls
+        self._pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
         self._closed = False
         self._entered = False  # used as a context manager: a second generation raises instead of closing
         self._status = "running"
@@ -185,6 +185,7 @@ class Recording(CaptureSink):
             num_steps=num_steps,
             device=device,
             sources=self._spec.context_kinds,
+            calls_per_step=self._steps.calls_per_step,
         )
         if self.options.layer_output == "joint":
             indicator = engine.multi_key_indicator(self.plan.reducers, layout.seq_len, device)

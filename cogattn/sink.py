@@ -47,21 +47,25 @@ class CaptureSink:
         return [self.plan.resolved.batch[i] - offset for i in slots], slots
 
     def _put(self, kind: str, layer: int, out: torch.Tensor, slots: list[int]) -> None:
-        """Store ``out`` (the items ``slots`` of a result); a result split over a step's calls when whole,
-        kept in host memory until then (Wan runs every block for one call before the next call starts)."""
+        """Store ``out`` (the items ``slots`` of a result); a result split over a step's calls when whole.
+        Until then the parts wait in host memory, each its own size (Wan runs every block for one call
+        before the next call starts; :attr:`CapturePlan.waiting_bytes` counts them)."""
         n = len(self.plan.resolved.batch)
         if len(slots) == n:
             self._store.put(kind, self.step, layer, self.timesteps[-1], out)
             return
         key = (kind, layer)
-        if key not in self._pending or self._pending[key][2] != self.step:  # on the host: every layer waits
-            self._pending[key] = [torch.zeros((n, *out.shape[1:])), 0, self.step]
-        entry = self._pending[key]
-        entry[0][slots] = out.cpu()
-        entry[1] += len(slots)
-        if entry[1] == n:
+        if key not in self._pending or self._pending[key][0] != self.step:
+            self._pending[key] = [self.step]
+        parts = self._pending[key]
+        parts.append((slots, out.cpu()))
+        if sum(len(s) for s, _ in parts[1:]) == n:
             del self._pending[key]
-            self._store.put(kind, self.step, layer, self.timesteps[-1], entry[0])
+            whole = torch.empty((n, *out.shape[1:]))
+            for s, part in parts[1:]:
+                whole[s] = part
+            del parts
+            self._store.put(kind, self.step, layer, self.timesteps[-1], whole)
 
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """The output call of a captured layer: `None` for the stock call, else ``(output, lse, sums)``.
@@ -145,7 +149,7 @@ class CaptureSink:
             key = key.expand(query.shape[0], -1, -1, -1)
         items, slots = self._call_items()
         heads = None if res.heads == tuple(range(query.shape[1])) else torch.tensor(res.heads, device=query.device)
-        outs = context_pass(query, key, items, reducers, heads, self.options.memory_budget)
+        outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[context])
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots)
 
@@ -158,6 +162,6 @@ class CaptureSink:
     def _tiles_for(self, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False) -> TilePlan:
         key = (S, D, torch.device(device).type, copies, method, lse)
         if key not in self._tiles:
-            budget = self.options.memory_budget
+            budget = self.plan.tile_budget  # memory_budget less the results waiting for a step's last call
             self._tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse)
         return self._tiles[key]

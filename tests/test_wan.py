@@ -188,13 +188,13 @@ def assert_matches_spy(rec, spy, kinds, batch, heads, calls_per_step, tol=1e-5):
 # budget, methods
 CASES = {
     "t2v-all-all": (T2V, 1, torch.float32, {}, "all", [0, 1], "all", "1GiB", ("rows", "sdpa", "auto")),
-    "t2v-cond-h1-small": (T2V, 1, torch.float32, {}, "cond", [1], [1], 20_000, ("rows", "sdpa")),
-    "t2v-3x2-mean": (T2V, 1, torch.float32, dict(height=48, width=32), "auto", [1], "mean", 20_000, ("auto",)),
+    "t2v-cond-h1-small": (T2V, 1, torch.float32, {}, "cond", [1], [1], 40_000, ("rows", "sdpa")),
+    "t2v-3x2-mean": (T2V, 1, torch.float32, dict(height=48, width=32), "auto", [1], "mean", 40_000, ("auto",)),
     "t2v-noguidance": (T2V, 1, torch.float32, dict(guidance=1.0), "auto", [0], "all", "1GiB", ("sdpa",)),
     "t2v-2videos-list": (T2V, 1, torch.float32, dict(videos=2), [3, 0], [3, 0], [1], "1GiB", ("rows",)),
     "i2v-all-mean": (I2V, 1, torch.float32, {}, "all", [0, 1], "mean", "1GiB", ("rows", "sdpa", "auto")),
-    "i2v-cond-all-small": (I2V, 1, torch.float32, {}, "cond", [1], "all", 20_000, ("rows", "auto")),
-    "t2v-bf16": (T2V, 1, torch.bfloat16, {}, "all", [0, 1], "all", 20_000, ("rows", "sdpa", "auto")),
+    "i2v-cond-all-small": (I2V, 1, torch.float32, {}, "cond", [1], "all", 40_000, ("rows", "auto")),
+    "t2v-bf16": (T2V, 1, torch.bfloat16, {}, "all", [0, 1], "all", 250_000, ("rows", "sdpa", "auto")),
     "i2v-bf16": (I2V, 1, torch.bfloat16, {}, "cond", [1], "mean", "1GiB", ("auto",)),
     "t2v-2experts": (T2V, 2, torch.float32, dict(steps=3), "all", [0, 1], "all", "1GiB", ("sdpa",)),
 }
@@ -310,9 +310,27 @@ def test_estimate_released_wan_image_to_video():
         num_inference_steps=40,
         kinds=("video_to_image",),
         batch="all",
+        device="cuda",
     )
     assert (est.layout.grid, est.layout.image_len) == ((21, 30, 52), 257)
     assert [(k, s, n) for k, s, _, n in est.records] == [("video_to_image", (2, 1, 257, 21, 30, 52), 40 * 40)]
+    # the conditional call's item of each of the 40 layers waits for the unconditional call, in host memory
+    assert est.plan.waiting_bytes == 40 * 4 * 257 * 32760 and est.plan.tile_budget == 2**30
+    assert "1,347,091,200 bytes (1284.7 MiB) of results wait in host memory" in est.table()
+
+
+def test_waiting_results_are_checked_against_the_host_memory(monkeypatch):
+    """On an accelerator the waiting results are host memory: checked against what the host has available;
+    on a CPU they share ``memory_budget`` with the tiles."""
+    kw = dict(num_frames=81, height=480, width=832, num_inference_steps=40, kinds=("video_to_image",), batch="all")
+    model = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
+    monkeypatch.setattr(cogattn.memory, "host_available", lambda: 10**9)
+    with pytest.raises(ValueError, match=r"1,347,091,200 bytes of results .* exceed the 1,000,000,000 bytes of host"):
+        cogattn.estimate(model, device="cuda", **kw)
+    with pytest.raises(ValueError, match=r"memory_budget=1073741824 bytes cannot hold the 1,347,091,200 bytes"):
+        cogattn.estimate(model, **kw)
+    est = cogattn.estimate(model, memory_budget="2GiB", **kw)
+    assert est.plan.tile_budget == 2**31 - est.plan.waiting_bytes
 
 
 def test_estimate_tiny_wan_matches_a_recording(pipes):
@@ -463,3 +481,67 @@ def test_misuse_gives_messages_that_say_what_to_do(pipes):
     no_transformer.transformer = None
     with pytest.raises(TypeError, match="has no `transformer`"):
         cogattn.record(no_transformer, kinds=("frame",))
+
+
+def test_results_waiting_for_the_second_call_are_planned_and_held_once(pipes):
+    """Under guidance with ``batch="all"`` the conditional call's half of every captured layer waits in host
+    memory for the unconditional call: the plan counts exactly those bytes, only they are held, and a
+    budget that cannot hold them is refused before any block runs."""
+    pipe = pipes(T2V)
+    kinds, held = ("frame", "video_to_text", "topk"), []
+    with cogattn.record(pipe, kinds=kinds, batch="all", heads="all", **SIZES) as rec:
+        hook = pipe.transformer.register_forward_pre_hook(
+            lambda *_: held.append(sum(part.nbytes for parts in rec._pending.values() for _, part in parts[1:]))
+        )
+        generate(pipe)
+        hook.remove()
+    one_item = sum(4 * rec.get(kind, 0, 0)[:1].numel() for kind in kinds if kind != "topk")
+    one_item += 4 * 2 * rec.get("topk", 0, 0).values[:1].numel()  # stored as values and indices in float32
+    layers = len(pipe.transformer.blocks)
+    assert rec.plan.waiting_bytes == layers * one_item > 0
+    assert held == [0, layers * one_item, 0, layers * one_item]  # each step's second call finds one half per layer
+    assert rec.plan.peak_extra_memory >= rec.plan.waiting_bytes + rec.plan.result_bytes
+    assert rec.plan.tile_budget == rec.options.memory_budget - rec.plan.waiting_bytes
+    est = cogattn.estimate(
+        "tiny-wan",
+        num_frames=9,
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        kinds=kinds,
+        batch="all",
+        heads="all",
+        **SIZES,
+    )
+    assert est.plan.waiting_bytes == rec.plan.waiting_bytes and "wait in host memory" in est.table()
+    assert (
+        cogattn.estimate(  # one half: nothing waits
+            "tiny-wan", num_frames=9, height=32, width=48, num_inference_steps=2, kinds=kinds, heads="all", **SIZES
+        ).plan.waiting_bytes
+        == 0
+    )
+    with pytest.raises(ValueError, match=r"cannot hold the [\d,]+ bytes of results that wait in host memory"):
+        with cogattn.record(pipe, kinds=kinds, batch="all", heads="all", memory_budget=one_item, **SIZES):
+            generate(pipe)
+
+
+def test_the_cross_attention_keeps_the_memory_budget():
+    """``video_to_text``'s tiles fit ``memory_budget`` less its headroom, as every other kind's, and a budget
+    too small for one row is refused with the same message as ``frame``'s."""
+    for budget in (2**12, 2**16, 2**20, 2**30):
+        for device in ("cpu", "cuda"):
+            try:
+                h, r, peak = cogattn.memory.context_tile(12, 32760, 512, 128, budget, device)
+            except ValueError as err:
+                assert "is too small for one tile" in str(err) and budget < 4 * (512 + 128 + 512 * 128) * 33 // 32
+                continue
+            assert peak <= cogattn.memory.usable(budget) and h >= 1 and r >= 1
+    kw = dict(num_frames=9, height=32, width=48, num_inference_steps=2)
+    for kind in ("frame", "video_to_text"):
+        with pytest.raises(ValueError, match="memory_budget=1000 bytes is too small for one tile"):
+            cogattn.estimate("tiny-wan", kinds=kind, memory_budget=1000, **kw)
+    # one row of the 512 text keys takes 26 KB: 2,000 bytes hold a tile of frame's but none of video_to_text's
+    assert cogattn.estimate("tiny-wan", kinds="frame", memory_budget=2000, **kw).plan.tiles.peak_bytes <= 2000
+    with pytest.raises(ValueError, match=r"2000 bytes is too small for one tile of a cross-attention to 512 keys"):
+        cogattn.estimate("tiny-wan", kinds="video_to_text", memory_budget=2000, **kw)
