@@ -13,7 +13,13 @@ here too: ``cogattn.analysis.head_table(rec)``.
 from cogattn.analysis import aggregate
 aggregate(rec, "frame")                              # (G, G): mean over recorded steps, layers, heads
 aggregate(rec, "video_to_text", steps=0, heads="all")  # (H, T, F, Hp, Wp)
+aggregate(rec, "frame", steps="transformer_2")       # Wan 2.2 A14B: the mean over one expert's steps
 ```
+
+Wan 2.2 A14B runs two transformers (experts): ``transformer`` for the high-noise steps, ``transformer_2``
+for the rest, each with its own weights, so layer L of one is not layer L of the other. An average over
+steps keeps to one expert: a steps selector may name one (``steps="transformer_2"``), and steps that span
+both are refused with the steps of each (:func:`expert_steps`, :func:`check_one_expert`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,18 @@ from .errors import NotRecordedError
 from .reducers import REDUCERS
 from .run import MapSource
 
-__all__ = ["aggregate", "choose", "head_positions", "locate_query", "pick", "recorded", "recorded_kinds"]
+__all__ = [
+    "aggregate",
+    "check_one_expert",
+    "choose",
+    "expert_steps",
+    "head_positions",
+    "locate_query",
+    "pick",
+    "recorded",
+    "recorded_kinds",
+    "steps_of_expert",
+]
 
 # Reached from here, defined in their own modules (which import this one: looked up on first use).
 _ELSEWHERE = {
@@ -91,16 +108,87 @@ def choose(source: MapSource, kind: str, what: str, value: str | int | Sequence[
         source (`MapSource`): a `Recording` or a `Run`.
         kind (`str`): one of ``cogattn.KINDS``.
         what (`str`): ``"step"`` or ``"layer"``.
-        value (`"all" | int | Sequence[int]`): ``"all"`` (every recorded one), an index, or a list.
+        value (`"all" | int | Sequence[int] | str`): ``"all"`` (every recorded one), an index, or a list;
+            for steps also an expert's name (``"transformer_2"``: every recorded step it ran).
 
     Returns:
         `list[int]`: the chosen steps or layers, in the order given.
 
     Raises:
-        ValueError: ``value`` is malformed or empty.
+        ValueError: ``value`` is malformed or empty, or names no expert of the source.
         NotRecordedError: the kind, or one of the chosen steps or layers, was not recorded.
     """
-    return pick(recorded(source, kind, what), what, value, repr(kind))
+    have = recorded(source, kind, what)
+    if what == "step" and isinstance(value, str) and value != "all":
+        return steps_of_expert(source, have, value, repr(kind))
+    return pick(have, what, value, repr(kind))
+
+
+def _expert_names(source: MapSource) -> list[str]:
+    """Per step, the transformer that ran it (``source.experts``; empty for a source that does not say)."""
+    return list(getattr(source, "experts", None) or [])
+
+
+def expert_steps(source: MapSource, steps: Sequence[int] | None = None) -> dict[str, list[int]]:
+    """Which transformer ran which steps: ``{expert: its steps}``, experts in the order they first ran.
+
+    Wan 2.2 A14B gives ``{"transformer": [0, 1, ...], "transformer_2": [..., 49]}``; CogVideoX and
+    Wan 2.1 one expert, ``"transformer"``.
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run`.
+        steps (`Sequence[int] | None`, defaults to `None`): the steps to sort out; `None` is every step
+            recorded for any kind.
+    """
+    names = _expert_names(source)
+    groups: dict[str, list[int]] = {}
+    for s in sorted({k[1] for k in source.keys()}) if steps is None else steps:
+        groups.setdefault(names[s] if s < len(names) else "transformer", []).append(s)
+    return groups
+
+
+def steps_of_expert(source: MapSource, have: list[int], name: str, of: str) -> list[int]:
+    """The steps among ``have`` that the expert ``name`` ran (a steps selector naming an expert).
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run`.
+        have (`list[int]`): the recorded steps to choose from, sorted.
+        name (`str`): an expert of the source, e.g. ``"transformer_2"``.
+        of (`str`): what recorded ``have``, for the errors.
+
+    Raises:
+        ValueError: ``name`` is no expert of the source.
+        NotRecordedError: the expert ran none of ``have``.
+    """
+    groups = expert_steps(source, have)
+    known = list(dict.fromkeys(_expert_names(source) + list(groups)))
+    if name not in known:
+        experts = ", ".join(repr(e) for e in known)
+        raise ValueError(f"steps={name!r}; use 'all', an expert of this source ({experts}), an index, or a list.")
+    if name not in groups:
+        raise NotRecordedError(f"expert {name!r} ran no recorded step of {of}; recorded steps are {have}.")
+    return groups[name]
+
+
+def check_one_expert(groups: dict[str, list[int]], what: str, fix: str | None = None) -> None:
+    """Refuse an average over steps that span several experts.
+
+    Args:
+        groups (`dict[str, list[int]]`): the steps averaged by expert (:func:`expert_steps`).
+        what (`str`): what would be averaged, for the message.
+        fix (`str | None`, defaults to `None`): what to pass instead; `None`: a steps selector naming one expert.
+
+    Raises:
+        ValueError: ``groups`` holds more than one expert.
+    """
+    if len(groups) < 2:
+        return
+    spans = "; ".join(f"{name} ran steps {steps}" for name, steps in groups.items())
+    names = " or ".join(f"steps={name!r}" for name in groups)
+    raise ValueError(
+        f"{what} would mix the steps of {len(groups)} experts ({spans}), and layer L of one is not layer L "
+        f"of the other (each has its own weights). {fix or f'Pass {names} (or a list of steps of one expert).'}"
+    )
 
 
 def pick(have: list[int], what: str, value: str | int | Sequence[int], of: str) -> list[int]:
@@ -168,12 +256,16 @@ def aggregate(
     ``"mean"`` averages it away. So ``aggregate(rec, "frame")`` is ``(G, G)`` and
     ``aggregate(rec, "frame", heads="all")`` is ``(H, G, G)``.
 
+    Wan 2.2 A14B: the steps averaged must all be one expert's (``steps="transformer"`` or
+    ``"transformer_2"``; see :func:`expert_steps`), since layer L of one is not layer L of the other. To
+    pool both on purpose, weigh each expert's mean by its number of steps.
+
     Args:
         source (`MapSource`): a `Recording` or a `Run`.
         kind (`str`): any kind but ``"topk"`` (values and key indices do not average: read them with
             ``source.get``).
-        steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): steps to average (``"all"``: every
-            recorded step of the kind).
+        steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): steps to average (``"all"``:
+            every recorded step of the kind), all of one expert's; an expert's name takes its steps.
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers to average.
         heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): model head indices.
         batch (`int`, defaults to 0): position among the recorded batch items.
@@ -182,12 +274,13 @@ def aggregate(
         `torch.Tensor`: float32, the kind's shape without ``B`` (and without ``H`` unless kept).
 
     Raises:
-        ValueError: a malformed selector, or ``batch`` out of range.
+        ValueError: a malformed selector, steps of two experts (Wan 2.2 A14B), or ``batch`` out of range.
         NotRecordedError: the kind, a step, a layer or a head was not recorded.
     """
     if kind == "topk":
         raise ValueError("topk records are values and key indices, which do not average; read them with source.get.")
     step_list = choose(source, kind, "step", steps)
+    check_one_expert(expert_steps(source, step_list), f"the mean of {kind!r} over steps={steps!r}")
     layer_list = choose(source, kind, "layer", layers)
     total = None
     for s in step_list:

@@ -7,6 +7,7 @@ from cogattn.heads import head_table, temporal_decay
 table = head_table(rec)                    # a pandas DataFrame, one row per (step, layer, head, item)
 table.groupby("label").size()
 temporal_decay(table, by="layer")          # mass against |Δ latent frame|, averaged per layer
+temporal_decay(table[table.expert == "transformer_2"], by="layer")  # Wan 2.2 A14B: one expert's steps
 ```
 
 The numbers come from the kinds ``frame`` (or ``query_frame``), ``entropy`` and ``received``; a kind
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from .analysis import pick, recorded, recorded_kinds
+from .analysis import check_one_expert, expert_steps, pick, recorded, recorded_kinds, steps_of_expert
 from .errors import NotRecordedError
 from .layout import TokenLayout
 from .run import MapSource
@@ -92,7 +93,8 @@ def head_table(
 ) -> pd.DataFrame:
     """One row per (step, layer, head, batch item) recorded: where that head's video queries attend.
 
-    Every number is about the video query tokens (the F·Hp·Wp queries of the latent frames), each
+    ``expert`` names the transformer that ran the step (``"transformer"``; Wan 2.2 A14B's low-noise steps
+    ``"transformer_2"``): its ``layer`` is a block of that transformer. Every number is about the video query tokens (the F·Hp·Wp queries of the latent frames), each
     row of P summing to 1:
 
     * ``text_mass``: mean over video queries of the mass on the T text keys; NaN for a model whose
@@ -116,19 +118,20 @@ def head_table(
 
     Args:
         source (`MapSource`): a `Recording` or a `Run`.
-        steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): steps recorded for any of the kinds.
+        steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): steps recorded for any of the
+            kinds; an expert's name (``"transformer_2"``) takes the steps it ran.
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers, likewise.
         rule (`LabelRule | None`, defaults to `None`): the labelling rule; `None` is ``LabelRule()``.
         sink_fraction (`float`, defaults to 0.01): share of the key tokens that count as sinks.
 
     Returns:
-        `pandas.DataFrame`: columns ``step, timestep, layer, head, item, text_mass, same_frame_mass,
+        `pandas.DataFrame`: columns ``step, timestep, expert, layer, head, item, text_mass, same_frame_mass,
         dt_0 … dt_{F-1}, entropy_mean, entropy_std, sink_share, sink_tokens, label``, rows sorted by
         step, layer, head slot and item. ``timestep`` is the step's timestep, NaN where unknown.
 
     Raises:
         NotRecordedError: none of the kinds, or a chosen step or layer, was recorded.
-        ValueError: a malformed selector, or a source without a layout.
+        ValueError: a malformed selector (or no expert's name), or a source without a layout.
     """
     if not 0 < sink_fraction <= 1:
         raise ValueError(f"sink_fraction={sink_fraction!r}; use a share of the key tokens in (0, 1].")
@@ -147,13 +150,15 @@ def head_table(
     layer_list = _union_choice(source, kinds, "layer", layers)
     keys = set(source.keys())
     timesteps = list(source.timesteps or [])
+    experts = {s: name for name, group in expert_steps(source, step_list).items() for s in group}
     frames = []
     for step in step_list:
         ts = timesteps[step] if step < len(timesteps) and timesteps[step] is not None else math.nan
+        where = (step, float(ts), experts[step])
         for layer in layer_list:
             present = {k: source.get(k, step, layer) for k in kinds if (k, step, layer) in keys}
             if present:
-                frames.append(_record_rows(layout, source.head_ids, step, float(ts), layer, present, sink_fraction))
+                frames.append(_record_rows(layout, source.head_ids, where, layer, present, sink_fraction))
     if not frames:
         raise NotRecordedError(
             f"none of {kinds} was recorded at a chosen (step, layer): steps {step_list} × layers {layer_list}; "
@@ -175,32 +180,56 @@ def temporal_decay(table: pd.DataFrame, by: str = "head") -> pd.DataFrame:
     """Mass against latent-frame distance, averaged per head, layer or step: the ``dt_*`` columns of a
     head table averaged over every other column (steps, layers, items, and heads unless ``by="head"``).
 
+    Per head or layer the steps averaged must be one expert's (Wan 2.2 A14B: pass
+    ``table[table.expert == "transformer"]``, or ``"transformer_2"``); per step nothing is mixed.
+
     Args:
         table (`pandas.DataFrame`): a `head_table`.
         by (`str`, defaults to ``"head"``): ``"head"``, ``"layer"`` or ``"step"``.
 
     Returns:
         `pandas.DataFrame`: indexed by ``by``, one column ``dt_d`` per distance d.
+
+    Raises:
+        ValueError: ``by`` is none of these, ``table`` is no head table, or (per head or layer) its steps
+            span two experts.
     """
     if by not in ("head", "layer", "step"):
         raise ValueError(f"by={by!r}; choose 'head', 'layer' or 'step'.")
     dt = [c for c in table.columns if c.startswith("dt_")]
     if not dt or by not in table.columns:
         raise ValueError(f"table has columns {list(table.columns)}; pass a head_table (it has {by!r} and dt_*).")
+    if by != "step":
+        groups = expert_steps_of(table)
+        fix = " or ".join(f"table[table.expert == {name!r}]" for name in groups)
+        check_one_expert(groups, f"temporal_decay(table, by={by!r})", f"Pass {fix}, or by='step'.")
     return table.groupby(by, sort=True)[dt].mean()
+
+
+def expert_steps_of(table: pd.DataFrame) -> dict[str, list[int]]:
+    """A head table's steps by expert, ``{expert: steps}`` in the order of their first step (a table
+    without an ``expert`` column, written before it had one: ``"transformer"``)."""
+    if "step" not in table.columns:
+        return {}
+    pairs = table[["step", "expert"]] if "expert" in table.columns else table[["step"]].assign(expert="transformer")
+    groups: dict[str, list[int]] = {}
+    for step, expert in pairs.drop_duplicates().sort_values("step").itertuples(index=False):
+        groups.setdefault(str(expert), []).append(int(step))
+    return groups
 
 
 # -- one record's rows ------------------------------------------------------------------------------
 def _record_rows(
     layout: TokenLayout,
     head_ids,
-    step: int,
-    timestep: float,
+    where: tuple[int, float, str],
     layer: int,
     present: dict[str, torch.Tensor],
     sink_fraction: float,
 ) -> pd.DataFrame:
-    """The rows of one (step, layer): every head slot × batch item, from the records ``present``."""
+    """The rows of one (step, layer): every head slot × batch item, from the records ``present``;
+    ``where`` is the step, its timestep and its expert."""
+    step, timestep, expert = where
     B, H = next(iter(present.values())).shape[:2]
     for kind, t in present.items():
         if tuple(t.shape[:2]) != (B, H):
@@ -240,6 +269,7 @@ def _record_rows(
     index = {
         "step": [step] * (H * B),
         "timestep": [timestep] * (H * B),
+        "expert": [expert] * (H * B),
         "layer": [layer] * (H * B),
         "head": [heads[h] for h in range(H) for _ in range(B)],
         "item": [b for _ in range(H) for b in range(B)],
@@ -275,6 +305,9 @@ def _layout(source: MapSource) -> TokenLayout:
 
 
 def _union_choice(source: MapSource, kinds: list[str], what: str, value) -> list[int]:
-    """``analysis.choose`` over several kinds: ``"all"`` is every step (layer) any of them recorded; a
-    chosen one must be recorded for at least one of them."""
-    return pick(sorted({v for k in kinds for v in recorded(source, k, what)}), what, value, str(kinds))
+    """``analysis.choose`` over several kinds: ``"all"`` is every step (layer) any of them recorded, an
+    expert's name every step it ran; a chosen one must be recorded for at least one of them."""
+    have = sorted({v for k in kinds for v in recorded(source, k, what)})
+    if what == "step" and isinstance(value, str) and value != "all":
+        return steps_of_expert(source, have, value, str(kinds))
+    return pick(have, what, value, str(kinds))

@@ -11,7 +11,7 @@ block m of their mass on the keys of block n, so the share of all attention mass
 ```python
 from cogattn.masks import BlockGrid, mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
 mask = same_frame_mask(rec.layout, rec.block_size) | temporal_window_mask(rec.layout, rec.block_size, 1)
-mask_recall(rec, mask)          # step, layer, head, item, recall
+mask_recall(rec, mask)          # step, expert, layer, head, item, recall
 oracle_curve(rec, ks=[4, 8])    # the best recall with k key blocks per query block
 ```
 
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
-from .analysis import choose
+from .analysis import choose, expert_steps
 from .errors import NotRecordedError
 from .layout import TokenLayout
 from .run import MapSource
@@ -208,7 +208,7 @@ def mask_recall(
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers of ``block``.
 
     Returns:
-        `pandas.DataFrame`: columns ``step, layer, head, item, recall``; ``head`` is the model head, or
+        `pandas.DataFrame`: columns ``step, expert, layer, head, item, recall``; ``head`` is the model head, or
         ``"mean"`` when heads were averaged at record time.
 
     Raises:
@@ -243,7 +243,7 @@ def oracle_curve(
             1..N, in the order given; `None` is every k from 1 to N.
 
     Returns:
-        `pandas.DataFrame`: columns ``step, layer, head, item, k, recall``, recall rising with k to 1.
+        `pandas.DataFrame`: columns ``step, expert, layer, head, item, k, recall``, recall rising with k to 1.
 
     Raises:
         ValueError: a ``k`` outside 1..N, or a record that disagrees with the layout and block size.
@@ -313,8 +313,10 @@ def _rows(source: MapSource, step: int, layer: int, recall: torch.Tensor, ks: li
     k (`None`: no ``k`` column, K = 1)."""
     B, H, K = recall.shape
     heads = ["mean"] * H if source.head_ids is None else [int(source.head_ids[h]) for h in range(H)]
+    expert = next((name for name, ran in expert_steps(source, [step]).items() if step in ran), "transformer")
     columns = {
         "step": step,
+        "expert": expert,  # layer L of Wan 2.2's transformer is not layer L of its transformer_2
         "layer": layer,
         "head": [heads[h] for h in range(H) for _ in range(B * K)],
         "item": [b for _ in range(H) for b in range(B) for _ in range(K)],

@@ -324,14 +324,18 @@ print(wan_rec.layout)
 print("expert of each step:", wan_rec.experts)
 
 # %% [markdown]
-# Frame-to-frame attention of the video-only self-attention (no text row or column), and where the
-# video attends to two words of the prompt in the cross-attention.
+# Frame-to-frame attention of the video-only self-attention (no text row or column) over the steps of
+# the high-noise expert, and where the video attends to two words of the prompt in the cross-attention
+# over the low-noise expert's steps. An average over steps keeps to one expert (`steps="transformer"`
+# or `"transformer_2"`): layer L of one is not layer L of the other, and `steps="all"` is refused here.
 
 # %%
-plot.frame_heatmap(wan_rec, steps="all", layers="all")
+plot.frame_heatmap(wan_rec, steps="transformer", layers="all")
 
 # %%
-plot.word_heatmap(wan_rec, ["fox", "snow"], wan_video, tokenizer=wan.tokenizer, prompt=wan_prompt)
+plot.word_heatmap(
+    wan_rec, ["fox", "snow"], wan_video, tokenizer=wan.tokenizer, prompt=wan_prompt, steps="transformer_2"
+)
 
 # %% [markdown]
 # ## Explore

@@ -125,7 +125,7 @@ NUMBERS = ["text_mass", "same_frame_mass", "dt_0", "dt_1", "dt_2", "entropy_mean
 def test_columns_equal_naive_numbers(probs):
     table = head_table(source_of(probs))
     assert list(table.columns) == [
-        "step", "timestep", "layer", "head", "item", "text_mass", "same_frame_mass",
+        "step", "timestep", "expert", "layer", "head", "item", "text_mass", "same_frame_mass",
         "dt_0", "dt_1", "dt_2", "entropy_mean", "entropy_std", "sink_share", "sink_tokens", "label",
     ]  # fmt: skip
     assert len(table) == len(KEYS) * 4 * 2

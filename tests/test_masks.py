@@ -165,7 +165,8 @@ def test_recall_is_the_kept_mass(probs, block_size):
     ]
     for mask in masks:
         table = mask_recall(src, mask)
-        assert list(table.columns) == ["step", "layer", "head", "item", "recall"]
+        assert list(table.columns) == ["step", "expert", "layer", "head", "item", "recall"]
+        assert set(table["expert"]) == {"transformer"}
         assert len(table) == len(probs) * 3 * 2
         for row in table.to_dict("records"):
             P = probs[(row["step"], row["layer"])]
@@ -179,7 +180,7 @@ def test_oracle_is_the_best_kept_mass(probs):
     src = source_of(probs)
     N = len(BlockGrid(LAYOUT, BLOCK))
     table = oracle_curve(src)
-    assert list(table.columns) == ["step", "layer", "head", "item", "k", "recall"]
+    assert list(table.columns) == ["step", "expert", "layer", "head", "item", "k", "recall"]
     assert len(table) == len(probs) * 3 * 2 * N
     starts = list(range(0, LAYOUT.seq_len, BLOCK))
     for (step, layer), P in probs.items():

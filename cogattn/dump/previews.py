@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import plot
-from ..analysis import aggregate
+from ..analysis import aggregate, expert_steps, recorded
 from ..run import load
 from ..words import text_tokens
 
@@ -24,18 +24,28 @@ def _words(run, tokenizer, prompt: str | None, limit: int = 4) -> list[int]:
     return [i for i, t in enumerate(tokens) if t not in _SPECIAL and t.strip("▁")][:limit] or [0]
 
 
-def _image_tokens(run, limit: int = 4) -> list[int]:
-    """The ``limit`` image tokens the video attends to most (mean over video queries, steps, layers and
-    heads), in order of index: the image tokens have no words to pick them by."""
-    mass = aggregate(run, "video_to_image").flatten(1).mean(1)  # (I,)
+def _image_tokens(run, steps, limit: int = 4) -> list[int]:
+    """The ``limit`` image tokens the video attends to most (mean over video queries, ``steps``, layers
+    and heads), in order of index: the image tokens have no words to pick them by."""
+    mass = aggregate(run, "video_to_image", steps=steps).flatten(1).mean(1)  # (I,)
     return sorted(mass.topk(min(limit, len(mass))).indices.tolist())
+
+
+def _per_expert(run, kind: str) -> dict[str, list[int]]:
+    """``{file name: steps}`` of a kind's previews: ``kind`` over every recorded step, or under two experts
+    (Wan 2.2 A14B) one ``kind_<expert>`` per expert over its steps: an average never mixes them."""
+    groups = expert_steps(run, recorded(run, kind, "step"))
+    if len(groups) == 1:
+        return {kind: next(iter(groups.values()))}
+    return {f"{kind}_{expert}": steps for expert, steps in groups.items()}
 
 
 def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None = None, dpi: int = 90) -> list[Path]:
     """Write preview PNGs: one per recorded map kind (averaged over the recorded steps, layers and heads),
     ``entropy`` and ``received`` over the video, the ``block`` map, and the head atlas of the head table's
     kinds (at the last step). ``video_to_image`` (Wan 2.1 image-to-video) shows the 4 image tokens the
-    video attends to most.
+    video attends to most. Under Wan 2.2 A14B's two experts each average is one expert's: ``frame_transformer.png``
+    and ``frame_transformer_2.png``, and so on.
 
     Args:
         run_path: a run folder written by ``cogattn.record(..., save_dir=...)``.
@@ -52,22 +62,25 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
     folder.mkdir(parents=True, exist_ok=True)
     kinds = {k for k, _, _ in run.keys()}
     text = dict(tokenizer=tokenizer, prompt=prompt)
+    draw = {
+        "frame": lambda s: plot.frame_heatmap(run, steps=s, num_pixel_frames=len(video)),
+        "video_to_text": lambda s: plot.word_heatmap(run, _words(run, tokenizer, prompt), video, steps=s, **text),
+        "text_to_video": lambda s: plot.word_heatmap(
+            run, _words(run, tokenizer, prompt), video, kind="text_to_video", steps=s, **text
+        ),
+        "video_to_image": lambda s: plot.word_heatmap(
+            run, _image_tokens(run, s), video, kind="video_to_image", steps=s
+        ),
+        "query": lambda s: plot.query_map(run, 0, video, steps=s, **text),
+        "entropy": lambda s: plot.token_stat(run, "entropy", video, steps=s, **text),
+        "received": lambda s: plot.token_stat(run, "received", video, steps=s, **text),
+        "block": lambda s: plot.block_map(run, steps=s, scale="log"),
+    }
     figures = {}
-    if "frame" in kinds:
-        figures["frame"] = plot.frame_heatmap(run, num_pixel_frames=len(video))
-    for kind in ("video_to_text", "text_to_video"):
+    for kind, figure in draw.items():
         if kind in kinds:
-            figures[kind] = plot.word_heatmap(run, _words(run, tokenizer, prompt), video, kind=kind, **text)
-    if "video_to_image" in kinds:
-        figures["video_to_image"] = plot.word_heatmap(run, _image_tokens(run), video, kind="video_to_image")
-    if "query" in kinds:
-        figures["query"] = plot.query_map(run, 0, video, **text)
-    for kind in ("entropy", "received"):
-        if kind in kinds:
-            figures[kind] = plot.token_stat(run, kind, video, **text)
-    if "block" in kinds:
-        figures["block"] = plot.block_map(run, scale="log")
-    if kinds & {"frame", "query_frame", "entropy", "received"}:
+            figures.update({name: figure(steps) for name, steps in _per_expert(run, kind).items()})
+    if kinds & {"frame", "query_frame", "entropy", "received"}:  # one step: no average over steps
         figures["heads"] = plot.head_atlas(run)
     paths = []
     for name, fig in figures.items():

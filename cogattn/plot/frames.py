@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..analysis import aggregate, choose
+from ..analysis import aggregate, choose, expert_steps
 from ..reducers import REDUCERS
 from ..run import MapSource
 from .style import (
@@ -55,7 +55,8 @@ def frame_heatmap(
 
     Args:
         source (`MapSource`): a `Recording` or a `Run` holding kind ``frame``.
-        steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): steps, averaged.
+        steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): steps, averaged: all of one
+            expert's (Wan 2.2 A14B: ``"transformer"`` or ``"transformer_2"`` takes its steps).
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers, averaged.
         heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): heads; ``"all"`` or a
             list draws one panel per head.
@@ -142,7 +143,7 @@ def layer_step_grid(
         kind (`str`, defaults to ``"frame"``): any recorded kind.
         index (`tuple`, defaults to ``()``): ints and slices applied to the map ``(dims of the kind)``.
         steps, layers (`"all" | Sequence[int]`, defaults to ``"all"``): the columns and rows (pick a few
-            for a real model: 50 steps × 30 layers is 1,500 panels).
+            for a real model: 50 steps × 30 layers is 1,500 panels); an expert's name takes its steps.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int`, defaults to 0): position among the recorded batch items.
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
@@ -185,6 +186,8 @@ def layer_step_grid(
     norms = color_norms(arrays, scale, limits)
     images = []
     group_ticks = _group_ticks(source.layout, [f"f{f}" for f in range(source.layout.frames)])
+    several = len(expert_steps(source)) > 1  # Wan 2.2 A14B: each column names its transformer
+    experts = {s: name for name, group in expert_steps(source, step_list).items() for s in group}
     for r, layer in enumerate(layer_list):
         for c, s in enumerate(step_list):
             ax = axes[r, c]
@@ -204,7 +207,8 @@ def layer_step_grid(
                     ax.set_yticks([])
             if r == 0:
                 t = source.timesteps[s] if s < len(source.timesteps) else None
-                ax.set_title(f"step {s}" + ("" if t is None else f" (t={t:g})"), fontsize=8)
+                expert = f"\n{experts[s]}" if several else ""
+                ax.set_title(f"step {s}" + ("" if t is None else f" (t={t:g})") + expert, fontsize=8)
             if c == 0:
                 ax.set_ylabel(f"layer {layer}\n{kept[0]}", fontsize=8)
             if r == nrows - 1:

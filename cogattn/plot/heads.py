@@ -1,6 +1,7 @@
 """Figures of what each head does, from :func:`cogattn.heads.head_table`: an atlas of layers × heads
 coloured by each head's label or by any number of the table, and the decay of attention mass with
-latent-frame distance."""
+latent-frame distance. An average over steps keeps to one expert (Wan 2.2 A14B: ``steps="transformer"``
+or ``"transformer_2"``); the title names it."""
 
 from __future__ import annotations
 
@@ -53,10 +54,19 @@ def _check_table(table, needs: Sequence[str]) -> None:
 
 
 def _select(table, what: str, value) -> list:
-    """Rows of ``table`` whose ``what`` is ``value``: ``"all"``, one value or a list; the values kept."""
+    """Rows of ``table`` whose ``what`` is ``value``: ``"all"``, one value or a list (steps: or an expert's
+    name); the values kept."""
     have = sorted(table[what].unique().tolist(), key=str)
     if isinstance(value, str) and value == "all":
         return have
+    if what == "step" and isinstance(value, str):
+        from ..heads import expert_steps_of
+
+        groups = expert_steps_of(table)
+        if value not in groups:
+            names = ", ".join(repr(e) for e in groups)
+            raise ValueError(f"steps={value!r}; use 'last', 'mean', an expert of the table ({names}), or steps.")
+        return groups[value]
     wanted = [int(value)] if isinstance(value, (int, np.integer)) else list(value)
     if not wanted:
         raise ValueError(f"{what}s is empty; the table holds {what}s {have}.")
@@ -77,23 +87,33 @@ def _last_step(source: MapSource) -> int:
     return max(steps)
 
 
-def _table_and_steps(source_or_table, steps, layers, rule):
-    """``(table, source or None, steps kept)``: the head table of the chosen steps and layers."""
+def _table_and_steps(source_or_table, steps, layers, rule, averaged: str | None):
+    """``(table, source or None, steps kept, experts named)``: the head table of the chosen steps and
+    layers; ``experts named`` is the kept steps' experts when the source has several, else empty.
+    ``averaged`` (what the figure averages over the steps, for the message) refuses steps of two experts."""
+    from ..analysis import check_one_expert
+    from ..heads import expert_steps_of, head_table
+
     if _is_table(source_or_table):
         table, source = source_or_table, None
         _check_table(table, ("step", "layer", "head", "item"))
+        several = len(expert_steps_of(table)) > 1
         table = table[table["layer"].isin(_select(table, "layer", layers))]
         if isinstance(steps, str) and steps == "last":
             steps = int(table["step"].max())
         step_list = _select(table, "step", "all" if steps == "mean" else steps)
-        return table[table["step"].isin(step_list)], source, step_list
-    from ..heads import head_table
-
-    source = source_or_table
-    if isinstance(steps, str) and steps == "last":
-        steps = _last_step(source)
-    table = head_table(source, steps="all" if steps == "mean" else steps, layers=layers, rule=rule)
-    return table, source, sorted(table["step"].unique().tolist())
+        table = table[table["step"].isin(step_list)]
+    else:
+        source = source_or_table
+        if isinstance(steps, str) and steps == "last":
+            steps = _last_step(source)
+        table = head_table(source, steps="all" if steps == "mean" else steps, layers=layers, rule=rule)
+        step_list = sorted(table["step"].unique().tolist())
+        several = len(set(getattr(source, "experts", None) or ())) > 1
+    groups = expert_steps_of(table)
+    if averaged is not None and len(step_list) > 1:
+        check_one_expert(groups, averaged)
+    return table, source, step_list, list(groups) if several else []
 
 
 def _items(table, item):
@@ -105,8 +125,11 @@ def _items(table, item):
     return table[table["item"] == item]
 
 
-def _detail(source, step_list: list[int], layers: list[int] | None, item) -> str:
-    parts = [span_text("step", step_list, source.timesteps if source is not None else None)]
+def _detail(source, step_list: list[int], experts: list[str], layers: list[int] | None, item, each=False) -> str:
+    steps = span_text("step", step_list, source.timesteps if source is not None else None)
+    parts = [steps.removeprefix("mean over ") if each else steps]  # each: one curve per step, none averaged
+    if experts:
+        parts.append(" and ".join(experts))
     if layers is not None:
         parts.append(span_text("layer", layers))
     parts.append("mean over batch items" if item is None else f"batch item {item}")
@@ -140,8 +163,9 @@ def head_atlas(
         source_or_table: a `Recording` or `Run` (its head table is made with
             :func:`cogattn.heads.head_table`), or a head table.
         color (`str`, defaults to ``"label"``): ``"label"`` or a numeric column of the head table.
-        steps (`"last" | "mean" | int | Sequence[int]`, defaults to ``"last"``): one step (the last
-            recorded by default), or the mean over every step (``"mean"``) or over a list.
+        steps (`"last" | "mean" | int | Sequence[int] | str`, defaults to ``"last"``): one step (the last
+            recorded by default), or the mean over every step (``"mean"``), over a list, or over one
+            expert's steps (its name, e.g. ``"transformer_2"``); steps of two experts are refused.
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): the rows.
         item (`int | None`, defaults to 0): batch item; `None` averages the items.
         rule (defaults to `None`): the labelling rule (:class:`cogattn.heads.LabelRule`), for a source and
@@ -156,7 +180,9 @@ def head_atlas(
     Returns:
         `Figure`: the figure.
     """
-    table, source, step_list = _table_and_steps(source_or_table, steps, layers, rule)
+    table, source, step_list, experts = _table_and_steps(
+        source_or_table, steps, layers, rule, f"head_atlas(steps={steps!r})"
+    )
     table = _items(table, item)
     numeric = color != "label"
     if numeric:
@@ -232,7 +258,7 @@ def head_atlas(
     ax.set_xlabel("head", fontsize=8)
     ax.set_ylabel("layer", fontsize=8)
     what = "head atlas: " + ("label of each head" if not numeric else _COLUMN_TEXT.get(color, _dt_text(color)))
-    set_title(fig, what, _detail(source, step_list, None, item))
+    set_title(fig, what, _detail(source, step_list, experts, None, item))
     return fig
 
 
@@ -270,7 +296,9 @@ def decay_curves(
     Args:
         source_or_table: a `Recording` or `Run`, or a head table (:func:`cogattn.heads.head_table`).
         by (`str`, defaults to ``"head"``): ``"head"``, ``"layer"`` or ``"step"``: one curve each.
-        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
+        steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): averaged (per head or layer:
+            one expert's, e.g. ``"transformer_2"``: its steps).
+        layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
         item (`int | None`, defaults to 0): batch item; `None` averages the items.
         per_frame (`bool`, defaults to `False`): mass per key frame at each distance.
         scale (`str`, defaults to ``"linear"``): the mass axis, or ``"log"``.
@@ -279,15 +307,17 @@ def decay_curves(
     Returns:
         `Figure`: the figure.
     """
-    from ..heads import temporal_decay
+    from ..heads import expert_steps_of, temporal_decay
 
     if by not in ("head", "layer", "step"):
         raise ValueError(f"by={by!r}; choose 'head', 'layer' or 'step'.")
     if scale not in ("linear", "log"):
         raise ValueError(f"scale={scale!r}; choose 'linear' or 'log'.")
-    table, source, step_list = _table_and_steps(source_or_table, steps, layers, None)
+    averaged = None if by == "step" else f"decay_curves(by={by!r}, steps={steps!r})"
+    table, source, step_list, experts = _table_and_steps(source_or_table, steps, layers, None, averaged)
     table = _items(table, item)
     curves = temporal_decay(table, by=by)  # index: by; columns dt_0 .. dt_{F-1}
+    expert_of = {s: e for e, group in expert_steps_of(table).items() for s in group} if experts else {}
     F = curves.shape[1]
     if curves.isna().all().all():
         raise ValueError("the dt_* columns are NaN: record kind 'frame' or 'query_frame' for frame distances.")
@@ -300,6 +330,7 @@ def decay_curves(
     cmap = ListedColormap(colormaps["viridis"](np.linspace(0, 0.9, max(2, len(curves)))))
     for k, (key, row) in enumerate(zip(curves.index.tolist(), values)):
         name = f"{by} {key}" if key != "mean" else "mean over heads"
+        name += f" · {expert_of[key]}" if by == "step" and key in expert_of else ""
         ax.plot(d, row, marker="o", markersize=3, color=cmap(k), label=name, gid=CURVE_GID)
     if len(curves) <= 12:
         ax.legend(fontsize=7, ncol=2 if len(curves) > 6 else 1)
@@ -318,7 +349,7 @@ def decay_curves(
     set_title(
         fig,
         f"attention mass against {unit} distance, one curve per {by} ({averaged})",
-        _detail(source, step_list, layer_list if by != "layer" else None, item),
+        _detail(source, step_list, experts, layer_list if by != "layer" else None, item, each=by == "step"),
     )
     return fig
 

@@ -75,7 +75,8 @@ def token_stat(
         video (defaults to `None`): the decoded video, or `None` for panels on the patch grid alone.
         tokenizer (defaults to `None`): the pipeline's tokenizer, to name the text tokens.
         prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]``.
-        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
+        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged; the steps all of one
+            expert's (Wan 2.2 A14B: ``steps="transformer"`` or ``"transformer_2"`` takes its steps).
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int`, defaults to 0): position among the recorded batch items.
         sinks (`int`, defaults to 5): how many top receivers to mark for ``received`` (0: none).
@@ -208,7 +209,8 @@ def block_map(
         mask (`torch.Tensor | None`, defaults to `None`): an ``(N, N)`` bool tensor, `True` where the mask
             keeps a block, e.g. ``cogattn.masks.same_frame_mask(source.layout, source.block_size)``; `None`: no
             outline.
-        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
+        steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged; the steps all of one
+            expert's (Wan 2.2 A14B: ``steps="transformer"`` or ``"transformer_2"`` takes its steps).
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int`, defaults to 0): position among the recorded batch items.
         scale (`str`, defaults to ``"linear"``): ``"log"`` shows the small blocks far from the diagonal.
