@@ -6,10 +6,14 @@ In CogVideoX the text is part of the one joint sequence (``text_len = T``). In W
 sequence is the video alone (``text_len = 0``) and the text (``context_len`` tokens) and, for Wan 2.1
 image-to-video, the image (``image_len`` tokens) are keys of a separate cross-attention.
 
-Frames (the VAE's geometry, kept here and nowhere else): the CogVideoX VAE keeps pixel frame 0 as
-latent frame 0 and packs each later group of 4 pixel frames into one latent frame, and compresses
-space by 8. With ``patch_size_t = p`` (CogVideoX 1.5) the pipeline pads latent frames at the start
-up to a multiple of p and drops them before decoding.
+Frames (the VAE's geometry, kept here and nowhere else): the VAEs keep pixel frame 0 as latent frame 0
+and pack each later group of 4 pixel frames into one latent frame, and compress space by 8. Wan's causal
+VAE decodes L latent frames to 4(L − 1) + 1 pixel frames; CogVideoX's decodes them in pairs (an odd L:
+the first three together, as Wan would), so an even L gives 4L pixel frames, 4 per latent frame from
+frame 0. No decoded video has 4k + 2 or 4k + 3 frames: a call's ``num_frames`` is rounded (Wan's
+pipelines to ``num_frames // 4 * 4 + 1``; CogVideoX's make ``(num_frames - 1) // 4 + 1`` latent frames).
+With ``patch_size_t = p`` (CogVideoX 1.5) the pipeline pads latent frames at the start up to a multiple
+of p and drops them before decoding.
 """
 
 from __future__ import annotations
@@ -166,29 +170,54 @@ class TokenLayout:
     # -- latent frames ↔ pixel frames of the decoded video ------------------------------------------
     @property
     def default_pixel_frames(self) -> int | None:
-        """Frames of the decoded video when the layout alone decides it (CogVideoX 1.0: 4·(F − 1) + 1);
-        `None` with temporal patches, where several video lengths give the same F."""
-        return None if self.patch_size_t else VAE_TEMPORAL * (self.frames - 1) + 1
+        """Frames of the decoded video when the layout alone decides it (an odd F without temporal patches:
+        4·(F − 1) + 1); `None` where several video lengths give the same F (temporal patches; an even F,
+        which CogVideoX decodes to 4F frames and Wan to 4F − 3)."""
+        odd = self.frames % 2 == 1
+        return VAE_TEMPORAL * (self.frames - 1) + 1 if odd and not self.patch_size_t else None
+
+    def decoded_frames(self, temporal_compression: int = VAE_TEMPORAL) -> list[int]:
+        """Every frame count a decoded video of this layout can have (see :meth:`pixel_frames`)."""
+        tc, p = int(temporal_compression), self.patch_size_t or 1
+        latents = range(p * (self.frames - 1) + 1, p * self.frames + 1)  # those p pads up to F patches
+        return sorted({tc * (n - 1) + 1 for n in latents} | {tc * n for n in latents if n % 2 == 0})
 
     def pixel_frames(self, num_pixel_frames: int, temporal_compression: int = VAE_TEMPORAL) -> list[range]:
         """The decoded pixel frames each latent frame (temporal patch, for CogVideoX 1.5) covers.
 
-        ``N`` pixel frames are ``L = (N - 1) // 4 + 1`` latent frames; latent frame 0 is pixel frame 0 and
-        latent frame ``l ≥ 1`` covers pixel frames ``4(l - 1) + 1 … 4l``. With ``patch_size_t = p`` the
-        pipeline pads ``(-L) % p`` latent frames at the start; temporal patch ``k`` covers padded latent
-        frames ``kp … kp + p - 1``.
+        ``N = 4(L - 1) + 1`` pixel frames are ``L`` latent frames: latent frame 0 is pixel frame 0 and latent
+        frame ``l ≥ 1`` covers pixel frames ``4(l - 1) + 1 … 4l`` (Wan; CogVideoX with L odd). ``N = 4L``
+        with L even is CogVideoX's VAE decoding pairs of latent frames: latent frame ``l`` covers
+        ``4l … 4l + 3``. No VAE decodes other counts. With ``patch_size_t = p`` the pipeline pads
+        ``(-L) % p`` latent frames at the start; temporal patch ``k`` covers padded latent frames
+        ``kp … kp + p - 1``.
 
         Args:
-            num_pixel_frames (`int`): frames N of the decoded video (``num_frames`` of the call).
+            num_pixel_frames (`int`): frames N of the decoded video (``num_frames`` of the call when that is
+                4k + 1; the pipelines round other counts, see :meth:`decoded_frames`).
             temporal_compression (`int`, defaults to 4): the VAE's ``vae_scale_factor_temporal``.
 
         Returns:
             `list[range]`: F ranges of pixel-frame indices, in order, together covering ``0 … N - 1``.
+
+        Raises:
+            ValueError: no VAE decodes N frames, or N frames are not F latent frames (temporal patches).
         """
         n, tc = int(num_pixel_frames), int(temporal_compression)
         if n < 1 or tc < 1:
             raise ValueError(f"num_pixel_frames={num_pixel_frames} and temporal_compression={tc} must be ≥ 1.")
-        latent = (n - 1) // tc + 1
+        if (n - 1) % tc == 0:
+            latent, late = (n - 1) // tc + 1, tc - 1  # frame 0 alone: latent frame l starts tc - 1 frames late
+        elif n % (2 * tc) == 0:
+            latent, late = n // tc, 0  # CogVideoX's VAE, an even L: tc frames each from frame 0
+        else:
+            raise ValueError(
+                f"a decoded video has {tc}L − {tc - 1} frames for L latent frames (Wan; CogVideoX with L odd) or "
+                f"{tc}L (CogVideoX with L even), never {n} frames: the pipelines round `num_frames` (Wan to "
+                f"num_frames // {tc} * {tc} + 1, with a warning; CogVideoX makes (num_frames − 1) // {tc} + 1 latent "
+                f"frames). Pass the frame count of the decoded video; for this layout (F = {self.frames}): "
+                f"{', '.join(map(str, self.decoded_frames(tc)))}."
+            )
         p = self.patch_size_t or 1
         padding = (-latent) % p
         if (latent + padding) // p != self.frames:
@@ -199,7 +228,7 @@ class TokenLayout:
             )
 
         def covered(lat: int) -> range:
-            return range(0, 1) if lat == 0 else range(tc * (lat - 1) + 1, min(tc * lat + 1, n))
+            return range(max(tc * lat - late, 0), tc * (lat + 1) - late)
 
         out = []
         for k in range(self.frames):

@@ -124,6 +124,11 @@ class Reducer:
         """What ``get`` returns for a stored result (the tensor itself, but for ``topk``)."""
         return tensor
 
+    @staticmethod
+    def stored_index(index: tuple) -> tuple:
+        """The index of the stored result that reads ``index`` of what ``get`` returns (the same, but for ``topk``)."""
+        return index
+
     def from_rows(self, probs: torch.Tensor) -> torch.Tensor:
         """The per-query values ``(h, r, C)`` this kind's :meth:`fold_pooled` takes, from exact rows
         ``probs`` ``(h, r, S)`` (the spot checks compare the fast methods with these)."""
@@ -342,6 +347,17 @@ class TopKReducer(Reducer):
     @staticmethod
     def unpack(tensor):
         return TopK(tensor[..., 0], tensor[..., 1].long())
+
+    @staticmethod
+    def stored_index(index):
+        axes = [i for i in index if i is not Ellipsis]
+        if len(axes) > 4:
+            raise ValueError(
+                f"index={index!r} has {len(axes)} entries, but topk reads as values and key indices of shape "
+                "(B, H, S, k); index at most those 4 axes (index=(b, h, i, 0): row i's largest) and take `.values` "
+                "or `.indices` of the result."
+            )
+        return (*index, slice(None))  # the stored (value, key token) axis is read whole
 
     def shape(self, num_batch):
         return (num_batch, self.out_heads, self.layout.seq_len, self.k, 2)

@@ -355,16 +355,20 @@ class Run:
 
     def get(self, kind: str, step: int, layer: int, index: tuple | None = None) -> torch.Tensor:
         """A record as a float32 tensor (``topk``: a :class:`cogattn.reducers.TopK` of values and indices);
-        ``index`` (ints and slices, e.g. ``(0, 3, slice(0, 10))`` for batch item 0, head 3, the first 10
-        rows) reads only that part, through memory-mapped slices."""
+        ``index`` (ints, slices and ``...``, e.g. ``(0, 3, slice(0, 10))`` for batch item 0, head 3, the first
+        10 rows) reads only that part, through memory-mapped slices; it indexes what ``get`` returns (``topk``:
+        values and indices of shape (B, H, S, k))."""
         record = self.record_info(kind, step, layer)
         file = self.path / record.file
+        if index is not None:
+            index = index if isinstance(index, tuple) else (index,)
+            index = REDUCERS[kind].stored_index(index) if kind in REDUCERS else index
         try:
             with safe_open(str(file), framework="pt") as f:
                 if index is None:
                     t = f.get_tensor("map")
                 else:
-                    t = f.get_slice("map")[index if isinstance(index, tuple) else (index,)]
+                    t = f.get_slice("map")[index]
         except (IndexError, TypeError, ValueError):
             raise  # a bad `index`: the caller's mistake, not the file's
         except Exception as err:

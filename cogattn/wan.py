@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_wan import (
     _get_qkv_projections,
 )
 
-from .layout import VAE_SPATIAL, TokenLayout
+from .layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
 from .processor import MapSink
 
 __all__ = ["WanAttnMapProcessor", "KNOWN_WAN", "read_call", "layout_for_video", "TEXT_LEN", "IMAGE_LEN"]
@@ -205,10 +205,11 @@ def read_call(config, args: tuple, kwargs: dict):
 
 
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
-    """The layout of a Wan pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels."""
+    """The layout of a Wan pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels (the
+    pipeline rounds ``num_frames`` to ``num_frames // 4 * 4 + 1``, with a warning, and so does this)."""
     p_t, p_h, _ = (int(p) for p in config["patch_size"])
     return TokenLayout.for_video(
-        num_frames,
+        max(int(num_frames) // VAE_TEMPORAL * VAE_TEMPORAL + 1, 1),
         height,
         width,
         0,

@@ -46,3 +46,59 @@ def test_coordinate_outside_grid_names_ranges():
     lay = TokenLayout(text_len=4, frames=2, height=3, width=5)
     with pytest.raises(ValueError, match=r"\(2, 0, 0\).*frame 0..1"):
         lay.token_index(2, 0, 0)
+
+
+# -- latent ↔ pixel frames, as the pipelines and their VAEs make them -------------------------------------
+@pytest.fixture(scope="module")
+def decoded_frames():
+    """Frames each tiny VAE decodes from L latent frames (the real VAE code at toy width), L = 1..6."""
+    from cogattn.testing import tiny_vae, tiny_wan_pipeline
+
+    cog, wan = tiny_vae(), tiny_wan_pipeline().vae
+    with torch.no_grad():
+        return {
+            "cogvideox": {n: cog.decode(torch.zeros(1, 4, n, 2, 2)).sample.shape[2] for n in range(1, 7)},
+            "wan": {n: wan.decode(torch.zeros(1, wan.config.z_dim, n, 2, 2)).sample.shape[2] for n in range(1, 7)},
+        }
+
+
+def _covers_in_order(owner: list[int], frames: int) -> bool:
+    return owner == sorted(owner) and sorted(set(owner)) == list(range(frames))
+
+
+def test_every_decoded_pixel_frame_has_its_latent_frame(decoded_frames):
+    from cogattn.wan import KNOWN_WAN, layout_for_video
+
+    # CogVideoX's VAE decodes latent frames in pairs (an odd count: the first three together), so an even L
+    # gives 4L frames, 4 per latent frame from frame 0; Wan's causal VAE gives 4(L - 1) + 1 for every L.
+    assert decoded_frames["cogvideox"] == {1: 1, 2: 8, 3: 9, 4: 16, 5: 17, 6: 24}
+    assert decoded_frames["wan"] == {1: 1, 2: 5, 3: 9, 4: 13, 5: 17, 6: 21}
+    assert TokenLayout(8, 4, 3, 5).latent_of_pixel(16) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert TokenLayout(8, 3, 3, 5).latent_of_pixel(9) == [0] + [1] * 4 + [2] * 4
+    wan_config = KNOWN_WAN["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"]
+    for n in range(1, 22):  # num_frames of the call, 4k + 1 or not
+        latent = (n - 1) // 4 + 1  # pipeline_cogvideox.py: latent_frames
+        for pt in (None, 2):
+            lay = TokenLayout.for_video(n, 48, 80, 8, patch_size_t=pt)
+            assert lay.frames == ((latent + 1) // 2 if pt else latent), (n, pt)
+            owner = lay.latent_of_pixel(decoded_frames["cogvideox"][latent])  # 1.5 drops its padding first
+            assert _covers_in_order(owner, lay.frames), (n, pt, owner)
+        latent = (n // 4 * 4 + 1 - 1) // 4 + 1  # pipeline_wan.py rounds num_frames to num_frames // 4 * 4 + 1
+        lay = layout_for_video(wan_config, n, 32, 48, None)
+        assert lay.frames == latent, n
+        assert _covers_in_order(lay.latent_of_pixel(decoded_frames["wan"][latent]), latent), n
+    with pytest.raises(ValueError, match=r"never 10 frames.*F = 3.*: 9"):
+        TokenLayout(8, 3, 3, 5).pixel_frames(10)
+
+
+def test_a_cogvideox_video_of_an_even_latent_count_is_mapped_whole():
+    import cogattn
+    from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
+
+    pipe = tiny_pipeline()
+    emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
+    call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_inference_steps=1, height=48, width=80)
+    with cogattn.record(pipe, kinds="frame") as rec:
+        video = pipe(num_frames=13, max_sequence_length=TINY_TEXT_LEN, output_type="pt", **call).frames
+    assert rec.layout.frames == 4 and video.shape[1] == 16  # 13 frames asked: 4 latent frames, decoded to 16
+    assert rec.layout.latent_of_pixel(16) == [f for f in range(4) for _ in range(4)]

@@ -123,6 +123,21 @@ def test_stored_statistics_read_back_with_their_sizes_and_topk_keeps_float32(tmp
     assert torch.equal(partial.indices, run.get("topk", 0, 0).indices[0, 1, :4])
 
 
+def test_topk_partial_reads_index_values_and_indices_of_shape_b_h_s_k(tmp_path):
+    pipe = tiny_pipeline()
+    with cogattn.record(pipe, kinds="topk", heads="all", topk=5, save_dir=tmp_path / "run"):
+        generate(pipe, steps=1)
+    run = cogattn.load(tmp_path / "run")
+    full = run.get("topk", 0, 0)  # (1, 2, 53, 5) each, sliced by hand below
+    indices = [(0, 1, 7, 0), (0, 1, 7, slice(1, 3)), (0, 1, slice(None), 0), (..., 2), (0, slice(None), 3, -1), 0]
+    for index in indices:
+        got = run.get("topk", 0, 0, index=index)
+        assert torch.equal(got.values, full.values[index]) and torch.equal(got.indices, full.indices[index]), index
+    assert run.get("topk", 0, 0, index=(0, 1, 7, 0)).values.item() == full.values[0, 1, 7].max()
+    with pytest.raises(ValueError, match=r"has 5 entries.*\(B, H, S, k\)"):  # not the stored (value, key) axis
+        run.get("topk", 0, 0, index=(0, 1, 7, slice(None), 0))
+
+
 def test_estimate_predicts_the_records_a_run_writes(tmp_path):
     kw = dict(kinds=STATS, heads=[1, 0], storage_dtype="float16", **SIZES)
     est = cogattn.estimate("tiny", num_frames=9, height=48, width=80, num_inference_steps=2, batch="cond", **kw)
