@@ -304,6 +304,12 @@ class Transformers:
         """Register the forward pre-hook ``hook`` on every transformer; returns the handles."""
         return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.modules]
 
+    def check_install(self) -> None:
+        """Raise what :meth:`install` would raise (a processor that is not stock, another recording's),
+        changing nothing."""
+        for m in self.modules:
+            self.spec.map_processors(m.attn_processors, len(getattr(m, self.spec.blocks)), None)
+
     def install(self, sink) -> None:
         """Replace the stock processors of every captured module with cogattn's, feeding ``sink``."""
         self._originals = []  # filled as each is replaced: a refusal restores those replaced before it

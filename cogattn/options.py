@@ -68,8 +68,10 @@ class CaptureOptions:
             and ``"uncond"`` need a pipeline.
         heads (`"all" | "mean" | int | Sequence[int]`, defaults to ``"mean"``): ``"mean"`` averages all
             heads into one head slot.
-        queries (`int | Sequence[int | tuple[int, int, int]] | None`): for ``"query"``: token indices or
-            video coordinates ``(frame, row, col)`` on the latent patch grid.
+        queries (`int | Sequence[int | tuple[int, int, int]] | None`): for ``"query"``: token indices (ints)
+            or video points ``(frame, row, col)`` on the latent patch grid (tuples), in a list; kept as a list.
+            A bare tuple of three ints is refused as ambiguous: write ``[2, 1, 4]`` for tokens 2, 1 and 4,
+            ``[(2, 1, 4)]`` for the point.
         block_size (`int`, defaults to 128): tokens per block of the ``block`` kind (runs of tokens in the
             model's order from token 0; the last may be shorter).
         topk (`int`, defaults to 32): how many of each row's largest probabilities ``topk`` keeps (at
@@ -344,32 +346,40 @@ def _indices(name: str, value, upper: int | None, words: Sequence[str]) -> str |
     return tuple(out)  # the user's order: results keep it (batch and heads axes)
 
 
-def _check_queries(queries) -> tuple | None:
+def _is_index(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_queries(queries) -> list | None:
+    """The queries as a list (ints: token indices; ``(frame, row, col)`` tuples: video points), which checks
+    as itself again; a bare tuple of three ints, a point or three tokens, is refused."""
     if queries is None:
         return None
-    if isinstance(queries, int) and not isinstance(queries, bool):
+    if _is_index(queries):
         queries = [queries]
     if not isinstance(queries, (list, tuple, range)):
         raise TypeError(f"queries must be a list of token indices or (frame, row, col) tuples, got {queries!r}.")
+    if isinstance(queries, tuple) and len(queries) == 3 and all(_is_index(x) for x in queries):
+        listed = ", ".join(map(str, queries))
+        raise ValueError(
+            f"queries={queries!r} is ambiguous: three token indices or one video point (frame, row, col)? "
+            f"Write [{listed}] for token indices or [({listed})] for the video point."
+        )
     out = []
     for q in queries:
-        if isinstance(q, int) and not isinstance(q, bool) and q >= 0:
+        if _is_index(q) and q >= 0:
             out.append(q)
-        elif (
-            isinstance(q, (tuple, list))
-            and len(q) == 3
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in q)
-        ):
+        elif isinstance(q, (tuple, list)) and len(q) == 3 and all(_is_index(x) and x >= 0 for x in q):
             out.append(tuple(q))
         else:
             raise TypeError(
                 f"query {q!r} is neither a token index (int >= 0) nor a video coordinate (frame, row, col) "
                 "of non-negative ints."
             )
-    return tuple(out)
+    return out
 
 
 def _jsonable(value):
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return [_jsonable(v) for v in value]
     return value

@@ -114,7 +114,7 @@ class Recording(CaptureSink):
     @property
     def queries(self) -> tuple:
         """The ``query`` kind's queries as given: token indices or ``(frame, row, col)``."""
-        return self.options.queries or ()
+        return tuple(self.options.queries or ())
 
     @property
     def batch_items(self) -> tuple[int, ...] | None:
@@ -327,11 +327,13 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
     Returns:
         `Recording`: a context manager; on exit the original processors are back and the hook is gone.
     """
+    transformer, pipeline, spec = find_transformer(target)
+    Transformers(pipeline, transformer, spec).check_install()  # refused before `save_dir` is touched
     rec = Recording(target, options, **kwargs)
     try:
         rec.install_processors()
     except BaseException:
-        rec.close()
+        rec.close("failed")  # refused after all (processors changed since the check): the run is discarded
         raise
     return rec
 

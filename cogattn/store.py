@@ -150,7 +150,7 @@ class RunWriter:
             raise ValueError(f"storage_dtype={storage_dtype!r}; choose one of {list(STORAGE_DTYPES)}.")
         self.path = Path(path)
         self.dtype = STORAGE_DTYPES[storage_dtype]
-        self.made_folder = False  # set by create(): discard() then removes the folder too
+        self.made_from: Path | None = None  # set by create(): the outermost folder it made, which discard() removes
         self._lock = RunLock(self.path)  # held until close: nobody else writes or replaces this run
         self.durable = durable
         self.committed = 0
@@ -179,9 +179,10 @@ class RunWriter:
     def create(cls, save_dir: Path, overwrite: bool, storage_dtype: str, meta: dict) -> RunWriter:
         """A writer for a new run in ``save_dir`` (see :func:`prepare_folder`), its ``run.json`` written;
         nothing is left behind when that fails."""
-        made = not Path(save_dir).exists()
-        writer = cls(prepare_folder(save_dir, overwrite), storage_dtype)
-        writer.made_folder = made
+        path = Path(save_dir).expanduser().absolute()
+        missing = [p for p in (path, *path.parents) if not p.exists()]  # what prepare_folder will make
+        writer = cls(prepare_folder(path, overwrite), storage_dtype)
+        writer.made_from = missing[-1] if missing else None
         try:
             writer.write_meta(meta)
         except StoreError:
@@ -191,9 +192,17 @@ class RunWriter:
         return writer
 
     def discard(self) -> None:
-        """After :meth:`close`: remove the run, its lock file, and the folder if this writer made it and
-        nothing else is in it (a run refused before its first record leaves nothing behind)."""
-        remove_run(self.path, lock_too=True, folder_too=self.made_folder)
+        """After :meth:`close`: remove the run, its lock file, and the folders :meth:`create` made (its parents
+        too) while nothing else is in them: a run refused before its first record leaves nothing behind."""
+        remove_run(self.path, lock_too=True)
+        if self.made_from is None:
+            return
+        for folder in (self.path, *self.path.parents):  # deepest first
+            if not folder.is_dir() or any(folder.iterdir()):
+                return
+            folder.rmdir()
+            if folder == self.made_from:
+                return
 
     @property
     def pending_bytes(self) -> int:

@@ -37,6 +37,8 @@ def test_an_open_run_is_locked_against_a_second_recording(pipe, tmp_path):
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir, info={"who": "first"}) as first:
         generate(pipe, steps=1)
         with pytest.raises(cogattn.StoreError, match=r"is being written by another recording \(process \d+\)"):
+            cogattn.record(tiny_pipeline(), kinds="frame", save_dir=run_dir, overwrite=True)
+        with pytest.raises(ValueError, match="close the other recording first"):  # the same pipeline: refused sooner
             cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True)
     run = cogattn.load(run_dir)
     assert run.complete and run.info == {"who": "first"} and len(run) == 2
@@ -314,12 +316,65 @@ def test_a_refused_run_leaves_no_folder_behind(pipe, tmp_path):
     with pytest.raises(ValueError, match="asks for step 5"):
         with cogattn.record(pipe, steps=[5], save_dir=tmp_path / "new" / "run"):
             generate(pipe, steps=2)
-    assert not (tmp_path / "new" / "run").exists()
+    assert not (tmp_path / "new").exists()  # nor the parent it made
     (tmp_path / "mine").mkdir()  # a folder the user made stays, empty
     with pytest.raises(ValueError, match="asks for step 5"):
         with cogattn.record(pipe, steps=[5], save_dir=tmp_path / "mine"):
             generate(pipe, steps=2)
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
+
+
+@pytest.mark.parametrize("cause", ["another recording", "processors"])
+def test_a_refused_record_call_touches_no_folder(pipe, tmp_path, cause):
+    from diffusers.models.attention_processor import AttnProcessor2_0, CogVideoXAttnProcessor2_0
+
+    old = tmp_path / "old"  # a closed run the user keeps: overwrite=True must not replace it when refused
+    with cogattn.record(pipe, kinds="frame", save_dir=old, info={"who": "old"}):
+        generate(pipe, steps=1)
+    (tmp_path / "empty").mkdir()
+    new, empty = tmp_path / "new" / "run", tmp_path / "empty"
+    error, match = (ValueError, "close the other recording") if cause == "another recording" else (TypeError, "stock")
+    other = cogattn.record(pipe, kinds="frame") if cause == "another recording" else None
+    if other is None:
+        pipe.transformer.set_attn_processor(AttnProcessor2_0())
+    for save_dir, overwrite in ((new, False), (empty, False), (old, True)):
+        with pytest.raises(error, match=match):
+            cogattn.record(pipe, kinds="frame", save_dir=save_dir, overwrite=overwrite)
+    assert not (tmp_path / "new").exists() and not any(empty.iterdir())
+    assert cogattn.load(old).info == {"who": "old"} and len(cogattn.load(old)) == 2
+    if other is None:
+        pipe.transformer.set_attn_processor(CogVideoXAttnProcessor2_0())
+    else:
+        other.close()
+    for save_dir in (new, empty):  # the same folders now take a run
+        with cogattn.record(pipe, kinds="frame", save_dir=save_dir):
+            generate(pipe, steps=1)
+        assert cogattn.load(save_dir).complete and len(cogattn.load(save_dir)) == 2
+
+
+def test_a_bare_triple_of_ints_is_no_query_and_a_point_means_the_same_everywhere(pipe):
+    from cogattn import plot
+    from cogattn.analysis import locate_query
+
+    with pytest.raises(ValueError, match=r"\[2, 1, 4\] for token indices.*\[\(2, 1, 4\)\] for the video point"):
+        cogattn.record(pipe, kinds="query", queries=(2, 1, 4))  # tokens 2, 1, 4 or the point (2, 1, 4)?
+    assert _hooks(pipe) == 0
+    assert cogattn.CaptureOptions(kinds="query", queries=(2, 1)).queries == [2, 1]  # not a point: tokens
+    opts = cogattn.CaptureOptions(kinds="query", queries=[2, 1, 4])
+    assert cogattn.CaptureOptions.build(opts, topk=3).queries == [2, 1, 4]  # rebuilt, still tokens
+    spy = QKSpy(pipe.transformer)
+    with cogattn.record(pipe, kinds="query", heads="all", queries=[2, 1, 4]) as tokens:
+        generate(pipe, steps=1)
+    spy.remove()
+    assert_matches_naive(tokens, spy, [1], "all", kinds=("query",), queries=[2, 1, 4])
+    with cogattn.record(pipe, kinds="query", heads="all", queries=[(2, 1, 4)]) as point:
+        generate(pipe, steps=1)
+    # tiny layout: T = 8 text tokens, then latent frames of 3 × 5 patches: (2, 1, 4) is token 8 + 30 + 5 + 4
+    assert (point.layout.text_len, point.layout.height, point.layout.width) == (8, 3, 5)
+    assert locate_query(point, (2, 1, 4)) == ("query", 0, 47)
+    plot.query_map(point, (2, 1, 4))  # the tuple is the recorded point in query_map too
+    with pytest.raises(ValueError, match=r"query=\[2, 1, 4\].*\(2, 1, 4\) for the video point"):
+        plot.query_map(point, [2, 1, 4])
 
 
 def test_warnings_point_at_the_users_code(pipe):

@@ -324,7 +324,8 @@ def query_map(
     Args:
         source (`MapSource`): a `Recording` or a `Run` holding kind ``query`` (or ``full``).
         query (`int | tuple[int, int, int]`, defaults to 0): a position among the recorded queries, or a
-            video coordinate (latent frame, patch row, patch column).
+            video point as a tuple (latent frame, patch row, patch column), as in ``queries=[(f, y, x)]``;
+            a list is refused (``queries=`` reads a list of ints as token indices).
         video (defaults to `None`): the decoded video, or `None` for maps on the patch grid alone.
         tokenizer (defaults to `None`): the pipeline's tokenizer, to name the text tokens.
         prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]``.
@@ -344,6 +345,12 @@ def query_map(
         `Figure`: the figure.
     """
     single_head(heads, "query_map")
+    if isinstance(query, list):  # `queries=[2, 1, 4]` is three tokens: one meaning for a list everywhere
+        point = f"; pass {tuple(query)} for the video point" if len(query) == 3 else ""
+        raise ValueError(
+            f"query={query!r} is a list, which `queries=` reads as token indices; query_map draws one query: "
+            f"a position among the recorded queries (an int) or a video point (frame, row, col) as a tuple{point}."
+        )
     layout = source.layout
     kind, index, token = locate_query(source, query)
     row = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)[index]  # (S,)
