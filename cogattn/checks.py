@@ -36,6 +36,7 @@ __all__ = [
     "RowProbe",
     "bound",
     "error_units",
+    "made_from_output",
     "output_kinds",
     "SpotCheck",
     "Verifier",
@@ -59,36 +60,53 @@ STOCK_OUTPUT: set[tuple] = set()  # (device, dtype, mode, shape) whose opt-in ou
 
 
 def bound(kind: str, dtype: torch.dtype, made_from_output: bool) -> float:
-    """The documented bound of a kind (README, "Exactness"; docs/design.md, "Spot checks"), in its units.
-
-    Probabilities and pooled sums: absolute. ``entropy``: per unit of ``max(1, |lse_i|)``, the row's
-    log-sum-exp of scaled scores (``lse − scale·q·(PK)`` cancels two numbers of that size). ``received``:
-    per unit of ``max(1, Σ_i P[i, j]·max(1, |lse_i|))`` (each term ``exp(s − lse)`` carries a float32
-    rounding of its exponent, of the size of ``|lse_i|``). ``made_from_output``: the kind was made from what
-    a model-dtype output call brought (its lse or sums), held to :data:`OUTPUT_MAPS_TOLERANCE` (half an ulp
-    at 1 in a 16-bit model) instead of :data:`TOLERANCE`."""
+    """The documented bound of a kind (README, "Exactness"; docs/design.md, "Spot checks"), in its units
+    (:func:`error_units`): :data:`TOLERANCE`, or with ``made_from_output`` (the kind was made from what a
+    model-dtype output call brought, its lse or sums) :data:`OUTPUT_MAPS_TOLERANCE`, half an ulp at 1 in a
+    16-bit model."""
     return (OUTPUT_MAPS_TOLERANCE if made_from_output else TOLERANCE).get(dtype, 1e-5)
+
+
+MULTI_KEY_KINDS = ("frame", "query_frame", "block")
 
 
 def output_kinds(layer_output: str) -> tuple[str, ...]:
     """The kinds that may be made from what an opt-in output call brought, held to
     :data:`OUTPUT_MAPS_TOLERANCE` in a 16-bit model: single keys (``video_to_text``) and ``received`` from
-    its lse (when no float32 pass gave one), and with ``"joint"`` the multi-key groups from its sums."""
-    if layer_output == "stock":
-        return ()
-    return ("video_to_text", "received") + (("frame", "query_frame", "block") if layer_output == "joint" else ())
+    its lse (when no float32 pass gave one), the multi-key groups from the joint call's sums or, with the
+    Triton kernel, from the output call's lse."""
+    return () if layer_output == "stock" else ("video_to_text", "received", *MULTI_KEY_KINDS)
 
 
-def error_units(kind: str, probs: torch.Tensor, lse: torch.Tensor) -> torch.Tensor | None:
+def made_from_output(kind: str, layer_output: str, kinds, method: str) -> bool:
+    """Whether ``kind``, captured with ``kinds`` by the concrete ``method`` under ``layer_output``, is made
+    from what the output call brought (as :func:`cogattn.engine.pooled_pass` chooses: a float32 pass's lse,
+    of ``entropy`` or of the indicator columns, is preferred to the output call's)."""
+    if kind not in output_kinds(layer_output) or method == "rows":
+        return False
+    float32_lse = "entropy" in kinds or (method == "sdpa" and any(k in MULTI_KEY_KINDS for k in kinds))
+    if kind in MULTI_KEY_KINDS:
+        return method == "joint" or (method == "triton" and "entropy" not in kinds)
+    return not float32_lse
+
+
+def error_units(kind: str, probs: torch.Tensor, lse: torch.Tensor, values: torch.Tensor | None = None):
     """What an error of ``kind`` is divided by before it is compared with :func:`bound`, from float
-    probabilities ``probs`` ``(..., R, S)`` and the rows' lse ``(..., R)``: per row for ``entropy``
-    ``(..., R)``, per key for ``received`` ``(..., S)``; `None` for kinds whose error is absolute."""
+    probabilities ``probs`` ``(..., R, S)`` and the rows' lse ``(..., R)``. A float32 rounding of a score
+    is of the size of ``|lse_i|``, so the units grow with it where the quantity is large:
+
+    * ``entropy``: ``max(1, |lse_i|)`` per row ``(..., R)`` (``lse − scale·q·(PK)`` cancels two numbers of
+      that size);
+    * ``received``: ``max(1, Σ_i P[i, j]·max(1, |lse_i|))`` per key ``(..., S)``;
+    * a probability or pooled sum ``x`` of row i (``values`` ``(..., R, C)``): ``max(1, x·|lse_i|)``, so
+      1e-5 absolute unless the row is peaked; without ``values``, `None` (absolute).
+    """
     per_row = lse.abs().clamp(min=1)
     if kind == "entropy":
         return per_row
     if kind == "received":
         return (probs * per_row[..., None]).sum(-2).clamp(min=1)
-    return None
+    return None if values is None else (values.abs() * per_row[..., None]).clamp(min=1)
 
 
 def probe_rows(layout: TokenLayout, count: int = 8) -> torch.Tensor:
@@ -174,7 +192,8 @@ class Verifier:
 
         Each kind is held to its :func:`bound`, in its units (:func:`error_units`): what a 16-bit output
         call's lse or sums made (single keys and ``received`` from its lse, multi-key groups from the joint
-        call) to :data:`OUTPUT_MAPS_TOLERANCE`, the rest to :data:`TOLERANCE`. ``received`` has no per-query
+        call's sums or from its lse in the Triton kernel) to :data:`OUTPUT_MAPS_TOLERANCE`, the rest to
+        :data:`TOLERANCE`. ``received`` has no per-query
         value: its swapped pass runs on the probe rows with the lse the capture used for them, against the
         column sums of those rows, so the check covers that lse too. The check keeps the worst error
         relative to its bound."""
@@ -196,10 +215,10 @@ class Verifier:
                 else:
                     exact = red.from_rows(probs)
                     single = red.key_groups is not None and red.key_groups.single_keys
-                    joint_sums = red.key_groups is not None and not single and method.startswith("joint")
-                    from_output = joint_sums or (single and probe.lse_from_output)
+                    by_output = method.startswith("joint") or (method.startswith("triton") and probe.lse_from_output)
+                    from_output = (single and probe.lse_from_output) or (not single and by_output)
                 tol = bound(red.kind, q.dtype, from_output)
-                units = error_units(red.stat or red.kind, probs, lse)
+                units = error_units(red.stat or red.kind, probs, lse, exact)
                 if got is None:
                     error = float("nan")  # a gap fails
                 else:

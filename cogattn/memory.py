@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "CPU_ROW_TILE",
+    "check_host",
     "context_tile",
     "host_available",
     "pooled_bytes",
@@ -25,6 +26,7 @@ __all__ = [
     "too_small",
     "usable",
     "waiting_bytes",
+    "waiting_refusal",
 ]
 
 _F32 = 4
@@ -128,3 +130,28 @@ def waiting_bytes(reducers, batch, batch_size: int, calls: int, layers: int) -> 
         return 0
     early = sum(1 for b in batch if b >= per_call)
     return early * layers * sum(r.nbytes(1) for r in reducers)
+
+
+def _waiting(waiting: int, batch) -> str:
+    return (
+        f"the {waiting:,} bytes of results that wait in host memory for each step's second call (batch={batch!r} "
+        "spans both of its calls, so every captured layer's first half waits)"
+    )
+
+
+def check_host(waiting: int, batch) -> None:
+    """Refuse ``waiting`` bytes of results held in host memory beyond what the host has available now."""
+    available = host_available() if waiting else None
+    if available is not None and waiting > available:
+        raise ValueError(
+            f"{_waiting(waiting, batch)} exceed the {available:,} bytes of host memory available; capture fewer "
+            "layers or heads, or one half (batch='cond' or 'uncond')."
+        )
+
+
+def waiting_refusal(budget: int, waiting: int, batch) -> ValueError:
+    """The refusal of a CPU budget that holds the tiles but not the tiles and ``waiting`` bytes together."""
+    return ValueError(
+        f"memory_budget={budget} bytes cannot hold {_waiting(waiting, batch)} beside the tiles; raise memory_budget "
+        f"to at least {budget + waiting} bytes, capture fewer layers or heads, or one half (batch='cond' or 'uncond')."
+    )

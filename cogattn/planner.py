@@ -255,6 +255,7 @@ class CapturePlan:
             guidance, a selection spanning both halves): the earlier calls' items of every captured layer
             (:mod:`cogattn.memory` says how they are bounded).
         tile_budget (`int`): what the tiles may take: ``memory_budget``, less ``waiting_bytes`` on a CPU.
+        device_type (`str`): where capture runs (``"cpu"``: the waiting results are in the same memory).
     """
 
     options: CaptureOptions
@@ -268,6 +269,7 @@ class CapturePlan:
     context_tiles: dict[str, tuple[int, int]] = field(default_factory=dict)
     waiting_bytes: int = 0
     tile_budget: int = 0
+    device_type: str = "cpu"
 
     @property
     def layout(self) -> TokenLayout:
@@ -301,11 +303,11 @@ class CapturePlan:
 
     @property
     def peak_extra_memory(self) -> int:
-        """Predicted peak memory capture adds to a generation: the tile working set (or, with
-        ``layer_output="joint"``, the widened output call when it is larger), the results waiting for a
-        step's last call, and one layer's results."""
+        """Predicted peak memory capture adds to a generation on its device: the tile working set (or, with
+        ``layer_output="joint"``, the widened output call when it is larger) and one layer's results, and on
+        a CPU the results waiting for a step's last call (on an accelerator those are host memory)."""
         transient = max(self.tiles.peak_bytes, self.joint_bytes, self.context_bytes)
-        return transient + self.waiting_bytes + self.result_bytes
+        return transient + self.result_bytes + self.waiting_bytes * (self.device_type == "cpu")
 
 
 @dataclass(frozen=True)
@@ -329,6 +331,7 @@ def plan_capture(
     device,
     sources: dict[str, str] | None = None,
     calls_per_step: int = 1,
+    check_host: bool = True,
 ) -> CapturePlan:
     """Plan a capture for a call of ``batch_size`` items on ``layout``; raises `ValueError` for what does not fit.
 
@@ -344,6 +347,8 @@ def plan_capture(
         calls_per_step (`int`, defaults to 1): transformer calls that share the ``batch_size`` items of a
             step, the last call holding the first ``batch_size / calls_per_step`` (Wan under guidance: 2,
             the conditional call first); the results of the earlier calls wait for the last.
+        check_host (`bool`, defaults to `True`): on an accelerator, refuse waiting results larger than the
+            host memory available now (`estimate` plans for another machine and only reports them).
     """
     num_heads, head_dim, dtype = model.num_heads, model.head_dim, model.dtype
     res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
@@ -371,33 +376,27 @@ def plan_capture(
     layers = model.num_layers if options.layers == "all" else len(options.layers)
     waiting = memory.waiting_bytes([*reducers, *context], res.batch, batch_size, calls_per_step, layers)
     on_host = torch.device(device).type == "cpu"
+    if check_host and not on_host:
+        memory.check_host(waiting, options.batch)
     budget = options.memory_budget - waiting * on_host  # on a CPU the waiting results and the tiles share it
-    available = None if on_host or not waiting else memory.host_available()
-    if available is not None and waiting > available:
-        raise ValueError(
-            f"the {waiting:,} bytes of results that wait in host memory for each step's second call (batch="
-            f"{options.batch!r} spans both of its calls, so every captured layer's first half waits) exceed the "
-            f"{available:,} bytes of host memory available; capture fewer layers or heads, or one half "
-            "(batch='cond' or 'uncond')."
-        )
-    try:
+
+    def tiles_within(budget: int):
+        tiles = TilePlan("none", 0, 0, 0, 0, 0)  # cross-attention kinds only: no self-attention pass
         if reducers:
             tiles = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, budget, method, device, copies, lse)
-        else:  # cross-attention kinds only: no self-attention pass
-            tiles = TilePlan("none", 0, 0, 0, 0, 0)
         context_tiles, context_bytes = {}, 0
         for r in context:
             h, rows, peak = context_tile(len(res.heads), layout.video_len, r.context_len, head_dim, budget, device)
             context_tiles[r.source], context_bytes = (h, rows), max(context_bytes, peak)
+        return tiles, context_tiles, context_bytes
+
+    try:
+        tiles, context_tiles, context_bytes = tiles_within(budget)
     except ValueError as err:
-        if not waiting:
+        if not (waiting and on_host):
             raise
-        raise ValueError(
-            f"memory_budget={options.memory_budget} bytes cannot hold the {waiting:,} bytes of results that wait in "
-            f"host memory for each step's second call (batch={options.batch!r} spans both of its calls, so every "
-            "captured layer's first half waits) and the tiles beside them. Raise memory_budget by that much, "
-            "capture fewer layers or heads, or one half (batch='cond' or 'uncond')."
-        ) from err
+        tiles_within(options.memory_budget)  # too small without the waiting results too: that refusal
+        raise memory.waiting_refusal(options.memory_budget, waiting, options.batch) from err
     joint_bytes = 0
     n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)
     if options.layer_output == "joint" and n_cols:
@@ -415,4 +414,5 @@ def plan_capture(
         context_tiles,
         waiting,
         budget,
+        torch.device(device).type,
     )

@@ -182,24 +182,31 @@ def test_the_lse_received_takes_from_another_pass_is_checked(monkeypatch):
 
 
 @pytest.mark.parametrize("peak", [30.0, 200.0, 465.0, 800.0])
-def test_received_and_entropy_bounds_scale_with_lse(peak):
-    """Peaked attention (|lse| up to ``peak``): the fused passes are exact to what float32 can do, so the
-    spot check passes, and every method stays within the documented bound against float64."""
+def test_bounds_scale_with_lse_on_peaked_attention(peak):
+    """Peaked attention (|lse| up to ``peak``; each query finds its own key, and video queries 0..4 find
+    text key t as well): the fused passes are exact to what float32 can do, so the spot check passes, and
+    every method stays within the documented bound against float64."""
     H, S, D, T = 2, 61, 16, 5
     layout = cogattn.TokenLayout(T, 2, 4, 7)
     gen = torch.Generator().manual_seed(0)
     q = torch.nn.functional.normalize(torch.randn(1, H, S, D, generator=gen), dim=-1) * peak**0.5 * D**0.25
-    k = q + 0.01 * torch.randn(1, H, S, D, generator=gen)  # each query finds its own key: logits near peak
+    k = q + 0.01 * torch.randn(1, H, S, D, generator=gen)  # logits near peak on the diagonal
+    k[:, :, :T] = q[:, :, T : 2 * T]  # video query T + t finds text key t too: P ≈ 1/2 on a text key
     P = naive_probs(q, k)[0]
     lse = torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * D**-0.5, -1)[0]
-    assert lse.abs().max() > 0.9 * peak
-    reducers = [cogattn.reducers.REDUCERS[kind](layout, H, False) for kind in ("entropy", "received")]
+    assert lse.abs().max() > 0.9 * peak and P[:, T:, :T].max() > 0.4
+    kinds = ("entropy", "received", "video_to_text")
+    reducers = [cogattn.reducers.REDUCERS[kind](layout, H, False) for kind in kinds]
+    video_to_text_units = checks.error_units("video_to_text", P, lse, P)[:, T:, :T].transpose(1, 2)
     for method in ("sdpa", "rows"):
         plan = cogattn.planner.plan_tiles(reducers, S, H, D, 2**30, method, "cpu")
         outs, _, probes = cogattn.engine.capture_items(q, k, [0], reducers, plan, probe_rows=checks.probe_rows(layout))
         for red, out in zip(reducers, outs):
             exact = naive_kind(P[None], red.kind, T, layout.grid)[0]
-            units = checks.error_units(red.kind, P, lse)
+            if red.kind == "video_to_text":
+                units = video_to_text_units.reshape(exact.shape)  # per (video query, text key)
+            else:
+                units = checks.error_units(red.kind, P, lse)
             error = ((out[0].double() - exact).abs() / units).max().item()
             assert error <= checks.bound(red.kind, torch.float32, False), (method, red.kind, error)
         if method == "sdpa":

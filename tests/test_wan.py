@@ -316,21 +316,27 @@ def test_estimate_released_wan_image_to_video():
     assert [(k, s, n) for k, s, _, n in est.records] == [("video_to_image", (2, 1, 257, 21, 30, 52), 40 * 40)]
     # the conditional call's item of each of the 40 layers waits for the unconditional call, in host memory
     assert est.plan.waiting_bytes == 40 * 4 * 257 * 32760 and est.plan.tile_budget == 2**30
-    assert "1,347,091,200 bytes (1284.7 MiB) of results wait in host memory" in est.table()
+    assert "and in host memory 1,347,091,200 bytes (1284.7 MiB) of results wait" in est.table()
+    assert est.peak_extra_memory == est.plan.context_bytes + est.plan.result_bytes  # the GPU's: not the host's
 
 
 def test_waiting_results_are_checked_against_the_host_memory(monkeypatch):
-    """On an accelerator the waiting results are host memory: checked against what the host has available;
-    on a CPU they share ``memory_budget`` with the tiles."""
+    """On an accelerator the waiting results are host memory: a recording checks them against what its host
+    has available (an estimate, made elsewhere, reports them); on a CPU they share ``memory_budget`` with the
+    tiles."""
     kw = dict(num_frames=81, height=480, width=832, num_inference_steps=40, kinds=("video_to_image",), batch="all")
     model = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
     monkeypatch.setattr(cogattn.memory, "host_available", lambda: 10**9)
+    plan = cogattn.estimate(model, device="cuda", **kw).plan  # no refusal: the run's host is not this one
+    args = (plan.options, cogattn.planner.ModelShape(40, 40, 128, torch.bfloat16), plan.layout)
+    call = dict(batch_size=2, guidance=True, num_steps=40, sources=CONTEXT, calls_per_step=2)
     with pytest.raises(ValueError, match=r"1,347,091,200 bytes of results .* exceed the 1,000,000,000 bytes of host"):
-        cogattn.estimate(model, device="cuda", **kw)
+        cogattn.planner.plan_capture(*args, device="cuda", **call)  # as a recording plans it
     with pytest.raises(ValueError, match=r"memory_budget=1073741824 bytes cannot hold the 1,347,091,200 bytes"):
         cogattn.estimate(model, **kw)
     est = cogattn.estimate(model, memory_budget="2GiB", **kw)
     assert est.plan.tile_budget == 2**31 - est.plan.waiting_bytes
+    assert est.peak_extra_memory >= est.plan.waiting_bytes + est.plan.result_bytes  # one memory on a CPU
 
 
 def test_estimate_tiny_wan_matches_a_recording(pipes):
@@ -506,9 +512,13 @@ def test_results_waiting_for_the_second_call_are_planned_and_held_once(pipes):
     est = cogattn.estimate("tiny-wan", guidance_scale=5.0, batch="all", **tiny)
     assert est.plan.waiting_bytes == rec.plan.waiting_bytes and "wait in host memory" in est.table()
     assert cogattn.estimate("tiny-wan", **tiny).plan.waiting_bytes == 0  # one half: nothing waits
-    with pytest.raises(ValueError, match=r"cannot hold the [\d,]+ bytes of results that wait in host memory"):
-        with cogattn.record(pipe, kinds=kinds, batch="all", heads="all", memory_budget=one_item, **SIZES):
+    budget = layers * one_item  # the tiles alone fit it, the tiles and the waiting results do not
+    need = rf"raise memory_budget to at least {budget + layers * one_item} bytes"
+    with pytest.raises(ValueError, match=rf"cannot hold the [\d,]+ bytes of results that wait in host .*{need}"):
+        with cogattn.record(pipe, kinds=kinds, batch="all", heads="all", memory_budget=budget, **SIZES):
             generate(pipe)
+    with pytest.raises(ValueError, match=r"memory_budget=1000 bytes is too small for one tile"):  # not the waiting
+        cogattn.estimate("tiny-wan", batch="all", memory_budget=1000, **tiny)
 
 
 def test_the_cross_attention_keeps_the_memory_budget():
