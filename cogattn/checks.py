@@ -43,8 +43,8 @@ __all__ = [
     "probe_rows",
 ]
 
-# Largest allowed |fast − exact| for a probability or a pooled sum (each ≤ 1); for `entropy` and `received`
-# in the units :func:`bound` gives. Every method computes them in float32 from q and k converted exactly
+# Largest allowed |fast − exact|, in the units of :func:`error_units` (1 for a probability or a pooled sum
+# of a row that is not peaked). Every method computes them in float32 from q and k converted exactly
 # to float32: within 1e-5 (on GPUs, float32 fused kernels may run with 3×TF32, about 1e-6 relative). Maps
 # made from an opt-in output call in a 16-bit model carry that kernel's precision: the joint call's sums
 # are rounded to the model's dtype per query row, and the flash kernel's lse is off by a few 1e-5
@@ -59,9 +59,9 @@ ROWS_ONLY: set[tuple] = set()  # (device, dtype, S, heads, D) whose fast method 
 STOCK_OUTPUT: set[tuple] = set()  # (device, dtype, mode, shape) whose opt-in output failed: the stock call
 
 
-def bound(kind: str, dtype: torch.dtype, made_from_output: bool) -> float:
-    """The documented bound of a kind (README, "Exactness"; docs/design.md, "Spot checks"), in its units
-    (:func:`error_units`): :data:`TOLERANCE`, or with ``made_from_output`` (the kind was made from what a
+def bound(dtype: torch.dtype, made_from_output: bool) -> float:
+    """The documented bound of every kind (README, "Exactness"; docs/design.md, "Spot checks"), in the
+    kind's units (:func:`error_units`): :data:`TOLERANCE`, or with ``made_from_output`` (the kind was made from what a
     model-dtype output call brought, its lse or sums) :data:`OUTPUT_MAPS_TOLERANCE`, half an ulp at 1 in a
     16-bit model."""
     return (OUTPUT_MAPS_TOLERANCE if made_from_output else TOLERANCE).get(dtype, 1e-5)
@@ -193,8 +193,7 @@ class Verifier:
         Each kind is held to its :func:`bound`, in its units (:func:`error_units`): what a 16-bit output
         call's lse or sums made (single keys and ``received`` from its lse, multi-key groups from the joint
         call's sums or from its lse in the Triton kernel) to :data:`OUTPUT_MAPS_TOLERANCE`, the rest to
-        :data:`TOLERANCE`. ``received`` has no per-query
-        value: its swapped pass runs on the probe rows with the lse the capture used for them, against the
+        :data:`TOLERANCE`. ``received`` has no per-query value: its swapped pass runs on the probe rows with the lse the capture used for them, against the
         column sums of those rows, so the check covers that lse too. The check keeps the worst error
         relative to its bound."""
         worst = (0.0, 0.0, TOLERANCE.get(q.dtype, 1e-5))  # (error / bound, error, bound)
@@ -217,7 +216,7 @@ class Verifier:
                     single = red.key_groups is not None and red.key_groups.single_keys
                     by_output = method.startswith("joint") or (method.startswith("triton") and probe.lse_from_output)
                     from_output = (single and probe.lse_from_output) or (not single and by_output)
-                tol = bound(red.kind, q.dtype, from_output)
+                tol = bound(q.dtype, from_output)
                 units = error_units(red.stat or red.kind, probs, lse, exact)
                 if got is None:
                     error = float("nan")  # a gap fails

@@ -94,8 +94,8 @@ def head_table(
     """One row per (step, layer, head, batch item) recorded: where that head's video queries attend.
 
     ``expert`` names the transformer that ran the step (``"transformer"``; Wan 2.2 A14B's low-noise steps
-    ``"transformer_2"``): its ``layer`` is a block of that transformer. Every number is about the video query tokens (the F·Hp·Wp queries of the latent frames), each
-    row of P summing to 1:
+    ``"transformer_2"``): its ``layer`` is a block of that transformer. Every number is about the video
+    query tokens (the F·Hp·Wp queries of the latent frames), each row of P summing to 1:
 
     * ``text_mass``: mean over video queries of the mass on the T text keys; NaN for a model whose
       self-attention has no text keys (Wan, ``layout.text_len == 0``: its text is in a separate

@@ -313,7 +313,7 @@ def _rows(source: MapSource, step: int, layer: int, recall: torch.Tensor, ks: li
     k (`None`: no ``k`` column, K = 1)."""
     B, H, K = recall.shape
     heads = ["mean"] * H if source.head_ids is None else [int(source.head_ids[h]) for h in range(H)]
-    expert = next((name for name, ran in expert_steps(source, [step]).items() if step in ran), "transformer")
+    (expert,) = expert_steps(source, [step])  # the one transformer that ran the step
     columns = {
         "step": step,
         "expert": expert,  # layer L of Wan 2.2's transformer is not layer L of its transformer_2

@@ -143,7 +143,7 @@ def _output_rows(part, mode, out, stock, lse, sums, dtype, device, run, error, t
     kinds = list(POOLED) if mode == "joint" else list(FROM_LSE)
     outs, seconds = run(kinds, method, lse=lse[0], sums=None if sums is None else sums[0])
     for kind, got in zip(kinds, outs):
-        limit = bound(kind, dtype, made_from_output(kind, mode, kinds, method))  # from the output call's, or not
+        limit = bound(dtype, made_from_output(kind, mode, kinds, method))  # from the output call's, or not
         err = error(kind, got)
         rows.append(Row(part, kind, method, mode, err, limit, None, seconds / t_stock, err <= limit))
     return rows
@@ -212,7 +212,7 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
             for step, layer, q, k in calls:
                 P, lse = (x[list(rec.batch_items)] for x in (naive_probs(q, k), naive_lse(q, k)))
                 for kind in JOINT_KINDS:
-                    limit = bound(kind, dtype, made_from_output(kind, output, JOINT_KINDS, rec.plan.tiles.method))
+                    limit = bound(dtype, made_from_output(kind, output, JOINT_KINDS, rec.plan.tiles.method))
                     tokens = [0, rec.layout.token_index(1, 1, 2)]
                     lay = rec.layout
                     got = rec.get(kind, step, layer)
