@@ -23,7 +23,7 @@ import torch
 
 import cogattn
 from cogattn.store import RunWriter, prepare_folder
-from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
+from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
 
 MB = 1e6
 

@@ -4,10 +4,8 @@ a source recorded, and which recorded row holds a query token. No plotting here 
 A *source* is any :class:`cogattn.run.MapSource`: an in-memory :class:`cogattn.Recording` or a run
 folder opened with :func:`cogattn.load`.
 
-The head table (:func:`cogattn.heads.head_table`, :class:`~cogattn.heads.LabelRule`,
-:func:`~cogattn.heads.label_row`, :func:`~cogattn.heads.temporal_decay`) and block-sparse mask recall (:mod:`cogattn.masks`:
-``mask_recall``, ``oracle_curve``, the mask helpers) live in their own modules and are reached from
-here too: ``cogattn.analysis.head_table(rec)``.
+The head table (:mod:`cogattn.head_stats`) and block-sparse mask recall (:mod:`cogattn.masks`) build on
+these and live in their own modules.
 
 ```python
 from cogattn.analysis import aggregate
@@ -44,23 +42,6 @@ __all__ = [
     "recorded_kinds",
     "steps_of_expert",
 ]
-
-# Reached from here, defined in their own modules (which import this one: looked up on first use).
-_ELSEWHERE = {
-    **dict.fromkeys(("head_table", "temporal_decay", "LabelRule", "LABELS", "label_row"), "heads"),
-    **dict.fromkeys(
-        ("mask_recall", "oracle_curve", "same_frame_mask", "temporal_window_mask", "spatial_window_mask", "BlockGrid"),
-        "masks",
-    ),
-}
-
-
-def __getattr__(name: str):
-    if name in _ELSEWHERE:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__package__}.{_ELSEWHERE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def recorded_kinds(source: MapSource) -> list[str]:

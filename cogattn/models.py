@@ -349,7 +349,7 @@ def transformer_config(model) -> dict:
         return dict(transformer.config)
     name = str(model)
     if name in ("tiny", "tiny-wan"):
-        from .testing import tiny_transformer, tiny_wan_transformer
+        from .tiny import tiny_transformer, tiny_wan_transformer
 
         return dict((tiny_transformer if name == "tiny" else tiny_wan_transformer)().config)
     folder = Path(name)

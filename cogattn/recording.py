@@ -16,12 +16,12 @@ import weakref
 import torch
 
 from . import engine
+from .capture import CaptureSink
 from .checks import Verifier
 from .layout import TokenLayout
 from .models import Transformers, find_transformer
 from .options import CaptureOptions
 from .planner import CapturePlan, ModelShape, TilePlan, plan_capture
-from .sink import CaptureSink
 from .steps import StepTracker, WeakHook
 from .store import MemoryStore, RunWriter, StoreError
 

@@ -156,7 +156,7 @@ PIPELINES = [("text-to-video", "1.0"), ("text-to-video", "1.5"), ("image-to-vide
 def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -> list[Row]:
     """Every method and output mode recording every kind of a 2-step generation of each tiny pipeline."""
     import cogattn
-    from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
+    from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
 
     rows = []
     for task, version in configs:
@@ -257,7 +257,7 @@ def wan_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
     of the q and k the processors handed over, and the video against the stock one."""
     import cogattn
     from cogattn.models import WAN
-    from cogattn.testing import tiny_wan_pipeline
+    from cogattn.tiny import tiny_wan_pipeline
 
     self_kinds = WAN.kinds("self")
 

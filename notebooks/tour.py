@@ -37,9 +37,9 @@ from IPython.display import Image, display
 import cogattn
 from cogattn import plot
 from cogattn.analysis import aggregate
-from cogattn.heads import head_table
+from cogattn.head_stats import head_table
 from cogattn.masks import mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
-from cogattn.testing import tiny_wan_pipeline
+from cogattn.tiny import tiny_wan_pipeline
 from cogattn.words import word_positions
 
 # %%
@@ -52,7 +52,7 @@ OUT = None  # a folder to stream the maps to disk (then plotted from `cogattn.lo
 TINY = MODEL == "tiny"
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if TINY:
-    from cogattn.testing import tiny_pipeline
+    from cogattn.tiny import tiny_pipeline
 
     pipe = tiny_pipeline().to(device)
 else:
@@ -72,7 +72,7 @@ version_15 = config.patch_size_t is not None
 
 # %%
 if TINY:
-    from cogattn.testing import TINY_TEXT_LEN
+    from cogattn.tiny import TINY_TEXT_LEN
 
     call = dict(num_frames=9, height=48, width=80, num_inference_steps=4, max_sequence_length=TINY_TEXT_LEN)
     steps, layers, heads = "all", "all", "all"
@@ -237,7 +237,7 @@ with cogattn.record(
 # puts on the text; `dt_d`, on the frames at latent-frame distance d from its own (`same_frame_mass` is
 # `dt_0`; with `text_mass` they sum to 1); the mean and spread of the row entropy (nats); the share of
 # all attention that the top 1% of key tokens receive (`sink_share`) and which they are; and a label
-# from `cogattn.heads.LabelRule`: `text`, `spatial` (own frame ≥ 0.5), `temporal` (adjacent frames
+# from `cogattn.head_stats.LabelRule`: `text`, `spatial` (own frame ≥ 0.5), `temporal` (adjacent frames
 # ≥ 0.5) or `global`. Pass `rule=LabelRule(...)` to change the thresholds. The tiny model's random
 # heads attend almost uniformly: all `global`.
 

@@ -13,7 +13,7 @@ from tiny_calls import generate
 import cogattn
 import cogattn.attention as attention
 import cogattn.checks as checks
-from cogattn.testing import tiny_pipeline
+from cogattn.tiny import tiny_pipeline
 
 KINDS = ("frame", "video_to_text", "query")
 QUERIES = [0, (1, 2, 4)]
@@ -80,13 +80,13 @@ def test_a_wrong_fast_method_is_caught_and_nothing_wrong_is_stored(monkeypatch, 
 @pytest.mark.parametrize("mode", ["lse", "joint"])
 def test_a_wrong_output_call_falls_back_to_the_stock_one(monkeypatch, mode):
     name = "attention_with_lse" if mode == "lse" else "attention_joint_for"
-    real = getattr(cogattn.sink, name)
+    real = getattr(cogattn.capture, name)
 
     def wrong(*args):
         out, *rest = real(*args)
         return (out + 1e-2, *rest)
 
-    monkeypatch.setattr(cogattn.sink, name, wrong)
+    monkeypatch.setattr(cogattn.capture, name, wrong)
     pipe = tiny_pipeline(num_heads=3)
     stock = generate(pipe)
     with pytest.warns(UserWarning, match=rf"spot check failed: layer_output={mode} .* take the stock output call"):
@@ -218,8 +218,10 @@ def test_bounds_scale_with_lse_on_peaked_attention(peak):
 def test_received_from_a_16_bit_output_calls_lse_is_held_to_its_bound(monkeypatch, corrupt):
     """bf16 with ``layer_output="lse"``: ``received`` takes the output call's lse, and its check takes that lse
     too, held to half an ulp at 1 (in received's units): an lse off by 0.02 is caught, none stored."""
-    real = cogattn.sink.attention_with_lse
-    monkeypatch.setattr(cogattn.sink, "attention_with_lse", lambda *a: (lambda o, lse: (o, lse + corrupt))(*real(*a)))
+    real = cogattn.capture.attention_with_lse
+    monkeypatch.setattr(
+        cogattn.capture, "attention_with_lse", lambda *a: (lambda o, lse: (o, lse + corrupt))(*real(*a))
+    )
     pipe = tiny_pipeline(num_heads=3, dtype=torch.bfloat16)
     spy = QKSpy(pipe.transformer)
     with warnings.catch_warnings(record=True) as seen:

@@ -444,7 +444,7 @@ def test_ctrl_c_prints_one_line_saying_what_is_kept_and_exits_130(tmp_path, dump
 def test_the_head_table_is_saved_as_csv_next_to_the_maps(tmp_path, dump):
     import pandas as pd
 
-    from cogattn.heads import head_table
+    from cogattn.head_stats import head_table
 
     out = tmp_path / "runs"
     kinds = "capture.kinds=[frame,entropy,received,block]"

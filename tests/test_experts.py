@@ -26,10 +26,10 @@ from tiny_calls import generate
 
 from cogattn import analysis, plot
 from cogattn.analysis import aggregate
-from cogattn.heads import head_table, temporal_decay
+from cogattn.head_stats import head_table, temporal_decay
 from cogattn.plot.heads import CURVE_GID
 from cogattn.plot.style import MAP_GID
-from cogattn.testing import tiny_pipeline, tiny_wan_pipeline
+from cogattn.tiny import tiny_pipeline, tiny_wan_pipeline
 
 # 4 steps of tiny_wan_pipeline(experts=2) (boundary_ratio 0.875): timesteps 1000, 934 | 781, 47
 EXPERTS = {"transformer": [0, 1], "transformer_2": [2, 3]}

@@ -16,7 +16,7 @@ from cogattn.engine import capture
 from cogattn.layout import TokenLayout
 from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
-from cogattn.testing import tiny_pipeline
+from cogattn.tiny import tiny_pipeline
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),

@@ -19,7 +19,7 @@ from cogattn.masks import (
     temporal_window_mask,
 )
 from cogattn.reducers import REDUCERS
-from cogattn.testing import tiny_pipeline
+from cogattn.tiny import tiny_pipeline
 
 LAYOUT = TokenLayout(text_len=5, frames=3, height=3, width=5)  # S = 50: blocks of 8 leave a last block of 2
 BLOCK = 8

@@ -17,7 +17,7 @@ from cogattn import NotRecordedError, analysis, plot, words
 from cogattn.layout import TokenLayout
 from cogattn.plot import animation as plot_animation
 from cogattn.plot import video as plot_video
-from cogattn.testing import TINY_TEXT_LEN, tiny_pipeline
+from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
 
 PROMPT = "a red fox running in the snow"  # tiny tokenizer: a red fox running in the snow </s>
 KINDS = ("frame", "video_to_text", "text_to_video", "query", "full")

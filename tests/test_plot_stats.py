@@ -18,7 +18,7 @@ from tiny_calls import generate
 import cogattn
 from cogattn import plot
 from cogattn.plot import animation as plot_animation
-from cogattn.testing import tiny_pipeline
+from cogattn.tiny import tiny_pipeline
 
 KINDS = ("frame", "query_frame", "entropy", "received", "block", "full")
 BLOCK = 6  # tokens per block: S = 53 gives N = 9 blocks, and neither the text (8) nor a frame (15) fills blocks
@@ -64,14 +64,14 @@ def heat(ax):
 
 
 def table(source):
-    from cogattn.heads import head_table
+    from cogattn.head_stats import head_table
 
     return head_table(source)
 
 
 # -- head atlas ------------------------------------------------------------------------------------
 def test_head_atlas_cells_are_the_labels_of_the_head_table(tiny):
-    from cogattn.heads import LabelRule, head_table
+    from cogattn.head_stats import LabelRule, head_table
 
     _, rec, _ = tiny
     last = head_table(rec, steps=1)
@@ -97,7 +97,7 @@ def test_head_atlas_cells_are_the_labels_of_the_head_table(tiny):
 
 
 def test_head_atlas_numbers_and_step_mean(tiny):
-    from cogattn.heads import LabelRule
+    from cogattn.head_stats import LabelRule
 
     _, rec, _ = tiny
     full = table(rec)
@@ -151,7 +151,7 @@ def test_animate_head_atlas_one_frame_per_step_with_shared_limits(tiny, tmp_path
 
 # -- decay with frame distance ---------------------------------------------------------------------
 def test_decay_curves_per_layer_and_head(tiny):
-    from cogattn.heads import temporal_decay
+    from cogattn.head_stats import temporal_decay
 
     _, rec, _ = tiny
     fig = plot.decay_curves(rec, by="layer")
@@ -314,7 +314,7 @@ def test_animate_block_map_and_token_stat(tiny, tmp_path):
 
 
 def test_heads_recorded_as_their_mean_and_kinds_not_recorded(tiny):
-    from cogattn.heads import head_table
+    from cogattn.head_stats import head_table
     from cogattn.masks import mask_recall, temporal_window_mask
 
     pipe = tiny[0]

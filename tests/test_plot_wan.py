@@ -20,11 +20,11 @@ import torch
 from PIL import Image
 
 import cogattn
-from cogattn import heads, masks, plot, words
+from cogattn import head_stats, masks, plot, words
 from cogattn.analysis import aggregate
 from cogattn.dump.previews import write_previews
 from cogattn.plot.stats import _group_starts
-from cogattn.testing import tiny_wan_pipeline
+from cogattn.tiny import tiny_wan_pipeline
 
 PROMPT = "a red fox running in the snow"  # tiny tokenizer: a red fox running in the snow </s> <pad> ...
 KINDS = ("frame", "video_to_text", "query_frame", "entropy", "received", "block", "full", "query")
@@ -114,7 +114,7 @@ def test_frame_heatmap_has_no_text_group(wan):
 
 # -- the head table ---------------------------------------------------------------------------------
 def test_head_table_without_text_keys(wan):
-    table = heads.head_table(wan.run)
+    table = head_stats.head_table(wan.run)
     assert len(table) == 2 * 2 * 2  # steps × layers × heads, one item
     assert table["text_mass"].isna().all()  # Wan's self-attention has no text keys
     dt = table[[f"dt_{d}" for d in range(F)]].to_numpy()
@@ -122,7 +122,7 @@ def test_head_table_without_text_keys(wan):
     np.testing.assert_array_equal(table["same_frame_mass"], table["dt_0"])
     assert set(table["label"]) <= {"spatial", "temporal", "global"}
     for row in table.to_dict("records"):
-        assert row["label"] == heads.LabelRule().label({**row, "text_mass": 0.0})
+        assert row["label"] == head_stats.LabelRule().label({**row, "text_mass": 0.0})
     distance = np.abs(np.arange(F)[:, None] - np.arange(F)[None, :])
     for row in table.itertuples():
         frame = wan.run.get("frame", row.step, row.layer)[0, row.head].double().numpy()  # (F, F)
@@ -141,19 +141,19 @@ def test_head_table_without_text_keys(wan):
         def keys(self):
             return [k for k in self.source.keys() if k[0] != "frame"]
 
-    other = heads.head_table(NoFrame(wan.run))
+    other = head_stats.head_table(NoFrame(wan.run))
     assert other["text_mass"].isna().all()
     np.testing.assert_allclose(other[[f"dt_{d}" for d in range(F)]].to_numpy(), dt, atol=1e-5)
 
 
 def test_labels_without_text_mass():
-    rule, nan = heads.LabelRule(), math.nan
+    rule, nan = head_stats.LabelRule(), math.nan
     # without text keys (text_mass NaN, frame numbers known) a row is labelled with a text mass of 0
-    assert heads.label_row(rule, {"text_mass": nan, "same_frame_mass": 0.7, "dt_1": 0.2}) == "spatial"
-    assert heads.label_row(rule, {"text_mass": nan, "same_frame_mass": 0.2, "dt_1": 0.6}) == "temporal"
-    assert heads.label_row(rule, {"text_mass": nan, "same_frame_mass": 0.2, "dt_1": 0.3}) == "global"
-    assert heads.label_row(rule, {"text_mass": nan, "same_frame_mass": nan, "dt_1": nan}) == "unknown"
-    assert heads.label_row(rule, {"text_mass": 0.6, "same_frame_mass": 0.3, "dt_1": 0.1}) == "text"
+    assert head_stats.label_row(rule, {"text_mass": nan, "same_frame_mass": 0.7, "dt_1": 0.2}) == "spatial"
+    assert head_stats.label_row(rule, {"text_mass": nan, "same_frame_mass": 0.2, "dt_1": 0.6}) == "temporal"
+    assert head_stats.label_row(rule, {"text_mass": nan, "same_frame_mass": 0.2, "dt_1": 0.3}) == "global"
+    assert head_stats.label_row(rule, {"text_mass": nan, "same_frame_mass": nan, "dt_1": nan}) == "unknown"
+    assert head_stats.label_row(rule, {"text_mass": 0.6, "same_frame_mass": 0.3, "dt_1": 0.1}) == "text"
     assert rule.label({"text_mass": nan, "same_frame_mass": 0.7, "dt_1": 0.2}) == "unknown"  # the rule alone
 
 

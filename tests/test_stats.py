@@ -14,7 +14,7 @@ import cogattn.attention as attention
 import cogattn.checks as checks
 import cogattn.passes as passes
 from cogattn.reducers import TopK
-from cogattn.testing import tiny_pipeline
+from cogattn.tiny import tiny_pipeline
 
 STATS = ("entropy", "received", "query_frame", "block", "topk")
 SIZES = dict(block_size=7, topk=5)

@@ -18,7 +18,7 @@ from tiny_calls import generate
 import cogattn
 import cogattn.store as store
 from cogattn.store import RunWriter, record_file_bytes
-from cogattn.testing import tiny_pipeline
+from cogattn.tiny import tiny_pipeline
 
 QUERIES = [0, (1, 2, 4)]
 

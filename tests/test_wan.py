@@ -20,7 +20,7 @@ from diffusers import WanImageToVideoPipeline
 from reference import assert_topk
 
 from cogattn.reference import naive_context, naive_kind, naive_probs, select
-from cogattn.testing import tiny_wan_pipeline
+from cogattn.tiny import tiny_wan_pipeline
 
 T2V, I2V = "text-to-video", "image-to-video"
 TEXT = 512  # Wan's text context; diffusers' processor splits the image tokens off before it
@@ -368,7 +368,7 @@ def test_the_selftest_checks_wan_and_catches_a_wrong_map(monkeypatch):
     checked = [r for r in rows if r.passed is not None]
     assert len(checked) >= 4 and all(r.passed and r.bit_identical for r in checked), rows
     real = context.context_pass
-    monkeypatch.setattr(cogattn.sink, "context_pass", lambda *a: [o + 1e-3 for o in real(*a)])
+    monkeypatch.setattr(cogattn.capture, "context_pass", lambda *a: [o + 1e-3 for o in real(*a)])
     rows = selftest.wan_rows(torch.device("cpu"), torch.float32)
     assert not any(r.passed for r in rows if r.passed is not None)
 
@@ -418,7 +418,7 @@ def test_a_ti2v_5b_style_pipeline_end_to_end(task):
     bit-identical, the steps are the scheduler's, and the maps match the reference."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
-    from cogattn.testing import tiny_text_encoder, tiny_tokenizer
+    from cogattn.tiny import tiny_text_encoder, tiny_tokenizer
 
     torch.manual_seed(0)
     vae = AutoencoderKLWan(

@@ -142,11 +142,11 @@ class DumpConfig:
             i2v = self.task == "image-to-video"
             try:
                 if self.model == "tiny":
-                    from ..testing import tiny_transformer
+                    from ..tiny import tiny_transformer
 
                     self.transformer = dict(tiny_transformer(self.tiny_version, image_to_video=i2v).config)
                 elif self.model == "tiny-wan":
-                    from ..testing import tiny_wan_transformer
+                    from ..tiny import tiny_wan_transformer
 
                     self.transformer = dict(tiny_wan_transformer(i2v).config)
                 else:

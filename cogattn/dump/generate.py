@@ -1,7 +1,7 @@
 """One prompt's generation with capture: the pipeline of a config, the folder a prompt gets, its video.
 
 A prompt's folder holds ``maps/`` (a run: ``cogattn.load`` reads it), the video, ``heads.csv`` (the head
-table of :func:`cogattn.heads.head_table`, when a kind it reads was recorded), ``previews/*.png`` and
+table of :func:`cogattn.head_stats.head_table`, when a kind it reads was recorded), ``previews/*.png`` and
 ``prompt.json``, whose ``complete`` is set last: a folder without it is redone by a rerun.
 """
 
@@ -37,11 +37,11 @@ def load_pipeline(cfg: DumpConfig, device: str):
     dtype = _DTYPES[cfg.dtype]
     i2v = cfg.task == "image-to-video"
     if cfg.model == "tiny":
-        from ..testing import tiny_pipeline
+        from ..tiny import tiny_pipeline
 
         pipe = tiny_pipeline(cfg.task, cfg.tiny_version, dtype=dtype)
     elif cfg.model == "tiny-wan":
-        from ..testing import tiny_wan_pipeline
+        from ..tiny import tiny_wan_pipeline
 
         pipe = tiny_wan_pipeline(cfg.task, cfg.tiny_experts, dtype=dtype)
     elif cfg.family == "wan":
@@ -111,7 +111,7 @@ def _save_video(frames, path_stem: Path, cfg: DumpConfig) -> Path:
 
 def _write_head_table(maps: Path, path: Path) -> bool:
     """The head table of a prompt's run as CSV, when it recorded a kind the table reads."""
-    from ..heads import TABLE_KINDS, head_table
+    from ..head_stats import TABLE_KINDS, head_table
     from ..run import load
 
     run = load(maps)

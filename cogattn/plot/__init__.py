@@ -7,7 +7,7 @@ Every function takes a *source* (a :class:`cogattn.run.MapSource`): an in-memory
 ``matplotlib.figure.Figure`` made without pyplot (no global backend or state): a notebook shows it when
 it is a cell's value, ``fig.savefig(path)`` saves it, and ``fig=plt.figure()`` draws into a pyplot
 figure instead. The numbers behind the figures are in :mod:`cogattn.analysis` (``aggregate``) and the
-text tokens of a prompt in :mod:`cogattn.words`; the head table in :mod:`cogattn.heads` and block masks
+text tokens of a prompt in :mod:`cogattn.words`; the head table in :mod:`cogattn.head_stats` and block masks
 in :mod:`cogattn.masks`.
 
 ```python

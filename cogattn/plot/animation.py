@@ -37,7 +37,7 @@ def _plot_kind(plot: Callable, source: MapSource) -> str:
     """The kind whose steps and layers an animation of ``plot`` goes over (the head atlas: the first of the
     head table's kinds recorded)."""
     if plot is head_atlas:
-        from ..heads import TABLE_KINDS
+        from ..head_stats import TABLE_KINDS
 
         held = recorded_kinds(source)
         return next((k for k in TABLE_KINDS if k in held), "frame")

@@ -1,4 +1,4 @@
-"""Figures of what each head does, from :func:`cogattn.heads.head_table`: an atlas of layers × heads
+"""Figures of what each head does, from :func:`cogattn.head_stats.head_table`: an atlas of layers × heads
 coloured by each head's label or by any number of the table, and the decay of attention mass with
 latent-frame distance. An average over steps keeps to one expert (Wan 2.2 A14B: ``steps="transformer"``
 or ``"transformer_2"``); the title names it."""
@@ -19,7 +19,7 @@ from .style import CMAP, MAP_GID, color_norms, frame_unit, new_figure, set_title
 
 __all__ = ["CURVE_GID", "LABEL_COLORS", "decay_curves", "head_atlas"]
 
-# One colour per label of cogattn.heads.LabelRule, in its order (colour-blind-safe Okabe–Ito hues).
+# One colour per label of cogattn.head_stats.LabelRule, in its order (colour-blind-safe Okabe–Ito hues).
 LABEL_COLORS = {
     "text": "#0072B2",
     "spatial": "#E69F00",
@@ -48,7 +48,7 @@ def _check_table(table, needs: Sequence[str]) -> None:
     missing = [c for c in needs if c not in table.columns]
     if missing:
         raise ValueError(
-            f"the table has no column(s) {missing}; pass a source or a cogattn.heads.head_table (its columns are "
+            f"the table has no column(s) {missing}; pass a source or a cogattn.head_stats.head_table (its columns are "
             f"step, layer, head, item, text_mass, same_frame_mass, dt_*, entropy_*, sink_*, label)."
         )
 
@@ -60,7 +60,7 @@ def _select(table, what: str, value) -> list:
     if isinstance(value, str) and value == "all":
         return have
     if what == "step" and isinstance(value, str):
-        from ..heads import expert_steps_of
+        from ..head_stats import expert_steps_of
 
         groups = expert_steps_of(table)
         if value not in groups:
@@ -77,11 +77,11 @@ def _select(table, what: str, value) -> list:
 
 
 def _last_step(source: MapSource) -> int:
-    from ..heads import TABLE_KINDS
+    from ..head_stats import TABLE_KINDS
 
     steps = [s for kind, s, _ in source.keys() if kind in TABLE_KINDS]
     if not steps:
-        from ..heads import head_table
+        from ..head_stats import head_table
 
         head_table(source, steps="all")  # raises the table's own error: which kinds to record
     return max(steps)
@@ -92,7 +92,7 @@ def _table_and_steps(source_or_table, steps, layers, rule, averaged: str | None)
     layers; ``experts named`` is the kept steps' experts when the source has several, else empty.
     ``averaged`` (what the figure averages over the steps, for the message) refuses steps of two experts."""
     from ..analysis import check_one_expert
-    from ..heads import expert_steps_of, head_table
+    from ..head_stats import expert_steps_of, head_table
 
     if _is_table(source_or_table):
         table, source = source_or_table, None
@@ -161,14 +161,14 @@ def head_atlas(
 
     Args:
         source_or_table: a `Recording` or `Run` (its head table is made with
-            :func:`cogattn.heads.head_table`), or a head table.
+            :func:`cogattn.head_stats.head_table`), or a head table.
         color (`str`, defaults to ``"label"``): ``"label"`` or a numeric column of the head table.
         steps (`"last" | "mean" | int | Sequence[int] | str`, defaults to ``"last"``): one step (the last
             recorded by default), or the mean over every step (``"mean"``), over a list, or over one
             expert's steps (its name, e.g. ``"transformer_2"``); steps of two experts are refused.
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): the rows.
         item (`int | None`, defaults to 0): batch item; `None` averages the items.
-        rule (defaults to `None`): the labelling rule (:class:`cogattn.heads.LabelRule`), for a source and
+        rule (defaults to `None`): the labelling rule (:class:`cogattn.head_stats.LabelRule`), for a source and
             for labels of averaged numbers; `None` is ``LabelRule()``.
         scale (`str`, defaults to ``"linear"``): colour scale of a numeric column, or ``"log"``.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits of a numeric
@@ -209,7 +209,7 @@ def head_atlas(
     labels = np.full(grid.shape, "", dtype=object)
     relabel = len(step_list) > 1 or item is None
     if not numeric and relabel:
-        from ..heads import LabelRule, label_row
+        from ..head_stats import LabelRule, label_row
 
         rule = LabelRule() if rule is None else rule
     for (layer, head), row in mean.iterrows():
@@ -286,7 +286,7 @@ def decay_curves(
     fig: Figure | None = None,
 ) -> Figure:
     """Attention mass against latent-frame distance |Δf|: one curve per head (averaged over layers) or
-    per layer (averaged over heads), from :func:`cogattn.heads.temporal_decay`.
+    per layer (averaged over heads), from :func:`cogattn.head_stats.temporal_decay`.
 
     The value at d is the mean mass a video query puts on the keys of all frames at distance d from its
     own (``dt_d`` of the head table; d = 0 is its own frame). There are fewer frames at larger d (one
@@ -294,7 +294,7 @@ def decay_curves(
     mean number of key frames at distance d, under which uniform attention over the video is flat.
 
     Args:
-        source_or_table: a `Recording` or `Run`, or a head table (:func:`cogattn.heads.head_table`).
+        source_or_table: a `Recording` or `Run`, or a head table (:func:`cogattn.head_stats.head_table`).
         by (`str`, defaults to ``"head"``): ``"head"``, ``"layer"`` or ``"step"``: one curve each.
         steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): averaged (per head or layer:
             one expert's, e.g. ``"transformer_2"``: its steps).
@@ -307,7 +307,7 @@ def decay_curves(
     Returns:
         `Figure`: the figure.
     """
-    from ..heads import expert_steps_of, temporal_decay
+    from ..head_stats import expert_steps_of, temporal_decay
 
     if by not in ("head", "layer", "step"):
         raise ValueError(f"by={by!r}; choose 'head', 'layer' or 'step'.")

@@ -3,7 +3,7 @@ to: the text, its own latent frame, other frames by temporal distance, how sprea
 which key tokens soak up the attention (sinks); and a label made from them by a rule you can replace.
 
 ```python
-from cogattn.heads import head_table, temporal_decay
+from cogattn.head_stats import head_table, temporal_decay
 table = head_table(rec)                    # a pandas DataFrame, one row per (step, layer, head, item)
 table.groupby("label").size()
 temporal_decay(table, by="layer")          # mass against |Δ latent frame|, averaged per layer
