@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import cogattn
+from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 from cogattn.store import RunWriter, prepare_folder
-from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
 
 MB = 1e6
 

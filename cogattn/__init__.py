@@ -17,13 +17,13 @@ from .errors import NotRecordedError, StoreError
 from .estimate import Estimate, estimate
 from .layout import TokenLayout
 from .models import wan as _wan
+from .models.cogvideox import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
 from .options import CaptureOptions
-from .processor import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
 from .recording import Recording, record
 from .reducers import REDUCERS
 from .run import Run, load
+from .version import __version__
 
-__version__ = "0.1.0"
 KINDS = tuple(REDUCERS)  # every kind; a family refuses those it has no attention for (cogattn.models)
 WanAttnMapProcessor = None if _wan is None else _wan.WanAttnMapProcessor  # None: diffusers < 0.35
 

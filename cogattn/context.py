@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .passes import full_fp32_matmul
 from .reducers import REDUCERS, Reducer
 
 __all__ = ["ContextReducer", "VideoToImageReducer", "context_pass", "CONTEXT_REDUCERS"]
@@ -78,8 +79,6 @@ def context_pass(
     Returns:
         `list[torch.Tensor]`: one float32 ``(len(items), H_out, C, F, Hp, Wp)`` result per reducer.
     """
-    from .engine import full_fp32_matmul
-
     _, H, V, D = query.shape
     n_heads = H if heads is None else len(heads)
     scale = 1.0 / math.sqrt(D)

@@ -21,7 +21,6 @@ script set for the model (:func:`full_fp32_matmul`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import warnings
@@ -30,6 +29,7 @@ import torch
 
 from . import attention, passes
 from .checks import RowProbe
+from .passes import full_fp32_matmul
 from .planner import TilePlan, all_rows
 from .reducers import Reducer
 
@@ -37,39 +37,11 @@ __all__ = [
     "TimedChoice",
     "capture",
     "capture_items",
-    "full_fp32_matmul",
     "multi_key_indicator",
     "pooled_pass",
     "row_pass",
     "single_key_columns",
 ]
-
-
-@contextlib.contextmanager
-def full_fp32_matmul():
-    """Maps are exact float32: no TF32 in capture's matmuls, whatever the script set for the model.
-
-    Saved, set and restored through one API: the backends' ``fp32_precision`` where it exists (torch ≥
-    2.9; mixing it with the legacy calls is an error in torch), else the legacy calls."""
-    if hasattr(torch.backends, "fp32_precision"):
-        backends = [b for b in (torch.backends.cuda.matmul, getattr(torch.backends.mkldnn, "matmul", None)) if b]
-        saved = [b.fp32_precision for b in backends]
-        for b in backends:
-            b.fp32_precision = "ieee"
-        try:
-            yield
-        finally:
-            for b, value in zip(backends, saved):
-                b.fp32_precision = value
-        return
-    precision, tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(precision)
-        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 class HeadView:

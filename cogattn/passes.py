@@ -10,6 +10,8 @@ swapped (:func:`received_pass`). Why each is exact is in docs/design.md.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import attention, kernels
@@ -17,6 +19,7 @@ from . import attention, kernels
 __all__ = [
     "TileBuffer",
     "entropy_pass",
+    "full_fp32_matmul",
     "mean_row_pass",
     "indicator_sums",
     "received_pass",
@@ -25,6 +28,33 @@ __all__ = [
     "softmax_entropy",
     "triton_sums",
 ]
+
+
+@contextlib.contextmanager
+def full_fp32_matmul():
+    """Maps are exact float32: no TF32 in capture's matmuls, whatever the script set for the model.
+
+    Saved, set and restored through one API: the backends' ``fp32_precision`` where it exists (torch ≥
+    2.9; mixing it with the legacy calls is an error in torch), else the legacy calls."""
+    if hasattr(torch.backends, "fp32_precision"):
+        backends = [b for b in (torch.backends.cuda.matmul, getattr(torch.backends.mkldnn, "matmul", None)) if b]
+        saved = [b.fp32_precision for b in backends]
+        for b in backends:
+            b.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            for b, value in zip(backends, saved):
+                b.fp32_precision = value
+        return
+    precision, tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def softmax_(scores: torch.Tensor) -> torch.Tensor:

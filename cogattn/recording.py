@@ -13,17 +13,19 @@ import dataclasses
 import warnings
 import weakref
 
+import diffusers
 import torch
 
 from . import engine
 from .capture import CaptureSink
 from .checks import Verifier
 from .layout import TokenLayout
-from .models import Transformers, find_transformer
 from .options import CaptureOptions
 from .planner import CapturePlan, ModelShape, TilePlan, plan_capture
+from .sites import Transformers, find_transformer
 from .steps import StepTracker, WeakHook
 from .store import MemoryStore, RunWriter, StoreError
+from .version import __version__
 
 __all__ = ["Recording", "record"]
 
@@ -197,10 +199,6 @@ class Recording(CaptureSink):
 
     def _meta(self) -> dict:
         """What run.json says about this recording."""
-        import diffusers
-
-        from . import __version__
-
         res = None if self.plan is None else self.plan.resolved
         return {
             "status": self._status,

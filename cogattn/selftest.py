@@ -26,19 +26,21 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from . import __version__, kernels
+from . import kernels
 from .attention import attention_joint, attention_with_lse, fused_lse_supported
 from .checks import OUTPUT_RTOL, TOLERANCE, bound, made_from_output
 from .engine import capture, multi_key_indicator
 from .layout import TokenLayout
-from .models import COGVIDEOX, wan
+from .models import cogvideox, wan
 from .planner import plan_tiles
+from .recording import record
 from .reducers import REDUCERS
 from .reference import kind_error, naive_context, naive_lse, naive_probs, select
+from .version import __version__
 
 __all__ = ["Row", "main", "run"]
 
-JOINT_KINDS = COGVIDEOX.kinds()  # the kinds of CogVideoX's joint attention
+JOINT_KINDS = cogvideox.SPEC.kinds()  # the kinds of CogVideoX's joint attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the kinds the fast methods serve (the others always take row tiles), and those the output's lse serves
@@ -155,9 +157,7 @@ PIPELINES = [("text-to-video", "1.0"), ("text-to-video", "1.5"), ("image-to-vide
 
 def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -> list[Row]:
     """Every method and output mode recording every kind of a 2-step generation of each tiny pipeline."""
-    import cogattn
-    from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
-
+    tiny_pipeline, TINY_TEXT_LEN = cogvideox.tiny_pipeline, cogvideox.TINY_TEXT_LEN
     rows = []
     for task, version in configs:
         pipe = tiny_pipeline(task, version, dtype=dtype, num_heads=3).to(device)
@@ -188,7 +188,7 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
             if skipped:
                 rows.append(Row(part, "all", method, output, None, None, None, None, None, skipped))
                 continue
-            rec = cogattn.record(
+            rec = record(
                 pipe,
                 kinds=tuple(JOINT_KINDS),
                 queries=[0, (1, 1, 2)],
@@ -255,10 +255,7 @@ def wan_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
     """Every method recording every Wan kind of a 2-step guided generation of the tiny Wan pipelines
     (text- and image-to-video): the self-attention kinds and the cross-attention's, against the reference
     of the q and k the processors handed over, and the video against the stock one."""
-    import cogattn
-    from cogattn.models import WAN
-    from cogattn.tiny import tiny_wan_pipeline
-
+    WAN, tiny_wan_pipeline = wan.SPEC, wan.tiny_pipeline
     self_kinds = WAN.kinds("self")
 
     rows = []
@@ -283,9 +280,7 @@ def wan_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
                 rows.append(Row(part, "all", method, "stock", None, None, None, None, None, skipped))
                 continue
             kinds = self_kinds + tuple(context)
-            rec = cogattn.record(
-                pipe, kinds=kinds, queries=[0, (1, 1, 2)], batch="all", heads="all", method=method, **SIZES
-            )
+            rec = record(pipe, kinds=kinds, queries=[0, (1, 1, 2)], batch="all", heads="all", method=method, **SIZES)
             calls: dict = {}  # (step, layer, source) → [(q, k) of each call]: cond first, as Wan calls them
 
             for name in ("capture", "capture_context"):

@@ -39,7 +39,7 @@ from cogattn import plot
 from cogattn.analysis import aggregate
 from cogattn.head_stats import head_table
 from cogattn.masks import mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
-from cogattn.tiny import tiny_wan_pipeline
+from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 from cogattn.words import word_positions
 
 # %%
@@ -52,7 +52,7 @@ OUT = None  # a folder to stream the maps to disk (then plotted from `cogattn.lo
 TINY = MODEL == "tiny"
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if TINY:
-    from cogattn.tiny import tiny_pipeline
+    from cogattn.models.cogvideox import tiny_pipeline
 
     pipe = tiny_pipeline().to(device)
 else:
@@ -72,7 +72,7 @@ version_15 = config.patch_size_t is not None
 
 # %%
 if TINY:
-    from cogattn.tiny import TINY_TEXT_LEN
+    from cogattn.models.cogvideox import TINY_TEXT_LEN
 
     call = dict(num_frames=9, height=48, width=80, num_inference_steps=4, max_sequence_length=TINY_TEXT_LEN)
     steps, layers, heads = "all", "all", "all"

@@ -30,7 +30,7 @@ def generate(model: str, prompt: str, seed: int):
     """One generation with the maps every figure needs: ``(recording, video (N, 3, H, W), pipeline, query)``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if model == "tiny":
-        from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
+        from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 
         pipe = tiny_pipeline()
         call = dict(num_frames=9, height=48, width=80, num_inference_steps=4, max_sequence_length=TINY_TEXT_LEN)

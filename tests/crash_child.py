@@ -5,7 +5,7 @@ import sys
 import torch
 
 import cogattn
-from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
+from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 
 out = sys.argv[1]
 pipe = tiny_pipeline(num_heads=4)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
-from cogattn.models import COGVIDEOX
+from cogattn.models.cogvideox import SPEC as COGVIDEOX
 from cogattn.reference import naive_kind, naive_probs, select
 
 __all__ = ["KINDS", "QKSpy", "assert_matches_naive", "naive_kind", "naive_probs", "select"]

@@ -13,7 +13,7 @@ from tiny_calls import generate
 import cogattn
 import cogattn.attention as attention
 import cogattn.checks as checks
-from cogattn.tiny import tiny_pipeline
+from cogattn.models.cogvideox import tiny_pipeline
 
 KINDS = ("frame", "video_to_text", "query")
 QUERIES = [0, (1, 2, 4)]

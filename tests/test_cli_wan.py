@@ -17,7 +17,7 @@ from PIL import Image
 
 import cogattn
 from cogattn.dump.config import load_config
-from cogattn.tiny import tiny_wan_pipeline
+from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 
 pytestmark = pytest.mark.usefixtures("forget_accelerate_state")  # every test of the module (conftest.py)
 ROOT = Path(__file__).resolve().parents[1]

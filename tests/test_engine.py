@@ -6,7 +6,7 @@ from reference import assert_topk, naive_kind, naive_probs
 
 from cogattn.engine import capture
 from cogattn.layout import TokenLayout
-from cogattn.models import COGVIDEOX
+from cogattn.models.cogvideox import SPEC as COGVIDEOX
 from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
 

@@ -7,7 +7,7 @@ from reference import QKSpy, assert_matches_naive
 from tiny_calls import generate
 
 import cogattn
-from cogattn.tiny import tiny_pipeline, tiny_transformer
+from cogattn.models.cogvideox import tiny_pipeline, tiny_transformer
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,10 @@ from tiny_calls import generate
 from cogattn import analysis, plot
 from cogattn.analysis import aggregate
 from cogattn.head_stats import head_table, temporal_decay
+from cogattn.models.cogvideox import tiny_pipeline
+from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 from cogattn.plot.heads import CURVE_GID
 from cogattn.plot.style import MAP_GID
-from cogattn.tiny import tiny_pipeline, tiny_wan_pipeline
 
 # 4 steps of tiny_wan_pipeline(experts=2) (boundary_ratio 0.875): timesteps 1000, 934 | 781, 47
 EXPERTS = {"transformer": [0, 1], "transformer_2": [2, 3]}

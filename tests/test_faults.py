@@ -15,7 +15,7 @@ from tiny_calls import generate
 
 import cogattn
 import cogattn.store as store
-from cogattn.tiny import tiny_pipeline
+from cogattn.models.cogvideox import tiny_pipeline
 
 KINDS = ("frame", "video_to_text")
 

@@ -8,9 +8,9 @@ from tiny_calls import generate
 import cogattn
 from cogattn.engine import capture
 from cogattn.layout import TokenLayout
+from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
-from cogattn.tiny import tiny_pipeline
 
 pytestmark = pytest.mark.gpu
 

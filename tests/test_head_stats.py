@@ -11,9 +11,9 @@ import cogattn
 from cogattn import NotRecordedError
 from cogattn.head_stats import LabelRule, head_table, temporal_decay
 from cogattn.layout import TokenLayout
+from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.reducers import REDUCERS
 from cogattn.reference import naive_kind
-from cogattn.tiny import tiny_pipeline
 
 NEW_KINDS = ("entropy", "received", "query_frame", "block", "topk")
 LAYOUT = TokenLayout(text_len=5, frames=3, height=3, width=5)  # S = 50, an odd grid

@@ -1,5 +1,6 @@
-"""The package stays readable: no import cycle between its modules, no module past about 400 lines,
-and docs/design.md names every module."""
+"""The package stays readable: no import cycle between its modules (imports inside functions count), no
+import inside a function but of an optional or heavy dependency, no module past about 400 lines, and
+docs/design.md names every module."""
 
 import ast
 from pathlib import Path
@@ -16,11 +17,41 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+# What a function may import when it runs: dependencies that are optional (triton, accelerate, ipywidgets,
+# imageio-ffmpeg, fcntl on POSIX), slow to import for what needs them once (pandas, PIL, the hub client,
+# tqdm, matplotlib's backends), or parts of diffusers and transformers only some versions have.
+LAZY_OK = {
+    "accelerate",
+    "diffusers",
+    "fcntl",
+    "huggingface_hub",
+    "imageio_ffmpeg",
+    "ipywidgets",
+    "matplotlib",
+    "pandas",
+    "PIL",
+    "tokenizers",
+    "tqdm",
+    "transformers",
+    "triton",
+}
+
+
+def _nested_imports(path: Path):
+    """Import statements inside functions (and classes) of a module."""
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    for node in tree.body:  # a module-level try/if is module level too
+        if isinstance(node, (ast.Try, ast.If)):
+            top |= {id(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in top]
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """cogattn modules that ``name`` imports at module level (imports inside functions are lazy on purpose)."""
+    """cogattn modules that ``name`` imports, at module level or inside a function."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -56,6 +87,19 @@ def test_no_import_cycle():
         if name not in state:
             visit(name, [name])
     assert graph["cogattn.processor"] == set()  # the processor knows the recording only through its protocol
+
+
+def test_imports_inside_functions_are_of_optional_dependencies_only():
+    lazy = []
+    for name, path in _modules().items():
+        for node in _nested_imports(path):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                lazy.append(f"{name}:{node.lineno} from {'.' * node.level}{node.module or ''}")
+                continue
+            top = (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
+            if top not in LAZY_OK:
+                lazy.append(f"{name}:{node.lineno} {top}")
+    assert not lazy, f"imports inside functions of cogattn modules or required dependencies: {lazy}"
 
 
 def test_modules_stay_small():

@@ -14,9 +14,9 @@ import cogattn
 from cogattn import kernels
 from cogattn.engine import capture
 from cogattn.layout import TokenLayout
+from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
-from cogattn.tiny import tiny_pipeline
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),

@@ -11,7 +11,7 @@ WAN = cogattn.models.wan  # None before diffusers 0.35 (no Wan attention modules
 
 def test_token_order_matches_patch_embedding():
     """Index of (f, y, x) is where CogVideoX's patch embedding puts that patch."""
-    from cogattn.tiny import tiny_transformer
+    from cogattn.models.cogvideox import tiny_transformer
 
     model = tiny_transformer()
     lay = TokenLayout(text_len=8, frames=3, height=3, width=5)
@@ -55,7 +55,8 @@ def test_coordinate_outside_grid_names_ranges():
 @pytest.fixture(scope="module")
 def decoded_frames():
     """Frames each tiny VAE decodes from L latent frames (the real VAE code at toy width), L = 1..6."""
-    from cogattn.tiny import tiny_vae, tiny_wan_pipeline
+    from cogattn.models.cogvideox import tiny_vae
+    from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 
     cog = tiny_vae()
     with torch.no_grad():
@@ -89,7 +90,7 @@ def test_every_decoded_pixel_frame_has_its_latent_frame(decoded_frames):
         if not WAN:
             continue
         latent = (n // 4 * 4 + 1 - 1) // 4 + 1  # pipeline_wan.py rounds num_frames to num_frames // 4 * 4 + 1
-        lay = WAN.layout_for_video(WAN.KNOWN_WAN["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"], n, 32, 48, None)
+        lay = WAN.layout_for_video(WAN.KNOWN["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"], n, 32, 48, None)
         assert lay.frames == latent, n
         assert _covers_in_order(lay.latent_of_pixel(decoded_frames["wan"][latent]), latent), n
     with pytest.raises(ValueError, match=r"never 10 frames.*F = 3.*: 9"):
@@ -98,7 +99,7 @@ def test_every_decoded_pixel_frame_has_its_latent_frame(decoded_frames):
 
 def test_a_cogvideox_video_of_an_even_latent_count_is_mapped_whole():
     import cogattn
-    from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
+    from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 
     pipe = tiny_pipeline()
     emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))

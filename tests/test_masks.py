@@ -18,8 +18,8 @@ from cogattn.masks import (
     spatial_window_mask,
     temporal_window_mask,
 )
+from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.reducers import REDUCERS
-from cogattn.tiny import tiny_pipeline
 
 LAYOUT = TokenLayout(text_len=5, frames=3, height=3, width=5)  # S = 50: blocks of 8 leave a last block of 2
 BLOCK = 8

@@ -15,9 +15,9 @@ from PIL import Image
 import cogattn
 from cogattn import NotRecordedError, analysis, plot, words
 from cogattn.layout import TokenLayout
+from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 from cogattn.plot import animation as plot_animation
 from cogattn.plot import video as plot_video
-from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
 
 PROMPT = "a red fox running in the snow"  # tiny tokenizer: a red fox running in the snow </s>
 KINDS = ("frame", "video_to_text", "text_to_video", "query", "full")

@@ -17,8 +17,8 @@ from tiny_calls import generate
 
 import cogattn
 from cogattn import plot
+from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.plot import animation as plot_animation
-from cogattn.tiny import tiny_pipeline
 
 KINDS = ("frame", "query_frame", "entropy", "received", "block", "full")
 BLOCK = 6  # tokens per block: S = 53 gives N = 9 blocks, and neither the text (8) nor a frame (15) fills blocks

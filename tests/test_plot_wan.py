@@ -23,8 +23,8 @@ import cogattn
 from cogattn import head_stats, masks, plot, words
 from cogattn.analysis import aggregate
 from cogattn.dump.previews import write_previews
+from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 from cogattn.plot.stats import _group_starts
-from cogattn.tiny import tiny_wan_pipeline
 
 PROMPT = "a red fox running in the snow"  # tiny tokenizer: a red fox running in the snow </s> <pad> ...
 KINDS = ("frame", "video_to_text", "query_frame", "entropy", "received", "block", "full", "query")

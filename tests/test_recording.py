@@ -6,7 +6,7 @@ from reference import KINDS, QKSpy, assert_matches_naive
 from tiny_calls import generate
 
 import cogattn
-from cogattn.tiny import TINY_TEXT_LEN, tiny_pipeline
+from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 
 QUERIES = [0, (1, 2, 4), (0, 0, 0), 20]
 SIZES = dict(block_size=7, topk=5)  # blocks that do not divide S (the default 128 is one block here)

@@ -13,8 +13,8 @@ import cogattn
 import cogattn.attention as attention
 import cogattn.checks as checks
 import cogattn.passes as passes
+from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.reducers import TopK
-from cogattn.tiny import tiny_pipeline
 
 STATS = ("entropy", "received", "query_frame", "block", "topk")
 SIZES = dict(block_size=7, topk=5)

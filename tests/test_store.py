@@ -17,8 +17,8 @@ from tiny_calls import generate
 
 import cogattn
 import cogattn.store as store
+from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.store import RunWriter, record_file_bytes
-from cogattn.tiny import tiny_pipeline
 
 QUERIES = [0, (1, 2, 4)]
 

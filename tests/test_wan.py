@@ -19,8 +19,8 @@ if cogattn.models.wan is None:
 from diffusers import WanImageToVideoPipeline
 from reference import assert_topk
 
+from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 from cogattn.reference import naive_context, naive_kind, naive_probs, select
-from cogattn.tiny import tiny_wan_pipeline
 
 T2V, I2V = "text-to-video", "image-to-video"
 TEXT = 512  # Wan's text context; diffusers' processor splits the image tokens off before it
@@ -418,7 +418,7 @@ def test_a_ti2v_5b_style_pipeline_end_to_end(task):
     bit-identical, the steps are the scheduler's, and the maps match the reference."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
-    from cogattn.tiny import tiny_text_encoder, tiny_tokenizer
+    from cogattn.models.tiny_text import tiny_text_encoder, tiny_tokenizer
 
     torch.manual_seed(0)
     vae = AutoencoderKLWan(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cogattn.tiny import TINY_TEXT_LEN
+from cogattn.models.cogvideox import TINY_TEXT_LEN
 
 PROMPT = "a red fox running in the snow"  # every word is in the tiny tokenizer's vocabulary
 

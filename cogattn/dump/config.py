@@ -26,16 +26,15 @@ from pathlib import Path
 import yaml
 
 from ..layout import VAE_SPATIAL, VAE_TEMPORAL
-from ..models import KNOWN_MODELS, spec_for_config, transformer_config
+from ..models import KNOWN_MODELS, cogvideox, family, spec_for_config, transformer_config, wan
 from ..options import CaptureOptions
 
-__all__ = ["CAPTURE_KEYS", "ConfigError", "DumpConfig", "TEXT_LEN", "default_config", "load_config"]
+__all__ = ["CAPTURE_KEYS", "ConfigError", "DumpConfig", "default_config", "load_config"]
 
 TASKS = ("text-to-video", "image-to-video")
 DTYPES = ("float32", "bfloat16", "float16")
 OFFLOAD = ("none", "model", "sequential")
 VIDEO_FORMATS = ("auto", "mp4", "gif")
-TEXT_LEN = {"cogvideox": 226, "wan": 512}  # max_sequence_length when the config leaves it out
 # Settings added after configs were hashed, left out of the hash at these defaults (old folders stay valid).
 _LATER = {"tiny_experts": 1, "guidance_scale_2": None}
 # Capture options the tool sets itself for each prompt, refused inside ``capture:``.
@@ -117,7 +116,7 @@ class DumpConfig:
     guidance_scale: float = 6.0
     guidance_scale_2: float | None = None
     seed: int = 0
-    max_sequence_length: int | None = None  # the family's (TEXT_LEN) once checked
+    max_sequence_length: int | None = None  # the family's (ModelSpec.text_len) once checked
     capture: CaptureOptions = field(default_factory=CaptureOptions)
     save_dir: str = "runs/dump"
     video_format: str = "auto"
@@ -142,13 +141,9 @@ class DumpConfig:
             i2v = self.task == "image-to-video"
             try:
                 if self.model == "tiny":
-                    from ..tiny import tiny_transformer
-
-                    self.transformer = dict(tiny_transformer(self.tiny_version, image_to_video=i2v).config)
+                    self.transformer = dict(cogvideox.tiny_transformer(self.tiny_version, image_to_video=i2v).config)
                 elif self.model == "tiny-wan":
-                    from ..tiny import tiny_wan_transformer
-
-                    self.transformer = dict(tiny_wan_transformer(i2v).config)
+                    self.transformer = dict(family("wan").tiny_transformer(i2v).config)
                 else:
                     self.transformer = transformer_config(self.model)
                 spec_for_config(self.transformer)
@@ -167,7 +162,7 @@ class DumpConfig:
         keys = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length")
         call = {key: getattr(self, key) for key in keys}
         if call["max_sequence_length"] is None:
-            call["max_sequence_length"] = TEXT_LEN[self.family]
+            call["max_sequence_length"] = family(self.family).text_len
         if self.guidance_scale_2 is not None:
             call["guidance_scale_2"] = self.guidance_scale_2
         return call
@@ -286,19 +281,17 @@ def _check_call(cfg: DumpConfig) -> None:
     if cfg.tiny_experts != 1 and cfg.model != "tiny-wan":
         raise ConfigError(f"tiny_experts: {cfg.tiny_experts!r} is for model: tiny-wan (Wan 2.2's two experts) only.")
     config = cfg.model_config()
-    family = cfg.family
-    name = {"cogvideox": "CogVideoX", "wan": "Wan"}[family]
+    name = cfg.family
+    title = {"cogvideox": "CogVideoX", "wan": "Wan"}[name]
     if cfg.num_frames < 1 or (cfg.num_frames - 1) % VAE_TEMPORAL:
         below = max(1, (cfg.num_frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1)
-        examples = "9, 13, ..., 49, ..., 81" if family == "cogvideox" else "9, 13, ..., 81, ..., 121"
+        examples = "9, 13, ..., 49, ..., 81" if name == "cogvideox" else "9, 13, ..., 81, ..., 121"
         raise ConfigError(
-            f"num_frames: {cfg.num_frames!r}; the {name} VAE decodes 4k + 1 frames ({examples}): "
+            f"num_frames: {cfg.num_frames!r}; the {title} VAE decodes 4k + 1 frames ({examples}): "
             f"use {below} or {below + VAE_TEMPORAL}."
         )
-    if family == "wan":
-        from ..wan import spatial_compression
-
-        vae, patch, whose = spatial_compression(config), int(config["patch_size"][1]), "the Wan VAE's"
+    if name == "wan":
+        vae, patch, whose = wan.spatial_compression(config), int(config["patch_size"][1]), "the Wan VAE's"
     else:
         vae, patch, whose = VAE_SPATIAL, int(config["patch_size"]), "the VAE's"
     step = vae * patch  # pixels per patch
@@ -314,17 +307,16 @@ def _check_call(cfg: DumpConfig) -> None:
         )
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise ConfigError(f"device: {cfg.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'.")
-    if family == "wan":
+    if name == "wan":
         _check_wan(cfg, config)
     elif cfg.guidance_scale_2 is not None:
         raise ConfigError("guidance_scale_2 is the guidance of Wan 2.2's second expert; CogVideoX has one transformer.")
     if cfg.max_sequence_length is None:
-        cfg.max_sequence_length = TEXT_LEN[family]
+        cfg.max_sequence_length = family(name).text_len
 
 
 def _check_wan(cfg: DumpConfig, config: dict) -> None:
     """Wan's rules: the checkpoint's task, the 512 text tokens of its image cross-attention, the experts."""
-    from ..wan import TEXT_LEN as WAN_TEXT_LEN
 
     in_channels, out_channels = int(config.get("in_channels", 16)), int(config.get("out_channels", 16))
     if out_channels != 48:  # Wan 2.2 TI2V-5B does both tasks; the others one
@@ -334,10 +326,10 @@ def _check_wan(cfg: DumpConfig, config: dict) -> None:
                 f"task: {cfg.task!r}, but {cfg.model} is {made_for} checkpoint ({in_channels} input channels); "
                 f"set task: {made_for.split()[1]}."
             )
-    if config.get("image_dim") and cfg.max_sequence_length not in (None, WAN_TEXT_LEN):
+    if config.get("image_dim") and cfg.max_sequence_length not in (None, wan.TEXT_LEN):
         raise ConfigError(
-            f"max_sequence_length: {cfg.max_sequence_length!r}; Wan 2.1 image-to-video takes {WAN_TEXT_LEN} text "
-            f"tokens (its attention splits the image tokens from the last {WAN_TEXT_LEN}): leave it out."
+            f"max_sequence_length: {cfg.max_sequence_length!r}; Wan 2.1 image-to-video takes {family('wan').text_len} text "
+            f"tokens (its attention splits the image tokens from the last {family('wan').text_len}): leave it out."
         )
     if cfg.guidance_scale_2 is not None:
         known = KNOWN_MODELS[cfg.model].get("experts", 1) if cfg.model in KNOWN_MODELS else None

@@ -16,8 +16,12 @@ from pathlib import Path
 import torch
 
 from ..errors import StoreError
-from ..run import LOCK, RunLock
+from ..head_stats import TABLE_KINDS, head_table
+from ..models import cogvideox, family
+from ..recording import record
+from ..run import LOCK, RunLock, load
 from .config import ConfigError, DumpConfig
+from .previews import write_previews
 from .prompts import Prompt
 
 __all__ = ["load_pipeline", "run_prompt", "prompt_meta", "is_complete"]
@@ -37,13 +41,9 @@ def load_pipeline(cfg: DumpConfig, device: str):
     dtype = _DTYPES[cfg.dtype]
     i2v = cfg.task == "image-to-video"
     if cfg.model == "tiny":
-        from ..tiny import tiny_pipeline
-
-        pipe = tiny_pipeline(cfg.task, cfg.tiny_version, dtype=dtype)
+        pipe = cogvideox.tiny_pipeline(cfg.task, cfg.tiny_version, dtype=dtype)
     elif cfg.model == "tiny-wan":
-        from ..tiny import tiny_wan_pipeline
-
-        pipe = tiny_wan_pipeline(cfg.task, cfg.tiny_experts, dtype=dtype)
+        pipe = family("wan").tiny_pipeline(cfg.task, cfg.tiny_experts, dtype=dtype)
     elif cfg.family == "wan":
         from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
 
@@ -111,8 +111,6 @@ def _save_video(frames, path_stem: Path, cfg: DumpConfig) -> Path:
 
 def _write_head_table(maps: Path, path: Path) -> bool:
     """The head table of a prompt's run as CSV, when it recorded a kind the table reads."""
-    from ..head_stats import TABLE_KINDS, head_table
-    from ..run import load
 
     run = load(maps)
     if not {kind for kind, _, _ in run.keys()} & set(TABLE_KINDS):
@@ -147,7 +145,6 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
 
 
 def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int) -> None:
-    from ..recording import record
 
     seed = cfg.seed if prompt.seed is None else prompt.seed
     meta = {
@@ -184,8 +181,6 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
     if _write_head_table(folder / "maps", folder / "heads.csv"):
         meta["head_table"] = "heads.csv"
     if cfg.previews:
-        from .previews import write_previews
-
         written = write_previews(folder / "maps", folder / "previews", frames, pipe.tokenizer, prompt.prompt)
         meta["previews"] = [p.name for p in written]
     meta["complete"] = True

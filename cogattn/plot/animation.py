@@ -11,6 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..analysis import recorded, recorded_kinds
+from ..head_stats import TABLE_KINDS
 from ..run import MapSource
 from .frames import frame_heatmap
 from .heads import head_atlas
@@ -37,8 +38,6 @@ def _plot_kind(plot: Callable, source: MapSource) -> str:
     """The kind whose steps and layers an animation of ``plot`` goes over (the head atlas: the first of the
     head table's kinds recorded)."""
     if plot is head_atlas:
-        from ..head_stats import TABLE_KINDS
-
         held = recorded_kinds(source)
         return next((k for k in TABLE_KINDS if k in held), "frame")
     return _PLOT_KIND[plot]

@@ -14,6 +14,8 @@ from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from ..analysis import check_one_expert
+from ..head_stats import TABLE_KINDS, LabelRule, expert_steps_of, head_table, label_row, temporal_decay
 from ..run import MapSource
 from .style import CMAP, MAP_GID, color_norms, frame_unit, new_figure, set_title, span_text
 
@@ -60,8 +62,6 @@ def _select(table, what: str, value) -> list:
     if isinstance(value, str) and value == "all":
         return have
     if what == "step" and isinstance(value, str):
-        from ..head_stats import expert_steps_of
-
         groups = expert_steps_of(table)
         if value not in groups:
             names = ", ".join(repr(e) for e in groups)
@@ -77,12 +77,9 @@ def _select(table, what: str, value) -> list:
 
 
 def _last_step(source: MapSource) -> int:
-    from ..head_stats import TABLE_KINDS
 
     steps = [s for kind, s, _ in source.keys() if kind in TABLE_KINDS]
     if not steps:
-        from ..head_stats import head_table
-
         head_table(source, steps="all")  # raises the table's own error: which kinds to record
     return max(steps)
 
@@ -91,8 +88,6 @@ def _table_and_steps(source_or_table, steps, layers, rule, averaged: str | None)
     """``(table, source or None, steps kept, experts named)``: the head table of the chosen steps and
     layers; ``experts named`` is the kept steps' experts when the source has several, else empty.
     ``averaged`` (what the figure averages over the steps, for the message) refuses steps of two experts."""
-    from ..analysis import check_one_expert
-    from ..head_stats import expert_steps_of, head_table
 
     if _is_table(source_or_table):
         table, source = source_or_table, None
@@ -209,8 +204,6 @@ def head_atlas(
     labels = np.full(grid.shape, "", dtype=object)
     relabel = len(step_list) > 1 or item is None
     if not numeric and relabel:
-        from ..head_stats import LabelRule, label_row
-
         rule = LabelRule() if rule is None else rule
     for (layer, head), row in mean.iterrows():
         r, c = layer_list.index(layer), head_list.index(head)
@@ -307,7 +300,6 @@ def decay_curves(
     Returns:
         `Figure`: the figure.
     """
-    from ..head_stats import expert_steps_of, temporal_decay
 
     if by not in ("head", "layer", "step"):
         raise ValueError(f"by={by!r}; choose 'head', 'layer' or 'step'.")

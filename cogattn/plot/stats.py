@@ -13,6 +13,7 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
 from ..analysis import aggregate, choose
+from ..masks import mask_recall
 from ..run import MapSource
 from .overlays import token_figure
 from .style import (
@@ -159,7 +160,6 @@ def mask_outline(kept) -> np.ndarray:
 def _recall(source: MapSource, mask, step_list: list[int], layer_list: list[int], heads, batch: int) -> float:
     """The mask's recall for the figure's selection: the mean of :func:`cogattn.masks.mask_recall`'s rows
     of batch item ``batch`` and the chosen head (all heads for ``"mean"``)."""
-    from ..masks import mask_recall
 
     table = mask_recall(source, mask, steps=step_list, layers=layer_list)
     table = table[table["item"] == batch]

@@ -1,4 +1,4 @@
-"""Wan 2.1 / 2.2: the map processor and the facts of the family (docs/design.md, "The model seam").
+"""Wan 2.1 / 2.2: the map processor, the facts of the family and its tiny pipeline (docs/design.md, "The model seam").
 
 Wan's blocks have a self-attention over the video alone (``attn1``, 3D RoPE) and a cross-attention from
 the video to the text (``attn2``; 512 UMT5 tokens, and for Wan 2.1 image-to-video 257 CLIP image tokens
@@ -27,10 +27,22 @@ from diffusers.models.transformers.transformer_wan import (
     _get_qkv_projections,
 )
 
-from .layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
-from .processor import MapSink
+from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
+from ..processor import MapSink
+from .spec import ModelSpec, Site
+from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 
-__all__ = ["WanAttnMapProcessor", "KNOWN_WAN", "read_call", "layout_for_video", "TEXT_LEN", "IMAGE_LEN"]
+__all__ = [
+    "SPEC",
+    "WanAttnMapProcessor",
+    "KNOWN",
+    "read_call",
+    "layout_for_video",
+    "TEXT_LEN",
+    "IMAGE_LEN",
+    "tiny_pipeline",
+    "tiny_transformer",
+]
 
 TEXT_LEN = 512  # UMT5 tokens of every Wan pipeline (the processor hard-codes it too)
 IMAGE_LEN = 257  # CLIP ViT-H/14 tokens of Wan 2.1 image-to-video
@@ -168,10 +180,6 @@ class WanAttnMapProcessor:
         return hidden_states
 
 
-PROCESSORS = {WanAttnProcessor: WanAttnMapProcessor}
-TRANSFORMER = WanTransformer3DModel
-
-
 def spatial_compression(config) -> int:
     """Pixels per latent pixel of the VAE a Wan transformer works with: 16 for Wan 2.2 TI2V-5B (48 latent
     channels), 8 otherwise."""
@@ -224,7 +232,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
 _WAN = {"_class_name": "WanTransformer3DModel", "attention_head_dim": 128, "patch_size": [1, 2, 2]}
 _14B = {**_WAN, "num_layers": 40, "num_attention_heads": 40, "in_channels": 16, "out_channels": 16}
-KNOWN_WAN: dict[str, dict] = {
+KNOWN: dict[str, dict] = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {**_WAN, "num_layers": 30, "num_attention_heads": 12, "out_channels": 16},
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": _14B,
     "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {**_14B, "in_channels": 36, "image_dim": 1280},
@@ -233,3 +241,140 @@ KNOWN_WAN: dict[str, dict] = {
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": {**_14B, "experts": 2},
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {**_14B, "in_channels": 36, "experts": 2},
 }
+
+
+# -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------
+_IMAGE_DIM = 4  # CLIP width of the tiny image encoder
+
+
+def tiny_transformer(
+    image_to_video: bool = False,
+    *,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 12,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """A random ``WanTransformer3DModel`` (diffusers' own test config); with ``image_to_video`` the Wan 2.1
+    image-to-video one (36 input channels, an image cross-attention)."""
+    from diffusers import WanTransformer3DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=num_heads,
+            attention_head_dim=head_dim,
+            in_channels=36 if image_to_video else 16,
+            out_channels=16,
+            text_dim=TEXT_DIM,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=num_layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+            image_dim=_IMAGE_DIM if image_to_video else None,
+            added_kv_proj_dim=num_heads * head_dim if image_to_video else None,
+        )
+    return cast(model, dtype)
+
+
+def tiny_pipeline(
+    task: str = "text-to-video",
+    experts: int = 1,
+    *,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 12,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """A random Wan pipeline with real components at toy size (no download).
+
+    Call it as a real one: ``height=32, width=48`` gives 2×3 patches per latent frame and
+    ``num_frames=9`` 3 latent frames; the prompt is padded to 512 tokens as in Wan, and image-to-video
+    adds 17 image tokens (an 8×8 CLIP of patch 2).
+
+    Args:
+        task (`str`, defaults to ``"text-to-video"``): or ``"image-to-video"`` (Wan 2.1, with a CLIP image
+            encoder; pass ``image=`` a PIL image).
+        experts (`int`, defaults to 1): 2 gives Wan 2.2 A14B's two experts (``transformer`` for the
+            high-noise steps, ``transformer_2`` for the others, ``boundary_ratio=0.875``).
+        num_layers, num_heads, head_dim (`int`): transformer size.
+        dtype (`torch.dtype`, defaults to `torch.float32`): dtype of every component.
+        seed (`int`, defaults to 0): seed of the random weights.
+    """
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+
+    if task not in ("text-to-video", "image-to-video"):
+        raise ValueError(f"task={task!r}; choose 'text-to-video' or 'image-to-video'.")
+    if experts not in (1, 2):
+        raise ValueError(f"experts={experts!r}; Wan pipelines have 1 or 2 transformers.")
+    i2v = task == "image-to-video"
+    size = dict(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        )
+    parts = dict(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=tiny_text_encoder(seed, dtype),
+        vae=cast(vae, dtype),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        transformer=tiny_transformer(i2v, seed=seed, **size),
+    )
+    if experts == 2:
+        parts.update(transformer_2=tiny_transformer(i2v, seed=seed + 1, **size), boundary_ratio=0.875)
+    if i2v:
+        from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+        try:  # transformers 5 names the processor that needs no torchvision so
+            from transformers import CLIPImageProcessorPil as CLIPImageProcessor
+        except ImportError:
+            from transformers import CLIPImageProcessor
+
+        config = CLIPVisionConfig(
+            hidden_size=_IMAGE_DIM,
+            projection_dim=_IMAGE_DIM,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=8,
+            intermediate_size=16,
+            patch_size=2,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            encoder = CLIPVisionModelWithProjection(config)
+        parts.update(image_encoder=cast(encoder, dtype), image_processor=CLIPImageProcessor(crop_size=8, size=8))
+    if i2v:
+        from diffusers import WanImageToVideoPipeline as cls
+    else:
+        from diffusers import WanPipeline as cls
+    pipe = cls(**parts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+SPEC = ModelSpec(
+    "wan",
+    (WanTransformer3DModel,),
+    (Site("blocks", "attn1", context="attn2"),),
+    {WanAttnProcessor: WanAttnMapProcessor},
+    read_call,
+    layout_for_video,
+    tiny_pipeline=tiny_pipeline,
+    tiny_transformer=tiny_transformer,
+    config_keys=("text_dim",),
+    known=KNOWN,
+    text_len=TEXT_LEN,
+    context_kinds={"video_to_text": "text", "video_to_image": "image"},
+    refused={
+        "text_to_video": "Wan's text never queries (its self-attention is over the video alone; the text is "
+        "a key of the cross-attention), so there are no text → video probabilities. Use 'video_to_text'."
+    },
+    experts=("transformer", "transformer_2"),
+    guidance_calls=2,
+)

@@ -1,0 +1,110 @@
+"""The model families cogattn knows, one module each, behind one registry (docs/design.md, "The model seam").
+
+``FAMILIES`` holds a :class:`ModelSpec` per family whose attention modules the installed diffusers has;
+``UNAVAILABLE`` says, for the others, which diffusers they need. A module is a family's when the spec's
+``matches`` says so (an instance of one of its transformer classes, diffusers' copies of a model under
+another name included). ``transformer_config`` reads a transformer's config from a pipeline, a local
+folder, the hub cache, or the released shapes the families list, so a plan can be made for a model
+that is not downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from . import cogvideox
+from .spec import ModelSpec, Site
+
+__all__ = [
+    "FAMILIES",
+    "KNOWN_MODELS",
+    "ModelSpec",
+    "Site",
+    "UNAVAILABLE",
+    "family",
+    "spec_for_config",
+    "spec_for_module",
+    "transformer_config",
+]
+
+FAMILIES: list[ModelSpec] = [cogvideox.SPEC]
+UNAVAILABLE: dict[str, str] = {}  # family → what it needs, where the installed diffusers lacks its attention modules
+
+try:  # Wan's attention modules came with diffusers 0.35
+    from . import wan
+except ImportError:
+    wan = None
+    UNAVAILABLE["wan"] = "Wan needs diffusers >= 0.35 (WanAttention)"
+else:
+    FAMILIES.append(wan.SPEC)
+
+KNOWN_MODELS: dict[str, dict] = {name: config for spec in FAMILIES for name, config in spec.known.items()}
+_CLASS_NAMES = {"wan": ("WanTransformer3DModel",)}  # of the families this diffusers lacks
+_CONFIG_KEYS = {"wan": ("text_dim",)}
+
+
+def family(name: str) -> ModelSpec:
+    """The spec of the family ``name`` (``"cogvideox"``, ``"wan"``, ...); `ValueError` names what it needs."""
+    for spec in FAMILIES:
+        if spec.family == name:
+            return spec
+    if name in UNAVAILABLE:
+        raise ValueError(f"{UNAVAILABLE[name]}; upgrade diffusers.")
+    raise ValueError(f"family {name!r} is not one cogattn supports; supported: {[s.family for s in FAMILIES]}.")
+
+
+def spec_for_module(module) -> ModelSpec | None:
+    """The family of a transformer module, `None` when it is no family's."""
+    return next((spec for spec in FAMILIES if spec.matches(module)), None)
+
+
+def spec_for_config(config: dict) -> ModelSpec:
+    """The family of a transformer config (its ``_class_name``, else the keys only one family has)."""
+    for spec in FAMILIES:
+        if spec.matches_config(config):
+            return spec
+    name = config.get("_class_name")
+    for missing, classes in _CLASS_NAMES.items():
+        if missing in UNAVAILABLE and (
+            name in classes or (name is None and any(k in config for k in _CONFIG_KEYS[missing]))
+        ):
+            raise ValueError(f"{UNAVAILABLE[missing]}; upgrade diffusers.")
+    raise ValueError(f"a transformer config of class {name!r} is not a model cogattn supports.")
+
+
+def transformer_config(model) -> dict:
+    """The transformer config of a pipeline, a transformer, ``"tiny"``, a local folder or a hub id
+    (from the hub cache or the hub: the config only, never the weights)."""
+    transformer = getattr(model, "transformer", model)
+    if hasattr(transformer, "config") and not isinstance(model, (str, os.PathLike)):
+        return dict(transformer.config)
+    name = str(model)
+    if name == "tiny":
+        return dict(cogvideox.tiny_transformer().config)
+    if name.startswith("tiny-"):
+        return dict(family(name.removeprefix("tiny-").replace("-", "_")).tiny_transformer().config)
+    folder = Path(name)
+    for candidate in (folder / "transformer" / "config.json", folder / "config.json"):
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    if folder.exists():
+        raise ValueError(
+            f"{name!r} is a folder without transformer/config.json; is it a checkpoint of a supported family?"
+        )
+    from huggingface_hub import hf_hub_download
+
+    try:  # the hub cache first, then the released shapes, and only then the network
+        return json.loads(Path(hf_hub_download(name, "transformer/config.json", local_files_only=True)).read_text())
+    except Exception:
+        pass
+    if name in KNOWN_MODELS:
+        return dict(KNOWN_MODELS[name])
+    try:
+        return json.loads(Path(hf_hub_download(name, "transformer/config.json")).read_text())
+    except Exception as err:
+        raise ValueError(
+            f"cannot read the transformer config of {name!r} ({type(err).__name__}); pass a local folder, or "
+            f"one of {list(KNOWN_MODELS)}."
+        ) from None

@@ -1,0 +1,162 @@
+"""What cogattn knows of one model family: a :class:`ModelSpec` (docs/design.md, "The model seam").
+
+A family module (``cogvideox.py``, ``wan.py``, ``hunyuan_video.py``) holds everything family-specific and
+registers one spec; the rest of cogattn sees a `TokenLayout`, q and k, and the spec's answers. The
+capture sites of a transformer are its attention modules in execution order, across block lists
+(HunyuanVideo: ``transformer_blocks`` 0–19, then ``single_transformer_blocks`` as layers 20–59), each with
+a stable name such as ``"single_transformer_blocks.12.attn"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..reducers import REDUCERS  # every kind is registered once cogattn is imported
+
+__all__ = ["ModelSpec", "Site"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One list of blocks whose attention cogattn captures.
+
+    Args:
+        blocks (`str`): attribute of the transformer holding the blocks (a ``ModuleList``), in forward order.
+        attention (`str`): attribute of a block holding its self-attention (CogVideoX: the joint text +
+            video attention).
+        context (`str | None`): attribute of a block holding its cross-attention to the text, if any (Wan).
+    """
+
+    blocks: str
+    attention: str
+    context: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family's facts.
+
+    Args:
+        family (`str`): its name in run metadata (``"cogvideox"``, ``"wan"``, ``"hunyuan_video"``).
+        transformers (`tuple[type, ...]`): transformer classes of the family (diffusers' copies of a model
+            under another name included); a module is the family's when it is an instance of one.
+        sites (`tuple[Site, ...]`): the block lists, in execution order.
+        processors (`dict[type, type]`): stock processor class → the cogattn processor copying it.
+        read_call (`Callable`): ``(config, args, kwargs)`` of a transformer call → ``(TokenLayout, batch
+            size, timestep, device)``.
+        layout_for_video (`Callable`): ``(config, num_frames, height, width, text_len)`` → the
+            `TokenLayout` of a pipeline call.
+        tiny_pipeline (`Callable`): ``(task="text-to-video", *, dtype, seed, ...)`` → a tiny random pipeline of
+            the family (tests, the notebook, the batch tool's ``tiny-<family>`` model).
+        tiny_transformer (`Callable`): ``(...)`` → the tiny pipeline's transformer alone.
+        config_keys (`tuple[str, ...]`): config keys only this family has (a config without ``_class_name``).
+        known (`dict[str, dict]`): the released checkpoints' transformer configs (the attention shapes),
+            for plans made offline.
+        text_len (`int`): the text tokens of a pipeline call (its ``max_sequence_length`` default).
+        context_kinds (`dict[str, str]`): kinds made by the cross-attention → ``"text"`` or ``"image"``.
+        refused (`dict[str, str]`): kinds the family has no attention for → why.
+        experts (`tuple[str, ...]`): pipeline attributes holding transformers that take turns by step.
+        guidance_calls (`int`): transformer calls per step under classifier-free guidance (1: the batch
+            ``[uncond..., cond...]`` in one call; 2: the conditional call, then the unconditional one).
+    """
+
+    family: str
+    transformers: tuple[type, ...]
+    sites: tuple[Site, ...]
+    processors: dict[type, type]
+    read_call: Callable
+    layout_for_video: Callable
+    tiny_pipeline: Callable
+    tiny_transformer: Callable
+    config_keys: tuple[str, ...] = ()
+    known: dict[str, dict] = field(default_factory=dict)
+    text_len: int = 226
+    context_kinds: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    experts: tuple[str, ...] = ("transformer",)
+    guidance_calls: int = 1
+
+    def matches(self, module) -> bool:
+        """Whether ``module`` is a transformer of this family."""
+        return isinstance(module, self.transformers)
+
+    def matches_config(self, config: dict) -> bool:
+        """Whether a transformer config is this family's (its ``_class_name``, else keys only it has)."""
+        name = config.get("_class_name")
+        if name is not None:
+            return name in {cls.__name__ for cls in self.transformers}
+        return any(key in config for key in self.config_keys)
+
+    def kinds(self, source: str | None = None) -> tuple[str, ...]:
+        """The kinds this family makes (of one ``source``: ``"self"``, ``"text"``, ``"image"``), in
+        ``cogattn.KINDS`` order."""
+
+        made = [k for k in REDUCERS if k not in self.refused]
+        return tuple(k for k in made if source is None or self.source(k) == source)
+
+    def source(self, kind: str) -> str:
+        """Which attention makes ``kind``: ``"self"``, or the cross-attention's ``"text"`` / ``"image"``."""
+        return self.context_kinds.get(kind, "self")
+
+    def check_kinds(self, kinds) -> None:
+        """Raise `ValueError` for a kind this family has no attention for."""
+        for kind in kinds:
+            if kind in self.refused:
+                raise ValueError(f"kind {kind!r} does not exist for {self.family}: {self.refused[kind]}")
+
+    def layers(self, transformer) -> list[tuple[str, object, object | None]]:
+        """``(name, self-attention, cross-attention or None)`` of every layer, in execution order; a
+        layer's name is its self-attention's path in the transformer (``"transformer_blocks.3.attn1"``)."""
+        out = []
+        for site in self.sites:
+            for i, block in enumerate(getattr(transformer, site.blocks, None) or ()):
+                context = getattr(block, site.context) if site.context else None
+                out.append((f"{site.blocks}.{i}.{site.attention}", getattr(block, site.attention), context))
+        return out
+
+    def layer_names(self, transformer) -> tuple[str, ...]:
+        """The stable name of every layer, in execution order (``layers=`` takes them too)."""
+        return tuple(name for name, _, _ in self.layers(transformer))
+
+    def attention_modules(self, transformer) -> list:
+        """The self-attention module of every layer."""
+        return [attn for _, attn, _ in self.layers(transformer)]
+
+    def roles(self, transformer) -> dict[int, tuple[int, str]]:
+        """``id(module)`` → ``(layer, "self" or "context")`` for every attention module captured."""
+        out = {}
+        for i, (_, attn, context) in enumerate(self.layers(transformer)):
+            out[id(attn)] = (i, "self")
+            if context is not None:
+                out[id(context)] = (i, "context")
+        return out
+
+    def processor_names(self, transformer) -> list[str]:
+        """Keys of the captured modules in ``transformer.attn_processors``."""
+        names = []
+        for site in self.sites:
+            attrs = [site.attention] + ([site.context] if site.context else [])
+            count = len(getattr(transformer, site.blocks, None) or ())
+            names += [f"{site.blocks}.{i}.{a}.processor" for i in range(count) for a in attrs]
+        return names
+
+    def map_processors(self, transformer, sink) -> dict:
+        """cogattn processors feeding ``sink`` for the captured attention of every layer, keyed as
+        ``transformer.attn_processors`` is; refuses processors that are not stock."""
+        current, replacement = transformer.attn_processors, {}
+        for name in self.processor_names(transformer):
+            proc = current[name]
+            if isinstance(proc, tuple(self.processors.values())):
+                raise ValueError(f"{name} already runs a cogattn processor; close the other recording first.")
+            if type(proc) not in self.processors:
+                stock = list(dict.fromkeys(cls.__name__ for cls in self.processors))
+                raise TypeError(
+                    f"{name} is a {type(proc).__name__}; cogattn captures through the stock {' or '.join(stock)}. "
+                    f"Reset with `transformer.set_attn_processor({stock[0]}())`."
+                )
+            replacement[name] = self.processors[type(proc)](sink)
+            for attr in ("_attention_backend", "_parallel_config"):  # set_attention_backend(...) and the like
+                if hasattr(proc, attr):
+                    setattr(replacement[name], attr, getattr(proc, attr))
+        return replacement

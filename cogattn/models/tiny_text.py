@@ -1,0 +1,61 @@
+"""Tiny tokenizers and text encoders the families' tiny pipelines share: built in code, no download.
+
+Each family module builds its tiny pipeline (``cogvideox.tiny_pipeline``, ``wan.tiny_pipeline``, ...) from a
+config at toy size, with these for its text: a word-level tokenizer and a 1-layer T5 encoder whose
+embeddings have ``TEXT_DIM`` channels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TEXT_DIM", "TINY_TEXT_LEN", "cast", "tiny_text_encoder", "tiny_tokenizer"]
+
+TINY_TEXT_LEN = 8  # text tokens (max_sequence_length) of the tiny CogVideoX pipeline; pass it to its call
+TEXT_DIM = 16
+_VOCAB = (
+    "a an the of and in on with at to is are red green blue white black small big tiny fox cat dog bird "
+    "fish horse car boat tree river sky sea forest city street night day sun snow rain running flying "
+    "swimming walking jumping sitting under over slowly quickly camera pan zoom video"
+).split()
+
+
+def cast(model, dtype: torch.dtype):
+    """``model`` in ``dtype``, in eval mode (a float32 model is left as built: no cast, no cast warning)."""
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer built in code (no vocabulary download); unknown words map to ``<unk>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", *_VOCAB])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512
+    )
+
+
+def tiny_text_encoder(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random 1-layer ``T5EncoderModel`` whose embeddings have the tiny transformer's text width."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=3 + len(_VOCAB),
+        d_model=TEXT_DIM,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = T5EncoderModel(config)
+    return model.to(dtype).eval()
