@@ -98,10 +98,12 @@ class CaptureSink:
         key: torch.Tensor,
         lse: torch.Tensor | None = None,
         sums: torch.Tensor | None = None,
+        key_counts: torch.Tensor | None = None,
     ) -> None:
         """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
         ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
-        ``(B, H, S, C)`` when it gave them); spot-check the method that served them."""
+        ``(B, H, S, C)`` when it gave them); spot-check the method that served them. ``key_counts``
+        ``(B,)``: a key mask keeping each item's first keys (padded text at the end), their number."""
         res, reducers = self.plan.resolved, self.plan.reducers
         items, slots = self._call_items()
         B, H, S, D = query.shape
@@ -119,15 +121,19 @@ class CaptureSink:
         kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
         checked = tiles.method != "rows" and self._verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
         rows = probe_rows(res.layout) if checked else None
+        counts = None if key_counts is None else [int(n) for n in key_counts]
         args = (query, key, items, reducers)
-        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self._timed, rows)
+        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self._timed, rows, counts)
         if probes:
             what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
-            check = self._verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, what, D**-0.5)
+            scale = D**-0.5
+            check = self._verifier.check_maps(
+                probes, query, key, heads, reducers, self.step, layer, what, scale, counts
+            )
             if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
                 self._verifier.maps_failed(check, shape)
                 rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
-                outs, _, _ = engine.capture_items(*args, rows_tiles, heads)
+                outs, _, _ = engine.capture_items(*args, rows_tiles, heads, key_counts=counts)
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots)
 

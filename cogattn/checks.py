@@ -17,6 +17,7 @@ recording's own, so every run holds its own evidence.
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from dataclasses import asdict, dataclass
@@ -112,9 +113,9 @@ def error_units(kind: str, probs: torch.Tensor, lse: torch.Tensor, values: torch
 def probe_rows(layout: TokenLayout, count: int = 8) -> torch.Tensor:
     """Query tokens a check recomputes: the first and last text token and video tokens spread over the
     video (``count`` in all, fewer when the sequence is shorter), sorted."""
-    T, S = layout.text_len, layout.seq_len
-    text = [0, T - 1] if T > 1 else [0]
-    video = torch.linspace(T, S - 1, max(1, count - len(text))).round().long().tolist() if S > T else []
+    T, V, t0, v0 = layout.text_len, layout.video_len, layout.text_start, layout.video_start
+    text = [t0, t0 + T - 1] if T > 1 else [t0] if T else []
+    video = torch.linspace(v0, v0 + V - 1, max(1, count - len(text))).round().long().tolist() if V else []
     return torch.tensor(sorted(set(text + video)), dtype=torch.long)
 
 
@@ -186,9 +187,10 @@ class Verifier:
             return True
         return self._rng.random() < RECHECK_RATE
 
-    def check_maps(self, probes, q, k, heads, reducers, step, layer, method, scale) -> SpotCheck:
+    def check_maps(self, probes, q, k, heads, reducers, step, layer, method, scale, key_counts=None) -> SpotCheck:
         """Compare the probes (``(batch item, RowProbe)`` pairs) with exact float32 rows of ``q`` and ``k``
-        ``(B, H, S, D)`` (``heads``: the selected heads, `None` for all, in order); record and return the check.
+        ``(B, H, S, D)`` (``heads``: the selected heads, `None` for all, in order; ``key_counts``: per batch
+        item, the keys a key mask keeps, the first ones); record and return the check.
 
         Each kind is held to its :func:`bound`, in its units (:func:`error_units`): what a 16-bit output
         call's lse or sums made (single keys and ``received`` from its lse, multi-key groups from the joint
@@ -202,6 +204,8 @@ class Verifier:
             kb = k[b] if heads is None else k[b].index_select(0, heads.to(k.device))
             q_rows = qb[:, probe.rows.to(q.device)].float()
             logits = (q_rows @ kb.float().transpose(1, 2)) * scale
+            kept = kb.shape[1] if key_counts is None else int(key_counts[b])
+            logits[..., kept:] = -math.inf  # masked keys: probability 0
             lse, probs = torch.logsumexp(logits, -1), torch.softmax(logits, -1)
             for red in reducers:
                 if red.key_groups is None and red.stat is None:
@@ -210,7 +214,8 @@ class Verifier:
                 if red.stat == "received":
                     exact, from_output = probs.sum(1), probe.lse_from_output
                     if got is not None:
-                        got = passes.received_pass(q_rows, kb.float(), got[..., 0].to(q.device), scale)
+                        got = passes.received_pass(q_rows, kb[:, :kept].float(), got[..., 0].to(q.device), scale)
+                        got = torch.nn.functional.pad(got, (0, kb.shape[1] - kept))
                 else:
                     exact = red.from_rows(probs)
                     single = red.key_groups is not None and red.key_groups.single_keys

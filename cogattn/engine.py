@@ -126,6 +126,7 @@ def capture(
     sums: torch.Tensor | None = None,
     timed: TimedChoice | None = None,
     probe=None,
+    keys: int | None = None,
 ) -> str:
     """Fold exact float32 attention probabilities of one batch item into ``outs``; returns the method that
     served the key-pooled kinds (``"timed"`` made concrete).
@@ -147,8 +148,12 @@ def capture(
         timed (`TimedChoice | None`): keeps the measured choices of ``plan.method == "timed"``.
         probe (`cogattn.checks.RowProbe | None`): keeps the key-pooled values of a few query rows as the
             method produced them, for a spot check.
+        keys (`int | None`): with a key mask that keeps the first ``keys`` keys of this item (padded text at
+            the end of the sequence), their number: the other keys have probability exactly 0 (row tiles
+            mask their scores; the fused passes run on the kept keys alone). `None`: every key.
     """
     S, D = q.shape[1:]
+    keys = S if keys is None else int(keys)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     q, k = HeadView(q, heads), HeadView(k, heads)
     pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None or r.stat is not None]
@@ -156,14 +161,14 @@ def capture(
 
     every_row = [(r, o) for r, o in row_kinds if all_rows(r, S) and not r.mean_rows]
     if every_row or (pooled and plan.method == "rows"):
-        row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale, probe)
+        row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale, probe, keys)
     mean_rows = [(r, o) for r, o in row_kinds if r.mean_rows]
     if mean_rows:
-        passes.mean_row_pass(q, k, mean_rows, plan, scale)
+        passes.mean_row_pass(q, k, mean_rows, plan, scale, keys)
         row_kinds = [(r, o) for r, o in row_kinds if not r.mean_rows]
     for red, out in row_kinds:
         if not all_rows(red, S):
-            row_pass(q, k, red.rows, [(red, out)], [], plan, scale)
+            row_pass(q, k, red.rows, [(red, out)], [], plan, scale, kept=keys)
     if pooled and plan.method != "rows":
         stats = [(r, o) for r, o in pooled if r.stat is not None]
         multi = [(r, o) for r, o in pooled if r.key_groups is not None and not r.key_groups.single_keys]
@@ -177,7 +182,7 @@ def capture(
         if method == "timed":
             method = (timed or TimedChoice()).choose(q, k, multi, plan, scale, lse)
         fused = method == "triton"
-        pooled_pass(q, k, multi, single, plan, scale, lse, fused, given_sums=given, probe=probe, stats=stats)
+        pooled_pass(q, k, multi, single, plan, scale, lse, fused, given, probe, stats, keys)
         return method
     return plan.method
 
@@ -193,9 +198,11 @@ def capture_items(
     sums: torch.Tensor | None = None,
     timed: TimedChoice | None = None,
     probe_rows: torch.Tensor | None = None,
+    key_counts=None,
 ):
     """:func:`capture` for the batch ``items`` of ``query`` and ``key`` ``(B, H, S, D)`` (and of the output
-    call's ``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` when given), in full float32 matmuls.
+    call's ``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` when given), in full float32 matmuls; with
+    ``key_counts`` (per batch item of the call), each item's keys past its count are masked.
 
     Returns:
         `tuple`: the results, one float32 ``(len(items), H_out, ...)`` tensor per reducer; the method that
@@ -218,17 +225,21 @@ def capture_items(
                 sums=None if sums is None else sums[b],
                 timed=timed,
                 probe=probe,
+                keys=None if key_counts is None else int(key_counts[b]),
             )
             if probe is not None:
                 probes.append((b, probe))
     return outs, method, probes
 
 
-def row_pass(q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, scale: float, probe=None) -> None:
+def row_pass(
+    q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, scale: float, probe=None, kept=None
+) -> None:
     """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, when every row is formed,
     into key-pooled kinds (a gather of single keys, sums over runs of keys, else a product with the
-    indicator) and the row statistics."""
+    indicator) and the row statistics; scores of keys from ``kept`` on are masked (−inf: probability 0)."""
     H, S, D = q.shape
+    kept = S if kept is None else kept
     n_rows = S if rows is None else len(rows)
     groups = [r.key_groups for r, _ in pooled]
     gathers = [g.keys.to(q.device) if g is not None and g.single_keys else None for g in groups]
@@ -247,6 +258,8 @@ def row_pass(q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, 
             idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
             q_rows = q.chunk(h0, h1, idx)
             scores = torch.matmul(q_rows, kt, out=tile.take(h1 - h0, r1 - r0, S)).mul_(scale)  # (h, r, S)
+            if kept < S:
+                scores[..., kept:] = -math.inf
             if wants_entropy:
                 probs, entropy = passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale)
             else:
@@ -289,12 +302,16 @@ def pooled_pass(
     given_sums: HeadView | None = None,
     probe=None,
     stats=(),
+    keys: int | None = None,
 ) -> None:
     """Key-pooled kinds and row statistics per head chunk: ``entropy`` (:func:`entropy_pass`), the multi-key
     groups' sums (:func:`indicator_sums`, :func:`triton_sums` when ``fused``, or ``given_sums`` from the
     output call), single-key columns (:func:`single_key_columns`), then ``received``
-    (:func:`received_pass`), the last two from the rows' lse (``given_lse`` ``(H, S)``, or a pass's)."""
+    (:func:`received_pass`), the last two from the rows' lse (``given_lse`` ``(H, S)``, or a pass's). With
+    ``keys`` < S the attention passes run on the first ``keys`` keys alone (the rest are masked: 0)."""
     H, S, D = q.shape
+    K = S if keys is None else keys
+    kept = slice(None) if K == S else slice(0, K)
     offsets = [0]
     for r, _ in multi:
         offsets.append(offsets[-1] + r.key_groups.num_groups)
@@ -305,13 +322,13 @@ def pooled_pass(
     needs_qk = (multi and given_sums is None) or given_lse is None or bool(stats)  # attention passes run
     indicator = None
     if needs_qk:
-        indicator = torch.zeros(S, n_calls * D, device=q.device)  # zero values cost the same as any
+        indicator = torch.zeros(K, n_calls * D, device=q.device)  # zero values cost the same as any
         if n_cols:
-            indicator[:, :n_cols] = multi_key_indicator([r for r, _ in multi], S, q.device)
+            indicator[:, :n_cols] = multi_key_indicator([r for r, _ in multi], S, q.device)[:K]
     for h0 in range(0, H, plan.pooled_heads):
         h1 = min(H, h0 + plan.pooled_heads)
         # float32 q and k of the chunk for an attention pass; without one, single keys copy only their rows
-        qf, kf = (q.chunk(h0, h1)[None], k.chunk(h0, h1)[None]) if needs_qk else (None, None)
+        qf, kf = (q.chunk(h0, h1)[None], k.chunk(h0, h1, kept)[None]) if needs_qk else (None, None)
         lse = None if given_lse is None else given_lse[None, h0:h1].float()  # the output kernel's, when given
         lse_from_output = given_lse is not None
         if entropy:
@@ -325,8 +342,13 @@ def pooled_pass(
             sums = given_sums.chunk(h0, h1)
         elif multi and fused:
             qm, km = q.chunk(h0, h1, dtype=None), k.chunk(h0, h1, dtype=None)  # the model's dtype
-            lse = attention.lse_only(qm[None], km[None], scale) if lse is None else lse
-            sums = passes.triton_sums(qm, km, lse[0], indicator[:, :n_cols], scale)
+            lse = attention.lse_only(qm[None], km[None, :, :K], scale) if lse is None else lse
+            ind = (
+                indicator[:, :n_cols]
+                if K == S
+                else torch.cat([indicator[:, :n_cols], indicator.new_zeros(S - K, n_cols)])
+            )
+            sums = passes.triton_sums(qm, km, lse[0], ind, scale)  # masked keys: zero indicator rows
             del qm, km
         elif multi or (lse is None and (single or received)):
             sums, pass_lse = passes.indicator_sums(qf, kf, indicator, n_calls, scale)
@@ -338,11 +360,16 @@ def pooled_pass(
         if probe is not None:
             probe.lse_from_output = lse_from_output
         for red, o in single:
-            keys = red.key_groups.keys.to(q.device)
-            k_sel = kf[0][:, keys] if needs_qk else k.chunk(h0, h1, keys)  # (h, C, D)
-            single_key_columns(_query_rows(qf, q, h0, h1), k_sel, lse[0], red, o, h0, plan.pooled_rows, scale, probe)
+            chosen = red.key_groups.keys.to(q.device)
+            valid = None if K == S else (chosen < K).float()  # masked keys' columns are 0
+            chosen = chosen if K == S else chosen.clamp(max=K - 1)
+            k_sel = kf[0][:, chosen] if needs_qk else k.chunk(h0, h1, chosen)  # (h, C, D)
+            rows = _query_rows(qf, q, h0, h1)
+            single_key_columns(rows, k_sel, lse[0], red, o, h0, plan.pooled_rows, scale, probe, valid)
         if received:
             sums = passes.received_pass(qf[0], kf[0], lse[0], scale)
+            if K < S:
+                sums = torch.nn.functional.pad(sums, (0, S - K))
             for red, o in received:
                 if probe is not None:  # no per-query value: the check takes the lse this pass used
                     probe.take(red, h0, 0, lse[0][..., None])
@@ -369,15 +396,17 @@ def single_key_columns(
     rows_per_tile: int,
     scale: float,
     probe=None,
+    valid: torch.Tensor | None = None,
 ) -> None:
     """Columns ``P[:, j] = exp(q·k_jᵀ·scale − lse)`` for the reducer's single keys ``k_sel`` ``(h, C, D)``,
-    in tiles of query rows (``q_rows(r0, r1)`` gives float32 ``(h, r, D)``), folded into ``out``."""
+    in tiles of query rows (``q_rows(r0, r1)`` gives float32 ``(h, r, D)``), folded into ``out``; ``valid``
+    ``(C,)`` is 0 for masked keys, whose columns are then 0."""
     S = lse.shape[-1]
     kt = k_sel.transpose(1, 2)  # (h, D, C)
     for r0 in range(0, S, rows_per_tile):
         r1 = min(S, r0 + rows_per_tile)
-        s = torch.matmul(q_rows(r0, r1), kt).mul_(scale)
-        _fold(red, out, h0, r0, s.sub_(lse[:, r0:r1, None]).exp_(), probe)
+        s = torch.matmul(q_rows(r0, r1), kt).mul_(scale).sub_(lse[:, r0:r1, None]).exp_()
+        _fold(red, out, h0, r0, s if valid is None else s.mul_(valid), probe)
         del s
 
 

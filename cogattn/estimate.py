@@ -58,7 +58,11 @@ class Estimate:
     def table(self) -> str:
         lay = self.layout
         video = f"{lay.frames}×{lay.height}×{lay.width} video tokens, S = {lay.seq_len:,}"
-        if lay.text_len or not lay.context_len:  # CogVideoX: one joint sequence
+        if lay.text_position == "end":  # HunyuanVideo: one joint sequence, the text after the video
+            layout = (
+                f"layout: {lay.frames}×{lay.height}×{lay.width} video + {lay.text_len} text tokens, S = {lay.seq_len:,}"
+            )
+        elif lay.text_len or not lay.context_len:  # CogVideoX: one joint sequence
             layout = f"layout: {lay.text_len} text + {video}"
         else:  # Wan: the video alone, and the context of the cross-attention
             image = f" + {lay.image_len} image" if lay.image_len else ""
@@ -93,6 +97,7 @@ def estimate(
     width: int,
     num_inference_steps: int,
     guidance_scale: float = 6.0,
+    true_cfg_scale: float = 1.0,
     text_len: int | None = None,
     num_prompts: int = 1,
     dtype: torch.dtype | str = torch.float32,
@@ -115,6 +120,9 @@ def estimate(
             :class:`cogattn.CaptureOptions`) are applied on top. ``batch`` defaults to ``"auto"`` as in
             ``record``, which under guidance is the conditional half.
         num_frames, height, width, num_inference_steps, guidance_scale: as in the pipeline call.
+        true_cfg_scale (`float`, defaults to 1.0): HunyuanVideo's classifier-free guidance (its
+            ``guidance_scale`` is distilled into the model: one call per step); above 1 the run records two
+            calls per step, as with a negative prompt.
         text_len (`int | None`): text tokens (``max_sequence_length``); defaults to the model's.
         num_prompts (`int`, defaults to 1): pipeline calls (one prompt each).
         dtype (`torch.dtype | str`, defaults to float32): the model's dtype (a non-float32 model's q and k
@@ -126,10 +134,11 @@ def estimate(
     cfg = transformer_config(model)
     spec = spec_for_config(cfg)
     spec.check_kinds(options.kinds)
-    num_layers, num_heads = int(cfg["num_layers"]), int(cfg["num_attention_heads"])
-    options.check_model(num_layers, num_heads)
+    spec.check_options(options)
+    num_layers, num_heads = spec.num_layers(cfg), int(cfg["num_attention_heads"])
+    options.check_model(num_layers, num_heads, spec.layer_names_for_config(cfg))
     layout = spec.layout_for_video(cfg, num_frames, height, width, text_len)
-    guidance = guidance_scale > 1
+    guidance = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}[spec.guidance_argument] > 1
     model = ModelShape(num_layers, num_heads, int(cfg["attention_head_dim"]), dtype)
     plan = plan_capture(
         options,

@@ -1,10 +1,12 @@
 """Where every token and every frame comes from: the attention sequence and the decoded video.
 
-Token order (the model's own): text tokens ``[0, T)``, then video token
-``T + f·Hp·Wp + y·Wp + x`` for latent frame (temporal patch) ``f``, patch row ``y``, patch column ``x``.
-In CogVideoX the text is part of the one joint sequence (``text_len = T``). In Wan the self-attention
-sequence is the video alone (``text_len = 0``) and the text (``context_len`` tokens) and, for Wan 2.1
-image-to-video, the image (``image_len`` tokens) are keys of a separate cross-attention.
+Token order (the model's own): video token ``v0 + f·Hp·Wp + y·Wp + x`` for latent frame (temporal patch)
+``f``, patch row ``y``, patch column ``x``, and ``T`` text tokens before the video (CogVideoX: ``v0 = T``,
+text ``[0, T)``) or after it (HunyuanVideo: ``v0 = 0``, text ``[V, V + T)``; ``text_position``). In
+CogVideoX and HunyuanVideo the text is part of the one joint sequence (``text_len = T``). In Wan the
+self-attention sequence is the video alone (``text_len = 0``) and the text (``context_len`` tokens) and,
+for Wan 2.1 image-to-video, the image (``image_len`` tokens) are keys of a separate cross-attention.
+Frame group 0 is the text wherever it sits (:meth:`TokenLayout.group_of_token`).
 
 Frames (the VAE's geometry, kept here and nowhere else): the VAEs keep pixel frame 0 as latent frame 0
 and pack each later group of 4 pixel frames into one latent frame, and compress space by 8. Wan's causal
@@ -43,6 +45,8 @@ class TokenLayout:
             the text is in the sequence.
         image_len (`int`, defaults to 0): image tokens of a separate cross-attention (Wan 2.1
             image-to-video: 257 CLIP tokens).
+        text_position (`str`, defaults to ``"start"``): where the text sits in the sequence, ``"start"``
+            (CogVideoX) or ``"end"`` (HunyuanVideo, after the video).
     """
 
     text_len: int
@@ -53,6 +57,11 @@ class TokenLayout:
     patch_size_t: int | None = None
     context_len: int = 0
     image_len: int = 0
+    text_position: str = "start"
+
+    def __post_init__(self):
+        if self.text_position not in ("start", "end"):
+            raise ValueError(f"text_position={self.text_position!r}; the text sits at the 'start' or the 'end'.")
 
     @classmethod
     def from_latents(cls, latent_shape: tuple[int, ...], text_len: int, config) -> TokenLayout:
@@ -81,6 +90,7 @@ class TokenLayout:
         spatial_compression: int = VAE_SPATIAL,
         context_len: int = 0,
         image_len: int = 0,
+        text_position: str = "start",
     ) -> TokenLayout:
         """The layout a pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels produces
         (``spatial_compression``: the VAE's pixels per latent pixel)."""
@@ -96,6 +106,7 @@ class TokenLayout:
             patch_size_t=patch_size_t or None,
             context_len=int(context_len),
             image_len=int(image_len),
+            text_position=text_position,
         )
 
     @property
@@ -112,6 +123,26 @@ class TokenLayout:
     def seq_len(self) -> int:
         """Length S of the joint sequence, T + F·Hp·Wp."""
         return self.text_len + self.video_len
+
+    @property
+    def video_start(self) -> int:
+        """Sequence index of the first video token: T with the text first, else 0."""
+        return self.text_len if self.text_position == "start" else 0
+
+    @property
+    def text_start(self) -> int:
+        """Sequence index of the first text token: 0 with the text first, else V."""
+        return 0 if self.text_position == "start" else self.video_len
+
+    @property
+    def video_tokens(self) -> slice:
+        """The video tokens' positions in the sequence."""
+        return slice(self.video_start, self.video_start + self.video_len)
+
+    @property
+    def text_tokens(self) -> slice:
+        """The text tokens' positions in the sequence."""
+        return slice(self.text_start, self.text_start + self.text_len)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -142,29 +173,29 @@ class TokenLayout:
                 f"(F, Hp, Wp) = {self.grid}; valid ranges are frame 0..{self.frames - 1}, "
                 f"row 0..{self.height - 1}, col 0..{self.width - 1}."
             )
-        return self.text_len + (frame * self.height + row) * self.width + col
+        return self.video_start + (frame * self.height + row) * self.width + col
 
     def coordinates(self, index: int) -> tuple[int, int, int] | None:
         """``(frame, row, col)`` of a video token, or `None` for a text token."""
         if not 0 <= index < self.seq_len:
             raise ValueError(f"token index {index} is outside the sequence [0, {self.seq_len}).")
-        if index < self.text_len:
+        v = index - self.video_start
+        if not 0 <= v < self.video_len:
             return None
-        v = index - self.text_len
         frame, rest = divmod(v, self.frame_tokens)
         row, col = divmod(rest, self.width)
         return (frame, row, col)
 
     def group_of_token(self, device=None) -> torch.Tensor:
-        """Frame group of every token, shape ``(S,)``: 0 for text, ``f + 1`` for latent frame ``f`` (``f``
-        without text in the sequence)."""
+        """Frame group of every token, shape ``(S,)``: 0 for text (wherever it sits), ``f + 1`` for latent
+        frame ``f`` (``f`` without text in the sequence)."""
         text = torch.zeros(self.text_len, dtype=torch.long, device=device)
         first = self.text_groups
         video = torch.arange(first, self.frames + first, device=device).repeat_interleave(self.frame_tokens)
-        return torch.cat([text, video])
+        return torch.cat([text, video] if self.text_position == "start" else [video, text])
 
     def group_sizes(self) -> list[int]:
-        """Tokens in each frame group: ``[T, Hp·Wp, ..., Hp·Wp]`` (no text entry without text)."""
+        """Tokens in each frame group, in group order: ``[T, Hp·Wp, ..., Hp·Wp]`` (no text entry without text)."""
         return [self.text_len] * self.text_groups + [self.frame_tokens] * self.frames
 
     # -- latent frames ↔ pixel frames of the decoded video ------------------------------------------

@@ -58,7 +58,9 @@ class CaptureOptions:
             ``"video_to_image"`` (shapes in the README and ``docs/design.md``). In Wan the self-attention
             kinds come from the video-only self-attention and ``video_to_text`` from the cross-attention;
             ``text_to_video`` does not exist there.
-        layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): 0-based block indices.
+        layers (`"all" | int | str | Sequence[int | str]`, defaults to ``"all"``): 0-based layer indices, in
+            execution order across the model's block lists, or layer names (``rec.layer_names``:
+            ``"transformer_blocks.3.attn1"``, HunyuanVideo's ``"single_transformer_blocks.12.attn"``).
         steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): 0-based denoising-step indices
             (they count the transformer calls of the generation).
         batch (`"auto" | "all" | "cond" | "uncond" | int | Sequence[int]`, defaults to ``"auto"``):
@@ -168,7 +170,7 @@ class CaptureOptions:
             raise TypeError(f"save_dir must be a folder path (or None), got {self.save_dir!r}.")
         normalised = dict(
             kinds=tuple(dict.fromkeys(kinds)),
-            layers=_indices("layers", self.layers, None, ("all",)),
+            layers=_layers(self.layers),
             steps=_indices("steps", self.steps, None, ("all",)),
             batch=_indices("batch", self.batch, None, BATCH_WORDS),
             heads=_indices("heads", self.heads, None, ("all", "mean")),
@@ -196,8 +198,19 @@ class CaptureOptions:
         return dataclasses.replace(options or cls(), **kwargs)
 
     # -- against the model --------------------------------------------------------------------------
-    def check_model(self, num_layers: int, num_heads: int) -> None:
-        """Raise `ValueError` for layer or head indices outside the model."""
+    def check_model(self, num_layers: int, num_heads: int, layer_names: Sequence[str] = ()) -> None:
+        """Raise `ValueError` for layer or head indices outside the model; layer names (``layer_names``: the
+        model's, in layer order) become their indices."""
+        if isinstance(self.layers, tuple) and any(isinstance(x, str) for x in self.layers):
+            index = {name: i for i, name in enumerate(layer_names)}
+            unknown = [x for x in self.layers if isinstance(x, str) and x not in index]
+            if unknown:
+                shown = ", ".join(layer_names[:2]) + (f", ..., {layer_names[-1]}" if len(layer_names) > 2 else "")
+                raise ValueError(f"layers={list(self.layers)}: {unknown} name no layer of this model ({shown}).")
+            layers = tuple(index[x] if isinstance(x, str) else x for x in self.layers)
+            if len(set(layers)) < len(layers):
+                raise ValueError(f"layers={list(self.layers)} names one layer twice.")
+            object.__setattr__(self, "layers", layers)
         for name, value, upper in (("layers", self.layers, num_layers), ("heads", self.heads, num_heads)):
             if isinstance(value, tuple) and max(value) >= upper:
                 raise ValueError(f"{name} index {max(value)} is out of range; valid indices are 0..{upper - 1}.")
@@ -344,6 +357,21 @@ def _indices(name: str, value, upper: int | None, words: Sequence[str]) -> str |
             raise ValueError(f"{name} lists index {i} twice: {list(value)}.")
         out.append(i)
     return tuple(out)  # the user's order: results keep it (batch and heads axes)
+
+
+def _layers(value):
+    """``layers``: ``"all"``, or indices and layer names (``"single_transformer_blocks.12.attn"``), which the
+    model resolves (:meth:`CaptureOptions.check_model`)."""
+    if isinstance(value, str) and value != "all":
+        value = [value]
+    if isinstance(value, (list, tuple)) and any(isinstance(x, str) for x in value):
+        bad = [x for x in value if not isinstance(x, str) and not _is_index(x)]
+        if bad or not value:
+            raise TypeError(f"layers must hold layer indices or names, got {bad[0]!r} in {value!r}.")
+        ints = [x for x in value if _is_index(x)]
+        _indices("layers", ints or [0], None, ())
+        return tuple(value)
+    return _indices("layers", value, None, ("all",))
 
 
 def _is_index(x) -> bool:

@@ -121,9 +121,10 @@ def indicator_sums(qf: torch.Tensor, kf: torch.Tensor, indicator: torch.Tensor, 
     """The multi-key sums ``(h, S, n_calls·D)`` and the rows' lse ``(1, h, S)`` from fused SDPA calls on the
     indicator values (``D`` columns a call), for float32 ``(1, h, S, D)`` q and k."""
     _, h, S, D = qf.shape
+    K = indicator.shape[0]  # the keys: S, or those a key mask keeps
     sums = torch.empty(h, S, n_calls * D, device=qf.device) if n_calls > 1 else None
     for c in range(n_calls):
-        v = indicator[:, c * D : (c + 1) * D].contiguous().expand(1, h, S, D)  # shared over heads
+        v = indicator[:, c * D : (c + 1) * D].contiguous().expand(1, h, K, D)  # shared over heads
         out, lse = attention.sdpa_with_lse(qf, kf, v, scale)
         if sums is None:
             sums = out[0]
@@ -150,11 +151,12 @@ class TileBuffer:
         return self.buffer[: h * r * S].view(h, r, S)
 
 
-def mean_row_pass(q, k, row_kinds, plan, scale: float) -> None:
+def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None) -> None:
     """Head-mean rows of every query, ``(1, r, S)`` per row tile, summed over head chunks in float32 and
     divided by the heads, folded into kinds of the head-mean row (``topk`` with ``heads="mean"``); ``q`` and
-    ``k`` are the engine's head views, ``plan`` its tile plan."""
+    ``k`` are the engine's head views, ``plan`` its tile plan; keys from ``keys`` on are masked."""
     H, S, _ = q.shape
+    keys = S if keys is None else keys
     kt = k.chunk(0, H).transpose(1, 2)  # converted once (when it must be): the loop revisits every head per row tile
     tile = TileBuffer(plan.row_heads * min(plan.row_rows, S) * S, q.device)
     totals = TileBuffer(min(plan.row_rows, S) * S, q.device)  # one buffer: no second one while the first lives
@@ -166,6 +168,8 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float) -> None:
             out = tile.take(h1 - h0, r1 - r0, S)
             scores = torch.matmul(q.chunk(h0, h1, slice(r0, r1)), kt[h0:h1], out=out)
             scores.mul_(scale)
+            if keys < S:
+                scores[..., keys:] = -torch.inf
             probs = softmax_(scores)
             for head in probs:  # no temporary
                 total[0] += head

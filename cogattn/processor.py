@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["MapSink"]
+__all__ = ["MapSink", "key_counts"]
 
 
 class MapSink(Protocol):
@@ -34,3 +34,21 @@ class MapSink(Protocol):
     def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
         """Compute the selected kinds of a cross-attention (Wan's ``attn2``) from the video queries ``query``
         ``(B, H, V, D)`` and the keys ``key`` ``(B, H, C, D)`` of its ``context`` (``"text"`` or ``"image"``)."""
+
+
+def key_counts(mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
+    """Each batch item's number of kept keys, ``(B,)``, for a boolean key mask ``(B, 1, 1, S)`` that keeps a
+    prefix of the keys (padded text at the end of the sequence, HunyuanVideo); `None` when it keeps every
+    key. Raises `ValueError` for any other mask, which capture does not take."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:3] != (1, 1) or mask.shape[-1] != seq_len:
+        raise ValueError(
+            f"cogattn captures attention under a boolean key mask (B, 1, 1, {seq_len}) keeping each item's first "
+            f"keys; this call's mask is {mask.dtype} {tuple(mask.shape)}."
+        )
+    keep = mask[:, 0, 0]
+    counts = keep.sum(-1)
+    if not torch.equal(keep, torch.arange(seq_len, device=mask.device) < counts[:, None]):
+        raise ValueError("cogattn captures a key mask that keeps each item's first keys; this one keeps others.")
+    return None if bool((counts == seq_len).all()) else counts.cpu()

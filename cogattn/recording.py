@@ -38,20 +38,26 @@ class Recording(CaptureSink):
     Use it as a context manager or call :meth:`close`.
 
     Args:
-        target: a CogVideoX or Wan pipeline (text-to-video or image-to-video; Wan 2.2's two experts
-            are both followed) or a ``CogVideoXTransformer3DModel`` / ``WanTransformer3DModel``.
+        target: a pipeline of a supported family (CogVideoX, Wan, HunyuanVideo; Wan 2.2's two experts are
+            both followed) or its transformer.
         options (`CaptureOptions | None`): the options; keyword arguments (any field of
             :class:`CaptureOptions`) are applied on top.
+
+    Attributes:
+        layer_names (`tuple[str, ...]`): each layer's stable name, in layer order (``layers=`` takes them):
+            ``"transformer_blocks.3.attn1"``; HunyuanVideo's single-stream blocks follow its dual-stream ones.
     """
 
     def __init__(self, target, options: CaptureOptions | None = None, **kwargs):
         self.options = CaptureOptions.build(options, **kwargs)
         self.transformer, self.pipeline, self._spec = find_transformer(target)
         self._spec.check_kinds(self.options.kinds)
+        self._spec.check_options(self.options)
         modules = self._spec.attention_modules(self.transformer)
         heads = modules[0].heads
         self._shape = ModelShape(len(modules), heads, modules[0].inner_dim // heads, self.transformer.dtype)
-        self.options.check_model(len(modules), heads)
+        self.layer_names = self._spec.layer_names(self.transformer)
+        self.options.check_model(len(modules), heads, self.layer_names)
         self._sources = {k: self._spec.source(k) for k in self.options.kinds}
         if self.options.batch in ("cond", "uncond") and self.pipeline is None:
             raise ValueError(
@@ -139,7 +145,7 @@ class Recording(CaptureSink):
         """Index of the denoising step now running (or last run), `None` before the first."""
         return self._steps.step
 
-    family = property(lambda self: self._spec.family, doc='The model family: ``"cogvideox"`` or ``"wan"``.')
+    family = property(lambda self: self._spec.family, doc='The model family: ``"cogvideox"``, ``"wan"``, ...')
 
     @property
     def experts(self) -> list[str]:
@@ -215,6 +221,7 @@ class Recording(CaptureSink):
                 "family": self._spec.family,
                 "class": type(self.transformer).__name__,
                 "experts": list(self._models.names),
+                "layer_names": list(self.layer_names),
                 "step_experts": self.experts,
                 "config": dict(self.transformer.config),
                 "dtype": str(self.transformer.dtype).removeprefix("torch."),

@@ -63,14 +63,18 @@ class KeyGroups:
 
     @functools.cached_property  # asked at every capture; a frozen dataclass keeps it in its __dict__
     def runs(self) -> list[tuple[int, int]] | None:
-        """``[(start, end)]`` of each group when the groups are runs of consecutive keys covering ``0..S``
-        in group order (frames, blocks), else `None`: sums over a run are a slice and a sum."""
+        """``[(start, end)]`` of each group, in group order, when every group is one run of consecutive keys
+        and together they cover ``0..S`` (frames, with the text before or after the video; blocks), else
+        `None`: sums over a run are a slice and a sum."""
         S = len(self.keys)
-        if not torch.equal(self.keys.cpu(), torch.arange(S)) or bool((self.groups.diff() < 0).any()):
+        if not torch.equal(self.keys.cpu(), torch.arange(S)):
             return None
-        counts = torch.bincount(self.groups.cpu(), minlength=self.num_groups).tolist()
-        ends = torch.tensor(counts).cumsum(0).tolist()
-        return [(e - c, e) for c, e in zip(counts, ends)]
+        change = torch.nonzero(self.groups.cpu().diff()).flatten().add(1).tolist()
+        starts, ends = [0, *change], [*change, S]
+        order = self.groups.cpu()[starts].tolist()
+        if sorted(order) != list(range(self.num_groups)):  # a group in two runs, or an empty one
+            return None
+        return [run for _, run in sorted(zip(order, zip(starts, ends)))]
 
     def indicator(self, seq_len: int, dtype=torch.float32, device=None) -> torch.Tensor:
         """Dense indicator ``V`` of shape ``(S, C)``: ``V[j, c] = 1`` if key ``j`` is in group ``c``."""
@@ -209,15 +213,14 @@ class TextToVideoReducer(Reducer):
 
     def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
         super().__init__(layout, num_heads, mean_heads, **sizes)
-        self.rows = torch.arange(layout.text_len)
+        self.rows = torch.arange(layout.text_start, layout.text_start + layout.text_len)
 
     def shape(self, num_batch):
         return (num_batch, self.out_heads, self.layout.text_len, *self.layout.grid)
 
     def fold_rows(self, out, h0, r0, probs):
-        T = self.layout.text_len
-        flat = out.view(self.out_heads, T, self.layout.video_len)
-        self._accumulate(flat[:, r0 : r0 + probs.shape[1]], h0, probs[..., T:])
+        flat = out.view(self.out_heads, self.layout.text_len, self.layout.video_len)
+        self._accumulate(flat[:, r0 : r0 + probs.shape[1]], h0, probs[..., self.layout.video_tokens])
 
 
 class FrameReducer(Reducer):
@@ -230,9 +233,9 @@ class FrameReducer(Reducer):
     def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
         super().__init__(layout, num_heads, mean_heads, **sizes)
         self.key_groups = self._groups()
-        sizes = [b - a for a, b in self.key_groups.runs]
-        self._starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]  # query groups: the same runs of tokens
-        self._inv_size = [1.0 / max(1, n) for n in sizes]
+        # query groups: the same runs of tokens, in sequence order (the text group last when it sits last)
+        self._runs = sorted((a, b, g) for g, (a, b) in enumerate(self.key_groups.runs))
+        self._starts = [a for a, _, _ in self._runs]
 
     def _groups(self) -> KeyGroups:
         layout = self.layout
@@ -246,12 +249,13 @@ class FrameReducer(Reducer):
         # A sum over each query group's run of rows (deterministic, where index_add_ on CUDA is not), for
         # the groups the tile's rows overlap only: no (G, G) temporary per tile.
         r = pooled.shape[1]
-        g = bisect.bisect_right(self._starts, r0) - 1
-        while g < len(self._inv_size) and self._starts[g] < r0 + r:
-            a, b = max(self._starts[g], r0), min(self._starts[g + 1], r0 + r)
+        n = max(0, bisect.bisect_right(self._starts, r0) - 1)
+        while n < len(self._runs) and self._runs[n][0] < r0 + r:
+            start, end, g = self._runs[n]
+            a, b = max(start, r0), min(end, r0 + r)
             if a < b:
-                self._accumulate(out[:, g], h0, pooled[:, a - r0 : b - r0].sum(1).mul_(self._inv_size[g]))
-            g += 1
+                self._accumulate(out[:, g], h0, pooled[:, a - r0 : b - r0].sum(1).mul_(1.0 / (end - start)))
+            n += 1
 
 
 class BlockReducer(FrameReducer):
@@ -379,19 +383,22 @@ class VideoToTextReducer(Reducer):
     def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
         super().__init__(layout, num_heads, mean_heads, **sizes)
         T = layout.text_len
-        self.key_groups = KeyGroups(torch.arange(T), torch.arange(T), T)
+        self.key_groups = KeyGroups(torch.arange(layout.text_start, layout.text_start + T), torch.arange(T), T)
 
     def shape(self, num_batch):
         return (num_batch, self.out_heads, self.layout.text_len, *self.layout.grid)
 
     def fold_pooled(self, out, h0, r0, pooled):
-        T = self.layout.text_len
-        start = max(r0, T)  # text queries are not part of this kind
-        if start >= r0 + pooled.shape[1]:
+        video = self.layout.video_tokens
+        start, end = (
+            max(r0, video.start),
+            min(r0 + pooled.shape[1], video.stop),
+        )  # text queries are not part of this kind
+        if start >= end:
             return
-        video = pooled[:, start - r0 :].transpose(1, 2)  # (h, T, r')
-        flat = out.view(self.out_heads, T, self.layout.video_len)
-        self._accumulate(flat[:, :, start - T : start - T + video.shape[2]], h0, video)
+        part = pooled[:, start - r0 : end - r0].transpose(1, 2)  # (h, T, r')
+        flat = out.view(self.out_heads, self.layout.text_len, self.layout.video_len)
+        self._accumulate(flat[:, :, start - video.start : end - video.start], h0, part)
 
 
 REDUCERS: dict[str, type[Reducer]] = {

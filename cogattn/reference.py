@@ -17,38 +17,55 @@ from .checks import error_units  # the units of the documented bounds: the spot 
 __all__ = ["kind_error", "naive_context", "naive_kind", "naive_lse", "naive_probs", "select"]
 
 
-def naive_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """``(..., S, S)`` float64 ``softmax(q kᵀ · scale)``, ``scale`` defaulting to ``1/sqrt(D)``."""
+def _scores(q, k, scale, key_mask):
     q, k = q.double(), k.double()
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if key_mask is not None:  # (B, S) bool: False keys take no attention
+        scores = scores.masked_fill(~key_mask.view(key_mask.shape[0], *[1] * (scores.dim() - 2), -1), -math.inf)
+    return scores
 
 
-def naive_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """``(..., S)`` float64 log-sum-exp of each row of ``q kᵀ · scale`` (the units of the bounds of ``entropy``
-    and ``received``: :func:`cogattn.checks.error_units`)."""
-    q, k = q.double(), k.double()
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return torch.logsumexp(q @ k.transpose(-1, -2) * scale, dim=-1)
+def naive_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, key_mask=None) -> torch.Tensor:
+    """``(B, ..., S, S)`` float64 ``softmax(q kᵀ · scale)``, ``scale`` defaulting to ``1/sqrt(D)``; with
+    ``key_mask`` ``(B, S)`` bool, the keys it marks `False` have probability 0 (as a boolean attention mask)."""
+    return torch.softmax(_scores(q, k, scale, key_mask), dim=-1)
+
+
+def naive_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, key_mask=None) -> torch.Tensor:
+    """``(B, ..., S)`` float64 log-sum-exp of each row of ``q kᵀ · scale`` (the units of the bounds of
+    ``entropy`` and ``received``: :func:`cogattn.checks.error_units`), over the keys ``key_mask`` keeps."""
+    return torch.logsumexp(_scores(q, k, scale, key_mask), dim=-1)
 
 
 def naive_kind(
-    P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], queries=None, block_size: int = 128, topk: int = 32
+    P: torch.Tensor,
+    kind: str,
+    T: int,
+    grid: tuple[int, int, int],
+    queries=None,
+    block_size: int = 128,
+    topk: int = 32,
+    text_at_end: bool = False,
 ) -> torch.Tensor:
-    """One kind from full probabilities ``P`` ``(B, H, S, S)``: ``T`` text tokens, the latent ``grid``
-    ``(F, Hp, Wp)``, the ``query`` kind's token indices ``queries``, the ``block`` kind's ``block_size`` and
-    ``topk``'s k (``topk``: ``(B, H, S, k, 2)``, values and key indices, as stored)."""
+    """One kind from full probabilities ``P`` ``(B, H, S, S)``: ``T`` text tokens before the video (after it
+    with ``text_at_end``), the latent ``grid`` ``(F, Hp, Wp)``, the ``query`` kind's token indices
+    ``queries``, the ``block`` kind's ``block_size`` and ``topk``'s k (``topk``: ``(B, H, S, k, 2)``, values
+    and key indices, as stored). Frame group 0 is the text (when there is text), group ``f + 1`` frame f."""
     B, H, S, _ = P.shape
     F, Hp, Wp = grid
-    bounds = ([0, T] if T else [0]) + [T + (f + 1) * Hp * Wp for f in range(F)]  # no text group without text
+    V = F * Hp * Wp
+    v0, t0 = (0, V) if text_at_end else (T, 0)
+    text, video = slice(t0, t0 + T), slice(v0, v0 + V)
+    groups = ([(t0, t0 + T)] if T else []) + [(v0 + f * Hp * Wp, v0 + (f + 1) * Hp * Wp) for f in range(F)]
     if kind == "entropy":
         return -torch.special.xlogy(P, P).sum(-1)
     if kind == "received":
         return P.sum(-2)
     if kind == "query_frame":
-        return torch.stack([P[..., a:b].sum(-1) for a, b in zip(bounds, bounds[1:])], -1)
+        return torch.stack([P[..., a:b].sum(-1) for a, b in groups], -1)
     if kind == "block":
-        bounds = list(range(0, S, block_size)) + [S]
+        groups = [(a, min(a + block_size, S)) for a in range(0, S, block_size)]
     if kind == "topk":
         values, indices = P.topk(min(topk, S), dim=-1)
         return torch.stack([values, indices.to(values.dtype)], -1)
@@ -57,16 +74,15 @@ def naive_kind(
     if kind == "query":
         return P[:, :, list(queries)]
     if kind == "video_to_text":
-        return P[:, :, T:, :T].permute(0, 1, 3, 2).reshape(B, H, T, F, Hp, Wp)
+        return P[:, :, video, text].permute(0, 1, 3, 2).reshape(B, H, T, F, Hp, Wp)
     if kind == "text_to_video":
-        return P[:, :, :T, T:].reshape(B, H, T, F, Hp, Wp)
+        return P[:, :, text, video].reshape(B, H, T, F, Hp, Wp)
     if kind in ("frame", "block"):
-        G = len(bounds) - 1
+        G = len(groups)
         out = torch.empty(B, H, G, G, dtype=P.dtype)
-        for g in range(G):
-            for h in range(G):
-                block = P[:, :, bounds[g] : bounds[g + 1], bounds[h] : bounds[h + 1]]
-                out[:, :, g, h] = block.sum(-1).mean(-1)
+        for g, (a, b) in enumerate(groups):
+            for h, (c, d) in enumerate(groups):
+                out[:, :, g, h] = P[:, :, a:b, c:d].sum(-1).mean(-1)
         return out
     raise ValueError(kind)
 
@@ -89,7 +105,15 @@ def select(x: torch.Tensor, batch, heads) -> torch.Tensor:
 
 
 def kind_error(
-    got, P: torch.Tensor, kind: str, T: int, grid: tuple[int, int, int], queries=None, lse=None, **sizes
+    got,
+    P: torch.Tensor,
+    kind: str,
+    T: int,
+    grid: tuple[int, int, int],
+    queries=None,
+    lse=None,
+    text_at_end: bool = False,
+    **sizes,
 ) -> float:
     """Largest error of a result ``got`` (as ``get`` returns it, ``(B, H, ...)``) against :func:`naive_kind` of
     ``P`` ``(B, H, S, S)``: absolute for probabilities and sums; for ``entropy`` and ``received``, given the
@@ -101,7 +125,7 @@ def kind_error(
         values, indices = got
         ref = P.topk(values.shape[-1], dim=-1).values
         return max((values.double() - ref).abs().max().item(), (P.gather(-1, indices) - ref).abs().max().item())
-    ref = naive_kind(P, kind, T, grid, queries, **sizes)
+    ref = naive_kind(P, kind, T, grid, queries, text_at_end=text_at_end, **sizes)
     if tuple(got.shape) != tuple(ref.shape):
         raise ValueError(f"{kind}: shape {tuple(got.shape)}, the reference's {tuple(ref.shape)}")
     error = (got.double() - ref).abs()

@@ -289,6 +289,12 @@ class Run:
         return (self.meta.get("model") or {}).get("family", "cogvideox")
 
     @property
+    def layer_names(self) -> list[str] | None:
+        """Each layer's stable name, in layer order (`None` for a run recorded before names were kept)."""
+        names = (self.meta.get("model") or {}).get("layer_names")
+        return None if names is None else list(names)
+
+    @property
     def experts(self) -> list[str]:
         """Per step, the pipeline attribute of the transformer that ran it (``"transformer"``, or Wan 2.2's
         ``"transformer_2"``)."""

@@ -49,6 +49,7 @@ class StepTracker:
         self.layout: TokenLayout | None = None
         self.batch_size: int | None = None
         self.device: torch.device | None = None  # where the latents are (capture runs there)
+        self._guidance: bool | None = None  # read at the first call
 
     @property
     def step(self) -> int | None:
@@ -65,11 +66,11 @@ class StepTracker:
 
     @property
     def guidance(self) -> bool | None:
-        """Whether classifier-free guidance is on; `None` when no pipeline tells."""
-        if self.pipeline is None:
-            return None
-        scale = self.pipeline_attr("guidance_scale")
-        return bool(scale is not None and scale > 1)
+        """Whether classifier-free guidance is on (as the family tells it at the generation's first call);
+        `None` when no pipeline tells."""
+        if self._guidance is None:
+            return self.spec.guidance_on(self.pipeline)
+        return self._guidance
 
     @property
     def calls_per_step(self) -> int:
@@ -86,6 +87,7 @@ class StepTracker:
         layout, batch_size, t, device = self.spec.read_call(module.config, args, kwargs)
         if not self.timesteps:
             self.layout, self.batch_size, self.device = layout, batch_size, device
+            self._guidance = self.spec.guidance_on(self.pipeline)
             self.timesteps.append(t)
             self.experts.append(expert)
             self.call = 0
@@ -123,7 +125,7 @@ class StepTracker:
         """Undo the first call (it was refused before any block ran)."""
         self.timesteps.clear()
         self.experts.clear()
-        self.layout = self.batch_size = self.device = None
+        self.layout = self.batch_size = self.device = self._guidance = None
 
     def describe(self) -> str:
         """``"4 steps of a 2×(3, 3, 5) generation"``."""

@@ -27,7 +27,11 @@ def _assert_clean(pipe, originals):
         (dict(kinds=("frames",)), ValueError, r"unknown kind 'frames'; the kinds are \['full', 'frame'"),
         (dict(kinds=()), ValueError, "kinds is empty"),
         (dict(layers=[0, 2]), ValueError, r"layers index 2 is out of range; valid indices are 0..1"),
-        (dict(layers="some"), ValueError, r"layers='some' is not allowed; use one of \['all'\]"),
+        (
+            dict(layers="some"),
+            ValueError,
+            r"layers=\['some'\]: \['some'\] name no layer of this model \(transformer_blocks",
+        ),
         (dict(heads=[5]), ValueError, r"heads index 5 is out of range; valid indices are 0..1"),
         (dict(heads="max"), ValueError, r"heads='max'.*\['all', 'mean'\]"),
         (dict(steps=[-1]), ValueError, "steps index -1 is out of range"),

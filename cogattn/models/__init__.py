@@ -40,9 +40,17 @@ except ImportError:
 else:
     FAMILIES.append(wan.SPEC)
 
+try:  # HunyuanVideo's processor calls dispatch_attention_fn from diffusers 0.36
+    from . import hunyuan_video
+except ImportError:
+    hunyuan_video = None
+    UNAVAILABLE["hunyuan_video"] = "HunyuanVideo needs diffusers >= 0.36 (its processor calls dispatch_attention_fn)"
+else:
+    FAMILIES.append(hunyuan_video.SPEC)
+
 KNOWN_MODELS: dict[str, dict] = {name: config for spec in FAMILIES for name, config in spec.known.items()}
-_CLASS_NAMES = {"wan": ("WanTransformer3DModel",)}  # of the families this diffusers lacks
-_CONFIG_KEYS = {"wan": ("text_dim",)}
+_CLASS_NAMES = {"wan": ("WanTransformer3DModel",), "hunyuan_video": ("HunyuanVideoTransformer3DModel",)}
+_CONFIG_KEYS = {"wan": ("text_dim",), "hunyuan_video": ("num_single_layers",)}  # of the families this diffusers lacks
 
 
 def family(name: str) -> ModelSpec:

@@ -26,11 +26,13 @@ class Site:
         attention (`str`): attribute of a block holding its self-attention (CogVideoX: the joint text +
             video attention).
         context (`str | None`): attribute of a block holding its cross-attention to the text, if any (Wan).
+        count_key (`str`): the transformer config's key holding the number of these blocks.
     """
 
     blocks: str
     attention: str
     context: str | None = None
+    count_key: str = "num_layers"
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ class ModelSpec:
         experts (`tuple[str, ...]`): pipeline attributes holding transformers that take turns by step.
         guidance_calls (`int`): transformer calls per step under classifier-free guidance (1: the batch
             ``[uncond..., cond...]`` in one call; 2: the conditional call, then the unconditional one).
+        guidance (`Callable | None`): ``pipeline`` → whether classifier-free guidance is on in its running
+            call (`None`: unknown); defaults to its ``guidance_scale > 1``.
+        guidance_argument (`str`): the pipeline call's argument that turns guidance on (``estimate`` takes it).
+        output_call (`bool`): whether ``layer_output="lse"`` / ``"joint"`` can make the output call (not when
+            the attention takes a mask).
     """
 
     family: str
@@ -76,6 +83,21 @@ class ModelSpec:
     refused: dict[str, str] = field(default_factory=dict)
     experts: tuple[str, ...] = ("transformer",)
     guidance_calls: int = 1
+    guidance: Callable | None = None
+    guidance_argument: str = "guidance_scale"
+    output_call: bool = True
+
+    def guidance_on(self, pipeline) -> bool | None:
+        """Whether classifier-free guidance is on in ``pipeline``'s running call; `None` without a pipeline."""
+        if pipeline is None:
+            return None
+        if self.guidance is not None:
+            return self.guidance(pipeline)
+        try:
+            scale = pipeline.guidance_scale
+        except AttributeError:  # set by the pipeline's call; not there before it
+            scale = None
+        return bool(scale is not None and scale > 1)
 
     def matches(self, module) -> bool:
         """Whether ``module`` is a transformer of this family."""
@@ -104,6 +126,25 @@ class ModelSpec:
         for kind in kinds:
             if kind in self.refused:
                 raise ValueError(f"kind {kind!r} does not exist for {self.family}: {self.refused[kind]}")
+
+    def layer_names_for_config(self, config: dict) -> tuple[str, ...]:
+        """The layer names of a transformer with ``config`` (no module needed: plans made offline)."""
+        return tuple(
+            f"{site.blocks}.{i}.{site.attention}" for site in self.sites for i in range(int(config[site.count_key]))
+        )
+
+    def num_layers(self, config: dict) -> int:
+        """The number of layers (capture sites) of a transformer with ``config``."""
+        return sum(int(config[site.count_key]) for site in self.sites)
+
+    def check_options(self, options) -> None:
+        """Raise `ValueError` for options the family cannot serve (an output call it cannot make)."""
+        if options.layer_output != "stock" and not self.output_call:
+            raise ValueError(
+                f"layer_output={options.layer_output!r} makes the layer's output call itself, without a mask; "
+                f"{self.family}'s attention takes a key mask (padded text), so its layers keep the stock call: "
+                "use layer_output='stock' (capture is exact either way)."
+            )
 
     def layers(self, transformer) -> list[tuple[str, object, object | None]]:
         """``(name, self-attention, cross-attention or None)`` of every layer, in execution order; a
