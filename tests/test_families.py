@@ -1,0 +1,333 @@
+"""The same checks for every registered model family (a family gets them by registering and adding its
+tiny call to ``CASES``).
+
+The reference is taken from each attention's own inputs, not from cogattn's code: during a stock run
+(diffusers' own processors) a spy catches every ``scaled_dot_product_attention`` call inside the family's
+capture sites, with its q, k, v and mask, and the reference is proved first: the naive float64
+``softmax(q kᵀ / √D)`` (masked keys: −inf) times v reproduces that call's output. Then a recording of the
+same seeded call must leave the video bit-identical and hold every kind the family makes, by every method
+and output mode it offers, within 1e-5 of the reference (entropy 1e-4), with padded keys at exactly 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from reference import assert_topk
+
+import cogattn
+from cogattn.models import FAMILIES, cogvideox
+from cogattn.reference import naive_context, naive_kind, naive_probs
+
+SIZES = dict(block_size=7, topk=4)
+QUERIES = [0, (1, 1, 2)]  # a token index and a video point, on every tiny grid
+
+
+@dataclass(frozen=True)
+class Case:
+    """How a family's tiny pipeline is called in these tests: ``call(pipe, generator, guided)`` → the
+    call's arguments for a batch of two videos; ``skip``: kinds the tiny call does not make; ``released``:
+    ``(checkpoint, pipeline call, S)`` for ``estimate`` at a released shape."""
+
+    make: callable
+    call: callable
+    text_len: int
+    skip: tuple[str, ...] = ()
+    released: tuple = field(default_factory=tuple)
+
+
+def _cogvideox_call(pipe, g, guided):
+    emb = torch.randn(2, cogvideox.TINY_TEXT_LEN, 16, generator=g)
+    return dict(
+        prompt_embeds=emb,
+        negative_prompt_embeds=-emb,
+        guidance_scale=6.0 if guided else 1.0,
+        num_frames=9,
+        height=48,
+        width=80,
+        max_sequence_length=cogvideox.TINY_TEXT_LEN,
+    )
+
+
+def _wan_call(pipe, g, guided):
+    emb = torch.randn(2, 512, 16, generator=g)
+    return dict(
+        prompt_embeds=emb,
+        negative_prompt_embeds=-emb,
+        guidance_scale=5.0 if guided else 1.0,
+        num_frames=9,
+        height=32,
+        width=48,
+    )
+
+
+def _hunyuan_video_call(pipe, g, guided):
+    """Ragged text: the items keep 6 and 3 of 6 text tokens; under true guidance the negatives 2 and 5."""
+    extra = {}
+    if guided:
+        extra = dict(
+            negative_prompt_embeds=torch.randn(2, 6, 16, generator=g),
+            negative_pooled_prompt_embeds=torch.randn(2, 8, generator=g),
+            negative_prompt_attention_mask=torch.tensor([[1] * 2 + [0] * 4, [1] * 5 + [0]]),
+            true_cfg_scale=4.0,
+        )
+    return dict(
+        prompt_embeds=torch.randn(2, 6, 16, generator=g),
+        pooled_prompt_embeds=torch.randn(2, 8, generator=g),
+        prompt_attention_mask=torch.tensor([[1] * 6, [1] * 3 + [0] * 3]),
+        num_frames=9,
+        height=32,
+        width=48,
+        **extra,
+    )
+
+
+CASES = {
+    "cogvideox": Case(
+        lambda: cogvideox.tiny_pipeline(num_heads=3),
+        _cogvideox_call,
+        cogvideox.TINY_TEXT_LEN,
+        released=("THUDM/CogVideoX-5b", dict(num_frames=49, height=480, width=720), 226 + 13 * 30 * 45),
+    ),
+    "wan": Case(
+        lambda: FAMILY["wan"].tiny_pipeline(num_heads=3),
+        _wan_call,
+        512,
+        skip=("video_to_image",),  # text-to-video: no image context
+        released=("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", dict(num_frames=81, height=480, width=832), 21 * 30 * 52),
+    ),
+    "hunyuan_video": Case(
+        lambda: FAMILY["hunyuan_video"].tiny_pipeline(num_heads=3),
+        _hunyuan_video_call,
+        6,
+        released=(
+            "hunyuanvideo-community/HunyuanVideo",
+            dict(num_frames=129, height=720, width=1280),
+            33 * 45 * 80 + 256,
+        ),
+    ),
+}
+FAMILY = {spec.family: spec for spec in FAMILIES}
+MODES = [("rows", "stock"), ("sdpa", "stock"), ("sdpa", "lse"), ("auto", "joint")]
+
+
+def test_every_registered_family_has_a_case():
+    assert set(FAMILY) <= set(CASES), f"add a Case for {set(FAMILY) - set(CASES)} to tests/test_families.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = CASES[family].make()
+        return cache[family]
+
+    return get
+
+
+def generate(pipe, family, guided, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    call = CASES[family].call(pipe, g, guided)
+    return pipe(**call, num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(seed + 1))
+
+
+class AttentionSpy:
+    """Every ``scaled_dot_product_attention`` call inside a capture site of a stock run: ``calls[n][(layer,
+    role)]`` is the list of ``(q, k, v, mask, out)`` of transformer call ``n``."""
+
+    def __init__(self, pipe, spec, monkeypatch):
+        self.calls: list[dict] = []
+        self.where = None
+        transformer = pipe.transformer
+        self.handles = [transformer.register_forward_pre_hook(lambda *a: self.calls.append({}))]
+        for layer, (_, attn, context) in enumerate(spec.layers(transformer)):
+            for role, module in (("self", attn), ("context", context)):
+                if module is not None:
+                    self.handles.append(module.register_forward_pre_hook(self._enter(layer, role)))
+                    self.handles.append(module.register_forward_hook(self._leave))
+        real = torch.nn.functional.scaled_dot_product_attention
+
+        def spy(query, key, value, attn_mask=None, **kwargs):
+            q, k, v = query, key, value
+            out = real(q, k, v, attn_mask=attn_mask, **kwargs)
+            if self.where is not None:
+                mask = None if attn_mask is None else attn_mask.clone()
+                self.calls[-1].setdefault(self.where, []).append((q.clone(), k.clone(), v.clone(), mask, out.clone()))
+            return out
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+    def _enter(self, layer, role):
+        def hook(module, args):
+            self.where = (layer, role)
+
+        return hook
+
+    def _leave(self, module, args, output):
+        self.where = None
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _probs(q, k, mask):
+    key_mask = None
+    if mask is not None:
+        assert mask.dtype == torch.bool and mask.shape[1:3] == (1, 1), mask.shape  # a key mask
+        key_mask = mask[:, 0, 0]
+    return naive_probs(q, k, key_mask=key_mask)
+
+
+def stock_reference(pipe, family, guided, monkeypatch):
+    """The stock video and, per step and layer, the reference probabilities ``{(step, layer, role): [P]}``
+    over the results' batch ``[uncond..., cond...]`` (a role's calls in order), each proved against the
+    output of the attention call it came from."""
+    spec = FAMILY[family]
+    spy = AttentionSpy(pipe, spec, monkeypatch)
+    try:
+        video = generate(pipe, family, guided).frames
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    calls = spec.guidance_calls if guided else 1
+    ref = {}
+    for n, seen in enumerate(spy.calls):
+        step, call = divmod(n, calls)
+        for (layer, role), found in seen.items():
+            probs = []
+            for q, k, v, mask, out in found:
+                P = _probs(q, k, mask)
+                err = (P @ v.double() - out.double()).abs().max().item()
+                assert err < 1e-5, (family, n, layer, role, err)  # the reference is the model's attention
+                probs.append(P)
+            key = (step, layer, role)
+            # the results' batch is [uncond..., cond...]: a step's later (unconditional) call goes first
+            ref[key] = probs if key not in ref else [torch.cat([p, r]) for p, r in zip(probs, ref[key])]
+            ref.setdefault(("mask", step, layer, role), []).insert(0, found[0][3])
+    assert ref, "the spy saw no attention call: nothing would be compared"
+    return video, ref
+
+
+def _kinds(family):
+    return tuple(k for k in FAMILY[family].kinds() if k not in CASES[family].skip)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("method, output", MODES)
+def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, family, method, output, monkeypatch):
+    if family not in FAMILY:
+        pytest.skip(f"this diffusers lacks {family}")
+    spec, pipe = FAMILY[family], pipes(family)
+    if output != "stock" and not spec.output_call:
+        with pytest.raises(ValueError, match="key mask"):
+            cogattn.Recording(pipe, layer_output=output)
+        return
+    video, ref = stock_reference(pipe, family, True, monkeypatch)
+    kinds = _kinds(family)
+    options = dict(kinds=kinds, batch="all", heads="all", queries=QUERIES, method=method, layer_output=output)
+    with cogattn.record(pipe, **options, **SIZES) as rec:
+        got = generate(pipe, family, True).frames
+    assert torch.equal(got, video), "capture changed the video"
+    assert all(c.passed for c in rec.checks) and (method == "rows" or rec.checks), rec.checks
+    lay = rec.layout
+    tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in QUERIES]
+    end = lay.text_position == "end"
+    for step in range(2):
+        for layer in range(len(rec.layer_names)):
+            (P,) = ref[(step, layer, "self")]
+            for kind in kinds:
+                result = rec.get(kind, step, layer)
+                source = spec.source(kind)
+                if kind == "topk":
+                    assert_topk(result, P, 1e-5)
+                    continue
+                if source == "self":
+                    want = naive_kind(P, kind, lay.text_len, lay.grid, tokens, text_at_end=end, **SIZES)
+                else:
+                    contexts = ref[(step, layer, "context")]
+                    want = naive_context(contexts[-1] if source == "text" else contexts[0], lay.grid)
+                assert result.shape == want.shape, (kind, result.shape, want.shape)
+                err = (result.double() - want).abs().max().item()
+                assert err <= (1e-4 if kind == "entropy" else 1e-5), (family, kind, step, layer, err)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_masked_keys_take_exactly_zero_and_unguided_calls_are_recorded(pipes, family, monkeypatch):
+    if family not in FAMILY:
+        pytest.skip(f"this diffusers lacks {family}")
+    pipe = pipes(family)
+    video, ref = stock_reference(pipe, family, False, monkeypatch)
+    with cogattn.record(pipe, kinds=("full", "received", "frame"), batch="all", heads="all") as rec:
+        got = generate(pipe, family, False).frames
+    assert torch.equal(got, video)
+    assert rec.batch_items == (0, 1)  # no guidance: the two videos, one call per step
+    masked = 0
+    for key, masks in ref.items():
+        if key[0] != "mask" or key[3] != "self" or masks[0] is None:
+            continue
+        _, step, layer, _ = key
+        dropped = ~torch.cat(masks)[:, 0, 0]  # (B, S): the keys each item's mask drops
+        full, received = rec.get("full", step, layer), rec.get("received", step, layer)
+        assert bool((full.masked_select(dropped[:, None, None, :]) == 0).all()), "a masked key got attention"
+        assert bool((received.masked_select(dropped[:, None, :]) == 0).all())
+        masked += int(dropped.sum())
+    assert masked or FAMILY[family].output_call, "the tiny call of a family with a key mask should pad some text"
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_refusals_and_estimates(pipes, family):
+    if family not in FAMILY:
+        pytest.skip(f"this diffusers lacks {family}")
+    spec, pipe, case = FAMILY[family], pipes(family), CASES[family]
+    for kind in spec.refused:
+        with pytest.raises(ValueError, match=f"kind '{kind}' does not exist for {family}"):
+            cogattn.Recording(pipe, kinds=(kind,))
+    with pytest.raises(ValueError, match="name no layer"):
+        cogattn.Recording(pipe, layers=["no_such_blocks.0.attn"])
+    # the estimate of a released checkpoint: its sequence, from the released config alone
+    name, call, seq_len = case.released
+    est = cogattn.estimate(name, **call, num_inference_steps=50, kinds=("frame",), dtype="bfloat16")
+    assert est.layout.seq_len == seq_len and f"S = {seq_len:,}" in est.table()
+    # the estimate of the tiny pipeline's call: the shapes a recording makes
+    kinds = tuple(k for k in ("frame", "entropy", "video_to_text") if k in _kinds(family))
+    g = torch.Generator().manual_seed(0)
+    frames = case.call(pipe, g, False)
+    est = cogattn.estimate(
+        pipe,
+        num_frames=frames["num_frames"],
+        height=frames["height"],
+        width=frames["width"],
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        text_len=case.text_len,
+        kinds=kinds,
+        batch=[0],  # the estimate plans a video per call; the tiny call makes two
+    )
+    with cogattn.record(pipe, kinds=kinds, batch=[0]) as rec:
+        generate(pipe, family, False)
+    assert est.layout == rec.layout
+    assert {(k, tuple(rec.get(k, 0, 0).shape)) for k in kinds} == {(k, tuple(shape)) for k, shape, _, _ in est.records}
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_layer_names_select_layers(pipes, family):
+    if family not in FAMILY:
+        pytest.skip(f"this diffusers lacks {family}")
+    pipe = pipes(family)
+    names = FAMILY[family].layer_names(pipe.transformer)
+    with cogattn.record(pipe, kinds=("frame",), layers=[names[-1], 0]) as rec:
+        generate(pipe, family, False)
+    assert rec.layer_names == names and sorted({layer for _, _, layer in rec.keys()}) == [0, len(names) - 1]
