@@ -56,13 +56,12 @@ def test_coordinate_outside_grid_names_ranges():
 def decoded_frames():
     """Frames each tiny VAE decodes from L latent frames (the real VAE code at toy width), L = 1..6."""
     from cogattn.models.cogvideox import tiny_vae
-    from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 
     cog = tiny_vae()
     with torch.no_grad():
         frames = {"cogvideox": {n: cog.decode(torch.zeros(1, 4, n, 2, 2)).sample.shape[2] for n in range(1, 7)}}
         if WAN:  # diffusers ≥ 0.35
-            wan = tiny_wan_pipeline().vae
+            wan = WAN.tiny_pipeline().vae
             frames["wan"] = {
                 n: wan.decode(torch.zeros(1, wan.config.z_dim, n, 2, 2)).sample.shape[2] for n in range(1, 7)
             }
