@@ -1,11 +1,11 @@
 """What a captured attention call does: the :class:`cogattn.processor.MapSink` side of a recording.
 
-:class:`CaptureSink` is the part of :class:`cogattn.Recording` the processors call: whether a call is
-captured, the opt-in output call, and the capture of a self-attention (:func:`cogattn.engine.capture_items`,
-spot-checked) or a cross-attention (:func:`cogattn.context.context_pass`) into the store. It reads the
-state the recording keeps: ``options``, ``plan``, the step tracker ``_steps``, the transformers
-``_models``, the store ``_store``, the verifier ``_verifier``, the tile plans ``_tiles``, ``_timed``,
-``_joint_indicator`` and ``_pending``.
+:class:`Capture` is the object a :class:`cogattn.Recording` holds for its processors' calls (the recording
+hands them on): whether a call is captured, the opt-in output call, and the capture of a self-attention
+(:func:`cogattn.engine.capture_items`, spot-checked) or a cross-attention
+(:func:`cogattn.context.context_pass`) into the store. It owns what these calls need: the plan once the
+recording has made it, the tile plans, the measured method choices, the spot checks, and the parts of a
+result that wait for a step's second call; it reads the step tracker and the transformers it is given.
 """
 
 from __future__ import annotations
@@ -14,25 +14,46 @@ import torch
 
 from . import engine
 from .attention import attention_joint_for, attention_with_lse
-from .checks import SpotCheck, probe_rows
+from .checks import SpotCheck, Verifier, probe_rows
 from .context import context_pass
-from .planner import TilePlan, plan_tiles
+from .planner import CapturePlan, TilePlan, plan_tiles
 
-__all__ = ["CaptureSink"]
+__all__ = ["Capture"]
 
 
-class CaptureSink:
-    """The processors' side of a recording (docs/design.md, "Data flow")."""
+class Capture:
+    """The processors' side of a recording (docs/design.md, "Data flow").
+
+    Args:
+        options (`CaptureOptions`): the recording's options.
+        steps (`StepTracker`): which step and call is running.
+        roles (`dict[int, tuple[int, str]]`): ``id(module)`` → ``(layer, "self" or "context")``.
+        store: where results go (a ``MemoryStore`` or ``RunWriter``; the recording sets it once made).
+    """
+
+    def __init__(self, options, steps, roles: dict, store=None):
+        self.options, self.steps, self.roles, self.store = options, steps, roles, store
+        self.plan: CapturePlan | None = None  # set by the recording at the generation's first call
+        self.closed = False
+        self.joint_indicator: torch.Tensor | None = None
+        self.tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method, lse) of the calls seen
+        self.timed = engine.TimedChoice()
+        self.verifier = Verifier(options.verify)
+        self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
+
+    @property
+    def step(self) -> int | None:
+        return self.steps.step
 
     # -- called by the processors (cogattn.processor.MapSink) ---------------------------------------
     def layer_to_capture(self, attn) -> int | None:
         """Block index of ``attn`` when the current step, its layer, a kind of its attention (self or
         cross) and an item of the current call are selected, else `None`."""
         try:
-            layer, role = self._models.roles[id(attn)]
+            layer, role = self.roles[id(attn)]
         except KeyError:
             raise ValueError("this processor serves an attention module outside the recorded transformer") from None
-        wanted = not self._closed and self.plan is not None and self.step is not None
+        wanted = not self.closed and self.plan is not None and self.step is not None
         wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
         wanted = wanted and bool(self.plan.reducers if role == "self" else self.plan.context)
         return layer if wanted and self._call_items()[0] else None
@@ -41,8 +62,8 @@ class CaptureSink:
         """The selected items of the current call, as indices of its batch and as slots of the results'
         batch axis. The results' batch is the guidance batch ``[uncond..., cond...]``; a family whose
         pipelines make one call per half (Wan: the conditional call first) gives each call its half."""
-        B, calls = self._steps.batch_size, self._steps.calls_per_step
-        offset = B * (calls - 1 - self._steps.call)
+        B, calls = self.steps.batch_size, self.steps.calls_per_step
+        offset = B * (calls - 1 - self.steps.call)
         slots = [i for i, b in enumerate(self.plan.resolved.batch) if offset <= b < offset + B]
         return [self.plan.resolved.batch[i] - offset for i in slots], slots
 
@@ -52,20 +73,20 @@ class CaptureSink:
         before the next call starts; :attr:`CapturePlan.waiting_bytes` counts them)."""
         n = len(self.plan.resolved.batch)
         if len(slots) == n:
-            self._store.put(kind, self.step, layer, self.timesteps[-1], out)
+            self.store.put(kind, self.step, layer, self.steps.timesteps[-1], out)
             return
         key = (kind, layer)
-        if key not in self._pending or self._pending[key][0] != self.step:
-            self._pending[key] = [self.step]
-        parts = self._pending[key]
+        if key not in self.pending or self.pending[key][0] != self.step:
+            self.pending[key] = [self.step]
+        parts = self.pending[key]
         parts.append((slots, out.cpu()))
         if sum(len(s) for s, _ in parts[1:]) == n:
-            del self._pending[key]
+            del self.pending[key]
             whole = torch.empty((n, *out.shape[1:]))
             for s, part in parts[1:]:
                 whole[s] = part
             del parts
-            self._store.put(kind, self.step, layer, self.timesteps[-1], whole)
+            self.store.put(kind, self.step, layer, self.steps.timesteps[-1], whole)
 
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """The output call of a captured layer: `None` for the stock call, else ``(output, lse, sums)``.
@@ -75,19 +96,19 @@ class CaptureSink:
         call for the others. Spot-checked against the stock call on a few rows (:mod:`cogattn.checks`)."""
         mode = self.options.layer_output
         shape = (str(query.device), query.dtype, mode, tuple(query.shape[1:]))
-        if mode == "stock" or shape in self._verifier.stock_output:
+        if mode == "stock" or shape in self.verifier.stock_output:
             return None
-        if mode == "lse" or self._joint_indicator is None:  # no multi-key kinds: the lse alone is reused
+        if mode == "lse" or self.joint_indicator is None:  # no multi-key kinds: the lse alone is reused
             result = (*attention_with_lse(query, key, value), None)
         else:
-            indicator = self._joint_indicator.to(query.device)
+            indicator = self.joint_indicator.to(query.device)
             result = attention_joint_for(query, key, value, indicator, self._call_items()[0])
-        if self._verifier.due(("output", *shape)):
-            check = self._verifier.check_output(
-                result[0], query, key, value, probe_rows(self.layout), self.step, layer, mode
+        if self.verifier.due(("output", *shape)):
+            check = self.verifier.check_output(
+                result[0], query, key, value, probe_rows(self.plan.layout), self.step, layer, mode
             )
             if not check.passed:
-                self._verifier.output_failed(check, shape)
+                self.verifier.output_failed(check, shape)
                 return None
         return result
 
@@ -113,25 +134,23 @@ class CaptureSink:
         all_heads = res.heads == tuple(range(H))  # every head, in the model's order: no gather needed
         copies = query.dtype != torch.float32 or not all_heads or not query[0].is_contiguous()
         shape = (str(query.device), query.dtype, S, len(res.heads), D)
-        method = "rows" if shape in self._verifier.rows_only else self.plan.tiles.method
+        method = "rows" if shape in self.verifier.rows_only else self.plan.tiles.method
         if method == "joint" and lse is None:  # the output call fell back to the stock one
             method = "auto"
         tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None)
         heads = None if all_heads else torch.tensor(res.heads, device=query.device)
         kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
-        checked = tiles.method != "rows" and self._verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
+        checked = tiles.method != "rows" and self.verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
         rows = probe_rows(res.layout) if checked else None
         counts = None if key_counts is None else [int(n) for n in key_counts]
         args = (query, key, items, reducers)
-        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self._timed, rows, counts)
+        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self.timed, rows, counts)
         if probes:
             what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
             scale = D**-0.5
-            check = self._verifier.check_maps(
-                probes, query, key, heads, reducers, self.step, layer, what, scale, counts
-            )
+            check = self.verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, what, scale, counts)
             if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
-                self._verifier.maps_failed(check, shape)
+                self.verifier.maps_failed(check, shape)
                 rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
                 outs, _, _ = engine.capture_items(*args, rows_tiles, heads, key_counts=counts)
         for red, out in zip(reducers, outs):
@@ -161,13 +180,12 @@ class CaptureSink:
 
     @property
     def checks(self) -> list[SpotCheck]:
-        """The spot checks made so far (:mod:`cogattn.checks`): step, layer, method, device, dtype, rows,
-        largest error against exact rows, tolerance, passed."""
-        return list(self._verifier.checks)
+        """The spot checks made so far."""
+        return list(self.verifier.checks)
 
     def _tiles_for(self, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False) -> TilePlan:
         key = (S, D, torch.device(device).type, copies, method, lse)
-        if key not in self._tiles:
+        if key not in self.tiles:
             budget = self.plan.tile_budget  # memory_budget less the results waiting for a step's last call
-            self._tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse)
-        return self._tiles[key]
+            self.tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse)
+        return self.tiles[key]

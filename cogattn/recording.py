@@ -17,11 +17,11 @@ import diffusers
 import torch
 
 from . import engine
-from .capture import CaptureSink
-from .checks import Verifier
+from .capture import Capture
+from .checks import SpotCheck
 from .layout import TokenLayout
 from .options import CaptureOptions
-from .planner import CapturePlan, ModelShape, TilePlan, plan_capture
+from .planner import CapturePlan, ModelShape, plan_capture
 from .sites import Transformers, find_transformer
 from .steps import StepTracker, WeakHook
 from .store import MemoryStore, RunWriter, StoreError
@@ -30,7 +30,7 @@ from .version import __version__
 __all__ = ["Recording", "record"]
 
 
-class Recording(CaptureSink):
+class Recording:
     """Attention maps of one generation, keyed by ``(kind, step, layer)``.
 
     Building a recording checks the options against the model and registers its forward pre-hook; it
@@ -67,12 +67,7 @@ class Recording(CaptureSink):
             )
         self._models = Transformers(self.pipeline, self.transformer, self._spec)
         self._steps = StepTracker(self._spec, self.pipeline)
-        self.plan: CapturePlan | None = None  # made at the first transformer call
-        self._joint_indicator: torch.Tensor | None = None
-        self._tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method) of the calls seen
-        self._timed = engine.TimedChoice()
-        self._verifier = Verifier(self.options.verify)
-        self._pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
+        self._capture = Capture(self.options, self._steps, self._models.roles)  # the store follows
         self._closed = False
         self._entered = False  # used as a context manager: a second generation raises instead of closing
         self._status = "running"
@@ -82,6 +77,7 @@ class Recording(CaptureSink):
             self._store = RunWriter.create(
                 self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
             )
+        self._capture.store = self._store
         # The hook holds the recording weakly: a recording dropped without close() stops capturing and
         # its hook goes away with it, instead of outliving it in the transformer.
         self._hooks = self._models.hook(WeakHook(self._on_forward))
@@ -132,7 +128,7 @@ class Recording(CaptureSink):
     @property
     def chosen_methods(self) -> dict[tuple, str]:
         """What ``method="auto"`` measured on CUDA with Triton: shape → ``"sdpa"`` or ``"triton"``."""
-        return dict(self._timed.chosen)
+        return dict(self._capture.timed.chosen)
 
     # -- step tracking -----------------------------------------------------------------------------
     @property
@@ -184,7 +180,7 @@ class Recording(CaptureSink):
     def _start(self, layout: TokenLayout, batch_size: int, device: torch.device) -> None:
         """First call of the generation: plan the capture (errors before any block runs)."""
         num_steps = self._steps.pipeline_attr("num_timesteps")
-        self.plan = plan_capture(
+        plan = plan_capture(
             self.options,
             self._shape,
             layout,
@@ -195,10 +191,11 @@ class Recording(CaptureSink):
             sources=self._spec.context_kinds,
             calls_per_step=self._steps.calls_per_step,
         )
+        self._capture.plan = plan
         if self.options.layer_output == "joint":
-            indicator = engine.multi_key_indicator(self.plan.reducers, layout.seq_len, device)
+            indicator = engine.multi_key_indicator(plan.reducers, layout.seq_len, device)
             # with no multi-key kinds there is nothing to widen the values with: the lse alone is reused
-            self._joint_indicator = indicator if indicator.shape[1] else None
+            self._capture.joint_indicator = indicator if indicator.shape[1] else None
         if isinstance(self._store, RunWriter):
             self._store.check_space([(b, n) for _, _, b, n in self.plan.records(num_steps)])
             self._store.write_meta(self._meta())
@@ -231,9 +228,37 @@ class Recording(CaptureSink):
             "layer_output": self.options.layer_output,
             "storage_dtype": self.options.storage_dtype,
             "info": self.options.info,
-            "checks": [c.asdict() for c in self._verifier.checks],
+            "checks": [c.asdict() for c in self._capture.verifier.checks],
             "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
         }
+
+    # -- the processors' calls (cogattn.processor.MapSink), handed to the capture side ------------------
+    @property
+    def plan(self) -> CapturePlan | None:
+        """The capture plan, made at the generation's first transformer call (`None` before)."""
+        return self._capture.plan
+
+    @property
+    def checks(self) -> list[SpotCheck]:
+        """The spot checks made so far (:mod:`cogattn.checks`): step, layer, method, device, dtype, rows,
+        largest error against exact rows, tolerance, passed."""
+        return self._capture.checks
+
+    def layer_to_capture(self, attn) -> int | None:
+        """:meth:`cogattn.capture.Capture.layer_to_capture`."""
+        return self._capture.layer_to_capture(attn)
+
+    def attention(self, layer, query, key, value):
+        """:meth:`cogattn.capture.Capture.attention`."""
+        return self._capture.attention(layer, query, key, value)
+
+    def capture(self, layer, query, key, lse=None, sums=None, key_counts=None) -> None:
+        """:meth:`cogattn.capture.Capture.capture`."""
+        self._capture.capture(layer, query, key, lse, sums, key_counts)
+
+    def capture_context(self, layer, query, key, context) -> None:
+        """:meth:`cogattn.capture.Capture.capture_context`."""
+        self._capture.capture_context(layer, query, key, context)
 
     # -- processors and cleanup --------------------------------------------------------------------
     def install_processors(self) -> None:
@@ -258,7 +283,7 @@ class Recording(CaptureSink):
         readable."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._capture.closed = True
         self._finalizer.detach()
         for hook in self._hooks:
             hook.remove()

@@ -403,11 +403,18 @@ def test_hand_wired_processors_and_a_chosen_attention_backend():
     pipe.transformer.set_attn_processor(stock)
     assert rec.keys() == auto.keys() and all(torch.equal(rec.get(*k), auto.get(*k)) for k in auto.keys())
 
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
     pipe.transformer.set_attention_backend("_native_math")
-    reference = generate(pipe)
-    with cogattn.record(pipe, kinds=("frame",)):
-        backends = {getattr(p._attention_backend, "value", None) for p in pipe.transformer.attn_processors.values()}
-        out = generate(pipe)
+    try:
+        reference = generate(pipe)
+        with cogattn.record(pipe, kinds=("frame",)):
+            backends = {getattr(p._attention_backend, "value", None) for p in pipe.transformer.attn_processors.values()}
+            out = generate(pipe)
+    finally:  # set_attention_backend also sets diffusers' process-wide active backend, which reset leaves
+        pipe.transformer.reset_attention_backend()
+        _AttentionBackendRegistry._active_backend = active
     assert backends == {"_native_math"} and torch.equal(out, reference)
 
 
@@ -497,7 +504,7 @@ def test_results_waiting_for_the_second_call_are_planned_and_held_once(pipes):
     kinds, held = ("frame", "video_to_text", "topk"), []
     with cogattn.record(pipe, kinds=kinds, batch="all", heads="all", **SIZES) as rec:
         hook = pipe.transformer.register_forward_pre_hook(
-            lambda *_: held.append(sum(part.nbytes for parts in rec._pending.values() for _, part in parts[1:]))
+            lambda *_: held.append(sum(part.nbytes for parts in rec._capture.pending.values() for _, part in parts[1:]))
         )
         generate(pipe)
         hook.remove()
