@@ -237,13 +237,13 @@ def _record_rows(
                 f"records of step {step}, layer {layer} disagree on (batch, heads): {kind!r} is "
                 f"{tuple(t.shape[:2])}, another is {(B, H)}; the source is inconsistent."
             )
-    F, T = layout.frames, layout.text_len
+    F = layout.frames
     nan = torch.full((B, H), math.nan, dtype=torch.float64)
     video = None  # (B, H, F, G): mean key-group mass of the queries of each latent frame
     if "frame" in present:
         video = present["frame"].double()[:, :, layout.text_groups :, :]
     elif "query_frame" in present:
-        qf = present["query_frame"].double()[:, :, T:, :]
+        qf = present["query_frame"].double()[:, :, layout.video_tokens, :]
         video = qf.reshape(B, H, F, layout.frame_tokens, -1).mean(3)
     if video is not None:
         text_mass, dt = _frame_numbers(layout, video)
@@ -252,7 +252,7 @@ def _record_rows(
     columns = {"text_mass": text_mass, "same_frame_mass": dt[..., 0]}
     columns.update({f"dt_{d}": dt[..., d] for d in range(F)})
     if "entropy" in present:
-        e = present["entropy"].double()[:, :, T:]
+        e = present["entropy"].double()[:, :, layout.video_tokens]
         columns["entropy_mean"], columns["entropy_std"] = e.mean(-1), e.std(-1, unbiased=False)
     else:
         columns["entropy_mean"] = columns["entropy_std"] = nan

@@ -62,7 +62,7 @@ class BlockGrid:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r}; use an int >= 1 (the source's block_size).")
         self.layout, self.block_size = layout, block_size
-        S, T = layout.seq_len, layout.text_len
+        S, video, text = layout.seq_len, layout.video_tokens, layout.text_tokens
         self.num_blocks = N = math.ceil(S / block_size)
         starts = torch.arange(N) * block_size
         self.sizes = torch.clamp(S - starts, max=block_size)
@@ -71,11 +71,11 @@ class BlockGrid:
         frame, rest = v // layout.frame_tokens, v % layout.frame_tokens
         row, col = rest // layout.width, rest % layout.width
         self.frame_touch = torch.zeros(N, layout.frames, dtype=torch.bool)
-        self.frame_touch[block[T:], frame] = True
+        self.frame_touch[block[video], frame] = True
         self.position_touch = torch.zeros(N, layout.height, layout.width, dtype=torch.bool)
-        self.position_touch[block[T:], row, col] = True
+        self.position_touch[block[video], row, col] = True
         self.has_text = torch.zeros(N, dtype=torch.bool)
-        self.has_text[block[:T]] = True
+        self.has_text[block[text]] = True
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -109,7 +109,8 @@ class BlockGrid:
     def text_tokens(self, m: int) -> range:
         """Text tokens in block ``m`` (empty when it holds none)."""
         r = self.token_range(m)
-        return range(r.start, min(r.stop, self.layout.text_len)) if r.start < self.layout.text_len else range(0)
+        text = self.layout.text_tokens
+        return range(max(r.start, text.start), max(min(r.stop, text.stop), max(r.start, text.start)))
 
     def _check(self, m: int) -> int:
         self.token_range(m)

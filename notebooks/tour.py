@@ -35,11 +35,10 @@ import torch
 from IPython.display import Image, display
 
 import cogattn
-from cogattn import plot
+from cogattn import models, plot
 from cogattn.analysis import aggregate
 from cogattn.head_stats import head_table
 from cogattn.masks import mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
-from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 from cogattn.words import word_positions
 
 # %%
@@ -308,7 +307,7 @@ plot.block_map(stats, same, scale="log")
 # for a real one, `WanPipeline.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")`.
 
 # %%
-wan = tiny_wan_pipeline(experts=2)
+wan = models.wan.tiny_pipeline(experts=2)
 wan_prompt = "a red fox running in the snow"
 with cogattn.record(wan, kinds=("frame", "video_to_text", "entropy"), batch="cond") as wan_rec:
     wan_video = wan(
@@ -336,6 +335,40 @@ plot.frame_heatmap(wan_rec, steps="transformer", layers="all")
 plot.word_heatmap(
     wan_rec, ["fox", "snow"], wan_video, tokenizer=wan.tokenizer, prompt=wan_prompt, steps="transformer_2"
 )
+
+# %% [markdown]
+# ## HunyuanVideo
+#
+# HunyuanVideo (diffusers ≥ 0.36) runs 20 dual-stream blocks and then 40 single-stream ones; cogattn
+# numbers their attentions in that order and names each (`rec.layer_names`; `layers=` takes the names).
+# Its joint sequence is the video *then* the text, padded to 256 tokens with a key mask: padded text
+# keys get exactly 0 attention, and `frame`'s group 0 is the text wherever it sits. Here the tiny
+# random HunyuanVideo, two prompts of different lengths in one batch (the tiny tokenizer's words need
+# the plain prompt template); for a real one,
+# `HunyuanVideoPipeline.from_pretrained("hunyuanvideo-community/HunyuanVideo")`.
+
+# %%
+hunyuan = models.hunyuan_video.tiny_pipeline()
+prompts = ["a red fox running in the snow", "a cat"]
+with cogattn.record(hunyuan, kinds=("frame", "video_to_text", "received"), batch="all") as hv_rec:
+    hv_video = hunyuan(
+        prompt=prompts,
+        prompt_template={"template": "{}", "crop_start": 0},
+        max_sequence_length=12,
+        num_frames=9,
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
+print(hv_rec.layout)
+print(hv_rec.layer_names)
+received = aggregate(hv_rec, "received", batch=1)
+print("attention the second prompt's padded text keys receive:", received[hv_rec.layout.text_tokens][3:].tolist())
+
+# %%
+plot.word_heatmap(hv_rec, ["fox", "snow"], hv_video[0], tokenizer=hunyuan.tokenizer, prompt=prompts[0])
 
 # %% [markdown]
 # ## Explore

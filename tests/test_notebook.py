@@ -39,11 +39,13 @@ def test_notebook_runs_end_to_end_on_the_tiny_default(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the notebook writes its GIF
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    wan = cogattn.models.wan is not None
-    if not wan:  # its Wan section needs diffusers >= 0.35: run the rest
-        start = next(i for i, c in enumerate(nb.cells) if c.source.startswith("## Wan"))
-        end = next(i for i, c in enumerate(nb.cells) if c.source.startswith("## Explore"))
-        del nb.cells[start:end]
+    wan, hunyuan = cogattn.models.wan is not None, cogattn.models.hunyuan_video is not None
+    # the Wan section needs diffusers >= 0.35, the HunyuanVideo one 0.36: without them, run the rest
+    for section, present, until in (("## Wan", wan, "## HunyuanVideo"), ("## HunyuanVideo", hunyuan, "## Explore")):
+        if not present:
+            start = next(i for i, c in enumerate(nb.cells) if c.source.startswith(section))
+            end = next(i for i, c in enumerate(nb.cells) if c.source.startswith(until))
+            del nb.cells[start:end]
     client = nbclient.NotebookClient(
         nb, timeout=120, kernel_name="cogattn-test", resources={"metadata": {"path": str(tmp_path)}}
     )
@@ -53,11 +55,14 @@ def test_notebook_runs_end_to_end_on_the_tiny_default(tmp_path, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     figures = [o for o in outputs[:-1] if "image/png" in o.get("data", {})]
-    # frame map, per head, two grids, two word maps, query map, atlas, decay, block map; Wan's frame and word maps
-    assert len(figures) == (12 if wan else 10)
+    # frame map, per head, two grids, two word maps, query map, atlas, decay, block map; Wan's frame and word
+    # maps; HunyuanVideo's word map
+    assert len(figures) == 10 + 2 * wan + hunyuan
     assert any("image/gif" in o.get("data", {}) for o in outputs)
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "latent grid (F, Hp, Wp) = (3, 3, 5); following the video point (1, 1, 2)" in text
+    if hunyuan:  # "a cat" keeps 3 of its 12 text tokens: the other 9 receive nothing
+        assert "padded text keys receive: [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]" in text
     assert "pixel frames of each latent frame: [range(0, 1), range(1, 5), range(5, 9)]" in text
     assert not wan or "expert of each step: ['transformer', 'transformer', 'transformer_2', 'transformer_2']" in text
     assert (tmp_path / "cogattn_fox_steps.gif").exists()

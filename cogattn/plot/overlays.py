@@ -137,7 +137,7 @@ def token_figure(source: MapSource, values, video, kind: str, labels: tuple[str,
     """
     layout = source.layout
     T = layout.text_len
-    grid = values[T:].reshape(layout.grid)
+    grid = values[layout.video_tokens].reshape(layout.grid)
     pixels, panels, ranges = _video_panels(layout, video, None, style["num_pixel_frames"])
     if pixels is None:
         arrays = [grid[f].numpy() for _, f in panels]
@@ -145,7 +145,7 @@ def token_figure(source: MapSource, values, video, kind: str, labels: tuple[str,
         up = upsample_to_video(grid, layout, len(pixels), pixels.shape[1:3], style["interpolation"])
         arrays = [up[n].numpy() for n, _ in panels]
     if T:
-        arrays.append(values[:T].numpy()[None])
+        arrays.append(values[layout.text_tokens].numpy()[None])
     limits = style["limits"]
     norms = color_norms(arrays, style["scale"], limits)
     ncols = len(panels)

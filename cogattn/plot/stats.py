@@ -112,7 +112,7 @@ def token_stat(
         for rank, token in enumerate(top, 1):
             point = layout.coordinates(token)
             if point is None:
-                where, (x, y) = text_ax, (token, 0)
+                where, (x, y) = text_ax, (token - layout.text_start, 0)
             else:
                 f, y, x = point
                 column = [c for c, (_, pf) in enumerate(panels) if pf == f]
@@ -130,7 +130,8 @@ def token_stat(
         what = f"attention each key token receives (Σ over the {S} queries; 1 on average)"
     if T:
         what += (
-            f"\ntext tokens' mean {values[:T].mean().item():.3g} · video tokens' mean {values[T:].mean().item():.3g}"
+            f"\ntext tokens' mean {values[layout.text_tokens].mean().item():.3g} · video tokens' mean "
+            f"{values[layout.video_tokens].mean().item():.3g}"
         )
     if top:
         named = [f"#{k} {_token_name(layout, t)}: {values[t].item():.3g}" for k, t in enumerate(top, 1)]
