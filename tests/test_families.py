@@ -98,6 +98,17 @@ CASES = {
         skip=("video_to_image",),  # text-to-video: no image context
         released=("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", dict(num_frames=81, height=480, width=832), 21 * 30 * 52),
     ),
+    "skyreels_v2": Case(
+        lambda: FAMILY["skyreels_v2"].tiny_pipeline(num_heads=3),
+        _wan_call,
+        512,
+        skip=("video_to_image",),  # text-to-video: no image context
+        released=(
+            "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers",
+            dict(num_frames=97, height=544, width=960),
+            25 * 34 * 60,
+        ),
+    ),
     "hunyuan_video": Case(
         lambda: FAMILY["hunyuan_video"].tiny_pipeline(num_heads=3),
         _hunyuan_video_call,

@@ -10,12 +10,14 @@ that is not downloaded.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pkgutil
 from pathlib import Path
 
 from . import cogvideox
-from .spec import ModelSpec, Site
+from .spec import ModelSpec, Site, Unavailable
 
 __all__ = [
     "FAMILIES",
@@ -23,34 +25,29 @@ __all__ = [
     "ModelSpec",
     "Site",
     "UNAVAILABLE",
+    "Unavailable",
     "family",
     "spec_for_config",
     "spec_for_module",
     "transformer_config",
 ]
 
-FAMILIES: list[ModelSpec] = [cogvideox.SPEC]
-UNAVAILABLE: dict[str, str] = {}  # family → what it needs, where the installed diffusers lacks its attention modules
-
-try:  # Wan's attention modules came with diffusers 0.35
-    from . import wan
-except ImportError:
-    wan = None
-    UNAVAILABLE["wan"] = "Wan needs diffusers >= 0.35 (WanAttention)"
-else:
-    FAMILIES.append(wan.SPEC)
-
-try:  # HunyuanVideo's processor calls dispatch_attention_fn from diffusers 0.36
-    from . import hunyuan_video
-except ImportError:
-    hunyuan_video = None
-    UNAVAILABLE["hunyuan_video"] = "HunyuanVideo needs diffusers >= 0.36 (its processor calls dispatch_attention_fn)"
-else:
-    FAMILIES.append(hunyuan_video.SPEC)
+FAMILIES: list[ModelSpec] = []
+UNAVAILABLE: dict[str, Unavailable] = {}  # family → what it needs, where this diffusers lacks its attention modules
+for _found in pkgutil.iter_modules(__path__):  # every module of this package but these is a family
+    if _found.name in ("spec", "tiny_text"):
+        continue
+    try:
+        _module = importlib.import_module(f"{__name__}.{_found.name}")
+    except Unavailable as missing:
+        UNAVAILABLE[missing.family] = missing
+        globals()[_found.name] = None  # `cogattn.models.wan is None`: this diffusers lacks the family
+    else:
+        globals()[_found.name] = _module
+        FAMILIES.append(_module.SPEC)
+FAMILIES.sort(key=lambda spec: spec.family != "cogvideox")  # the embedded default first, then by name
 
 KNOWN_MODELS: dict[str, dict] = {name: config for spec in FAMILIES for name, config in spec.known.items()}
-_CLASS_NAMES = {"wan": ("WanTransformer3DModel",), "hunyuan_video": ("HunyuanVideoTransformer3DModel",)}
-_CONFIG_KEYS = {"wan": ("text_dim",), "hunyuan_video": ("num_single_layers",)}  # of the families this diffusers lacks
 
 
 def family(name: str) -> ModelSpec:
@@ -74,11 +71,9 @@ def spec_for_config(config: dict) -> ModelSpec:
         if spec.matches_config(config):
             return spec
     name = config.get("_class_name")
-    for missing, classes in _CLASS_NAMES.items():
-        if missing in UNAVAILABLE and (
-            name in classes or (name is None and any(k in config for k in _CONFIG_KEYS[missing]))
-        ):
-            raise ValueError(f"{UNAVAILABLE[missing]}; upgrade diffusers.")
+    for missing in UNAVAILABLE.values():
+        if name in missing.class_names or (name is None and any(k in config for k in missing.config_keys)):
+            raise ValueError(f"{missing}; upgrade diffusers.")
     raise ValueError(f"a transformer config of class {name!r} is not a model cogattn supports.")
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import sys
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoAttnProcessor2_0,
@@ -31,11 +30,13 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 
 from ..layout import TokenLayout
 from ..processor import MapSink, key_counts
-from .spec import ModelSpec, Site
+from .spec import ModelSpec, Site, Unavailable
 from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
 
 if not hasattr(HunyuanVideoAttnProcessor2_0, "_attention_backend"):  # the SDPA version of diffusers ≤ 0.35
-    raise ImportError("HunyuanVideo needs diffusers >= 0.36 (its processor calls dispatch_attention_fn)")
+    needs = "HunyuanVideo needs diffusers >= 0.36 (its processor calls dispatch_attention_fn)"
+    raise Unavailable("hunyuan_video", needs, ("HunyuanVideoTransformer3DModel",), ("num_single_layers",))
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 __all__ = [
     "SPEC",

@@ -14,7 +14,26 @@ from dataclasses import dataclass, field
 
 from ..reducers import REDUCERS  # every kind is registered once cogattn is imported
 
-__all__ = ["ModelSpec", "Site"]
+__all__ = ["ModelSpec", "Site", "Unavailable"]
+
+
+class Unavailable(ImportError):
+    """Raised by a family's module where the installed diffusers lacks its attention modules: the registry
+    then lists the family in ``UNAVAILABLE`` with what it needs.
+
+    Args:
+        family (`str`): the family's name.
+        needs (`str`): what it needs, as a user reads it (``"Wan needs diffusers >= 0.35 (WanAttention)"``).
+        class_names (`tuple[str, ...]`): its transformer classes' names (a config of one says what it needs).
+        config_keys (`tuple[str, ...]`): config keys only it has (a config without ``_class_name``).
+    """
+
+    def __init__(self, family: str, needs: str, class_names: tuple[str, ...] = (), config_keys: tuple[str, ...] = ()):
+        super().__init__(needs)
+        self.family, self.needs, self.class_names, self.config_keys = family, needs, class_names, config_keys
+
+    def __str__(self) -> str:
+        return self.needs
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,21 @@ from __future__ import annotations
 import inspect
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.transformers.transformer_wan import (
-    WanAttention,  # noqa: F401  (its absence, before diffusers 0.35, means no Wan support)
-    WanAttnProcessor,
-    WanTransformer3DModel,
-    _get_added_kv_projections,
-    _get_qkv_projections,
-)
+
+from .spec import Unavailable
+
+try:
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers.transformer_wan import (
+        WanAttention,  # noqa: F401  (its absence, before diffusers 0.35, means no Wan support)
+        WanAttnProcessor,
+        WanTransformer3DModel,
+        _get_added_kv_projections,
+        _get_qkv_projections,
+    )
+except ImportError as missing:
+    needs = "Wan needs diffusers >= 0.35 (WanAttention)"
+    raise Unavailable("wan", needs, ("WanTransformer3DModel",), ("text_dim",)) from missing
 
 from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
 from ..processor import MapSink
@@ -80,6 +87,7 @@ class WanAttnMapProcessor:
 
     _attention_backend = None
     _parallel_config = None
+    _parallel_in_every_call = False  # Wan's: the self-attention's call only (SkyReels-V2's copy: every call)
 
     def __init__(self, sink: MapSink):
         self.sink = sink
@@ -129,7 +137,10 @@ class WanAttnMapProcessor:
 
         layer = self.sink.layer_to_capture(attn)
         if layer is not None and attention_mask is not None:
-            raise ValueError("cogattn cannot capture attention that uses an attention mask.")
+            raise ValueError(
+                "cogattn captures this attention without a mask only; this call has one (SkyReels-V2's diffusion "
+                "forcing masks its attention block-causally), which capture does not take yet."
+            )
         q = None if layer is None else query.transpose(1, 2)  # (B, H, S, D), as the recording takes them
 
         # I2V task
@@ -141,7 +152,8 @@ class WanAttnMapProcessor:
             key_img = key_img.unflatten(2, (attn.heads, -1))
             value_img = value_img.unflatten(2, (attn.heads, -1))
 
-            hidden_states_img = _dispatch(self, query, key_img, value_img, None, None)
+            parallel = self._parallel_config if self._parallel_in_every_call else None
+            hidden_states_img = _dispatch(self, query, key_img, value_img, None, parallel)
             hidden_states_img = hidden_states_img.flatten(2, 3)
             hidden_states_img = hidden_states_img.type_as(query)
             if layer is not None:
@@ -159,7 +171,7 @@ class WanAttnMapProcessor:
                 key,
                 value,
                 attention_mask,
-                self._parallel_config if encoder_hidden_states is None else None,
+                self._parallel_config if encoder_hidden_states is None or self._parallel_in_every_call else None,
             )
             lse = sums = None
         else:
@@ -255,14 +267,14 @@ def tiny_transformer(
     head_dim: int = 12,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    cls: type = WanTransformer3DModel,
 ):
     """A random ``WanTransformer3DModel`` (diffusers' own test config); with ``image_to_video`` the Wan 2.1
-    image-to-video one (36 input channels, an image cross-attention)."""
-    from diffusers import WanTransformer3DModel
-
+    image-to-video one (36 input channels, an image cross-attention). ``cls``: a copy of Wan's transformer
+    under another name with the same arguments (SkyReels-V2's, ChronoEdit's)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = WanTransformer3DModel(
+        model = cls(
             patch_size=(1, 2, 2),
             num_attention_heads=num_heads,
             attention_head_dim=head_dim,

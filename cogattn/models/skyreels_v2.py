@@ -1,0 +1,94 @@
+"""SkyReels-V2 (text- and image-to-video): Wan 2.1's architecture under its own classes (docs/design.md,
+"The model seam").
+
+diffusers ships SkyReels-V2 as a copy of Wan: ``SkyReelsV2Transformer3DModel`` with ``SkyReelsV2Attention``
+modules run by ``SkyReelsV2AttnProcessor``, which is ``WanAttnProcessor`` line for line but for the
+context-parallel config it passes to every attention call (Wan: to the self-attention's only). The
+layout, the call, the kinds and the guidance (two calls per step, the conditional first) are Wan's.
+Diffusion forcing (``SkyReelsV2DiffusionForcingPipeline``: a block-causal mask and a timestep per frame)
+is refused at its first masked call with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .spec import ModelSpec, Site, Unavailable
+
+try:
+    from diffusers.models.transformers.transformer_skyreels_v2 import (
+        SkyReelsV2AttnProcessor,
+        SkyReelsV2Transformer3DModel,
+    )
+
+    from . import wan
+except ImportError as missing:
+    needs = "SkyReels-V2 needs diffusers >= 0.35 (SkyReelsV2Attention)"
+    raise Unavailable("skyreels_v2", needs, ("SkyReelsV2Transformer3DModel",)) from missing
+
+__all__ = ["SPEC", "KNOWN", "SkyReelsV2AttnMapProcessor", "tiny_pipeline", "tiny_transformer"]
+
+
+class SkyReelsV2AttnMapProcessor(wan.WanAttnMapProcessor):
+    """Drop-in for ``SkyReelsV2AttnProcessor``: :class:`cogattn.models.wan.WanAttnMapProcessor` with the
+    context-parallel config passed to every attention call, as SkyReels-V2's copy of Wan's processor does."""
+
+    _parallel_in_every_call = True
+
+
+# Attention shapes of the released checkpoints: Wan 2.1's 1.3B and 14B (their transformer/config.json).
+_SKY = {**wan.KNOWN["Wan-AI/Wan2.1-T2V-14B-Diffusers"], "_class_name": "SkyReelsV2Transformer3DModel"}
+KNOWN: dict[str, dict] = {
+    "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers": _SKY,
+    "Skywork/SkyReels-V2-T2V-14B-720P-Diffusers": _SKY,
+    "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers": {**_SKY, "in_channels": 36, "image_dim": 1280},
+    "Skywork/SkyReels-V2-I2V-1.3B-540P-Diffusers": {
+        **wan.KNOWN["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"],
+        "_class_name": "SkyReelsV2Transformer3DModel",
+        "in_channels": 36,
+        "image_dim": 1280,
+    },
+}
+
+
+def tiny_transformer(image_to_video: bool = False, **size):
+    """A random ``SkyReelsV2Transformer3DModel``: the tiny Wan transformer's config (``wan.tiny_transformer``)."""
+    return wan.tiny_transformer(image_to_video, cls=SkyReelsV2Transformer3DModel, **size)
+
+
+def tiny_pipeline(task: str = "text-to-video", *, dtype: torch.dtype = torch.float32, seed: int = 0, **size):
+    """A random SkyReels-V2 pipeline (``SkyReelsV2Pipeline``, or ``SkyReelsV2ImageToVideoPipeline``): the
+    tiny Wan pipeline's parts (``wan.tiny_pipeline``: call it the same way) with a SkyReels-V2 transformer
+    and its UniPC flow scheduler."""
+    from diffusers import SkyReelsV2ImageToVideoPipeline, SkyReelsV2Pipeline, UniPCMultistepScheduler
+
+    base = wan.tiny_pipeline(task, dtype=dtype, seed=seed, **size)
+    cls = SkyReelsV2ImageToVideoPipeline if task == "image-to-video" else SkyReelsV2Pipeline
+    takes = inspect.signature(cls.__init__).parameters
+    parts = {name: part for name, part in base.components.items() if name in takes}
+    parts["transformer"] = tiny_transformer(task == "image-to-video", dtype=dtype, seed=seed, **size)
+    parts["scheduler"] = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8.0
+    )
+    pipe = cls(**parts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+SPEC = ModelSpec(
+    "skyreels_v2",
+    (SkyReelsV2Transformer3DModel,),
+    (Site("blocks", "attn1", context="attn2"),),
+    {SkyReelsV2AttnProcessor: SkyReelsV2AttnMapProcessor},
+    wan.read_call,
+    wan.layout_for_video,
+    tiny_pipeline=tiny_pipeline,
+    tiny_transformer=tiny_transformer,
+    known=KNOWN,
+    text_len=wan.TEXT_LEN,
+    context_kinds=wan.SPEC.context_kinds,
+    refused=wan.SPEC.refused,
+    guidance_calls=2,
+)
