@@ -1,8 +1,8 @@
 """``python -m cogattn.selftest``: check cogattn on this machine, with its own kernels.
 
 Runs every kind with every method and every ``layer_output`` mode, on a synthetic attention layer and
-on the tiny random pipelines (CogVideoX 1.0, 1.5 and image-to-video), against the naive float64
-reference (:mod:`cogattn.reference`); checks that the video is bit-identical to stock where that is
+on the tiny random pipelines (CogVideoX 1.0, 1.5 and image-to-video; and every other registered family's,
+every method, unless ``--quick``), against the naive float64 reference (:mod:`cogattn.reference`); checks that the video is bit-identical to stock where that is
 promised (the default output everywhere, the opt-in outputs on the CPU); and times capture against the
 stock layer. Prints a table and a one-line verdict with the versions, and exits 0 when every row
 passes, 1 otherwise. ``--json PATH`` writes the same report, to attach to a bug report.
@@ -31,7 +31,7 @@ from .attention import attention_joint, attention_with_lse, fused_lse_supported
 from .checks import OUTPUT_RTOL, TOLERANCE, bound, made_from_output
 from .engine import capture, multi_key_indicator
 from .layout import TokenLayout
-from .models import cogvideox, wan
+from .models import FAMILIES, cogvideox
 from .planner import plan_tiles
 from .recording import record
 from .reducers import REDUCERS
@@ -241,37 +241,41 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
 
 
 def _spying(rec, inner, context: bool, calls: dict):
-    """``inner`` (a recording's ``capture`` or ``capture_context``), keeping each call's q and k in ``calls``."""
+    """``inner`` (a recording's ``capture`` or ``capture_context``), keeping each call's q, k and key counts
+    in ``calls``."""
 
     def spy(layer, query, key, *rest):
-        qk = (query.detach().float().cpu(), key.detach().float().cpu())
+        counts = rest[2] if not context and len(rest) > 2 else None
+        qk = (query.detach().float().cpu(), key.detach().float().cpu(), counts)
         calls.setdefault((rec.step, layer, rest[0] if context else "self"), []).append(qk)
         inner(layer, query, key, *rest)
 
     return spy
 
 
-def wan_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
-    """Every method recording every Wan kind of a 2-step guided generation of the tiny Wan pipelines
-    (text- and image-to-video): the self-attention kinds and the cross-attention's, against the reference
-    of the q and k the processors handed over, and the video against the stock one."""
-    WAN, tiny_wan_pipeline = wan.SPEC, wan.tiny_pipeline
-    self_kinds = WAN.kinds("self")
+def _key_mask(counts, batch: int, keys: int):
+    """``(B, S)`` kept keys from per-item counts (all kept when there are none)."""
+    if counts is None:
+        return torch.ones(batch, keys, dtype=torch.bool)
+    return torch.arange(keys)[None] < torch.as_tensor(counts)[:, None]
 
+
+def family_rows(spec, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """Every method recording every kind of a family (all but CogVideoX, whose rows also cover the output
+    modes) in a 2-step guided generation of each of its tiny pipelines: the self-attention kinds (under the
+    family's key mask) and the cross-attention's, against the reference of the q and k the processors
+    handed over, and the video against the stock one."""
+    self_kinds = spec.kinds("self")
     rows = []
-    for task in ("text-to-video", "image-to-video"):
-        pipe = tiny_wan_pipeline(task, dtype=dtype, num_heads=3, head_dim=16).to(device)  # Triton: D ≥ 16
-        part = f"tiny wan {'i2v' if task == 'image-to-video' else 't2v'}"
-        gen = torch.Generator().manual_seed(0)
-        emb = torch.randn(1, 512, 16, generator=gen).to(device, dtype)
-        call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, height=32, width=48)
-        call.update(num_inference_steps=2, output_type="pt")
-        context = ["video_to_text"] + (["video_to_image"] if task == "image-to-video" else [])
-        if task == "image-to-video":
-            call["image"] = torch.rand(3, 32, 48, generator=gen)
+    for task in spec.tiny_tasks:
+        pipe = spec.tiny_pipeline(task, dtype=dtype, num_heads=3, head_dim=16).to(device)  # Triton: D ≥ 16
+        part = f"tiny {spec.family} {'i2v' if task == 'image-to-video' else 't2v'}"
+        call = spec.tiny_call(pipe, task, torch.Generator().manual_seed(0), True)
+        context = [k for k in spec.context_kinds if spec.context_kinds[k] == "text" or task == "image-to-video"]
 
         def generate(pipe=pipe, call=call):
-            return pipe(generator=torch.Generator(device).manual_seed(1), **call).frames
+            gen = torch.Generator(device).manual_seed(1)
+            return pipe(generator=gen, num_inference_steps=2, output_type="pt", **call).frames
 
         generate()  # warm up
         stock, t_stock = _timed(generate, device)
@@ -281,21 +285,22 @@ def wan_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
                 continue
             kinds = self_kinds + tuple(context)
             rec = record(pipe, kinds=kinds, queries=[0, (1, 1, 2)], batch="all", heads="all", method=method, **SIZES)
-            calls: dict = {}  # (step, layer, source) → [(q, k) of each call]: cond first, as Wan calls them
-
+            calls: dict = {}  # (step, layer, source) → [(q, k, counts) of each call]: as the family calls them
             for name in ("capture", "capture_context"):
                 setattr(rec, name, _spying(rec, getattr(rec, name), name == "capture_context", calls))
             with rec:
                 video, seconds = _timed(generate, device)
             limit, worst, lay = TOLERANCE.get(dtype, 1e-5), 0.0, rec.layout
-            for (step, layer, source), pairs in calls.items():
-                pairs = pairs[::-1]  # the guidance batch [uncond..., cond...]
-                q, k = torch.cat([q for q, _ in pairs]), torch.cat([k for _, k in pairs])
-                P, lse = naive_probs(q, k), naive_lse(q, k)
-                for kind in self_kinds if source == "self" else [c for c in context if WAN.source(c) == source]:
+            for (step, layer, source), found in calls.items():
+                found = found[::-1]  # the guidance batch [uncond..., cond...]: a step's later call first
+                q, k = torch.cat([q for q, _, _ in found]), torch.cat([k for _, k, _ in found])
+                keep = torch.cat([_key_mask(n, len(q_), k.shape[2]) for q_, _, n in found])
+                P, lse = naive_probs(q, k, key_mask=keep), naive_lse(q, k, key_mask=keep)
+                for kind in self_kinds if source == "self" else [c for c in context if spec.source(c) == source]:
                     if source == "self":
-                        tokens = [0, lay.token_index(1, 1, 2)]
-                        err = kind_error(rec.get(kind, step, layer), P, kind, 0, lay.grid, tokens, lse, **SIZES)
+                        tokens, end = [0, lay.token_index(1, 1, 2)], lay.text_position == "end"
+                        got = rec.get(kind, step, layer)
+                        err = kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, end, **SIZES)
                     else:
                         ref = select(naive_context(P, lay.grid), rec.batch_items, "all")
                         err = (rec.get(kind, step, layer).double() - ref).abs().max().item()
@@ -335,8 +340,8 @@ def run(device: str | None = None, dtype: str = "float32", seq_len: int = 1024, 
     dt = DTYPES[dtype]
     t0 = time.perf_counter()
     rows = layer_rows(device, dt, seq_len) + pipeline_rows(device, dt, PIPELINES[:1] if quick else PIPELINES)
-    if not quick and wan is not None:
-        rows += wan_rows(device, dt)
+    if not quick:
+        rows += [row for spec in FAMILIES if spec.family != "cogvideox" for row in family_rows(spec, device, dt)]
     checked = [r for r in rows if r.passed is not None]
     return {
         "rows": [asdict(r) for r in rows],

@@ -357,3 +357,26 @@ def test_layer_names_select_layers(pipes, family):
     with cogattn.record(pipe, kinds=("frame",), layers=[names[-1], 0]) as rec:
         generate(pipe, family, False)
     assert rec.layer_names == names and sorted({layer for _, _, layer in rec.keys()}) == [0, len(names) - 1]
+
+
+@pytest.mark.parametrize("family", [f for f in CASES if f != "cogvideox"])
+def test_the_selftest_checks_the_family_and_catches_a_wrong_map(family, monkeypatch):
+    """``python -m cogattn.selftest`` records every kind of the family's tiny pipelines with every method
+    against the reference of the q and k (and key counts) its processors handed over; a self-attention map
+    off by 1e-3 fails it. (CogVideoX's rows are ``tests/test_selftest.py``'s.)"""
+    if family not in FAMILY:
+        pytest.skip(f"this diffusers lacks {family}")
+    from cogattn import engine, selftest
+
+    rows = selftest.family_rows(FAMILY[family], torch.device("cpu"), torch.float32)
+    checked = [r for r in rows if r.passed is not None]
+    assert len(checked) >= 2 and all(r.passed and r.bit_identical for r in checked), rows
+    real = engine.capture_items
+
+    def wrong(*args, **kwargs):
+        outs, method, probes = real(*args, **kwargs)
+        return [o + 1e-3 for o in outs], method, probes
+
+    monkeypatch.setattr(engine, "capture_items", wrong)
+    rows = selftest.family_rows(FAMILY[family], torch.device("cpu"), torch.float32)
+    assert not any(r.passed for r in rows if r.passed is not None)

@@ -364,12 +364,12 @@ def test_the_selftest_checks_wan_and_catches_a_wrong_map(monkeypatch):
     reference; a cross-attention map off by 1e-3 fails it."""
     from cogattn import context, selftest
 
-    rows = selftest.wan_rows(torch.device("cpu"), torch.float32)
+    rows = selftest.family_rows(cogattn.models.wan.SPEC, torch.device("cpu"), torch.float32)
     checked = [r for r in rows if r.passed is not None]
     assert len(checked) >= 4 and all(r.passed and r.bit_identical for r in checked), rows
     real = context.context_pass
     monkeypatch.setattr(cogattn.capture, "context_pass", lambda *a: [o + 1e-3 for o in real(*a)])
-    rows = selftest.wan_rows(torch.device("cpu"), torch.float32)
+    rows = selftest.family_rows(cogattn.models.wan.SPEC, torch.device("cpu"), torch.float32)
     assert not any(r.passed for r in rows if r.passed is not None)
 
 

@@ -62,6 +62,11 @@ def tiny_pipeline(task: str = "image-to-video", *, dtype: torch.dtype = torch.fl
     return pipe
 
 
+def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
+    """A call of the tiny pipeline: Wan's (``wan.tiny_call``) with an image to edit, 5 frames."""
+    return {**wan.tiny_call(pipe, "image-to-video", generator, guided), "num_frames": 5}
+
+
 SPEC = ModelSpec(
     "chronoedit",
     (ChronoEditTransformer3DModel,),
@@ -71,6 +76,8 @@ SPEC = ModelSpec(
     wan.layout_for_video,
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
+    tiny_call=tiny_call,
+    tiny_tasks=("image-to-video",),
     known=KNOWN,
     text_len=wan.TEXT_LEN,
     context_kinds=wan.SPEC.context_kinds,

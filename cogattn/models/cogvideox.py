@@ -303,6 +303,17 @@ def tiny_pipeline(
     return pipe
 
 
+def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
+    """A call of the tiny pipeline: one video of random text embeddings, 9 frames of 48×80 (3×3×5 patches)."""
+    device, dtype = pipe._execution_device, pipe.transformer.dtype
+    emb = torch.randn(1, TINY_TEXT_LEN, TEXT_DIM, generator=generator).to(device, dtype)
+    call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, guidance_scale=6.0 if guided else 1.0)
+    call.update(num_frames=9, height=48, width=80, max_sequence_length=TINY_TEXT_LEN)
+    if task == "image-to-video":
+        call["image"] = torch.rand(3, 48, 80, generator=generator)
+    return call
+
+
 SPEC = ModelSpec(
     "cogvideox",
     (CogVideoXTransformer3DModel,),
@@ -315,6 +326,8 @@ SPEC = ModelSpec(
     _cogvideox_layout,
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
+    tiny_call=tiny_call,
+    tiny_tasks=("text-to-video", "image-to-video"),
     config_keys=("max_text_seq_length",),
     known=KNOWN,
     text_len=226,

@@ -365,6 +365,26 @@ def tiny_pipeline(
     return pipe
 
 
+def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
+    """A call of the tiny pipeline: one video of random text embeddings of 6 tokens, 4 of them kept by the
+    mask (under true guidance the negative keeps 2), 9 frames of 32×48 (3×2×3 patches)."""
+    device, dtype = pipe._execution_device, pipe.transformer.dtype
+
+    def text(kept):
+        emb = torch.randn(1, 6, TEXT_DIM, generator=generator).to(device, dtype)
+        pooled = torch.randn(1, _POOLED_DIM, generator=generator).to(device, dtype)
+        return emb, pooled, (torch.arange(6) < kept).long()[None].to(device)
+
+    emb, pooled, mask = text(4)
+    call = dict(prompt_embeds=emb, pooled_prompt_embeds=pooled, prompt_attention_mask=mask)
+    if guided:
+        emb, pooled, mask = text(2)
+        call.update(negative_prompt_embeds=emb, negative_pooled_prompt_embeds=pooled, true_cfg_scale=4.0)
+        call["negative_prompt_attention_mask"] = mask
+    call.update(num_frames=9, height=32, width=48)
+    return call
+
+
 SPEC = ModelSpec(
     "hunyuan_video",
     (HunyuanVideoTransformer3DModel,),
@@ -374,6 +394,7 @@ SPEC = ModelSpec(
     layout_for_video,
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
+    tiny_call=tiny_call,
     config_keys=("num_single_layers",),
     known=KNOWN,
     text_len=TEXT_LEN,

@@ -86,6 +86,8 @@ SPEC = ModelSpec(
     wan.layout_for_video,
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
+    tiny_call=wan.tiny_call,
+    tiny_tasks=("text-to-video", "image-to-video"),
     known=KNOWN,
     text_len=wan.TEXT_LEN,
     context_kinds=wan.SPEC.context_kinds,

@@ -71,6 +71,9 @@ class ModelSpec:
         tiny_pipeline (`Callable`): ``(task="text-to-video", *, dtype, seed, ...)`` → a tiny random pipeline of
             the family (tests, the notebook, the batch tool's ``tiny-<family>`` model).
         tiny_transformer (`Callable`): ``(...)`` → the tiny pipeline's transformer alone.
+        tiny_call (`Callable | None`): ``(pipe, task, generator, guided)`` → the arguments of a call of the tiny
+            pipeline for one video of random text embeddings (the self-test's), guided or not.
+        tiny_tasks (`tuple[str, ...]`): the tasks the tiny pipeline takes.
         config_keys (`tuple[str, ...]`): config keys only this family has (a config without ``_class_name``).
         known (`dict[str, dict]`): the released checkpoints' transformer configs (the attention shapes),
             for plans made offline.
@@ -95,6 +98,8 @@ class ModelSpec:
     layout_for_video: Callable
     tiny_pipeline: Callable
     tiny_transformer: Callable
+    tiny_call: Callable | None = None
+    tiny_tasks: tuple[str, ...] = ("text-to-video",)
     config_keys: tuple[str, ...] = ()
     known: dict[str, dict] = field(default_factory=dict)
     text_len: int = 226

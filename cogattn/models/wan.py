@@ -370,6 +370,21 @@ def tiny_pipeline(
     return pipe
 
 
+def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
+    """A call of the tiny pipeline: one video of random text embeddings (512 tokens), 9 frames of 32×48
+    (3×2×3 patches), and for image-to-video a random image."""
+    device, dtype = pipe._execution_device, pipe.transformer.dtype
+    emb = torch.randn(1, TEXT_LEN, TEXT_DIM, generator=generator).to(device, dtype)
+    call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, guidance_scale=5.0 if guided else 1.0)
+    call.update(num_frames=9, height=32, width=48)
+    if task == "image-to-video":
+        import PIL.Image
+
+        pixels = torch.randint(0, 256, (32, 48, 3), generator=generator, dtype=torch.uint8).numpy()
+        call["image"] = PIL.Image.fromarray(pixels)
+    return call
+
+
 SPEC = ModelSpec(
     "wan",
     (WanTransformer3DModel,),
@@ -379,6 +394,8 @@ SPEC = ModelSpec(
     layout_for_video,
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
+    tiny_call=tiny_call,
+    tiny_tasks=("text-to-video", "image-to-video"),
     config_keys=("text_dim",),
     known=KNOWN,
     text_len=TEXT_LEN,
