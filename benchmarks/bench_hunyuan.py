@@ -1,0 +1,172 @@
+"""One HunyuanVideo block at real shape: exact capture of 118,800 + 256 tokens, and of 180,000 + 256, in a
+memory budget of 1 GiB, against the stock attention of the same heads.
+
+Builds a ``HunyuanVideoTransformer3DModel`` of one dual-stream block from the released config (heads of
+128, 3D RoPE (16, 56, 56), patch 2, random weights) with as many of its 24 heads as the time allows
+(``--heads``; the cost is per head), and calls it on random latents: 129 frames at 720×1280 (33 latent
+frames × 45 × 80 patches: S = 118,800 video tokens + 256 text tokens, of which ``--valid`` are kept by
+the key mask, as a prompt shorter than 256 tokens leaves them), float32 on the CPU. It times the stock
+attention module (projections, RoPE, masked SDPA, output projections) and, under ``cogattn.record``
+with ``frame`` and ``video_to_text``, what capture adds (the processor's ``capture`` call) and its peak
+extra memory (Linux ``VmHWM``, reset at each capture); the block's output must stay bit-identical. The
+second case, more frames (``--frames-b``: 50 latent frames, S = 180,000 + 256), measures the same.
+
+    python benchmarks/bench_hunyuan.py                      # real shapes (about 10 minutes on 2 cores)
+    python benchmarks/bench_hunyuan.py --frames 3 --frames-b 4 --height 6 --width 8   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+from diffusers import HunyuanVideoTransformer3DModel
+from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
+
+import cogattn
+
+MiB = 2**20
+TEXT = 256  # LLaMA tokens of every HunyuanVideo call (padded)
+
+
+def block(heads: int) -> HunyuanVideoTransformer3DModel:
+    """hunyuanvideo-community/HunyuanVideo's transformer/config.json, one dual-stream block of ``heads``."""
+    return HunyuanVideoTransformer3DModel(
+        in_channels=16,
+        out_channels=16,
+        num_attention_heads=heads,
+        attention_head_dim=128,
+        num_layers=1,
+        num_single_layers=0,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=4096,
+        pooled_projection_dim=768,
+        rope_axes_dim=(16, 56, 56),
+    ).eval()
+
+
+def timed(module, times: list) -> None:
+    module.register_forward_pre_hook(lambda m, a: times.append(-time.perf_counter()))
+    module.register_forward_hook(lambda m, a, o: times.__setitem__(-1, times[-1] + time.perf_counter()))
+
+
+def measure(real, total: list, memory: PeakMemory):
+    """``real`` wrapped: adds its time to ``total[0]`` and keeps its largest peak in ``total[1]``."""
+
+    def measured(*args):
+        memory.start()
+        t0 = time.perf_counter()
+        real(*args)
+        total[0] += time.perf_counter() - t0
+        total[1] = max(total[1], memory.stop())
+
+    return measured
+
+
+def case(transformer, frames: int, height: int, width: int, valid: int, budget: str, memory: PeakMemory) -> dict:
+    """Stock, then captured: the times, peak and plan of one call on ``frames`` × ``height`` × ``width`` patches."""
+    g = torch.Generator().manual_seed(0)
+    call = dict(
+        hidden_states=torch.randn(1, 16, frames, 2 * height, 2 * width, generator=g),
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=torch.randn(1, TEXT, 4096, generator=g),
+        encoder_attention_mask=(torch.arange(TEXT) < valid).long()[None],
+        pooled_projections=torch.randn(1, 768, generator=g),
+        guidance=torch.tensor([6000.0]),
+        return_dict=False,
+    )
+    times: list = []
+    timed(transformer.transformer_blocks[0].attn, times)
+    with torch.no_grad():
+        reference = transformer(**call)[0]
+    t_stock = times[-1]
+    print(f"S = {frames * height * width:,} + {TEXT}: stock attention {t_stock:.1f} s", flush=True)
+    rec = cogattn.record(transformer, kinds=("frame", "video_to_text"), memory_budget=budget, batch=[0])
+    spent = [0.0, 0]
+    rec.capture = measure(rec.capture, spent, memory)
+    with rec, torch.no_grad():
+        out = transformer(**call)[0]
+    transformer.transformer_blocks[0].attn._forward_hooks.clear()
+    transformer.transformer_blocks[0].attn._forward_pre_hooks.clear()
+    full = (frames * height * width + TEXT) ** 2 * transformer.config.num_attention_heads * 4
+    print(f"  capture {spent[0]:.1f} s ({spent[0] / t_stock:.2f}×), peak +{spent[1] / MiB:.0f} MiB", flush=True)
+    return dict(
+        S=frames * height * width + TEXT,
+        grid=(frames, height, width),
+        stock=t_stock,
+        capture=spent[0],
+        peak=spent[1],
+        planned=rec.plan.peak_extra_memory,
+        method=rec.plan.tiles.method,
+        identical=torch.equal(out, reference),
+        full=full,
+        checks=all(c.passed for c in rec.checks) and bool(rec.checks),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frames", type=int, default=33, help="latent frames of the first case (129 video frames)")
+    ap.add_argument("--frames-b", type=int, default=50, help="latent frames of the second case (197 video frames)")
+    ap.add_argument("--height", type=int, default=45, help="patch rows (720 px)")
+    ap.add_argument("--width", type=int, default=80, help="patch columns (1280 px)")
+    ap.add_argument("--heads", type=int, default=2, help="heads of 128 in the first case (the model has 24)")
+    ap.add_argument("--heads-b", type=int, default=1, help="heads of 128 in the second case")
+    ap.add_argument("--valid", type=int, default=200, help="text tokens the key mask keeps, of 256")
+    ap.add_argument("--budget", default="1GiB")
+    ap.add_argument("--out", default="benchmarks/results/hunyuan_cpu.md")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    memory = PeakMemory("cpu")
+    budget = cogattn.CaptureOptions(memory_budget=args.budget).memory_budget
+    with torch.no_grad():  # warm up kernels on a small call
+        case(block(1), 1, 2, 2, 4, args.budget, memory)
+    results = [
+        (args.heads, case(block(args.heads), args.frames, args.height, args.width, args.valid, args.budget, memory)),
+        (
+            args.heads_b,
+            case(block(args.heads_b), args.frames_b, args.height, args.width, args.valid, args.budget, memory),
+        ),
+    ]
+    lines = [
+        f"One HunyuanVideo dual-stream block (heads of 128, 3D RoPE (16, 56, 56), random weights), float32, CPU "
+        f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}; "
+        f"kinds `frame` + `video_to_text`, memory_budget = {args.budget} ({budget:,} bytes), heads = mean; "
+        f"{args.valid} of the 256 text tokens kept by the key mask.",
+        "",
+        "Stock: the block's attention module (projections, RoPE, the masked SDPA, output projections). Capture: "
+        "what cogattn adds in the processor, measured in the same run, and its peak extra memory (VmHWM above the "
+        "resident size at the capture's start). `identical`: the block's output with capture on equals the stock "
+        "output bit for bit.",
+        "",
+        "| S (video + text) | latent grid | heads | stock attention (s) | capture (s) | × stock | method | "
+        "peak extra memory (MiB) | planned peak (MiB) | within the budget | full P of these heads (GiB) | "
+        "spot check | identical |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | --- | --- |",
+    ]
+    for heads, r in results:
+        lines.append(
+            f"| {r['S']:,} | {'×'.join(map(str, r['grid']))} | {heads} | {r['stock']:.1f} | {r['capture']:.1f} | "
+            f"{r['capture'] / r['stock']:.2f} | {r['method']} | {r['peak'] / MiB:.0f} | {r['planned'] / MiB:.0f} | "
+            f"{'yes' if r['peak'] <= budget else 'NO'} | {r['full'] / 2**30:.0f} | {'passed' if r['checks'] else 'NO'} | "
+            f"{'yes' if r['identical'] else 'NO'} |"
+        )
+    lines += ["", f"Command: `python {' '.join(sys.argv)}`"]
+    table = "\n".join(lines)
+    print("\n" + table)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(table + "\n")
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
