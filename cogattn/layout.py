@@ -67,7 +67,7 @@ class TokenLayout:
     def from_latents(cls, latent_shape: tuple[int, ...], text_len: int, config) -> TokenLayout:
         """Build from the transformer's input latents ``(B, F, C, H, W)`` and its config."""
         _, frames, _, height, width = latent_shape
-        p, pt = int(config.patch_size), config.patch_size_t
+        p, pt = int(config.patch_size), getattr(config, "patch_size_t", None)  # ConsisID has none
         return cls(
             text_len=int(text_len),
             frames=frames // pt if pt else frames,

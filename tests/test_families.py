@@ -53,6 +53,11 @@ def _cogvideox_call(pipe, g, guided):
     )
 
 
+def _consisid_call(pipe, g, guided):
+    """One image per video (its pipeline needs OpenCV: the test extra installs it)."""
+    return {**_cogvideox_call(pipe, g, guided), "image": torch.rand(2, 3, 48, 80, generator=g)}
+
+
 def _wan_call(pipe, g, guided):
     emb = torch.randn(2, 512, 16, generator=g)
     return dict(
@@ -98,6 +103,12 @@ CASES = {
         _cogvideox_call,
         cogvideox.TINY_TEXT_LEN,
         released=("THUDM/CogVideoX-5b", dict(num_frames=49, height=480, width=720), 226 + 13 * 30 * 45),
+    ),
+    "consisid": Case(
+        lambda: FAMILY["consisid"].tiny_pipeline(num_heads=3),
+        _consisid_call,
+        cogvideox.TINY_TEXT_LEN,
+        released=("BestWishYsh/ConsisID-preview", dict(num_frames=49, height=480, width=720), 226 + 13 * 30 * 45),
     ),
     "wan": Case(
         lambda: FAMILY["wan"].tiny_pipeline(num_heads=3),
