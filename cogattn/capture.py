@@ -120,11 +120,14 @@ class Capture:
         lse: torch.Tensor | None = None,
         sums: torch.Tensor | None = None,
         key_counts: torch.Tensor | None = None,
+        query_counts: torch.Tensor | None = None,
     ) -> None:
         """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
         ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
         ``(B, H, S, C)`` when it gave them); spot-check the method that served them. ``key_counts``
-        ``(B,)``: a key mask keeping each item's first keys (padded text at the end), their number."""
+        ``(B,)``: a key mask keeping each item's first keys (padded text at the end), their number;
+        ``query_counts`` ``(B,)``: where the model forms only each item's first query rows (Mochi), their
+        number."""
         res, reducers = self.plan.resolved, self.plan.reducers
         items, slots = self._call_items()
         B, H, S, D = query.shape
@@ -143,8 +146,9 @@ class Capture:
         checked = tiles.method != "rows" and self.verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
         rows = probe_rows(res.layout) if checked else None
         counts = None if key_counts is None else [int(n) for n in key_counts]
+        formed = None if query_counts is None else [int(n) for n in query_counts]
         args = (query, key, items, reducers)
-        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self.timed, rows, counts)
+        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self.timed, rows, counts, formed)
         if probes:
             what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
             scale = D**-0.5
@@ -152,7 +156,7 @@ class Capture:
             if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
                 self.verifier.maps_failed(check, shape)
                 rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
-                outs, _, _ = engine.capture_items(*args, rows_tiles, heads, key_counts=counts)
+                outs, _, _ = engine.capture_items(*args, rows_tiles, heads, key_counts=counts, query_counts=formed)
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots)
 

@@ -40,24 +40,7 @@ __all__ = [
     "multi_key_indicator",
     "pooled_pass",
     "row_pass",
-    "single_key_columns",
 ]
-
-
-class HeadView:
-    """Selected heads of a ``(H, S, D)`` tensor, gathered chunk by chunk."""
-
-    def __init__(self, x: torch.Tensor, heads: torch.Tensor | None):
-        self.x, self.heads = x, None if heads is None else heads.to(x.device)
-        self.shape = (x.shape[0] if heads is None else len(heads), *x.shape[1:])
-        self.device = x.device
-
-    def chunk(self, h0: int, h1: int, rows=slice(None), dtype=torch.float32) -> torch.Tensor:
-        """Heads ``h0:h1`` (of the selection), query rows ``rows``, contiguous, in ``dtype`` (`None`: the
-        input's): one copy at most."""
-        x = self.x[:, rows]  # rows first: a head subset then copies only these rows
-        x = x[h0:h1] if self.heads is None else x.index_select(0, self.heads[h0:h1])
-        return x.to(dtype or x.dtype, memory_format=torch.contiguous_format)
 
 
 class TimedChoice:
@@ -69,7 +52,7 @@ class TimedChoice:
     def __init__(self):
         self.chosen: dict[tuple, str] = {}
 
-    def choose(self, q: HeadView, k: HeadView, multi, plan: TilePlan, scale: float, lse) -> str:
+    def choose(self, q: passes.HeadView, k: passes.HeadView, multi, plan: TilePlan, scale: float, lse) -> str:
         """Time both passes on the multi-key groups (into scratch results) on first sight of a shape and
         keep the faster; the kernel failing to build or run means ``sdpa``."""
         D = q.shape[2]
@@ -127,6 +110,7 @@ def capture(
     timed: TimedChoice | None = None,
     probe=None,
     keys: int | None = None,
+    queries: int | None = None,
 ) -> str:
     """Fold exact float32 attention probabilities of one batch item into ``outs``; returns the method that
     served the key-pooled kinds (``"timed"`` made concrete).
@@ -151,11 +135,23 @@ def capture(
         keys (`int | None`): with a key mask that keeps the first ``keys`` keys of this item (padded text at
             the end of the sequence), their number: the other keys have probability exactly 0 (row tiles
             mask their scores; the fused passes run on the kept keys alone). `None`: every key.
+        queries (`int | None`): where the model forms only the first ``queries`` query rows (Mochi drops
+            its padded text), their number: the other rows hold 0 in every kind with a query axis, add
+            nothing to ``received``, and group means (``frame``, ``block``) are over the formed rows.
     """
     S, D = q.shape[1:]
     keys = S if keys is None else int(keys)
+    if queries is not None and queries < S:
+        for red in reducers:
+            red.query_limit = int(queries)
+        try:
+            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, timed, probe, keys)
+        finally:
+            for red, out in zip(reducers, outs):
+                red.clear_unformed(out, red.query_limit)
+                red.query_limit = None
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    q, k = HeadView(q, heads), HeadView(k, heads)
+    q, k = passes.HeadView(q, heads), passes.HeadView(k, heads)
     pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None or r.stat is not None]
     row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
 
@@ -177,7 +173,7 @@ def capture(
             raise ValueError("method 'joint' needs the lse and the key-pooled sums of the output call")
         if lse is not None and heads is not None:
             lse = lse.index_select(0, heads.to(lse.device))
-        given = None if sums is None else HeadView(sums, heads)
+        given = None if sums is None else passes.HeadView(sums, heads)
         method = plan.method
         if method == "timed":
             method = (timed or TimedChoice()).choose(q, k, multi, plan, scale, lse)
@@ -199,10 +195,12 @@ def capture_items(
     timed: TimedChoice | None = None,
     probe_rows: torch.Tensor | None = None,
     key_counts=None,
+    query_counts=None,
 ):
     """:func:`capture` for the batch ``items`` of ``query`` and ``key`` ``(B, H, S, D)`` (and of the output
     call's ``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` when given), in full float32 matmuls; with
-    ``key_counts`` (per batch item of the call), each item's keys past its count are masked.
+    ``key_counts`` (per batch item of the call), each item's keys past its count are masked, and with
+    ``query_counts`` its query rows past its count are never formed.
 
     Returns:
         `tuple`: the results, one float32 ``(len(items), H_out, ...)`` tensor per reducer; the method that
@@ -226,6 +224,7 @@ def capture_items(
                 timed=timed,
                 probe=probe,
                 keys=None if key_counts is None else int(key_counts[b]),
+                queries=None if query_counts is None else int(query_counts[b]),
             )
             if probe is not None:
                 probes.append((b, probe))
@@ -233,7 +232,7 @@ def capture_items(
 
 
 def row_pass(
-    q: HeadView, k: HeadView, rows, row_kinds, pooled, plan: TilePlan, scale: float, probe=None, kept=None
+    q: passes.HeadView, k: passes.HeadView, rows, row_kinds, pooled, plan: TilePlan, scale: float, probe=None, kept=None
 ) -> None:
     """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, when every row is formed,
     into key-pooled kinds (a gather of single keys, sums over runs of keys, else a product with the
@@ -268,8 +267,9 @@ def row_pass(
             for red, out in row_kinds:
                 red.fold_rows(out, h0, r0, probs)
             for (red, out), keys, run, ind in zip(pooled, gathers, runs, indicators):
-                if red.stat == "received":
-                    red.fold_received(out, h0, probs.sum(1))
+                if red.stat == "received":  # over the formed rows (a query limit leaves the others out)
+                    formed = probs if red.query_limit is None else probs[:, : max(0, red.query_limit - r0)]
+                    red.fold_received(out, h0, formed.sum(1))
                     continue
                 if red.stat == "entropy":
                     sums = entropy[..., None]
@@ -277,7 +277,7 @@ def row_pass(
                     sums = probs.index_select(-1, keys)
                 else:
                     sums = passes.run_sums(probs, run) if run is not None else torch.matmul(probs, ind)
-                _fold(red, out, h0, r0, sums, probe)
+                passes.fold(red, out, h0, r0, sums, probe)
             del probs  # free this tile before the next one is allocated
 
 
@@ -291,15 +291,15 @@ def multi_key_indicator(reducers: list[Reducer], S: int, device=None, dtype=torc
 
 
 def pooled_pass(
-    q: HeadView,
-    k: HeadView,
+    q: passes.HeadView,
+    k: passes.HeadView,
     multi,
     single,
     plan: TilePlan,
     scale: float,
     given_lse: torch.Tensor | None = None,
     fused: bool = False,
-    given_sums: HeadView | None = None,
+    given_sums: passes.HeadView | None = None,
     probe=None,
     stats=(),
     keys: int | None = None,
@@ -334,7 +334,7 @@ def pooled_pass(
         if entropy:
             values, pass_lse = passes.entropy_pass(qf, kf, scale)
             for red, o in entropy:
-                _fold(red, o, h0, 0, values[..., None], probe)
+                passes.fold(red, o, h0, 0, values[..., None], probe)
             lse, lse_from_output = pass_lse, False  # a float32 pass's lse: more precise than a 16-bit output call's
             del values
         sums = None
@@ -355,7 +355,7 @@ def pooled_pass(
             lse, lse_from_output = pass_lse, False  # a float32 pass's, as above
         if multi:
             for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
-                _fold(red, o, h0, 0, sums[..., c0:c1], probe)
+                passes.fold(red, o, h0, 0, sums[..., c0:c1], probe)
         del sums
         if probe is not None:
             probe.lse_from_output = lse_from_output
@@ -364,10 +364,11 @@ def pooled_pass(
             valid = None if K == S else (chosen < K).float()  # masked keys' columns are 0
             chosen = chosen if K == S else chosen.clamp(max=K - 1)
             k_sel = kf[0][:, chosen] if needs_qk else k.chunk(h0, h1, chosen)  # (h, C, D)
-            rows = _query_rows(qf, q, h0, h1)
-            single_key_columns(rows, k_sel, lse[0], red, o, h0, plan.pooled_rows, scale, probe, valid)
+            rows = passes.query_rows(qf, q, h0, h1)
+            passes.single_key_columns(rows, k_sel, lse[0], red, o, h0, plan.pooled_rows, scale, probe, valid)
         if received:
-            sums = passes.received_pass(qf[0], kf[0], lse[0], scale)
+            formed = slice(None) if received[0][0].query_limit is None else slice(0, received[0][0].query_limit)
+            sums = passes.received_pass(qf[0][:, formed], kf[0], lse[0][:, formed], scale)
             if K < S:
                 sums = torch.nn.functional.pad(sums, (0, S - K))
             for red, o in received:
@@ -376,42 +377,3 @@ def pooled_pass(
                 red.fold_received(o, h0, sums)
             del sums
         del qf, kf, lse
-
-
-def _query_rows(qf: torch.Tensor | None, q: HeadView, h0: int, h1: int):
-    """Float32 query rows ``(h, r, D)`` of heads ``h0:h1`` by row range: views of ``qf`` when the pass made
-    it, else copies of just those rows."""
-    if qf is not None:
-        return lambda r0, r1: qf[0, :, r0:r1]
-    return lambda r0, r1: q.chunk(h0, h1, slice(r0, r1))
-
-
-def single_key_columns(
-    q_rows,
-    k_sel: torch.Tensor,
-    lse: torch.Tensor,
-    red: Reducer,
-    out: torch.Tensor,
-    h0: int,
-    rows_per_tile: int,
-    scale: float,
-    probe=None,
-    valid: torch.Tensor | None = None,
-) -> None:
-    """Columns ``P[:, j] = exp(q·k_jᵀ·scale − lse)`` for the reducer's single keys ``k_sel`` ``(h, C, D)``,
-    in tiles of query rows (``q_rows(r0, r1)`` gives float32 ``(h, r, D)``), folded into ``out``; ``valid``
-    ``(C,)`` is 0 for masked keys, whose columns are then 0."""
-    S = lse.shape[-1]
-    kt = k_sel.transpose(1, 2)  # (h, D, C)
-    for r0 in range(0, S, rows_per_tile):
-        r1 = min(S, r0 + rows_per_tile)
-        s = torch.matmul(q_rows(r0, r1), kt).mul_(scale).sub_(lse[:, r0:r1, None]).exp_()
-        _fold(red, out, h0, r0, s if valid is None else s.mul_(valid), probe)
-        del s
-
-
-def _fold(red: Reducer, out: torch.Tensor, h0: int, r0: int, values: torch.Tensor, probe) -> None:
-    """``red.fold_pooled``, after the probe (when checking) keeps the values of its rows."""
-    if probe is not None:
-        probe.take(red, h0, r0, values)
-    red.fold_pooled(out, h0, r0, values)

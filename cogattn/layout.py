@@ -1,4 +1,5 @@
-"""Where every token and every frame comes from: the attention sequence and the decoded video.
+"""Where every token and every frame comes from: the attention sequence and the decoded video; and
+which keys pool together (:class:`KeyGroups`: frames, blocks, text tokens).
 
 Token order (the model's own): video token ``v0 + f·Hp·Wp + y·Wp + x`` for latent frame (temporal patch)
 ``f``, patch row ``y``, patch column ``x``, and ``T`` text tokens before the video (CogVideoX: ``v0 = T``,
@@ -20,11 +21,12 @@ of p and drops them before decoding.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TokenLayout", "VAE_SPATIAL", "VAE_TEMPORAL"]
+__all__ = ["KeyGroups", "TokenLayout", "VAE_SPATIAL", "VAE_TEMPORAL"]
 
 VAE_TEMPORAL = 4  # pixel frames per latent frame after the first (every CogVideoX VAE)
 VAE_SPATIAL = 8  # pixels per latent pixel, each way (Wan 2.2 TI2V-5B: 16)
@@ -274,3 +276,38 @@ class TokenLayout:
             for n in frames:
                 owner[n] = f
         return owner
+
+
+@dataclass(frozen=True)
+class KeyGroups:
+    """Key ``keys[n]`` belongs to group ``groups[n]`` (``0 <= groups[n] < num_groups``); a key may be left out."""
+
+    keys: torch.Tensor
+    groups: torch.Tensor
+    num_groups: int
+
+    @property
+    def single_keys(self) -> bool:
+        """True when every group holds exactly one key (column ``c`` is then ``P[:, keys[c]]``)."""
+        return len(self.keys) == self.num_groups and bool((self.groups == torch.arange(self.num_groups)).all())
+
+    @functools.cached_property  # asked at every capture; a frozen dataclass keeps it in its __dict__
+    def runs(self) -> list[tuple[int, int]] | None:
+        """``[(start, end)]`` of each group, in group order, when every group is one run of consecutive keys
+        and together they cover ``0..S`` (frames, with the text before or after the video; blocks), else
+        `None`: sums over a run are a slice and a sum."""
+        S = len(self.keys)
+        if not torch.equal(self.keys.cpu(), torch.arange(S)):
+            return None
+        change = torch.nonzero(self.groups.cpu().diff()).flatten().add(1).tolist()
+        starts, ends = [0, *change], [*change, S]
+        order = self.groups.cpu()[starts].tolist()
+        if sorted(order) != list(range(self.num_groups)):  # a group in two runs, or an empty one
+            return None
+        return [run for _, run in sorted(zip(order, zip(starts, ends)))]
+
+    def indicator(self, seq_len: int, dtype=torch.float32, device=None) -> torch.Tensor:
+        """Dense indicator ``V`` of shape ``(S, C)``: ``V[j, c] = 1`` if key ``j`` is in group ``c``."""
+        v = torch.zeros(seq_len, self.num_groups, dtype=dtype, device=device)
+        v[self.keys.to(device), self.groups.to(device)] = 1
+        return v

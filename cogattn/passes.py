@@ -15,8 +15,13 @@ import contextlib
 import torch
 
 from . import attention, kernels
+from .reducers import Reducer
 
 __all__ = [
+    "HeadView",
+    "fold",
+    "query_rows",
+    "single_key_columns",
     "TileBuffer",
     "entropy_pass",
     "full_fp32_matmul",
@@ -177,3 +182,58 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None) 
         total.div_(H)
         for red, out in row_kinds:
             red.fold_rows(out, 0, r0, total)
+
+
+class HeadView:
+    """Selected heads of a ``(H, S, D)`` tensor, gathered chunk by chunk."""
+
+    def __init__(self, x: torch.Tensor, heads: torch.Tensor | None):
+        self.x, self.heads = x, None if heads is None else heads.to(x.device)
+        self.shape = (x.shape[0] if heads is None else len(heads), *x.shape[1:])
+        self.device = x.device
+
+    def chunk(self, h0: int, h1: int, rows=slice(None), dtype=torch.float32) -> torch.Tensor:
+        """Heads ``h0:h1`` (of the selection), query rows ``rows``, contiguous, in ``dtype`` (`None`: the
+        input's): one copy at most."""
+        x = self.x[:, rows]  # rows first: a head subset then copies only these rows
+        x = x[h0:h1] if self.heads is None else x.index_select(0, self.heads[h0:h1])
+        return x.to(dtype or x.dtype, memory_format=torch.contiguous_format)
+
+
+def query_rows(qf: torch.Tensor | None, q: HeadView, h0: int, h1: int):
+    """Float32 query rows ``(h, r, D)`` of heads ``h0:h1`` by row range: views of ``qf`` when the pass made
+    it, else copies of just those rows."""
+    if qf is not None:
+        return lambda r0, r1: qf[0, :, r0:r1]
+    return lambda r0, r1: q.chunk(h0, h1, slice(r0, r1))
+
+
+def single_key_columns(
+    q_rows,
+    k_sel: torch.Tensor,
+    lse: torch.Tensor,
+    red: Reducer,
+    out: torch.Tensor,
+    h0: int,
+    rows_per_tile: int,
+    scale: float,
+    probe=None,
+    valid: torch.Tensor | None = None,
+) -> None:
+    """Columns ``P[:, j] = exp(q·k_jᵀ·scale − lse)`` for the reducer's single keys ``k_sel`` ``(h, C, D)``,
+    in tiles of query rows (``q_rows(r0, r1)`` gives float32 ``(h, r, D)``), folded into ``out``; ``valid``
+    ``(C,)`` is 0 for masked keys, whose columns are then 0."""
+    S = lse.shape[-1]
+    kt = k_sel.transpose(1, 2)  # (h, D, C)
+    for r0 in range(0, S, rows_per_tile):
+        r1 = min(S, r0 + rows_per_tile)
+        s = torch.matmul(q_rows(r0, r1), kt).mul_(scale).sub_(lse[:, r0:r1, None]).exp_()
+        fold(red, out, h0, r0, s if valid is None else s.mul_(valid), probe)
+        del s
+
+
+def fold(red: Reducer, out: torch.Tensor, h0: int, r0: int, values: torch.Tensor, probe) -> None:
+    """``red.fold_pooled``, after the probe (when checking) keeps the values of its rows."""
+    if probe is not None:
+        probe.take(red, h0, r0, values)
+    red.fold_pooled(out, h0, r0, values)

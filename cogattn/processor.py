@@ -27,9 +27,18 @@ class MapSink(Protocol):
         opt-in fused call (``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` where it brings them)."""
 
     def capture(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor | None, sums: torch.Tensor | None
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        lse: torch.Tensor | None,
+        sums: torch.Tensor | None,
+        key_counts: torch.Tensor | None = None,
+        query_counts: torch.Tensor | None = None,
     ) -> None:
-        """Compute the selected maps of ``layer`` from ``query`` and ``key`` ``(B, H, S, D)``."""
+        """Compute the selected maps of ``layer`` from ``query`` and ``key`` ``(B, H, S, D)``; ``key_counts``
+        ``(B,)``: each item's kept keys (the first ones), under a key mask; ``query_counts`` ``(B,)``: each
+        item's formed query rows (the first ones), where the model never forms the others."""
 
     def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
         """Compute the selected kinds of a cross-attention (Wan's ``attn2``) from the video queries ``query``

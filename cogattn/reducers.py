@@ -21,14 +21,12 @@ the class.
 from __future__ import annotations
 
 import bisect
-import functools
 import math
-from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
 
-from .layout import TokenLayout
+from .layout import KeyGroups, TokenLayout
 
 __all__ = [
     "KeyGroups",
@@ -48,41 +46,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class KeyGroups:
-    """Key ``keys[n]`` belongs to group ``groups[n]`` (``0 <= groups[n] < num_groups``); a key may be left out."""
-
-    keys: torch.Tensor
-    groups: torch.Tensor
-    num_groups: int
-
-    @property
-    def single_keys(self) -> bool:
-        """True when every group holds exactly one key (column ``c`` is then ``P[:, keys[c]]``)."""
-        return len(self.keys) == self.num_groups and bool((self.groups == torch.arange(self.num_groups)).all())
-
-    @functools.cached_property  # asked at every capture; a frozen dataclass keeps it in its __dict__
-    def runs(self) -> list[tuple[int, int]] | None:
-        """``[(start, end)]`` of each group, in group order, when every group is one run of consecutive keys
-        and together they cover ``0..S`` (frames, with the text before or after the video; blocks), else
-        `None`: sums over a run are a slice and a sum."""
-        S = len(self.keys)
-        if not torch.equal(self.keys.cpu(), torch.arange(S)):
-            return None
-        change = torch.nonzero(self.groups.cpu().diff()).flatten().add(1).tolist()
-        starts, ends = [0, *change], [*change, S]
-        order = self.groups.cpu()[starts].tolist()
-        if sorted(order) != list(range(self.num_groups)):  # a group in two runs, or an empty one
-            return None
-        return [run for _, run in sorted(zip(order, zip(starts, ends)))]
-
-    def indicator(self, seq_len: int, dtype=torch.float32, device=None) -> torch.Tensor:
-        """Dense indicator ``V`` of shape ``(S, C)``: ``V[j, c] = 1`` if key ``j`` is in group ``c``."""
-        v = torch.zeros(seq_len, self.num_groups, dtype=dtype, device=device)
-        v[self.keys.to(device), self.groups.to(device)] = 1
-        return v
-
-
 class Reducer:
     """Base class: one kind of result for one layer call.
 
@@ -99,6 +62,7 @@ class Reducer:
     rows: torch.Tensor | None = None  # query tokens whose full rows this kind needs
     key_groups: KeyGroups | None = None  # key pooling this kind needs for every query
     stat: ClassVar[str | None] = None  # "entropy" or "received": a row statistic the engine computes
+    query_limit: int | None = None  # set by the engine per item: query rows from here on are never formed
     keep_float32: ClassVar[bool] = False  # stored in float32 whatever the storage dtype (indices)
 
     def __init__(
@@ -160,6 +124,14 @@ class Reducer:
     def fold_received(self, out: torch.Tensor, h0: int, sums: torch.Tensor) -> None:
         """Fold ``sums`` ``(h, S)``: column sums of heads ``h0:h0+h`` over some query rows (``received``)."""
         raise NotImplementedError
+
+    def clear_unformed(self, out: torch.Tensor, limit: int) -> None:
+        """Zero what ``out`` (one item) holds for the query rows from ``limit`` on, which the model never
+        forms (Mochi's padded text): the kinds with a query axis hold 0 there."""
+        if self.rows is not None:  # rows of the listed query tokens
+            out[:, (self.rows >= limit).nonzero().flatten().to(out.device)] = 0
+        elif self.stat == "entropy" or self.kind == "query_frame":  # every query token
+            out[:, limit:] = 0
 
     def _accumulate(self, dest: torch.Tensor, h0: int, values: torch.Tensor) -> None:
         # dest: (H_out, ...) view of the result; values: (h, ...) for heads h0:h0+h.
@@ -248,13 +220,15 @@ class FrameReducer(Reducer):
     def fold_pooled(self, out, h0, r0, pooled):
         # A sum over each query group's run of rows (deterministic, where index_add_ on CUDA is not), for
         # the groups the tile's rows overlap only: no (G, G) temporary per tile.
-        r = pooled.shape[1]
+        # A mean over the group's formed queries (a query limit leaves out rows the model never forms).
+        r, limit = pooled.shape[1], self.query_limit
         n = max(0, bisect.bisect_right(self._starts, r0) - 1)
         while n < len(self._runs) and self._runs[n][0] < r0 + r:
             start, end, g = self._runs[n]
-            a, b = max(start, r0), min(end, r0 + r)
+            formed = end - start if limit is None else min(end, limit) - start
+            a, b = max(start, r0), min(end, r0 + r, end if limit is None else limit)
             if a < b:
-                self._accumulate(out[:, g], h0, pooled[:, a - r0 : b - r0].sum(1).mul_(1.0 / (end - start)))
+                self._accumulate(out[:, g], h0, pooled[:, a - r0 : b - r0].sum(1).mul_(1.0 / formed))
             n += 1
 
 
