@@ -129,16 +129,28 @@ class Transformers:
         """Replace the stock processors of every captured module with cogattn's, feeding ``sink``."""
         self._originals = []  # filled as each is replaced: a refusal restores those replaced before it
         for m in self.modules:
-            current = m.attn_processors
+            modules = self.spec.site_modules(m)
             replacement = self.spec.map_processors(m, sink)
-            m.set_attn_processor({**current, **replacement})
-            self._originals.append(current)
+            self._originals.append({name: modules[name].processor for name in replacement})
+            for name, proc in replacement.items():
+                _set_processor(modules[name], proc)
 
     def restore(self) -> None:
         """Put the original processors back and compile again what was compiled (idempotent)."""
         if self._originals is not None:
             for m, original in zip(self.modules, self._originals):
-                m.set_attn_processor(original)
+                modules = self.spec.site_modules(m)
+                for name, proc in original.items():
+                    _set_processor(modules[name], proc)
             self._originals = None
         for eager in self._eager:
             eager.restore()
+
+
+def _set_processor(module, processor) -> None:
+    """Set an attention module's processor as diffusers does (``set_processor`` where the module has it;
+    Mochi's attention has a plain ``processor`` attribute)."""
+    if hasattr(module, "set_processor"):
+        module.set_processor(processor)
+    else:
+        module.processor = processor

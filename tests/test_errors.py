@@ -89,7 +89,7 @@ def test_foreign_processor_refused(pipe):
 
     pipe.transformer.set_attn_processor(AttnProcessor2_0())
     try:
-        with pytest.raises(TypeError, match="is a AttnProcessor2_0; cogattn captures through the stock"):
+        with pytest.raises(TypeError, match="runs a AttnProcessor2_0; cogattn captures through the stock"):
             cogattn.record(pipe)
         assert not pipe.transformer._forward_pre_hooks
     finally:

@@ -38,6 +38,8 @@ def test_python_snippets_run_in_order_and_say_what_they_print(tmp_path, monkeypa
     for number, code in enumerate(_blocks("python"), 1):
         if "tiny_wan_pipeline" in code and cogattn.models.wan is None:
             continue  # the Wan section: Wan needs diffusers >= 0.35
+        if "tiny_hunyuan_pipeline" in code and cogattn.models.hunyuan_video is None:
+            continue  # the HunyuanVideo section: diffusers >= 0.36
         exec(compile(code, f"README.md, Python block {number}", "exec"), scope)
     rec, video = scope["rec"], scope["video"]
     assert tuple(rec.get("frame", step=0, layer=1).shape) == (1, 1, 4, 4)
@@ -52,6 +54,16 @@ def test_python_snippets_run_in_order_and_say_what_they_print(tmp_path, monkeypa
     plan = scope["plan"]
     assert f"{plan.record_bytes:,}" == "33,318,919,200" and plan.tiles.method == "sdpa"
     assert (tmp_path / "fox.gif").stat().st_size > 0
+    if cogattn.models.hunyuan_video is not None:  # the HunyuanVideo section's comments
+        hv = scope["hv_rec"]
+        assert (hv.layout.text_len, hv.layout.grid, hv.layout.text_position) == (12, (3, 2, 3), "end")
+        assert hv.layer_names[:3] == (
+            "transformer_blocks.0.attn",
+            "transformer_blocks.1.attn",
+            "single_transformer_blocks.0.attn",
+        )
+        assert tuple(hv.get("video_to_text", step=0, layer=3).shape) == (2, 1, 12, 3, 2, 3)
+        assert hv.get("received", step=0, layer=3)[1, 0, hv.layout.text_tokens][3:].abs().max() == 0
 
 
 @pytest.mark.parametrize("command", _commands())
@@ -60,6 +72,8 @@ def test_every_command_runs(command, tmp_path, monkeypatch, capsys):
         return  # this suite
     if "wan" in command and cogattn.models.wan is None:
         pytest.skip("cogattn has no Wan support with this diffusers (WanAttention came with 0.35)")
+    if "hunyuan" in command and cogattn.models.hunyuan_video is None:
+        pytest.skip("cogattn has no HunyuanVideo support with this diffusers (it needs 0.36)")
     if command.startswith("python -m cogattn.selftest"):
         from cogattn.selftest import main as selftest
 

@@ -4,6 +4,7 @@
     cogattn-dump configs/cogvideox-5b.yaml --set num_inference_steps=20 --set save_dir=runs/5b
     cogattn-dump configs/cogvideox-5b.yaml --set capture.steps=[0,5] --dry-run   # the plan, no weights loaded
     cogattn-dump configs/tiny-wan.yaml                   # the tiny random Wan pipeline (configs/wan*.yaml: Wan)
+    cogattn-dump configs/tiny-hunyuan-video.yaml         # the tiny random HunyuanVideo (configs/hunyuan-video.yaml)
     accelerate launch -m cogattn.dump configs/cogvideox-5b.yaml                  # prompts split over GPUs
 
 Also ``python scripts/dump_maps.py`` from a checkout and ``python -m cogattn.dump``. Each prompt gets
@@ -90,7 +91,7 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
     model = SimpleNamespace(config=cfg.model_config())  # as a transformer: the config the checks read
     call = cfg.call_arguments()
     text_len = call.pop("max_sequence_length")
-    call.pop("guidance_scale_2", None)  # guidance (the batch) is decided by guidance_scale alone
+    call.pop("guidance_scale_2", None)  # guidance (the batch) is the family's guidance_argument's alone
     result = estimate(
         model, cfg.capture, **call, text_len=text_len, num_prompts=len(prompts), dtype=cfg.dtype, device=device
     )

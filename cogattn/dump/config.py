@@ -8,9 +8,11 @@ key, a wrong type or a value outside its choices is refused with a one-line mess
 The shipped configs (the repository's top-level ``configs/`` folder) are package data of this package,
 installed as ``cogattn.dump.configs``; :func:`default_config` finds ``tiny.yaml`` there.
 
-The model's family (CogVideoX or Wan) comes from its transformer config (``cogattn.models``: a local
-folder, the hub cache or the table of released shapes, never the weights), read once when the config
-is checked; the family sets the call's rules (frame count, pixel multiples, text length) and defaults.
+The model's family comes from its transformer config (``cogattn.models``: a local folder, the hub cache
+or the table of released shapes, never the weights), read once when the config is checked, or from the
+name of a family's tiny pipeline (``ModelSpec.tiny_name``); the family's spec sets the call's rules
+(``rules.py``: frame count, pixel multiples, tasks, its own ``call_rules``), defaults and how its
+pipeline loads.
 """
 
 from __future__ import annotations
@@ -19,15 +21,14 @@ import dataclasses
 import hashlib
 import importlib.resources
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from ..layout import VAE_SPATIAL, VAE_TEMPORAL
-from ..models import KNOWN_MODELS, cogvideox, family, spec_for_config, transformer_config, wan
+from ..models import FAMILIES, ModelSpec, spec_for_config, transformer_config
 from ..options import CaptureOptions
+from .rules import check_call, check_tiny_options
 
 __all__ = ["CAPTURE_KEYS", "ConfigError", "DumpConfig", "default_config", "load_config"]
 
@@ -36,7 +37,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 OFFLOAD = ("none", "model", "sequential")
 VIDEO_FORMATS = ("auto", "mp4", "gif")
 # Settings added after configs were hashed, left out of the hash at these defaults (old folders stay valid).
-_LATER = {"tiny_experts": 1, "guidance_scale_2": None}
+_LATER = {"tiny_experts": 1, "guidance_scale_2": None, "true_cfg_scale": None}
 # Capture options the tool sets itself for each prompt, refused inside ``capture:``.
 PER_PROMPT = {
     "save_dir": "(<save_dir>/<index>-<hash>/maps); set the top-level save_dir instead",
@@ -67,12 +68,14 @@ class DumpConfig:
     starts at the config file's folder; a relative ``save_dir`` or ``model`` folder where the command runs.
 
     Args:
-        model (`str`): hub id or local checkpoint folder of a CogVideoX or Wan 2.1 / 2.2 pipeline (the family
-            is read from its transformer config), or ``"tiny"`` / ``"tiny-wan"`` (the embedded random
-            CogVideoX / Wan pipeline).
-        task (`str`): ``"text-to-video"`` or ``"image-to-video"``.
+        model (`str`): hub id or local checkpoint folder of a pipeline of a family cogattn knows (CogVideoX,
+            Wan 2.1 / 2.2, HunyuanVideo, ...; read from its transformer config), or a family's embedded
+            tiny random pipeline: ``"tiny"`` (CogVideoX), ``"tiny-wan"``, ``"tiny-hunyuan-video"``, ...
+        task (`str`): ``"text-to-video"`` or ``"image-to-video"`` (HunyuanVideo: text-to-video only).
         tiny_version (`str`): ``"1.0"`` or ``"1.5"``, layout of the tiny pipeline (``model: tiny`` only).
         tiny_experts (`int`): ``1``, or ``2`` for Wan 2.2 A14B's two experts (``model: tiny-wan`` only).
+            The tiny options are the families' (``ModelSpec.tiny_options``): their choices, and the model
+            each is for, come from there.
         dtype (`str`): ``"bfloat16"``, ``"float16"`` or ``"float32"``.
         device (`str`): ``"auto"`` (this process's GPU under accelerate, else the first GPU, else CPU),
             ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
@@ -85,9 +88,14 @@ class DumpConfig:
             max_sequence_length (`int`, the text tokens T): the pipeline call, named as its arguments.
             ``num_frames`` is 4k + 1; ``height`` and ``width`` are multiples of the VAE's compression × the
             patch size (16; Wan 2.2 TI2V-5B: 32). ``max_sequence_length`` left out is the family's (226
-            CogVideoX, 512 Wan).
+            CogVideoX, 512 Wan, 256 HunyuanVideo). HunyuanVideo's ``guidance_scale`` is its distilled
+            guidance embedding (one transformer call per step).
         guidance_scale_2 (`float | None`): Wan 2.2 A14B's guidance of its low-noise expert (the pipeline's
             ``guidance_scale_2``; left out: ``guidance_scale``); two-expert Wan pipelines only.
+        true_cfg_scale (`float | None`): true classifier-free guidance of the families whose pipeline takes it
+            (``ModelSpec.guidance_argument``: HunyuanVideo); left out: the pipeline's default (1.0, off).
+            Above 1 it guides every prompt, with its ``negative_prompt`` or else the empty prompt (passed as
+            ``negative_prompt=""``: the pipeline guides only with a negative prompt), two calls per step.
         seed (`int`): the generator's seed; a prompt's own seed wins.
         capture (`CaptureOptions`): the ``capture:`` mapping: ``kinds``, ``layers``, ``steps`` (the
             denoising steps captured, 0-based), ``batch``, ``heads``, ``queries``, ``block_size``, ``topk``,
@@ -115,6 +123,7 @@ class DumpConfig:
     num_inference_steps: int = 50
     guidance_scale: float = 6.0
     guidance_scale_2: float | None = None
+    true_cfg_scale: float | None = None
     seed: int = 0
     max_sequence_length: int | None = None  # the family's (ModelSpec.text_len) once checked
     capture: CaptureOptions = field(default_factory=CaptureOptions)
@@ -134,37 +143,52 @@ class DumpConfig:
         p = Path(relative)
         return p if p.is_absolute() else Path(self.config_dir) / p
 
+    def tiny_spec(self) -> ModelSpec | None:
+        """The family whose tiny pipeline ``model`` names (``ModelSpec.tiny_name``), `None` for a checkpoint."""
+        return next((spec for spec in FAMILIES if spec.tiny_name == self.model), None)
+
+    def tiny_arguments(self) -> dict:
+        """The tiny pipeline's options this config sets, as its ``tiny_pipeline`` keywords."""
+        spec = self.tiny_spec()
+        return {word: getattr(self, key) for key, (word, _, _) in (spec.tiny_options if spec else {}).items()}
+
     def model_config(self) -> dict:
-        """The transformer config of ``model`` (read once; no weights): the tiny ones for ``task`` and
-        ``tiny_version``, else ``cogattn.models.transformer_config``. Raises `ConfigError`."""
+        """The transformer config of ``model`` (read once; no weights): the tiny pipeline's for ``task`` and
+        its options (with its number of ``experts``), else ``cogattn.models.transformer_config``. Raises
+        `ConfigError`."""
         if self.transformer is None:
-            i2v = self.task == "image-to-video"
+            tiny = self.tiny_spec()
             try:
-                if self.model == "tiny":
-                    self.transformer = dict(cogvideox.tiny_transformer(self.tiny_version, image_to_video=i2v).config)
-                elif self.model == "tiny-wan":
-                    self.transformer = dict(family("wan").tiny_transformer(i2v).config)
+                if tiny is not None:
+                    pipe = tiny.tiny_pipeline(self.task, **self.tiny_arguments())
+                    experts = sum(getattr(pipe, name, None) is not None for name in tiny.experts)
+                    self.transformer = {**pipe.transformer.config, "experts": experts}
                 else:
                     self.transformer = transformer_config(self.model)
                 spec_for_config(self.transformer)
-            except ValueError as err:
+            except (ValueError, ImportError) as err:  # ImportError: what a tiny pipeline's parts need
                 self.transformer = None
-                raise ConfigError(f"model: {err}") from None
+                raise ConfigError(f"model: {' '.join(str(err).split())}") from None
         return self.transformer
+
+    def spec(self) -> ModelSpec:
+        """The family of ``model``: a tiny pipeline's by its name, else from its transformer config."""
+        return self.tiny_spec() or spec_for_config(self.model_config())
 
     @property
     def family(self) -> str:
-        """``"cogvideox"`` or ``"wan"``: the family of ``model`` (from its transformer config)."""
-        return spec_for_config(self.model_config()).family
+        """``"cogvideox"``, ``"wan"``, ``"hunyuan_video"``, ...: the family of ``model``."""
+        return self.spec().family
 
     def call_arguments(self) -> dict:
         """The pipeline call's arguments this config sets, named as the pipeline names them."""
         keys = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length")
         call = {key: getattr(self, key) for key in keys}
         if call["max_sequence_length"] is None:
-            call["max_sequence_length"] = family(self.family).text_len
-        if self.guidance_scale_2 is not None:
-            call["guidance_scale_2"] = self.guidance_scale_2
+            call["max_sequence_length"] = self.spec().text_len
+        for key in ("guidance_scale_2", "true_cfg_scale"):  # left out: the pipeline's default
+            if getattr(self, key) is not None:
+                call[key] = getattr(self, key)
         return call
 
     def capture_options(self, **per_prompt) -> CaptureOptions:
@@ -197,8 +221,6 @@ _CHOICES = {
     "dtype": DTYPES,
     "offload": OFFLOAD,
     "video_format": VIDEO_FORMATS,
-    "tiny_version": ("1.0", "1.5"),
-    "tiny_experts": (1, 2),
 }
 _TYPES = {
     "vae_tiling": bool,
@@ -212,13 +234,13 @@ _TYPES = {
     "fps": int,
     "guidance_scale": (int, float),
     "guidance_scale_2": (int, float),
-    "tiny_experts": int,
+    "true_cfg_scale": (int, float),
     "model": str,
     "prompts": str,
     "save_dir": str,
     "device": str,
 }
-_OPTIONAL = ("guidance_scale_2", "max_sequence_length")  # None: the pipeline's or the family's default
+_OPTIONAL = ("guidance_scale_2", "true_cfg_scale", "max_sequence_length")  # None: the pipeline's or family's default
 
 
 def _fields() -> list[str]:
@@ -257,8 +279,6 @@ def _check(data: dict, config_dir: str) -> DumpConfig:
     unknown = sorted(set(data) - set(_fields()))
     if unknown:
         raise _unknown("config key", unknown, _RENAMED, _fields())
-    if isinstance(data.get("tiny_version"), float):  # YAML reads 1.5 as a number
-        data["tiny_version"] = f"{data['tiny_version']:.1f}"
     cfg = DumpConfig(**data, config_dir=config_dir)
     for key, types in _TYPES.items():
         value = getattr(cfg, key)
@@ -269,78 +289,14 @@ def _check(data: dict, config_dir: str) -> DumpConfig:
     for key, choices in _CHOICES.items():
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}: {getattr(cfg, key)!r} is not one of {list(choices)}.")
-    _check_call(cfg)
+    try:
+        check_tiny_options(cfg)
+        check_call(cfg)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return cfg
-
-
-def _check_call(cfg: DumpConfig) -> None:
-    """The pipeline's own rules for the call, before anything loads (a bad value would fail every prompt)."""
-    for key in ("num_inference_steps", "fps", "max_sequence_length"):
-        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
-            raise ConfigError(f"{key}: {getattr(cfg, key)!r} must be at least 1.")
-    if cfg.tiny_experts != 1 and cfg.model != "tiny-wan":
-        raise ConfigError(f"tiny_experts: {cfg.tiny_experts!r} is for model: tiny-wan (Wan 2.2's two experts) only.")
-    config = cfg.model_config()
-    name = cfg.family
-    title = {"cogvideox": "CogVideoX", "wan": "Wan"}[name]
-    if cfg.num_frames < 1 or (cfg.num_frames - 1) % VAE_TEMPORAL:
-        below = max(1, (cfg.num_frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1)
-        examples = "9, 13, ..., 49, ..., 81" if name == "cogvideox" else "9, 13, ..., 81, ..., 121"
-        raise ConfigError(
-            f"num_frames: {cfg.num_frames!r}; the {title} VAE decodes 4k + 1 frames ({examples}): "
-            f"use {below} or {below + VAE_TEMPORAL}."
-        )
-    if name == "wan":
-        vae, patch, whose = wan.spatial_compression(config), int(config["patch_size"][1]), "the Wan VAE's"
-    else:
-        vae, patch, whose = VAE_SPATIAL, int(config["patch_size"]), "the VAE's"
-    step = vae * patch  # pixels per patch
-    for key in ("height", "width"):
-        value = getattr(cfg, key)
-        if value < step or value % step:
-            raise ConfigError(
-                f"{key}: {value!r} must be a positive multiple of {step} ({whose} {vae} × the patch size {patch})."
-            )
-    if cfg.seed < 0 or not cfg.guidance_scale >= 0:
-        raise ConfigError(
-            f"seed and guidance_scale must be ≥ 0; got seed {cfg.seed!r}, guidance_scale {cfg.guidance_scale!r}."
-        )
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
-        raise ConfigError(f"device: {cfg.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'.")
-    if name == "wan":
-        _check_wan(cfg, config)
-    elif cfg.guidance_scale_2 is not None:
-        raise ConfigError("guidance_scale_2 is the guidance of Wan 2.2's second expert; CogVideoX has one transformer.")
-    if cfg.max_sequence_length is None:
-        cfg.max_sequence_length = family(name).text_len
-
-
-def _check_wan(cfg: DumpConfig, config: dict) -> None:
-    """Wan's rules: the checkpoint's task, the 512 text tokens of its image cross-attention, the experts."""
-
-    in_channels, out_channels = int(config.get("in_channels", 16)), int(config.get("out_channels", 16))
-    if out_channels != 48:  # Wan 2.2 TI2V-5B does both tasks; the others one
-        made_for = "an image-to-video" if in_channels > out_channels else "a text-to-video"
-        if cfg.task != made_for.split()[1]:
-            raise ConfigError(
-                f"task: {cfg.task!r}, but {cfg.model} is {made_for} checkpoint ({in_channels} input channels); "
-                f"set task: {made_for.split()[1]}."
-            )
-    if config.get("image_dim") and cfg.max_sequence_length not in (None, wan.TEXT_LEN):
-        raise ConfigError(
-            f"max_sequence_length: {cfg.max_sequence_length!r}; Wan 2.1 image-to-video takes {family('wan').text_len} text "
-            f"tokens (its attention splits the image tokens from the last {family('wan').text_len}): leave it out."
-        )
-    if cfg.guidance_scale_2 is not None:
-        known = KNOWN_MODELS[cfg.model].get("experts", 1) if cfg.model in KNOWN_MODELS else None
-        experts = cfg.tiny_experts if cfg.model == "tiny-wan" else known  # None: told when it loads
-        if experts == 1:
-            raise ConfigError(
-                f"guidance_scale_2 is the guidance of Wan 2.2's second expert; {cfg.model} has one transformer"
-                + (" (set tiny_experts: 2)." if cfg.model == "tiny-wan" else ".")
-            )
-        if not cfg.guidance_scale_2 >= 0:
-            raise ConfigError(f"guidance_scale_2: {cfg.guidance_scale_2!r} must be ≥ 0.")
 
 
 def _override(data: dict, item: str) -> None:

@@ -17,7 +17,6 @@ import torch
 
 from ..errors import StoreError
 from ..head_stats import TABLE_KINDS, head_table
-from ..models import cogvideox, family
 from ..recording import record
 from ..run import LOCK, RunLock, load
 from .config import ConfigError, DumpConfig
@@ -33,29 +32,18 @@ def load_pipeline(cfg: DumpConfig, device: str):
     """The pipeline of ``cfg`` on ``device``: from the hub or a folder (weights in ``cfg.dtype``), or a tiny
     random one; with the offload and VAE tiling the config asks for.
 
-    The family comes from the checkpoint's transformer config: CogVideoX loads as ``CogVideoXPipeline`` or
-    ``CogVideoXImageToVideoPipeline``, Wan as ``WanPipeline`` (text-to-video, Wan 2.2 TI2V-5B's included)
-    or ``WanImageToVideoPipeline``, with its VAE (and image encoder) in float32 as the Wan model cards
-    load them. Raises `ConfigError` when ``guidance_scale_2`` is set for a pipeline with one expert.
+    The model's family spec loads it (``ModelSpec.load_pipeline``: CogVideoX as ``CogVideoXPipeline`` or
+    ``CogVideoXImageToVideoPipeline``, Wan as ``WanPipeline`` or ``WanImageToVideoPipeline`` with its VAE
+    and image encoder in float32 as the Wan model cards load them, HunyuanVideo as ``HunyuanVideoPipeline``
+    with its VAE in float32), or builds its tiny pipeline (``ModelSpec.tiny_pipeline`` with the config's
+    tiny options). Raises `ConfigError` when ``guidance_scale_2`` is set for a pipeline with one expert.
     """
-    dtype = _DTYPES[cfg.dtype]
-    i2v = cfg.task == "image-to-video"
-    if cfg.model == "tiny":
-        pipe = cogvideox.tiny_pipeline(cfg.task, cfg.tiny_version, dtype=dtype)
-    elif cfg.model == "tiny-wan":
-        pipe = family("wan").tiny_pipeline(cfg.task, cfg.tiny_experts, dtype=dtype)
-    elif cfg.family == "wan":
-        from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
-
-        vae = AutoencoderKLWan.from_pretrained(cfg.model, subfolder="vae", torch_dtype=torch.float32)
-        dtypes = {"default": dtype, "image_encoder": torch.float32}  # Wan 2.1 image-to-video's CLIP
-        pipe = (WanImageToVideoPipeline if i2v else WanPipeline).from_pretrained(cfg.model, vae=vae, torch_dtype=dtypes)
+    spec, dtype = cfg.spec(), _DTYPES[cfg.dtype]
+    if cfg.tiny_spec() is not None:
+        pipe = spec.tiny_pipeline(cfg.task, **cfg.tiny_arguments(), dtype=dtype)
     else:
-        from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
-
-        cls = CogVideoXImageToVideoPipeline if i2v else CogVideoXPipeline
-        pipe = cls.from_pretrained(cfg.model, torch_dtype=dtype)
-    if cfg.guidance_scale_2 is not None and getattr(pipe.config, "boundary_ratio", None) is None:
+        pipe = spec.load_pipeline(cfg.model, cfg.task, dtype)
+    if cfg.guidance_scale_2 is not None and sum(getattr(pipe, e, None) is not None for e in spec.experts) < 2:
         raise ConfigError(
             f"guidance_scale_2 is the guidance of Wan 2.2's second expert; {cfg.model} has one transformer."
         )
@@ -147,12 +135,15 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
 def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int) -> None:
 
     seed = cfg.seed if prompt.seed is None else prompt.seed
+    negative = prompt.negative_prompt
+    if negative is None and (cfg.true_cfg_scale or 0) > 1:  # true guidance needs one: the empty prompt, as elsewhere
+        negative = ""
     meta = {
         "complete": False,
         "config_key": cfg.output_key(),
         "index": prompt.index,
         "prompt": prompt.prompt,
-        "negative_prompt": prompt.negative_prompt,
+        "negative_prompt": negative,
         "seed": seed,
         "image": prompt.image,
         "model": cfg.model,
@@ -163,11 +154,13 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
     device = pipe._execution_device
     call = dict(
         prompt=prompt.prompt,
-        negative_prompt=prompt.negative_prompt,
+        negative_prompt=negative,
         **cfg.call_arguments(),
         output_type="pil",
         generator=torch.Generator(device).manual_seed(seed),
     )
+    if cfg.tiny_spec() is not None:  # what the tiny pipeline needs with a text prompt (HunyuanVideo's template)
+        call.update(cfg.tiny_spec().tiny_prompt_arguments)
     if cfg.task == "image-to-video":
         from diffusers.utils import load_image
 

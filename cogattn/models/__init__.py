@@ -16,7 +16,6 @@ import os
 import pkgutil
 from pathlib import Path
 
-from . import cogvideox
 from .spec import ModelSpec, Site, Unavailable
 
 __all__ = [
@@ -84,9 +83,10 @@ def transformer_config(model) -> dict:
     if hasattr(transformer, "config") and not isinstance(model, (str, os.PathLike)):
         return dict(transformer.config)
     name = str(model)
-    if name == "tiny":
-        return dict(cogvideox.tiny_transformer().config)
-    if name.startswith("tiny-"):
+    tiny = next((spec for spec in FAMILIES if spec.tiny_name == name), None)  # "tiny", "tiny-wan", ...
+    if tiny is not None:
+        return dict(tiny.tiny_transformer().config)
+    if name.startswith("tiny-"):  # a family by its name ("tiny-cogvideox"), or one this diffusers lacks
         return dict(family(name.removeprefix("tiny-").replace("-", "_")).tiny_transformer().config)
     folder = Path(name)
     for candidate in (folder / "transformer" / "config.json", folder / "config.json"):

@@ -335,4 +335,7 @@ SPEC = ModelSpec(
         "video_to_image": "CogVideoX has no image cross-attention (its image-to-video pipelines put the image "
         "in the latents); the image's tokens are video tokens of latent frame 0."
     },
+    frame_counts="9, 13, ..., 49, ..., 81",
+    tiny_name="tiny",
+    tiny_options={"tiny_version": ("version", ("1.0", "1.5"), "CogVideoX 1.0's or 1.5's layout")},
 )

@@ -406,4 +406,7 @@ SPEC = ModelSpec(
     guidance=true_cfg,
     guidance_argument="true_cfg_scale",
     output_call=False,
+    frame_counts="9, 13, ..., 61, ..., 129",
+    float32=("vae",),
+    tiny_prompt_arguments={"prompt_template": {"template": "{}", "crop_start": 0}},  # the 95 cropped tokens are LLaMA's
 )

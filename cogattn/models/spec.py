@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from ..reducers import REDUCERS  # every kind is registered once cogattn is imported
 
 __all__ = ["ModelSpec", "Site", "Unavailable"]
@@ -88,6 +90,25 @@ class ModelSpec:
         guidance_argument (`str`): the pipeline call's argument that turns guidance on (``estimate`` takes it).
         output_call (`bool`): whether ``layer_output="lse"`` / ``"joint"`` can make the output call (not when
             the attention takes a mask).
+        title (`str`): its name in messages (``"CogVideoX"``, ``"Wan"``, ``"HunyuanVideo"``); left out: the first
+            transformer class's name without ``Transformer3DModel``.
+        frame_counts (`str`): frame counts its checkpoints run at, for messages (``"9, 13, ..., 49, ..., 81"``).
+        pipelines (`dict[str, str]`): task → the diffusers pipeline class the batch tool loads a checkpoint
+            with (:meth:`load_pipeline`; other tasks are refused); left out: diffusers' names,
+            ``<title>Pipeline`` and ``<title>ImageToVideoPipeline``, for the ``tiny_tasks``.
+        float32 (`tuple[str, ...]`): pipeline components :meth:`load_pipeline` keeps in float32 whatever the
+            dtype (Wan's VAE and image encoder, as its model cards load them).
+        call_rules (`Callable | None`): ``(cfg, config)`` → raises `ValueError` (one line for the user) where a
+            batch tool config ``cfg`` (``cogattn.dump.config.DumpConfig``) breaks a rule of the family's
+            pipeline call for a transformer with ``config``, beyond the common ones (4k + 1 frames, pixels in
+            whole patches, the tasks of ``pipelines``, ``guidance_scale_2`` for two experts only).
+        tiny_name (`str`): the batch tool's ``model:`` name of the tiny pipeline; left out:
+            ``"tiny-<family>"``, ``_`` written ``-`` (``"tiny-hunyuan-video"``).
+        tiny_options (`dict[str, tuple[str, tuple, str]]`): batch tool config keys of the tiny pipeline →
+            ``(its tiny_pipeline keyword, the choices, the first the default, what it sets)``; a keyword
+            ``experts`` sets the number of expert transformers.
+        tiny_prompt_arguments (`dict`): pipeline call arguments the tiny pipeline needs with a text prompt
+            (HunyuanVideo: a prompt template the tiny word-level tokenizer reads as it is).
     """
 
     family: str
@@ -110,6 +131,24 @@ class ModelSpec:
     guidance: Callable | None = None
     guidance_argument: str = "guidance_scale"
     output_call: bool = True
+    title: str = ""
+    frame_counts: str = "9, 13, ..., 81, ..., 121"
+    pipelines: dict[str, str] = field(default_factory=dict)
+    float32: tuple[str, ...] = ()
+    call_rules: Callable | None = None
+    tiny_name: str = ""
+    tiny_options: dict[str, tuple[str, tuple, str]] = field(default_factory=dict)
+    tiny_prompt_arguments: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.title:
+            object.__setattr__(self, "title", self.transformers[0].__name__.removesuffix("Transformer3DModel"))
+        if not self.tiny_name:
+            object.__setattr__(self, "tiny_name", "tiny-" + self.family.replace("_", "-"))
+        if not self.pipelines:
+            named = {"text-to-video": "Pipeline", "image-to-video": "ImageToVideoPipeline"}
+            pipelines = {task: self.title + named[task] for task in self.tiny_tasks if task in named}
+            object.__setattr__(self, "pipelines", pipelines)
 
     def guidance_on(self, pipeline) -> bool | None:
         """Whether classifier-free guidance is on in ``pipeline``'s running call; `None` without a pipeline."""
@@ -197,27 +236,28 @@ class ModelSpec:
                 out[id(context)] = (i, "context")
         return out
 
-    def processor_names(self, transformer) -> list[str]:
-        """Keys of the captured modules in ``transformer.attn_processors``."""
-        names = []
+    def site_modules(self, transformer) -> dict[str, object]:
+        """Every captured attention module (self- and cross-attention) by its path in the transformer."""
+        out = {}
         for site in self.sites:
-            attrs = [site.attention] + ([site.context] if site.context else [])
-            count = len(getattr(transformer, site.blocks, None) or ())
-            names += [f"{site.blocks}.{i}.{a}.processor" for i in range(count) for a in attrs]
-        return names
+            for i, block in enumerate(getattr(transformer, site.blocks, None) or ()):
+                for attr in (site.attention, site.context):
+                    if attr is not None:
+                        out[f"{site.blocks}.{i}.{attr}"] = getattr(block, attr)
+        return out
 
-    def map_processors(self, transformer, sink) -> dict:
-        """cogattn processors feeding ``sink`` for the captured attention of every layer, keyed as
-        ``transformer.attn_processors`` is; refuses processors that are not stock."""
-        current, replacement = transformer.attn_processors, {}
-        for name in self.processor_names(transformer):
-            proc = current[name]
+    def map_processors(self, transformer, sink) -> dict[str, object]:
+        """cogattn processors feeding ``sink`` for every captured attention module, by its path; refuses
+        processors that are not stock."""
+        replacement = {}
+        for name, module in self.site_modules(transformer).items():
+            proc = module.processor
             if isinstance(proc, tuple(self.processors.values())):
                 raise ValueError(f"{name} already runs a cogattn processor; close the other recording first.")
             if type(proc) not in self.processors:
                 stock = list(dict.fromkeys(cls.__name__ for cls in self.processors))
                 raise TypeError(
-                    f"{name} is a {type(proc).__name__}; cogattn captures through the stock {' or '.join(stock)}. "
+                    f"{name} runs a {type(proc).__name__}; cogattn captures through the stock {' or '.join(stock)}. "
                     f"Reset with `transformer.set_attn_processor({stock[0]}())`."
                 )
             replacement[name] = self.processors[type(proc)](sink)
@@ -225,3 +265,36 @@ class ModelSpec:
                 if hasattr(proc, attr):
                     setattr(replacement[name], attr, getattr(proc, attr))
         return replacement
+
+    # -- the batch tool (cogattn.dump) ---------------------------------------------------------------
+    def check_task(self, task: str, tiny: bool = False) -> None:
+        """Raise `ValueError` where the batch tool cannot run ``task`` with this family's checkpoints
+        (``pipelines``) or, with ``tiny``, its tiny pipeline (``tiny_tasks``)."""
+        tasks = self.tiny_tasks if tiny else tuple(self.pipelines)
+        if not tasks:
+            raise ValueError(
+                f"the batch tool does not load {self.title} checkpoints yet (the family names no pipeline class); "
+                f"try its tiny pipeline, model: {self.tiny_name}."
+            )
+        if task not in tasks:
+            which = f"{self.tiny_name} (the tiny {self.title} pipeline)" if tiny else f"{self.title} checkpoints"
+            raise ValueError(f"task: {task!r}; the batch tool runs {which} for {' or '.join(tasks)} only.")
+
+    def pixels_per_patch(self, config: dict) -> tuple[int, int]:
+        """``(VAE pixels per latent pixel, patch size)`` of a transformer with ``config``, each way (a pipeline
+        call's height and width are multiples of their product), read from ``layout_for_video``."""
+        side = 4096  # a multiple of every VAE × patch size
+        layout = self.layout_for_video(config, 1, side, side, 1)
+        return side // layout.height // layout.patch_size, layout.patch_size
+
+    def load_pipeline(self, model: str, task: str, dtype: torch.dtype):
+        """The family's diffusers pipeline for ``task`` (``pipelines``) from a hub id or a local checkpoint
+        folder, its weights in ``dtype`` but for the ``float32`` components."""
+        import diffusers
+
+        self.check_task(task)
+        name = self.pipelines[task]
+        if not hasattr(diffusers, name):
+            raise ValueError(f"this diffusers has no {name} for {self.title} {task}; set the family's pipelines.")
+        dtypes = {"default": dtype, **dict.fromkeys(self.float32, torch.float32)} if self.float32 else dtype
+        return getattr(diffusers, name).from_pretrained(model, torch_dtype=dtypes)

@@ -192,12 +192,6 @@ class WanAttnMapProcessor:
         return hidden_states
 
 
-def spatial_compression(config) -> int:
-    """Pixels per latent pixel of the VAE a Wan transformer works with: 16 for Wan 2.2 TI2V-5B (48 latent
-    channels), 8 otherwise."""
-    return 16 if int(config.get("out_channels", 16)) == 48 else VAE_SPATIAL
-
-
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``WanTransformer3DModel`` call."""
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -235,7 +229,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         0,
         p_h,
         p_t if p_t > 1 else None,
-        spatial_compression=spatial_compression(config),
+        spatial_compression=16 if int(config.get("out_channels", 16)) == 48 else VAE_SPATIAL,  # TI2V-5B: 16
         context_len=text_len or TEXT_LEN,
         image_len=(config.get("pos_embed_seq_len") or IMAGE_LEN) if config.get("image_dim") else 0,  # FLF2V: 2 images
     )
@@ -385,6 +379,18 @@ def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict
     return call
 
 
+def call_rules(cfg, config: dict) -> None:
+    """The batch tool's Wan rules (``ModelSpec.call_rules``): the checkpoint's task, Wan 2.1 I2V's text."""
+    ins, outs = int(config.get("in_channels", 16)), int(config.get("out_channels", 16))
+    a, task = ("an", "image-to-video") if ins > outs else ("a", "text-to-video")
+    if outs != 48 and cfg.task != task:  # Wan 2.2 TI2V-5B does both tasks; the others one
+        raise ValueError(
+            f"task: {cfg.task!r}, but {cfg.model} is {a} {task} checkpoint ({ins} input channels); set task: {task}."
+        )
+    if config.get("image_dim") and (n := cfg.max_sequence_length) not in (None, TEXT_LEN):  # images: all but 512
+        raise ValueError(f"max_sequence_length: {n}; Wan 2.1 image-to-video takes {TEXT_LEN} text tokens; leave it out")
+
+
 SPEC = ModelSpec(
     "wan",
     (WanTransformer3DModel,),
@@ -406,4 +412,7 @@ SPEC = ModelSpec(
     },
     experts=("transformer", "transformer_2"),
     guidance_calls=2,
+    float32=("vae", "image_encoder"),
+    call_rules=call_rules,
+    tiny_options={"tiny_experts": ("experts", (1, 2), "Wan 2.2's two experts")},
 )

@@ -1,0 +1,230 @@
+"""cogattn-dump reaches every family through its spec (``cogattn.models.ModelSpec``): the tiny pipeline a
+config names, the rules of the call, the pipeline a checkpoint loads as. HunyuanVideo end to end: the tiny
+random pipeline's maps are those of a direct ``cogattn.record`` of the same call, with and without true
+classifier-free guidance; the released checkpoint's plan. In-process through ``main(argv)``, as
+tests/test_cli.py."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import cogattn
+from cogattn.dump.config import ConfigError, load_config
+from cogattn.models import FAMILIES, family
+
+pytestmark = pytest.mark.usefixtures("forget_accelerate_state")  # every test of the module (conftest.py)
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+TINY_HV = ROOT / "configs" / "tiny-hunyuan-video.yaml"
+HV = ROOT / "configs" / "hunyuan-video.yaml"
+needs_hunyuan = pytest.mark.skipif(
+    cogattn.models.hunyuan_video is None, reason="cogattn has no HunyuanVideo support with this diffusers (0.36)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """Each test runs in its own folder, offline, with tracebacks of failed prompts on stderr."""
+    import huggingface_hub.constants
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COGATTN_DEBUG", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def _sets(*items: str) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def _prompt_dirs(out: Path) -> list[Path]:
+    return sorted(p for p in out.iterdir() if p.is_dir())
+
+
+def _total(dry_stdout: str) -> int:
+    line = next(line for line in dry_stdout.splitlines() if line.split()[:1] == ["total"])
+    return int(line.split()[2].replace(",", ""))
+
+
+@pytest.mark.parametrize("name", [spec.family for spec in FAMILIES])
+def test_every_family_s_tiny_model_is_named_and_checked_through_its_spec(name):
+    spec = family(name)
+    if spec.tiny_call is None:
+        pytest.skip(f"{name} gives no call of its tiny pipeline")
+    task = spec.tiny_tasks[0]
+    try:
+        pipe = spec.tiny_pipeline(task)
+    except ImportError as missing:  # what its parts need (ConsisID's pipeline: OpenCV)
+        with pytest.raises(ConfigError, match="^model: "):  # one line for the user, not a traceback
+            load_config(None, [f"model={spec.tiny_name}", f"task={task}"])
+        pytest.skip(f"{name}'s tiny pipeline needs what this environment lacks: {' '.join(str(missing).split())}")
+    call = spec.tiny_call(pipe, task, torch.Generator().manual_seed(0), False)
+    shape = [f"{key}={call[key]}" for key in ("num_frames", "height", "width")]
+    cfg = load_config(None, [f"model={spec.tiny_name}", f"task={task}", *shape])
+    assert cfg.family == name and cfg.tiny_spec() is spec and spec.title
+    assert {k: v for k, v in cfg.model_config().items() if k != "experts"} == dict(pipe.transformer.config)
+    assert cfg.max_sequence_length == spec.text_len and cfg.call_arguments()["max_sequence_length"] == spec.text_len
+
+
+def test_the_tiny_names_of_the_first_families_stay():
+    assert family("cogvideox").tiny_name == "tiny" and family("cogvideox").title == "CogVideoX"
+    if cogattn.models.wan is not None:
+        assert family("wan").tiny_name == "tiny-wan" and family("wan").title == "Wan"
+    if cogattn.models.hunyuan_video is not None:
+        assert family("hunyuan_video").tiny_name == "tiny-hunyuan-video"
+        assert family("hunyuan_video").pipelines == {"text-to-video": "HunyuanVideoPipeline"}
+
+
+def _direct(pipe, meta: dict, kinds, steps: int, batch: str, **call) -> cogattn.Recording:
+    """A direct recording of the tiny HunyuanVideo pipeline called as tiny-hunyuan-video.yaml calls it."""
+    with cogattn.record(pipe, kinds=kinds, layers="all", steps="all", batch=batch, heads="mean") as rec:
+        pipe(
+            prompt=meta["prompt"],
+            prompt_template={"template": "{}", "crop_start": 0},  # the tiny tokenizer's words, no LLaMA template
+            max_sequence_length=12,
+            num_frames=9,
+            height=32,
+            width=48,
+            num_inference_steps=steps,
+            guidance_scale=6.0,
+            output_type="latent",  # the maps do not depend on the decoding
+            generator=torch.Generator().manual_seed(meta["seed"]),
+            **call,
+        )
+    return rec
+
+
+def _check_against(run: cogattn.Run, rec: cogattn.Recording) -> None:
+    assert sorted(run.keys()) == sorted(rec.keys())
+    for kind, step, layer in run.keys():
+        torch.testing.assert_close(run.get(kind, step, layer), rec.get(kind, step, layer), rtol=0, atol=0)
+
+
+@needs_hunyuan
+def test_tiny_hunyuan_video_writes_the_maps_of_a_direct_recording(tmp_path, dump):
+    from cogattn.models.hunyuan_video import tiny_pipeline
+
+    out = tmp_path / "runs"
+    dry = dump(TINY_HV, "--dry-run", "--set", f"save_dir={out}", check=0)
+    assert "model tiny-hunyuan-video (text-to-video), 3 prompts, 2 steps, 9 frames at 32×48" in dry.stdout
+    assert "layout: 3×2×3 video + 12 text tokens, S = 30" in dry.stdout and not out.exists()
+    assert "3 prompts written" in dump(TINY_HV, "--set", f"save_dir={out}", check=0).stdout
+    assert sum(f.stat().st_size for f in out.rglob("records/**/*.safetensors")) == _total(dry.stdout)
+    cfg = load_config(TINY_HV)
+    kinds = cfg.capture.kinds
+    pipe = tiny_pipeline()
+    for folder, words in zip(_prompt_dirs(out), (7, 6, 7)):  # the words of prompts/tiny.txt
+        meta = json.loads((folder / "prompt.json").read_text())
+        assert meta["complete"] is True and meta["negative_prompt"] is None
+        assert meta["config"]["max_sequence_length"] == 12 and meta["config"]["true_cfg_scale"] is None
+        with Image.open(folder / meta["video"]) as gif:
+            assert meta["video"] == "video.gif" and gif.n_frames == 9 and gif.size == (48, 32)
+        assert {"frame.png", "video_to_text.png", "text_to_video.png", "heads.png"} <= set(meta["previews"])
+        run = cogattn.load(folder / "maps")
+        assert run.complete and run.layout.text_position == "end" and run.layout.grid == (3, 2, 3)
+        assert run.layer_names[2] == "single_transformer_blocks.0.attn" and len(run) == 3 * 2 * 4  # kinds×steps×layers
+        _check_against(run, _direct(pipe, meta, kinds, 2, "all"))
+        kept = words + 1  # and </s>; the padded text keys get exactly 0
+        assert run.get("video_to_text", 1, 3)[:, :, kept:].abs().max() == 0
+        assert run.get("video_to_text", 1, 3)[:, :, :kept].sum(2).min() > 0
+
+
+@needs_hunyuan
+def test_true_cfg_scale_guides_with_the_empty_negative_prompt_and_the_plan_counts_both_calls(tmp_path, dump):
+    from cogattn.models.hunyuan_video import tiny_pipeline
+
+    out = tmp_path / "runs"
+    (tmp_path / "p.txt").write_text("a red fox running in the snow\n")
+    sets = _sets(f"prompts={tmp_path / 'p.txt'}", "true_cfg_scale=4.0", "capture.kinds=[frame,video_to_text]",
+                 "previews=false", f"save_dir={out}")  # fmt: skip
+    dry = dump(TINY_HV, *sets, "--dry-run", check=0)
+    dump(TINY_HV, *sets, check=0)
+    assert sum(f.stat().st_size for f in out.rglob("records/**/*.safetensors")) == _total(dry.stdout)
+    (folder,) = _prompt_dirs(out)
+    meta = json.loads((folder / "prompt.json").read_text())
+    assert meta["negative_prompt"] == "" and meta["config"]["true_cfg_scale"] == 4.0
+    run = cogattn.load(folder / "maps")
+    assert run.get("frame", 0, 0).shape[0] == 2  # batch "all" under true guidance: [uncond, cond]
+    pipe = tiny_pipeline()
+    kinds = ("frame", "video_to_text")
+    _check_against(run, _direct(pipe, meta, kinds, 2, "all", negative_prompt="", true_cfg_scale=4.0))
+    plain = _direct(pipe, meta, kinds, 2, "all")  # one call per step: the conditional item alone
+    assert plain.get("frame", 0, 0).shape[0] == 1
+    assert torch.equal(plain.get("frame", 0, 0)[0], run.get("frame", 0, 0)[1])  # the same first step
+    assert not torch.equal(plain.get("frame", 1, 0)[0], run.get("frame", 1, 0)[1])  # guided from step 0 on
+
+
+@needs_hunyuan
+def test_the_released_hunyuan_video_plans_offline(dump, tmp_path):
+    proc = dump(HV, "--dry-run", "--set", f"save_dir={tmp_path / 'x'}", check=0)
+    assert "model hunyuanvideo-community/HunyuanVideo (text-to-video), 3 prompts, 50 steps, 129 frames" in proc.stdout
+    assert "layout: 33×45×80 video + 256 text tokens, S = 119,056" in proc.stdout  # 33·45·80 + 256
+    assert "video_to_text  (1, 1, 256, 33, 45, 80)" in proc.stdout
+    records = 60 * 6 * 3  # layers (20 dual + 40 single) × captured steps × prompts, per kind
+    assert re.search(rf"frame  \(1, 1, 34, 34\) +[\d,]+ +{records:,}", proc.stdout)  # 33 latent frames + the text
+    cfg = load_config(HV)
+    assert cfg.family == "hunyuan_video" and cfg.call_arguments()["max_sequence_length"] == 256
+    assert "true_cfg_scale" not in cfg.call_arguments()  # left out: the pipeline's default
+    assert not (tmp_path / "x").exists()
+
+
+@needs_hunyuan
+def test_a_hunyuan_video_checkpoint_folder_loads_with_its_vae_in_float32(tmp_path):
+    from diffusers import HunyuanVideoPipeline
+
+    from cogattn.dump.generate import load_pipeline
+    from cogattn.models.hunyuan_video import tiny_pipeline
+
+    tiny_pipeline().save_pretrained(tmp_path / "checkpoint")
+    cfg = load_config(TINY_HV, [f"model={tmp_path / 'checkpoint'}", "dtype=bfloat16"])
+    assert cfg.family == "hunyuan_video" and cfg.tiny_spec() is None
+    pipe = load_pipeline(cfg, "cpu")
+    assert type(pipe) is HunyuanVideoPipeline and pipe.transformer.dtype == torch.bfloat16
+    assert pipe.vae.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "config,sets,message",
+    [
+        (
+            TINY,
+            ["true_cfg_scale=4"],
+            r"true_cfg_scale: tiny is a CogVideoX model, whose pipeline has no true_cfg_scale; its classifier-free "
+            r"guidance is guidance_scale",
+        ),
+        (TINY, ["tiny_version=2.0"], r"tiny_version: '2.0' is not one of \['1.0', '1.5'\]"),
+        (TINY, ["model=THUDM/CogVideoX-5b", "tiny_version=1.5"], r"tiny_version: '1.5' is for model: tiny \("),
+        (
+            TINY_HV,
+            ["height=40"],
+            r"height: 40 must be a positive multiple of 16 \(the HunyuanVideo VAE's 8 × the patch",
+        ),
+        (HV, ["width=1000"], r"width: 1000 must be a positive multiple of 16"),
+        (TINY_HV, ["num_frames=10"], r"num_frames: 10; the HunyuanVideo VAE decodes 4k \+ 1 frames .*: use 9 or 13"),
+        (
+            TINY_HV,
+            ["task=image-to-video"],
+            r"task: 'image-to-video'; the batch tool runs tiny-hunyuan-video \(the tiny HunyuanVideo pipeline\) "
+            r"for text-to-video only",
+        ),
+        (HV, ["task=image-to-video"], r"task: 'image-to-video'; the batch tool runs HunyuanVideo checkpoints for"),
+        (TINY_HV, ["true_cfg_scale=-1"], r"true_cfg_scale: -1 must be ≥ 0"),
+        (TINY_HV, ["true_cfg_scale=high"], r"true_cfg_scale: expected a number, got 'high'"),
+        (TINY_HV, ["guidance_scale_2=3"], r"guidance_scale_2 .*; HunyuanVideo has one transformer\.$"),
+        (TINY_HV, ["capture.layer_output=joint"], r"hunyuan_video's attention takes a key mask"),
+        (TINY_HV, ["capture.kinds=[video_to_image]"], r"kind 'video_to_image' does not exist for hunyuan_video"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line_and_write_nothing(tmp_path, dump, config, sets, message):
+    if config != TINY and cogattn.models.hunyuan_video is None:
+        pytest.skip("cogattn has no HunyuanVideo support with this diffusers (0.36)")
+    out = tmp_path / "runs"
+    proc = dump(config, *_sets(*sets, f"save_dir={out}"), check=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dump_maps: "), proc.stderr
+    assert re.search(message, lines[0]), lines[0]
+    assert not out.exists()
