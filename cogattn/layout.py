@@ -49,6 +49,8 @@ class TokenLayout:
             image-to-video: 257 CLIP tokens).
         text_position (`str`, defaults to ``"start"``): where the text sits in the sequence, ``"start"``
             (CogVideoX) or ``"end"`` (HunyuanVideo, after the video).
+        temporal_compression (`int`, defaults to 4): pixel frames per latent frame after the first, the
+            VAE's ``vae_scale_factor_temporal`` (Mochi's is 6).
     """
 
     text_len: int
@@ -60,6 +62,7 @@ class TokenLayout:
     context_len: int = 0
     image_len: int = 0
     text_position: str = "start"
+    temporal_compression: int = VAE_TEMPORAL
 
     def __post_init__(self):
         if self.text_position not in ("start", "end"):
@@ -93,10 +96,11 @@ class TokenLayout:
         context_len: int = 0,
         image_len: int = 0,
         text_position: str = "start",
+        temporal_compression: int = VAE_TEMPORAL,
     ) -> TokenLayout:
         """The layout a pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels produces
         (``spatial_compression``: the VAE's pixels per latent pixel)."""
-        latent = (int(num_frames) - 1) // VAE_TEMPORAL + 1
+        latent = (int(num_frames) - 1) // int(temporal_compression) + 1
         pt = patch_size_t or 1
         latent += (-latent) % pt  # CogVideoX 1.5 pads at the start
         return cls(
@@ -109,6 +113,7 @@ class TokenLayout:
             context_len=int(context_len),
             image_len=int(image_len),
             text_position=text_position,
+            temporal_compression=int(temporal_compression),
         )
 
     @property
@@ -207,15 +212,15 @@ class TokenLayout:
         4·(F − 1) + 1); `None` where several video lengths give the same F (temporal patches; an even F,
         which CogVideoX decodes to 4F frames and Wan to 4F − 3)."""
         odd = self.frames % 2 == 1
-        return VAE_TEMPORAL * (self.frames - 1) + 1 if odd and not self.patch_size_t else None
+        return self.temporal_compression * (self.frames - 1) + 1 if odd and not self.patch_size_t else None
 
-    def decoded_frames(self, temporal_compression: int = VAE_TEMPORAL) -> list[int]:
+    def decoded_frames(self, temporal_compression: int | None = None) -> list[int]:
         """Every frame count a decoded video of this layout can have (see :meth:`pixel_frames`)."""
-        tc, p = int(temporal_compression), self.patch_size_t or 1
+        tc, p = int(temporal_compression or self.temporal_compression), self.patch_size_t or 1
         latents = range(p * (self.frames - 1) + 1, p * self.frames + 1)  # those p pads up to F patches
         return sorted({tc * (n - 1) + 1 for n in latents} | {tc * n for n in latents if n % 2 == 0})
 
-    def pixel_frames(self, num_pixel_frames: int, temporal_compression: int = VAE_TEMPORAL) -> list[range]:
+    def pixel_frames(self, num_pixel_frames: int, temporal_compression: int | None = None) -> list[range]:
         """The decoded pixel frames each latent frame (temporal patch, for CogVideoX 1.5) covers.
 
         ``N = 4(L - 1) + 1`` pixel frames are ``L`` latent frames: latent frame 0 is pixel frame 0 and latent
@@ -228,7 +233,8 @@ class TokenLayout:
         Args:
             num_pixel_frames (`int`): frames N of the decoded video (``num_frames`` of the call when that is
                 4k + 1; the pipelines round other counts, see :meth:`decoded_frames`).
-            temporal_compression (`int`, defaults to 4): the VAE's ``vae_scale_factor_temporal``.
+            temporal_compression (`int | None`): the VAE's ``vae_scale_factor_temporal``; defaults to the
+                layout's (4; Mochi's 6).
 
         Returns:
             `list[range]`: F ranges of pixel-frame indices, in order, together covering ``0 … N - 1``.
@@ -236,7 +242,7 @@ class TokenLayout:
         Raises:
             ValueError: no VAE decodes N frames, or N frames are not F latent frames (temporal patches).
         """
-        n, tc = int(num_pixel_frames), int(temporal_compression)
+        n, tc = int(num_pixel_frames), int(temporal_compression or self.temporal_compression)
         if n < 1 or tc < 1:
             raise ValueError(f"num_pixel_frames={num_pixel_frames} and temporal_compression={tc} must be ≥ 1.")
         if (n - 1) % tc == 0:
@@ -269,7 +275,7 @@ class TokenLayout:
             out.append(range(covered(lats[0]).start, covered(lats[-1]).stop))
         return out
 
-    def latent_of_pixel(self, num_pixel_frames: int, temporal_compression: int = VAE_TEMPORAL) -> list[int]:
+    def latent_of_pixel(self, num_pixel_frames: int, temporal_compression: int | None = None) -> list[int]:
         """For each pixel frame of the decoded video, the latent frame (temporal patch) that covers it."""
         owner = [-1] * num_pixel_frames
         for f, frames in enumerate(self.pixel_frames(num_pixel_frames, temporal_compression)):

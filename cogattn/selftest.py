@@ -21,7 +21,7 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -31,58 +31,22 @@ from .attention import attention_joint, attention_with_lse, fused_lse_supported
 from .checks import OUTPUT_RTOL, TOLERANCE, bound, made_from_output
 from .engine import capture, multi_key_indicator
 from .layout import TokenLayout
-from .models import FAMILIES, cogvideox
+from .models import FAMILIES
 from .planner import plan_tiles
-from .recording import record
 from .reducers import REDUCERS
-from .reference import kind_error, naive_context, naive_lse, naive_probs, select
+from .reference import kind_error, naive_lse, naive_probs
+from .selftest_pipelines import JOINT_KINDS, PIPELINES, Row, family_rows, methods, pipeline_rows, timed
 from .version import __version__
 
 __all__ = ["Row", "main", "run"]
 
-JOINT_KINDS = cogvideox.SPEC.kinds()  # the kinds of CogVideoX's joint attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the kinds the fast methods serve (the others always take row tiles), and those the output's lse serves
 POOLED = ("frame", "video_to_text", "entropy", "received", "query_frame", "block")
 FROM_LSE = ("video_to_text", "received")  # run from the output call's lse alone: no float32 pass gives one
-SIZES = dict(block_size=7, topk=4)  # several blocks, the last one shorter, on the tiny pipelines
 
 
-@dataclass
-class Row:
-    """One line of the report."""
-
-    part: str  # "layer S=…" or the tiny pipeline
-    kind: str
-    method: str
-    output: str
-    max_error: float | None
-    tolerance: float | None
-    bit_identical: bool | None  # the layer's or the video's output against stock (None: not compared)
-    time_x_stock: float | None
-    passed: bool | None  # None: skipped
-    note: str = ""
-
-
-def _timed(fn, device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return result, time.perf_counter() - t0
-
-
-def _methods(device: torch.device) -> list[tuple[str, str]]:
-    """``(method, why skipped or "")`` for every method."""
-    triton = "" if kernels.available(device) else "needs Triton on CUDA (or TRITON_INTERPRET=1)"
-    sdpa = "" if fused_lse_supported(device) else f"no fused attention kernel with lse on {device.type}"
-    return [("rows", ""), ("sdpa", sdpa), ("triton", triton)]
-
-
-# -- a synthetic layer ---------------------------------------------------------------------------------
 def synthetic_layout(seq_len: int) -> TokenLayout:
     """A layout of about ``seq_len`` tokens: an eighth text (at most 226), 4 latent frames of a square grid."""
     text = max(2, min(226, seq_len // 8))
@@ -101,8 +65,8 @@ def layer_rows(device: torch.device, dtype: torch.dtype, seq_len: int, heads: in
     P = naive_probs(q.float().cpu()[None], k.float().cpu()[None])
     lse = naive_lse(q.float().cpu()[None], k.float().cpu()[None])
     part = f"layer S={S:,}"
-    stock, t_stock = _timed(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None]), device)
-    _, t_stock = _timed(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None]), device)  # warm
+    stock, t_stock = timed(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None]), device)
+    _, t_stock = timed(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None]), device)  # warm
     tol = TOLERANCE.get(dtype, 1e-5)
 
     def error(kind: str, got: torch.Tensor) -> float:
@@ -113,11 +77,11 @@ def layer_rows(device: torch.device, dtype: torch.dtype, seq_len: int, heads: in
         reducers = [REDUCERS[kd](layout, heads, False, queries, block_size=64) for kd in kinds]
         plan = plan_tiles(reducers, S, heads, head_dim, 2**30, method, device)
         outs = [torch.zeros(r.shape(1)[1:], device=device) for r in reducers]
-        _, seconds = _timed(lambda: capture(q, k, reducers, outs, plan, lse=lse, sums=sums), device)
+        _, seconds = timed(lambda: capture(q, k, reducers, outs, plan, lse=lse, sums=sums), device)
         return outs, seconds
 
     rows = []
-    for method, skipped in _methods(device):
+    for method, skipped in methods(device):
         kinds = list(JOINT_KINDS) if method == "rows" else list(POOLED)
         for kind in kinds:
             if skipped:
@@ -148,167 +112,6 @@ def _output_rows(part, mode, out, stock, lse, sums, dtype, device, run, error, t
         limit = bound(dtype, made_from_output(kind, mode, kinds, method))  # from the output call's, or not
         err = error(kind, got)
         rows.append(Row(part, kind, method, mode, err, limit, None, seconds / t_stock, err <= limit))
-    return rows
-
-
-# -- the tiny pipelines --------------------------------------------------------------------------------
-PIPELINES = [("text-to-video", "1.0"), ("text-to-video", "1.5"), ("image-to-video", "1.0")]
-
-
-def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -> list[Row]:
-    """Every method and output mode recording every kind of a 2-step generation of each tiny pipeline."""
-    tiny_pipeline, TINY_TEXT_LEN = cogvideox.tiny_pipeline, cogvideox.TINY_TEXT_LEN
-    rows = []
-    for task, version in configs:
-        pipe = tiny_pipeline(task, version, dtype=dtype, num_heads=3).to(device)
-        part = f"tiny {version} {'i2v' if task == 'image-to-video' else 't2v'}"
-        gen = torch.Generator().manual_seed(0)
-        emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=gen).to(device, dtype)
-        call = dict(
-            prompt_embeds=emb,
-            negative_prompt_embeds=-emb,
-            num_frames=9,
-            num_inference_steps=2,
-            max_sequence_length=TINY_TEXT_LEN,
-            output_type="pt",
-        )
-        if task == "image-to-video":
-            call["image"] = torch.rand(3, 48, 80, generator=gen)
-
-        def generate(pipe=pipe, call=call):
-            return pipe(generator=torch.Generator(device).manual_seed(1), **call).frames
-
-        generate()  # warm up
-        stock, t_stock = _timed(generate, device)
-        combos = [(m, "stock", why) for m, why in _methods(device)]
-        combos += [
-            ("auto", mode, "" if fused_lse_supported(device) else "no fused kernel") for mode in ("lse", "joint")
-        ]
-        for method, output, skipped in combos:
-            if skipped:
-                rows.append(Row(part, "all", method, output, None, None, None, None, None, skipped))
-                continue
-            rec = record(
-                pipe,
-                kinds=tuple(JOINT_KINDS),
-                queries=[0, (1, 1, 2)],
-                batch="cond",
-                heads="all",
-                method=method,
-                layer_output=output,
-                verify=False,
-                **SIZES,
-            )
-            calls, inner = [], rec.capture
-
-            def spy(layer, query, key, lse=None, sums=None, inner=inner, rec=rec, calls=calls):
-                calls.append((rec.step, layer, query.detach().float().cpu(), key.detach().float().cpu()))
-                inner(layer, query, key, lse, sums)
-
-            rec.capture = spy
-            with rec:
-                video, seconds = _timed(generate, device)
-            worst, limit_of_worst, passed = 0.0, TOLERANCE.get(dtype, 1e-5), True
-            for step, layer, q, k in calls:
-                P, lse = (x[list(rec.batch_items)] for x in (naive_probs(q, k), naive_lse(q, k)))
-                for kind in JOINT_KINDS:
-                    limit = bound(dtype, made_from_output(kind, output, JOINT_KINDS, rec.plan.tiles.method))
-                    tokens = [0, rec.layout.token_index(1, 1, 2)]
-                    lay = rec.layout
-                    got = rec.get(kind, step, layer)
-                    err = kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, **SIZES)
-                    passed &= err <= limit
-                    if err / limit >= worst / limit_of_worst:
-                        worst, limit_of_worst = err, limit
-            same = bool(torch.equal(video, stock))
-            promised = output == "stock" or device.type == "cpu"
-            note = "" if promised else "another kernel than SDPA's on CUDA: last bits may differ"
-            rows.append(
-                Row(
-                    part,
-                    "all",
-                    method,
-                    output,
-                    worst,
-                    limit_of_worst,
-                    same,
-                    seconds / t_stock,
-                    passed and (same or not promised),
-                    note,
-                )
-            )
-    return rows
-
-
-def _spying(rec, inner, context: bool, calls: dict):
-    """``inner`` (a recording's ``capture`` or ``capture_context``), keeping each call's q, k and key counts
-    in ``calls``."""
-
-    def spy(layer, query, key, *rest):
-        counts = rest[2] if not context and len(rest) > 2 else None
-        qk = (query.detach().float().cpu(), key.detach().float().cpu(), counts)
-        calls.setdefault((rec.step, layer, rest[0] if context else "self"), []).append(qk)
-        inner(layer, query, key, *rest)
-
-    return spy
-
-
-def _key_mask(counts, batch: int, keys: int):
-    """``(B, S)`` kept keys from per-item counts (all kept when there are none)."""
-    if counts is None:
-        return torch.ones(batch, keys, dtype=torch.bool)
-    return torch.arange(keys)[None] < torch.as_tensor(counts)[:, None]
-
-
-def family_rows(spec, device: torch.device, dtype: torch.dtype) -> list[Row]:
-    """Every method recording every kind of a family (all but CogVideoX, whose rows also cover the output
-    modes) in a 2-step guided generation of each of its tiny pipelines: the self-attention kinds (under the
-    family's key mask) and the cross-attention's, against the reference of the q and k the processors
-    handed over, and the video against the stock one."""
-    self_kinds = spec.kinds("self")
-    rows = []
-    for task in spec.tiny_tasks:
-        pipe = spec.tiny_pipeline(task, dtype=dtype, num_heads=3, head_dim=16).to(device)  # Triton: D ≥ 16
-        part = f"tiny {spec.family} {'i2v' if task == 'image-to-video' else 't2v'}"
-        call = spec.tiny_call(pipe, task, torch.Generator().manual_seed(0), True)
-        context = [k for k in spec.context_kinds if spec.context_kinds[k] == "text" or task == "image-to-video"]
-
-        def generate(pipe=pipe, call=call):
-            gen = torch.Generator(device).manual_seed(1)
-            return pipe(generator=gen, num_inference_steps=2, output_type="pt", **call).frames
-
-        generate()  # warm up
-        stock, t_stock = _timed(generate, device)
-        for method, skipped in _methods(device):
-            if skipped:
-                rows.append(Row(part, "all", method, "stock", None, None, None, None, None, skipped))
-                continue
-            kinds = self_kinds + tuple(context)
-            rec = record(pipe, kinds=kinds, queries=[0, (1, 1, 2)], batch="all", heads="all", method=method, **SIZES)
-            calls: dict = {}  # (step, layer, source) → [(q, k, counts) of each call]: as the family calls them
-            for name in ("capture", "capture_context"):
-                setattr(rec, name, _spying(rec, getattr(rec, name), name == "capture_context", calls))
-            with rec:
-                video, seconds = _timed(generate, device)
-            limit, worst, lay = TOLERANCE.get(dtype, 1e-5), 0.0, rec.layout
-            for (step, layer, source), found in calls.items():
-                found = found[::-1]  # the guidance batch [uncond..., cond...]: a step's later call first
-                q, k = torch.cat([q for q, _, _ in found]), torch.cat([k for _, k, _ in found])
-                keep = torch.cat([_key_mask(n, len(q_), k.shape[2]) for q_, _, n in found])
-                P, lse = naive_probs(q, k, key_mask=keep), naive_lse(q, k, key_mask=keep)
-                for kind in self_kinds if source == "self" else [c for c in context if spec.source(c) == source]:
-                    if source == "self":
-                        tokens, end = [0, lay.token_index(1, 1, 2)], lay.text_position == "end"
-                        got = rec.get(kind, step, layer)
-                        err = kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, end, **SIZES)
-                    else:
-                        ref = select(naive_context(P, lay.grid), rec.batch_items, "all")
-                        err = (rec.get(kind, step, layer).double() - ref).abs().max().item()
-                    worst = max(worst, err)
-            same = bool(torch.equal(video, stock))
-            rows.append(
-                Row(part, "all", method, "stock", worst, limit, same, seconds / t_stock, worst <= limit and same)
-            )
     return rows
 
 

@@ -76,6 +76,24 @@ def _chronoedit_call(pipe, g, guided):
     return {**_wan_call(pipe, g, guided), "image": PIL.Image.fromarray(pixels), "num_frames": 5}
 
 
+def _mochi_call(pipe, g, guided):
+    """Ragged text dropped per item: the prompts keep 6 and 3 of 6 tokens, the negatives 2 and 5; 13 frames
+    are 3 latent frames (the VAE compresses time by 6)."""
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    extra = dict(negative_prompt_attention_mask=torch.tensor([[1] * 2 + [0] * 4, [1] * 5 + [0]]))
+    return dict(
+        prompt_embeds=torch.randn(2, 6, 16, generator=g),
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=torch.randn(2, 6, 16, generator=g),
+        guidance_scale=4.5 if guided else 1.0,
+        num_frames=13,
+        height=32,
+        width=48,
+        max_sequence_length=6,
+        **extra,
+    )
+
+
 def _hunyuan_video_call(pipe, g, guided):
     """Ragged text: the items keep 6 and 3 of 6 text tokens; under true guidance the negatives 2 and 5."""
     extra = {}
@@ -133,6 +151,12 @@ CASES = {
         _chronoedit_call,
         512,
         released=("nvidia/ChronoEdit-14B-Diffusers", dict(num_frames=5, height=720, width=1280), 2 * 45 * 80),
+    ),
+    "mochi": Case(
+        lambda: FAMILY["mochi"].tiny_pipeline(num_heads=3),
+        _mochi_call,
+        6,
+        released=("genmo/mochi-1-preview", dict(num_frames=163, height=480, width=848), 28 * 30 * 53 + 256),
     ),
     "hunyuan_video": Case(
         lambda: FAMILY["hunyuan_video"].tiny_pipeline(num_heads=3),
@@ -228,9 +252,12 @@ def _probs(q, k, mask):
 
 
 def stock_reference(pipe, family, guided, monkeypatch):
-    """The stock video and, per step and layer, the reference probabilities ``{(step, layer, role): [P]}``
-    over the results' batch ``[uncond..., cond...]`` (a role's calls in order), each proved against the
-    output of the attention call it came from."""
+    """The stock video and, per step and layer, the reference probabilities over the results' batch
+    ``[uncond..., cond...]``, each proved against the output of the attention call it came from:
+    ``ref[(step, layer, "self")]`` is one ``(1, H, S_b, S_b)`` per batch item (S_b < S where the model
+    drops an item's padded text, as Mochi does, attending over each item alone), ``ref[(step, layer,
+    "context")]`` the cross-attention's calls in order (``(B, H, V, C)`` each), and ``ref[("mask", ...)]``
+    the ``(B, S)`` keys each item keeps."""
     spec = FAMILY[family]
     spy = AttentionSpy(pipe, spec, monkeypatch)
     try:
@@ -243,18 +270,42 @@ def stock_reference(pipe, family, guided, monkeypatch):
     for n, seen in enumerate(spy.calls):
         step, call = divmod(n, calls)
         for (layer, role), found in seen.items():
-            probs = []
+            probs, keeps = [], []
             for q, k, v, mask, out in found:
                 P = _probs(q, k, mask)
                 err = (P @ v.double() - out.double()).abs().max().item()
                 assert err < 1e-5, (family, n, layer, role, err)  # the reference is the model's attention
                 probs.append(P)
+                keeps.append(torch.ones(q.shape[0], k.shape[2], dtype=torch.bool) if mask is None else mask[:, 0, 0])
+            if role == "self":  # one P per item: a batched call's items, or a call per item
+                probs = [P[b : b + 1] for P in probs for b in range(P.shape[0])]
+                keeps = [keep[b] for keep in keeps for b in range(keep.shape[0])]
             key = (step, layer, role)
             # the results' batch is [uncond..., cond...]: a step's later (unconditional) call goes first
-            ref[key] = probs if key not in ref else [torch.cat([p, r]) for p, r in zip(probs, ref[key])]
-            ref.setdefault(("mask", step, layer, role), []).insert(0, found[0][3])
+            if key not in ref:
+                ref[key], ref[("mask", *key)] = probs, keeps
+            elif role == "self":
+                ref[key], ref[("mask", *key)] = probs + ref[key], keeps + ref[("mask", *key)]
+            else:
+                ref[key] = [torch.cat([p, r]) for p, r in zip(probs, ref[key])]
     assert ref, "the spy saw no attention call: nothing would be compared"
     return video, ref
+
+
+def _item_kind(P, kind, lay, tokens, shape):
+    """The reference of ``kind`` for one item's ``P`` ``(1, H, S_b, S_b)``, in the recorded ``shape`` of
+    one item: an item attending over fewer tokens (its padded text dropped) has the layout's text
+    shortened by as many, and zeros where its rows and columns would be."""
+    T = lay.text_len - (lay.seq_len - P.shape[-1])
+    want = naive_kind(P, kind, T, lay.grid, tokens, text_at_end=lay.text_position == "end", **SIZES)[0]
+    full = torch.zeros(shape, dtype=want.dtype)
+    full[tuple(slice(0, n) for n in want.shape)] = want
+    return full
+
+
+def _padded(P, S):
+    """``P`` ``(1, H, S_b, S_b)`` with zero rows and columns up to S."""
+    return torch.nn.functional.pad(P, (0, S - P.shape[-1], 0, S - P.shape[-2]))
 
 
 def _kinds(family):
@@ -280,18 +331,17 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, fa
     assert all(c.passed for c in rec.checks) and (method == "rows" or rec.checks), rec.checks
     lay = rec.layout
     tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in QUERIES]
-    end = lay.text_position == "end"
     for step in range(2):
         for layer in range(len(rec.layer_names)):
-            (P,) = ref[(step, layer, "self")]
+            items = ref[(step, layer, "self")]
             for kind in kinds:
                 result = rec.get(kind, step, layer)
                 source = spec.source(kind)
                 if kind == "topk":
-                    assert_topk(result, P, 1e-5)
+                    assert_topk(result, torch.cat([_padded(P, lay.seq_len) for P in items]), 1e-5)
                     continue
                 if source == "self":
-                    want = naive_kind(P, kind, lay.text_len, lay.grid, tokens, text_at_end=end, **SIZES)
+                    want = torch.stack([_item_kind(P, kind, lay, tokens, result.shape[1:]) for P in items])
                 else:
                     contexts = ref[(step, layer, "context")]
                     want = naive_context(contexts[-1] if source == "text" else contexts[0], lay.grid)
@@ -311,11 +361,13 @@ def test_masked_keys_take_exactly_zero_and_unguided_calls_are_recorded(pipes, fa
     assert torch.equal(got, video)
     assert rec.batch_items == (0, 1)  # no guidance: the two videos, one call per step
     masked = 0
-    for key, masks in ref.items():
-        if key[0] != "mask" or key[3] != "self" or masks[0] is None:
+    for key, keeps in ref.items():
+        if key[0] != "mask" or key[3] != "self":
             continue
         _, step, layer, _ = key
-        dropped = ~torch.cat(masks)[:, 0, 0]  # (B, S): the keys each item's mask drops
+        dropped = torch.ones(len(keeps), rec.layout.seq_len, dtype=torch.bool)  # (B, S): keys no item attends
+        for b, keep in enumerate(keeps):
+            dropped[b, : len(keep)] = ~keep
         full, received = rec.get("full", step, layer), rec.get("received", step, layer)
         assert bool((full.masked_select(dropped[:, None, None, :]) == 0).all()), "a masked key got attention"
         assert bool((received.masked_select(dropped[:, None, :]) == 0).all())

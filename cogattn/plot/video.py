@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..layout import VAE_TEMPORAL, TokenLayout
+from ..layout import TokenLayout
 
 __all__ = ["upsample_to_video", "video_array", "write_animation"]
 
@@ -57,7 +57,7 @@ def upsample_to_video(
     num_pixel_frames: int,
     size: tuple[int, int],
     mode: str = "nearest",
-    temporal_compression: int = VAE_TEMPORAL,
+    temporal_compression: int | None = None,
 ) -> torch.Tensor:
     """Patch-grid maps placed on the decoded video: one map per pixel frame, upsampled to pixels.
 
@@ -73,7 +73,7 @@ def upsample_to_video(
         size (`tuple[int, int]`): ``(H, W)`` of the decoded video.
         mode (`str`, defaults to ``"nearest"``): ``"nearest"`` (every pixel of a patch shows the patch's
             value) or ``"bilinear"`` (smooth).
-        temporal_compression (`int`, defaults to 4): the VAE's temporal compression.
+        temporal_compression (`int | None`): the VAE's temporal compression; defaults to the layout's.
 
     Returns:
         `torch.Tensor`: ``(N, H, W)`` float32.

@@ -1,0 +1,250 @@
+"""The self-test's rows on the tiny pipelines: every kind, method and output mode of CogVideoX 1.0, 1.5
+and image-to-video (:func:`pipeline_rows`), and every method of every other registered family's tiny
+pipelines (:func:`family_rows`), against the naive float64 reference of the q and k (and the key and
+query counts) the processors handed over, with the video against the stock one. ``python -m
+cogattn.selftest`` (:mod:`cogattn.selftest`) runs them and reports.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .attention import fused_lse_supported
+from .checks import TOLERANCE, bound, made_from_output
+from .kernels import available as triton_available
+from .models import cogvideox
+from .recording import record
+from .reference import kind_error, naive_context, naive_kind, naive_lse, naive_probs, select
+
+__all__ = ["JOINT_KINDS", "PIPELINES", "Row", "family_rows", "methods", "pipeline_rows", "timed"]
+
+JOINT_KINDS = cogvideox.SPEC.kinds()  # the kinds of CogVideoX's joint attention
+SIZES = dict(block_size=7, topk=4)  # several blocks, the last one shorter, on the tiny pipelines
+
+
+@dataclass
+class Row:
+    """One line of the report."""
+
+    part: str  # "layer S=…" or the tiny pipeline
+    kind: str
+    method: str
+    output: str
+    max_error: float | None
+    tolerance: float | None
+    bit_identical: bool | None  # the layer's or the video's output against stock (None: not compared)
+    time_x_stock: float | None
+    passed: bool | None  # None: skipped
+    note: str = ""
+
+
+def timed(fn, device: torch.device):
+    """``(fn(), seconds)``, the device synchronized around it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - t0
+
+
+def methods(device: torch.device) -> list[tuple[str, str]]:
+    """``(method, why skipped or "")`` for every method."""
+    triton = "" if triton_available(device) else "needs Triton on CUDA (or TRITON_INTERPRET=1)"
+    sdpa = "" if fused_lse_supported(device) else f"no fused attention kernel with lse on {device.type}"
+    return [("rows", ""), ("sdpa", sdpa), ("triton", triton)]
+
+
+# -- the tiny pipelines --------------------------------------------------------------------------------
+PIPELINES = [("text-to-video", "1.0"), ("text-to-video", "1.5"), ("image-to-video", "1.0")]
+
+
+def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -> list[Row]:
+    """Every method and output mode recording every kind of a 2-step generation of each tiny pipeline."""
+    tiny_pipeline, TINY_TEXT_LEN = cogvideox.tiny_pipeline, cogvideox.TINY_TEXT_LEN
+    rows = []
+    for task, version in configs:
+        pipe = tiny_pipeline(task, version, dtype=dtype, num_heads=3).to(device)
+        part = f"tiny {version} {'i2v' if task == 'image-to-video' else 't2v'}"
+        gen = torch.Generator().manual_seed(0)
+        emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=gen).to(device, dtype)
+        call = dict(
+            prompt_embeds=emb,
+            negative_prompt_embeds=-emb,
+            num_frames=9,
+            num_inference_steps=2,
+            max_sequence_length=TINY_TEXT_LEN,
+            output_type="pt",
+        )
+        if task == "image-to-video":
+            call["image"] = torch.rand(3, 48, 80, generator=gen)
+
+        def generate(pipe=pipe, call=call):
+            return pipe(generator=torch.Generator(device).manual_seed(1), **call).frames
+
+        generate()  # warm up
+        stock, t_stock = timed(generate, device)
+        combos = [(m, "stock", why) for m, why in methods(device)]
+        combos += [
+            ("auto", mode, "" if fused_lse_supported(device) else "no fused kernel") for mode in ("lse", "joint")
+        ]
+        for method, output, skipped in combos:
+            if skipped:
+                rows.append(Row(part, "all", method, output, None, None, None, None, None, skipped))
+                continue
+            rec = record(
+                pipe,
+                kinds=tuple(JOINT_KINDS),
+                queries=[0, (1, 1, 2)],
+                batch="cond",
+                heads="all",
+                method=method,
+                layer_output=output,
+                verify=False,
+                **SIZES,
+            )
+            calls, inner = [], rec.capture
+
+            def spy(layer, query, key, lse=None, sums=None, inner=inner, rec=rec, calls=calls):
+                calls.append((rec.step, layer, query.detach().float().cpu(), key.detach().float().cpu()))
+                inner(layer, query, key, lse, sums)
+
+            rec.capture = spy
+            with rec:
+                video, seconds = timed(generate, device)
+            worst, limit_of_worst, passed = 0.0, TOLERANCE.get(dtype, 1e-5), True
+            for step, layer, q, k in calls:
+                P, lse = (x[list(rec.batch_items)] for x in (naive_probs(q, k), naive_lse(q, k)))
+                for kind in JOINT_KINDS:
+                    limit = bound(dtype, made_from_output(kind, output, JOINT_KINDS, rec.plan.tiles.method))
+                    tokens = [0, rec.layout.token_index(1, 1, 2)]
+                    lay = rec.layout
+                    got = rec.get(kind, step, layer)
+                    err = kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, **SIZES)
+                    passed &= err <= limit
+                    if err / limit >= worst / limit_of_worst:
+                        worst, limit_of_worst = err, limit
+            same = bool(torch.equal(video, stock))
+            promised = output == "stock" or device.type == "cpu"
+            note = "" if promised else "another kernel than SDPA's on CUDA: last bits may differ"
+            rows.append(
+                Row(
+                    part,
+                    "all",
+                    method,
+                    output,
+                    worst,
+                    limit_of_worst,
+                    same,
+                    seconds / t_stock,
+                    passed and (same or not promised),
+                    note,
+                )
+            )
+    return rows
+
+
+def _spying(rec, inner, context: bool, calls: dict):
+    """``inner`` (a recording's ``capture`` or ``capture_context``), keeping each call's q, k and key counts
+    in ``calls``."""
+
+    def spy(layer, query, key, *rest):
+        counts = (rest[2] if len(rest) > 2 else None, rest[3] if len(rest) > 3 else None)
+        qk = (query.detach().float().cpu(), key.detach().float().cpu(), None if context else counts)
+        calls.setdefault((rec.step, layer, rest[0] if context else "self"), []).append(qk)
+        inner(layer, query, key, *rest)
+
+    return spy
+
+
+def _item_counts(counts, batch: int) -> list[tuple[int | None, int | None]]:
+    """``(kept keys, formed queries)`` of each item of a call (`None`: all)."""
+    keys, queries = counts
+    return [
+        (None if keys is None else int(keys[b]), None if queries is None else int(queries[b])) for b in range(batch)
+    ]
+
+
+def _item_error(rec, kind: str, step: int, layer: int, b: int, P, lse, queries: int | None) -> float:
+    """Error of item ``b``'s recorded ``kind`` against its reference ``P`` ``(1, H, S_b, S)`` (``S_b`` the
+    formed query rows, whose text is as much shorter), in the units of the bounds; rows never formed
+    must hold exactly 0."""
+    lay = rec.layout
+    got = rec.get(kind, step, layer)
+    got = type(got)(*(x[b : b + 1] for x in got)) if kind == "topk" else got[b : b + 1]
+    if queries is None or queries == lay.seq_len:
+        tokens, end = [0, lay.token_index(1, 1, 2)], lay.text_position == "end"
+        return kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, end, **SIZES)
+    S, n = lay.seq_len, queries  # the model attends over the first n tokens alone: so does the reference
+    P, T = P[..., :n], lay.text_len - (S - n)
+    tokens = [0, lay.token_index(1, 1, 2)]
+    if kind == "topk":
+        inside = type(got)(*(x[:, :, :n] for x in got))
+        return max(
+            kind_error(inside, P, kind, T, lay.grid, tokens, lse, True, **SIZES),
+            got.values[:, :, n:].abs().max().item(),
+        )
+    want = naive_kind(P, kind, T, lay.grid, tokens, text_at_end=True, **SIZES)
+    corner = tuple(slice(0, m) for m in want.shape)
+    err = kind_error(got[corner], P, kind, T, lay.grid, tokens, lse, True, **SIZES)
+    outside = got.clone()
+    outside[corner] = 0
+    return max(err, outside.abs().max().item())
+
+
+def family_rows(spec, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """Every method recording every kind of a family (all but CogVideoX, whose rows also cover the output
+    modes) in a 2-step guided generation of each of its tiny pipelines: the self-attention kinds (under the
+    family's key mask) and the cross-attention's, against the reference of the q and k the processors
+    handed over, and the video against the stock one."""
+    self_kinds = spec.kinds("self")
+    rows = []
+    for task in spec.tiny_tasks:
+        pipe = spec.tiny_pipeline(task, dtype=dtype, num_heads=3, head_dim=16).to(device)  # Triton: D ≥ 16
+        part = f"tiny {spec.family} {'i2v' if task == 'image-to-video' else 't2v'}"
+        call = spec.tiny_call(pipe, task, torch.Generator().manual_seed(0), True)
+        context = [k for k in spec.context_kinds if spec.context_kinds[k] == "text" or task == "image-to-video"]
+
+        def generate(pipe=pipe, call=call):
+            gen = torch.Generator(device).manual_seed(1)
+            return pipe(generator=gen, num_inference_steps=2, output_type="pt", **call).frames
+
+        generate()  # warm up
+        stock, t_stock = timed(generate, device)
+        for method, skipped in methods(device):
+            if skipped:
+                rows.append(Row(part, "all", method, "stock", None, None, None, None, None, skipped))
+                continue
+            kinds = self_kinds + tuple(context)
+            rec = record(pipe, kinds=kinds, queries=[0, (1, 1, 2)], batch="all", heads="all", method=method, **SIZES)
+            calls: dict = {}  # (step, layer, source) → [(q, k, counts) of each call]: as the family calls them
+            for name in ("capture", "capture_context"):
+                setattr(rec, name, _spying(rec, getattr(rec, name), name == "capture_context", calls))
+            with rec:
+                video, seconds = timed(generate, device)
+            limit, worst, lay = TOLERANCE.get(dtype, 1e-5), 0.0, rec.layout
+            for (step, layer, source), found in calls.items():
+                found = found[::-1]  # the guidance batch [uncond..., cond...]: a step's later call first
+                q, k = torch.cat([q for q, _, _ in found]), torch.cat([k for _, k, _ in found])
+                if source != "self":
+                    P = naive_probs(q, k)
+                    for kind in [c for c in context if spec.source(c) == source]:
+                        ref = select(naive_context(P, lay.grid), rec.batch_items, "all")
+                        worst = max(worst, (rec.get(kind, step, layer).double() - ref).abs().max().item())
+                    continue
+                items = [n for qc, _, counts in found for n in _item_counts(counts, len(qc))]
+                for b, (keys, queries) in enumerate(items):
+                    qb, kb = q[b : b + 1, :, :queries], k[b : b + 1]
+                    keep = (torch.arange(k.shape[2]) < (k.shape[2] if keys is None else keys))[None]
+                    P, lse = naive_probs(qb, kb, key_mask=keep), naive_lse(qb, kb, key_mask=keep)
+                    for kind in self_kinds:
+                        worst = max(worst, _item_error(rec, kind, step, layer, b, P, lse, queries))
+            same = bool(torch.equal(video, stock))
+            rows.append(
+                Row(part, "all", method, "stock", worst, limit, same, seconds / t_stock, worst <= limit and same)
+            )
+    return rows
