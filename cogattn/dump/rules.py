@@ -1,7 +1,7 @@
 """The rules of a ``cogattn-dump`` config's pipeline call, checked before anything loads (a bad value would
 fail every prompt).
 
-The common rules read the model's family spec (``cogattn.models.ModelSpec``): 4k + 1 frames, pixels in
+The common rules read the model's family spec (``cogattn.models.ModelSpec``): the VAE's tk + 1 frames, pixels in
 whole patches (``pixels_per_patch``), the tasks the family's pipelines take, ``true_cfg_scale`` where the
 pipeline has it (``guidance_argument``), ``guidance_scale_2`` for two experts, and the tiny pipelines'
 options (``tiny_options``, set for their family's ``tiny_name`` only); then the family's own
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..layout import VAE_TEMPORAL
 from ..models import FAMILIES, KNOWN_MODELS, ModelSpec
 
 __all__ = ["check_call", "check_tiny_options"]
@@ -55,11 +54,12 @@ def check_call(cfg) -> None:
     spec = cfg.spec()
     spec.check_task(cfg.task, tiny=cfg.tiny_spec() is not None)
     config = cfg.model_config()
-    if cfg.num_frames < 1 or (cfg.num_frames - 1) % VAE_TEMPORAL:
-        below = max(1, (cfg.num_frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1)
+    tc = spec.layout_for_video(config, 1, 16, 16, 1).temporal_compression  # the VAE's: 4, or Mochi's 6
+    if cfg.num_frames < 1 or (cfg.num_frames - 1) % tc:
+        below = max(1, (cfg.num_frames - 1) // tc * tc + 1)
         raise ValueError(
-            f"num_frames: {cfg.num_frames!r}; the {spec.title} VAE decodes 4k + 1 frames ({spec.frame_counts}): "
-            f"use {below} or {below + VAE_TEMPORAL}."
+            f"num_frames: {cfg.num_frames!r}; the {spec.title} VAE decodes {tc}k + 1 frames ({spec.frame_counts}): "
+            f"use {below} or {below + tc}."
         )
     vae, patch = spec.pixels_per_patch(config)
     for key in ("height", "width"):

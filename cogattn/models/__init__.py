@@ -46,7 +46,12 @@ for _found in pkgutil.iter_modules(__path__):  # every module of this package bu
         FAMILIES.append(_module.SPEC)
 FAMILIES.sort(key=lambda spec: spec.family != "cogvideox")  # the embedded default first, then by name
 
-KNOWN_MODELS: dict[str, dict] = {name: config for spec in FAMILIES for name, config in spec.known.items()}
+# the released shapes of every family, those this diffusers lacks too (whose configs then say what they need)
+KNOWN_MODELS: dict[str, dict] = {
+    name: config
+    for known in [m.known for m in UNAVAILABLE.values()] + [s.known for s in FAMILIES]
+    for name, config in known.items()
+}
 
 
 def family(name: str) -> ModelSpec:

@@ -18,6 +18,20 @@ import torch
 
 from .spec import ModelSpec, Site, Unavailable
 
+# Attention shapes of the released checkpoint (its transformer/config.json): Wan 2.1 image-to-video 14B's.
+KNOWN: dict[str, dict] = {
+    "nvidia/ChronoEdit-14B-Diffusers": {
+        "_class_name": "ChronoEditTransformer3DModel",
+        "attention_head_dim": 128,
+        "patch_size": [1, 2, 2],
+        "num_layers": 40,
+        "num_attention_heads": 40,
+        "in_channels": 36,
+        "out_channels": 16,
+        "image_dim": 1280,
+    },
+}
+
 try:
     from diffusers.models.transformers.transformer_chronoedit import (
         ChronoEditTransformer3DModel,
@@ -27,17 +41,9 @@ try:
     from . import wan
 except ImportError as missing:
     needs = "ChronoEdit needs diffusers >= 0.36 (transformer_chronoedit)"
-    raise Unavailable("chronoedit", needs, ("ChronoEditTransformer3DModel",)) from missing
+    raise Unavailable("chronoedit", needs, ("ChronoEditTransformer3DModel",), (), KNOWN) from missing
 
 __all__ = ["SPEC", "KNOWN", "tiny_pipeline", "tiny_transformer"]
-
-# Attention shapes of the released checkpoint: Wan 2.1 image-to-video 14B's.
-KNOWN: dict[str, dict] = {
-    "nvidia/ChronoEdit-14B-Diffusers": {
-        **wan.KNOWN["Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"],
-        "_class_name": "ChronoEditTransformer3DModel",
-    },
-}
 
 
 def tiny_transformer(image_to_video: bool = True, **size):
@@ -78,6 +84,8 @@ SPEC = ModelSpec(
     tiny_transformer=tiny_transformer,
     tiny_call=tiny_call,
     tiny_tasks=("image-to-video",),
+    pipelines={"image-to-video": "ChronoEditPipeline"},
+    float32=("vae", "image_encoder"),
     known=KNOWN,
     text_len=wan.TEXT_LEN,
     context_kinds=wan.SPEC.context_kinds,

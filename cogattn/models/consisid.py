@@ -19,13 +19,6 @@ from . import cogvideox
 from .spec import ModelSpec, Site, Unavailable
 from .tiny_text import TEXT_DIM, TINY_TEXT_LEN
 
-try:
-    from diffusers import ConsisIDTransformer3DModel
-except ImportError as missing:
-    raise Unavailable("consisid", "ConsisID needs diffusers >= 0.33", ("ConsisIDTransformer3DModel",)) from missing
-
-__all__ = ["SPEC", "KNOWN", "tiny_pipeline", "tiny_transformer"]
-
 # Attention shapes of the released checkpoint (its transformer/config.json): CogVideoX-5b's blocks.
 KNOWN: dict[str, dict] = {
     "BestWishYsh/ConsisID-preview": {
@@ -33,6 +26,14 @@ KNOWN: dict[str, dict] = {
         "_class_name": "ConsisIDTransformer3DModel",
     },
 }
+
+try:
+    from diffusers import ConsisIDTransformer3DModel
+except ImportError as missing:
+    needs = "ConsisID needs diffusers >= 0.33"
+    raise Unavailable("consisid", needs, ("ConsisIDTransformer3DModel",), (), KNOWN) from missing
+
+__all__ = ["SPEC", "KNOWN", "tiny_pipeline", "tiny_transformer"]
 
 
 def tiny_transformer(*, num_layers: int = 2, num_heads: int = 2, head_dim: int = 16, dtype=torch.float32, seed=0):
@@ -88,6 +89,7 @@ SPEC = ModelSpec(
     tiny_transformer=tiny_transformer,
     tiny_call=cogvideox.tiny_call,
     tiny_tasks=("image-to-video",),
+    pipelines={"image-to-video": "ConsisIDPipeline"},
     known=KNOWN,
     text_len=226,
     refused=cogvideox.SPEC.refused,

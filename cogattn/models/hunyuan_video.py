@@ -33,10 +33,25 @@ from ..processor import MapSink, key_counts
 from .spec import ModelSpec, Site, Unavailable
 from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
 
+# Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
+_HV = {
+    "_class_name": "HunyuanVideoTransformer3DModel",
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "num_layers": 20,
+    "num_single_layers": 40,
+    "patch_size": 2,
+    "patch_size_t": 1,
+    "text_embed_dim": 4096,
+}
+KNOWN: dict[str, dict] = {
+    "hunyuanvideo-community/HunyuanVideo": {**_HV, "in_channels": 16, "guidance_embeds": True},
+}
+
 if not hasattr(HunyuanVideoAttnProcessor2_0, "_attention_backend"):  # the SDPA version of diffusers ≤ 0.35
     needs = "HunyuanVideo needs diffusers >= 0.36 (its processor calls dispatch_attention_fn)"
-    raise Unavailable("hunyuan_video", needs, ("HunyuanVideoTransformer3DModel",), ("num_single_layers",))
-from diffusers.models.attention_dispatch import dispatch_attention_fn
+    raise Unavailable("hunyuan_video", needs, ("HunyuanVideoTransformer3DModel",), ("num_single_layers",), KNOWN)
+from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402  (diffusers >= 0.35)
 
 __all__ = [
     "SPEC",
@@ -221,22 +236,6 @@ def true_cfg(pipeline) -> bool | None:
             return bool(frame.f_locals["do_true_cfg"])
         frame = frame.f_back
     return None
-
-
-# Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
-_HV = {
-    "_class_name": "HunyuanVideoTransformer3DModel",
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "num_layers": 20,
-    "num_single_layers": 40,
-    "patch_size": 2,
-    "patch_size_t": 1,
-    "text_embed_dim": 4096,
-}
-KNOWN: dict[str, dict] = {
-    "hunyuanvideo-community/HunyuanVideo": {**_HV, "in_channels": 16, "guidance_embeds": True},
-}
 
 
 # -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------

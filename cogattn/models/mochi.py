@@ -279,6 +279,7 @@ SPEC = ModelSpec(
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
     tiny_call=tiny_call,
+    frame_counts="7, 13, ..., 85, ..., 163",
     config_keys=("max_sequence_length",),
     known=KNOWN,
     text_len=TEXT_LEN,

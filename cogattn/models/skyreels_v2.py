@@ -17,6 +17,23 @@ import torch
 
 from .spec import ModelSpec, Site, Unavailable
 
+# Attention shapes of the released checkpoints (their transformer/config.json): Wan 2.1's 1.3B and 14B.
+_SKY = {"_class_name": "SkyReelsV2Transformer3DModel", "attention_head_dim": 128, "patch_size": [1, 2, 2]}
+_SKY_14B = {**_SKY, "num_layers": 40, "num_attention_heads": 40, "in_channels": 16, "out_channels": 16}
+KNOWN: dict[str, dict] = {
+    "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers": _SKY_14B,
+    "Skywork/SkyReels-V2-T2V-14B-720P-Diffusers": _SKY_14B,
+    "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers": {**_SKY_14B, "in_channels": 36, "image_dim": 1280},
+    "Skywork/SkyReels-V2-I2V-1.3B-540P-Diffusers": {
+        **_SKY,
+        "num_layers": 30,
+        "num_attention_heads": 12,
+        "in_channels": 36,
+        "out_channels": 16,
+        "image_dim": 1280,
+    },
+}
+
 try:
     from diffusers.models.transformers.transformer_skyreels_v2 import (
         SkyReelsV2AttnProcessor,
@@ -26,7 +43,7 @@ try:
     from . import wan
 except ImportError as missing:
     needs = "SkyReels-V2 needs diffusers >= 0.35 (SkyReelsV2Attention)"
-    raise Unavailable("skyreels_v2", needs, ("SkyReelsV2Transformer3DModel",)) from missing
+    raise Unavailable("skyreels_v2", needs, ("SkyReelsV2Transformer3DModel",), (), KNOWN) from missing
 
 __all__ = ["SPEC", "KNOWN", "SkyReelsV2AttnMapProcessor", "tiny_pipeline", "tiny_transformer"]
 
@@ -36,21 +53,6 @@ class SkyReelsV2AttnMapProcessor(wan.WanAttnMapProcessor):
     context-parallel config passed to every attention call, as SkyReels-V2's copy of Wan's processor does."""
 
     _parallel_in_every_call = True
-
-
-# Attention shapes of the released checkpoints: Wan 2.1's 1.3B and 14B (their transformer/config.json).
-_SKY = {**wan.KNOWN["Wan-AI/Wan2.1-T2V-14B-Diffusers"], "_class_name": "SkyReelsV2Transformer3DModel"}
-KNOWN: dict[str, dict] = {
-    "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers": _SKY,
-    "Skywork/SkyReels-V2-T2V-14B-720P-Diffusers": _SKY,
-    "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers": {**_SKY, "in_channels": 36, "image_dim": 1280},
-    "Skywork/SkyReels-V2-I2V-1.3B-540P-Diffusers": {
-        **wan.KNOWN["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"],
-        "_class_name": "SkyReelsV2Transformer3DModel",
-        "in_channels": 36,
-        "image_dim": 1280,
-    },
-}
 
 
 def tiny_transformer(image_to_video: bool = False, **size):
@@ -88,6 +90,7 @@ SPEC = ModelSpec(
     tiny_transformer=tiny_transformer,
     tiny_call=wan.tiny_call,
     tiny_tasks=("text-to-video", "image-to-video"),
+    float32=("vae", "image_encoder"),
     known=KNOWN,
     text_len=wan.TEXT_LEN,
     context_kinds=wan.SPEC.context_kinds,

@@ -19,7 +19,23 @@ import inspect
 
 import torch
 
-from .spec import Unavailable
+from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
+from ..processor import MapSink
+from .spec import ModelSpec, Site, Unavailable
+from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
+
+# Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
+_WAN = {"_class_name": "WanTransformer3DModel", "attention_head_dim": 128, "patch_size": [1, 2, 2]}
+_14B = {**_WAN, "num_layers": 40, "num_attention_heads": 40, "in_channels": 16, "out_channels": 16}
+KNOWN: dict[str, dict] = {
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {**_WAN, "num_layers": 30, "num_attention_heads": 12, "out_channels": 16},
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": _14B,
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {**_14B, "in_channels": 36, "image_dim": 1280},
+    "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": {**_14B, "in_channels": 36, "image_dim": 1280},
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {**_WAN, "num_layers": 30, "num_attention_heads": 24, "out_channels": 48},
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": {**_14B, "experts": 2},
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {**_14B, "in_channels": 36, "experts": 2},
+}
 
 try:
     from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -32,12 +48,8 @@ try:
     )
 except ImportError as missing:
     needs = "Wan needs diffusers >= 0.35 (WanAttention)"
-    raise Unavailable("wan", needs, ("WanTransformer3DModel",), ("text_dim",)) from missing
+    raise Unavailable("wan", needs, ("WanTransformer3DModel",), ("text_dim",), KNOWN) from missing
 
-from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
-from ..processor import MapSink
-from .spec import ModelSpec, Site
-from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 
 __all__ = [
     "SPEC",
@@ -233,20 +245,6 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         context_len=text_len or TEXT_LEN,
         image_len=(config.get("pos_embed_seq_len") or IMAGE_LEN) if config.get("image_dim") else 0,  # FLF2V: 2 images
     )
-
-
-# Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
-_WAN = {"_class_name": "WanTransformer3DModel", "attention_head_dim": 128, "patch_size": [1, 2, 2]}
-_14B = {**_WAN, "num_layers": 40, "num_attention_heads": 40, "in_channels": 16, "out_channels": 16}
-KNOWN: dict[str, dict] = {
-    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {**_WAN, "num_layers": 30, "num_attention_heads": 12, "out_channels": 16},
-    "Wan-AI/Wan2.1-T2V-14B-Diffusers": _14B,
-    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {**_14B, "in_channels": 36, "image_dim": 1280},
-    "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": {**_14B, "in_channels": 36, "image_dim": 1280},
-    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {**_WAN, "num_layers": 30, "num_attention_heads": 24, "out_channels": 48},
-    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": {**_14B, "experts": 2},
-    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {**_14B, "in_channels": 36, "experts": 2},
-}
 
 
 # -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------
