@@ -18,14 +18,13 @@ second case, more frames (``--frames-b``: 50 latent frames, S = 180,000 + 256), 
 from __future__ import annotations
 
 import argparse
-import os
 import platform
-import sys
 import time
 
 import torch
 from diffusers import HunyuanVideoTransformer3DModel
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
+from report import write_table
 
 import cogattn
 
@@ -57,19 +56,6 @@ def timed(module, times: list) -> None:
     module.register_forward_hook(lambda m, a, o: times.__setitem__(-1, times[-1] + time.perf_counter()))
 
 
-def measure(real, total: list, memory: PeakMemory):
-    """``real`` wrapped: adds its time to ``total[0]`` and keeps its largest peak in ``total[1]``."""
-
-    def measured(*args):
-        memory.start()
-        t0 = time.perf_counter()
-        real(*args)
-        total[0] += time.perf_counter() - t0
-        total[1] = max(total[1], memory.stop())
-
-    return measured
-
-
 def case(transformer, frames: int, height: int, width: int, valid: int, budget: str, memory: PeakMemory) -> dict:
     """Stock, then captured: the times, peak and plan of one call on ``frames`` × ``height`` × ``width`` patches."""
     g = torch.Generator().manual_seed(0)
@@ -90,7 +76,7 @@ def case(transformer, frames: int, height: int, width: int, valid: int, budget: 
     print(f"S = {frames * height * width:,} + {TEXT}: stock attention {t_stock:.1f} s", flush=True)
     rec = cogattn.record(transformer, kinds=("frame", "video_to_text"), memory_budget=budget, batch=[0])
     spent = [0.0, 0]
-    rec.capture = measure(rec.capture, spent, memory)
+    rec.capture = memory.measured(rec.capture, spent)
     with rec, torch.no_grad():
         out = transformer(**call)[0]
     transformer.transformer_blocks[0].attn._forward_hooks.clear()
@@ -159,13 +145,7 @@ def main() -> None:
             f"{'yes' if r['peak'] <= budget else 'NO'} | {r['full'] / 2**30:.0f} | {'passed' if r['checks'] else 'NO'} | "
             f"{'yes' if r['identical'] else 'NO'} |"
         )
-    lines += ["", f"Command: `python {' '.join(sys.argv)}`"]
-    table = "\n".join(lines)
-    print("\n" + table)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(table + "\n")
-    print(f"\nwritten to {args.out}")
+    write_table(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ allocations are made with mmap so freed memory really leaves).
 from __future__ import annotations
 
 import argparse
-import os
 import platform
-import sys
 import time
 
 import torch
 from diffusers.models.attention_processor import Attention, CogVideoXAttnProcessor2_0
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
+from report import write_table
 
 from cogattn.attention import attention_joint, attention_with_lse
 from cogattn.checks import RowProbe, Verifier, probe_rows
@@ -220,13 +219,7 @@ def main() -> None:
             f"| {name} | {method} | {dt:.2f} | {ratio:.2f} | {peak / MiB:.0f} | {planned / MiB:.0f} | "
             f"{result / MiB:.2f} |"
         )
-    lines += ["", f"Command: `python {' '.join(sys.argv)}`"]
-    table = "\n".join(lines)
-    print("\n" + table)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(table + "\n")
-    print(f"\nwritten to {args.out}")
+    write_table(lines, args.out)
 
 
 if __name__ == "__main__":

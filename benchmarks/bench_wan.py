@@ -16,14 +16,13 @@ must be bit-identical.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
-import sys
 import time
 
 import torch
 from diffusers import WanTransformer3DModel
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
+from report import write_table
 
 import cogattn
 
@@ -56,19 +55,6 @@ def timed_modules(transformer) -> dict[str, list[float]]:
             lambda m, a, o, n=name: times[n].__setitem__(-1, times[n][-1] + time.perf_counter())
         )
     return times
-
-
-def measure(real, total: list, memory: PeakMemory):
-    """``real`` wrapped: adds its time to ``total[0]`` and keeps its largest peak in ``total[1]``."""
-
-    def measured(*args):
-        memory.start()
-        t0 = time.perf_counter()
-        real(*args)
-        total[0] += time.perf_counter() - t0
-        total[1] = max(total[1], memory.stop())
-
-    return measured
 
 
 def main() -> None:
@@ -112,7 +98,7 @@ def main() -> None:
         rec = cogattn.record(transformer, kinds=kinds, method=method, memory_budget=args.budget, batch=[0])
         spent = {"capture": [0.0, 0], "capture_context": [0.0, 0]}
         for name in spent:
-            setattr(rec, name, measure(getattr(rec, name), spent[name], memory))
+            setattr(rec, name, memory.measured(getattr(rec, name), spent[name]))
         with rec:
             out = forward()
         identical = torch.equal(out, reference)
@@ -151,13 +137,7 @@ def main() -> None:
             f"| {name} | {what} | {used} | {dt:.2f} | {ratio:.2f} | {peak / MiB:.0f} | {planned / MiB:.0f} | "
             f"{result / MiB:.2f} | {'yes' if identical else 'NO'} |"
         )
-    lines += ["", f"Command: `python {' '.join(sys.argv)}`"]
-    table = "\n".join(lines)
-    print("\n" + table)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(table + "\n")
-    print(f"\nwritten to {args.out}")
+    write_table(lines, args.out)
 
 
 if __name__ == "__main__":

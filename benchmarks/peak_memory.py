@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform.startswith("linux"):
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -34,6 +35,18 @@ class PeakMemory:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current resident size
             self.base = _status("VmRSS")
+
+    def measured(self, real, total: list):
+        """``real`` wrapped: adds its time to ``total[0]`` and keeps its largest peak in ``total[1]``."""
+
+        def measured(*args):
+            self.start()
+            t0 = time.perf_counter()
+            real(*args)
+            total[0] += time.perf_counter() - t0
+            total[1] = max(total[1], self.stop())
+
+        return measured
 
     def stop(self) -> int:
         if self.device == "cuda":
