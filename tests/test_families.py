@@ -31,13 +31,15 @@ QUERIES = [0, (1, 1, 2)]  # a token index and a video point, on every tiny grid
 class Case:
     """How a family's tiny pipeline is called in these tests: ``call(pipe, generator, guided)`` → the
     call's arguments for a batch of two videos; ``skip``: kinds the tiny call does not make; ``released``:
-    ``(checkpoint, pipeline call, S)`` for ``estimate`` at a released shape."""
+    ``(checkpoint, pipeline call, S)`` for ``estimate`` at a released shape (none for a pipeline case)."""
 
     make: callable
     call: callable
     text_len: int
     skip: tuple[str, ...] = ()
     released: tuple = field(default_factory=tuple)
+    family: str = ""  # a pipeline of another family's transformer (Lucy-Edit: Wan's): that family
+    videos: int = 2  # videos of the call (Lucy-Edit edits one)
 
 
 def _cogvideox_call(pipe, g, guided):
@@ -68,6 +70,30 @@ def _wan_call(pipe, g, guided):
         height=32,
         width=48,
     )
+
+
+def _lucy_edit_pipeline():
+    """Lucy-Edit: Wan's transformer taking the video to edit as 16 more input channels, and its pipeline."""
+    diffusers = pytest.importorskip("diffusers")
+    if not hasattr(diffusers, "LucyEditPipeline"):
+        pytest.skip("this diffusers has no LucyEditPipeline")
+    base = FAMILY["wan"].tiny_pipeline(num_heads=3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = {**base.transformer.config, "in_channels": 32}
+        transformer = diffusers.WanTransformer3DModel.from_config(config).eval()
+    parts = {k: base.components[k] for k in ("tokenizer", "text_encoder", "vae", "scheduler")}
+    pipe = diffusers.LucyEditPipeline(transformer=transformer, **parts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _lucy_edit_call(pipe, g, guided):
+    """A video to edit: 9 frames of 32×48."""
+    frames = [torch.randint(0, 256, (32, 48, 3), generator=g, dtype=torch.uint8).numpy() for _ in range(9)]
+    call = _wan_call(pipe, g, guided)
+    call.update(prompt_embeds=call["prompt_embeds"][:1], negative_prompt_embeds=call["negative_prompt_embeds"][:1])
+    return {**call, "video": [PIL.Image.fromarray(f) for f in frames]}
 
 
 def _chronoedit_call(pipe, g, guided):
@@ -135,6 +161,7 @@ CASES = {
         skip=("video_to_image",),  # text-to-video: no image context
         released=("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", dict(num_frames=81, height=480, width=832), 21 * 30 * 52),
     ),
+    "lucy_edit": Case(_lucy_edit_pipeline, _lucy_edit_call, 512, skip=("video_to_image",), family="wan", videos=1),
     "skyreels_v2": Case(
         lambda: FAMILY["skyreels_v2"].tiny_pipeline(num_heads=3),
         _wan_call,
@@ -171,6 +198,11 @@ CASES = {
 }
 FAMILY = {spec.family: spec for spec in FAMILIES}
 MODES = [("rows", "stock"), ("sdpa", "stock"), ("sdpa", "lse"), ("auto", "joint")]
+
+
+def _spec(name):
+    """The family spec of case ``name``, `None` where this diffusers lacks it."""
+    return FAMILY.get(CASES[name].family or name)
 
 
 def test_every_registered_family_has_a_case():
@@ -258,7 +290,7 @@ def stock_reference(pipe, family, guided, monkeypatch):
     drops an item's padded text, as Mochi does, attending over each item alone), ``ref[(step, layer,
     "context")]`` the cross-attention's calls in order (``(B, H, V, C)`` each), and ``ref[("mask", ...)]``
     the ``(B, S)`` keys each item keeps."""
-    spec = FAMILY[family]
+    spec = _spec(family)
     spy = AttentionSpy(pipe, spec, monkeypatch)
     try:
         video = generate(pipe, family, guided).frames
@@ -309,15 +341,15 @@ def _padded(P, S):
 
 
 def _kinds(family):
-    return tuple(k for k in FAMILY[family].kinds() if k not in CASES[family].skip)
+    return tuple(k for k in _spec(family).kinds() if k not in CASES[family].skip)
 
 
 @pytest.mark.parametrize("family", list(CASES))
 @pytest.mark.parametrize("method, output", MODES)
 def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, family, method, output, monkeypatch):
-    if family not in FAMILY:
+    if _spec(family) is None:
         pytest.skip(f"this diffusers lacks {family}")
-    spec, pipe = FAMILY[family], pipes(family)
+    spec, pipe = _spec(family), pipes(family)
     if output != "stock" and not spec.output_call:
         with pytest.raises(ValueError, match="key mask"):
             cogattn.Recording(pipe, layer_output=output)
@@ -352,14 +384,14 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, fa
 
 @pytest.mark.parametrize("family", list(CASES))
 def test_masked_keys_take_exactly_zero_and_unguided_calls_are_recorded(pipes, family, monkeypatch):
-    if family not in FAMILY:
+    if _spec(family) is None:
         pytest.skip(f"this diffusers lacks {family}")
     pipe = pipes(family)
     video, ref = stock_reference(pipe, family, False, monkeypatch)
     with cogattn.record(pipe, kinds=("full", "received", "frame"), batch="all", heads="all") as rec:
         got = generate(pipe, family, False).frames
     assert torch.equal(got, video)
-    assert rec.batch_items == (0, 1)  # no guidance: the two videos, one call per step
+    assert rec.batch_items == tuple(range(CASES[family].videos))  # no guidance: the videos, one call per step
     masked = 0
     for key, keeps in ref.items():
         if key[0] != "mask" or key[3] != "self":
@@ -372,23 +404,24 @@ def test_masked_keys_take_exactly_zero_and_unguided_calls_are_recorded(pipes, fa
         assert bool((full.masked_select(dropped[:, None, None, :]) == 0).all()), "a masked key got attention"
         assert bool((received.masked_select(dropped[:, None, :]) == 0).all())
         masked += int(dropped.sum())
-    assert masked or FAMILY[family].output_call, "the tiny call of a family with a key mask should pad some text"
+    assert masked or _spec(family).output_call, "the tiny call of a family with a key mask should pad some text"
 
 
 @pytest.mark.parametrize("family", list(CASES))
 def test_refusals_and_estimates(pipes, family):
-    if family not in FAMILY:
+    if _spec(family) is None:
         pytest.skip(f"this diffusers lacks {family}")
-    spec, pipe, case = FAMILY[family], pipes(family), CASES[family]
+    spec, pipe, case = _spec(family), pipes(family), CASES[family]
     for kind in spec.refused:
-        with pytest.raises(ValueError, match=f"kind '{kind}' does not exist for {family}"):
+        with pytest.raises(ValueError, match=f"kind '{kind}' does not exist for {spec.family}"):
             cogattn.Recording(pipe, kinds=(kind,))
     with pytest.raises(ValueError, match="name no layer"):
         cogattn.Recording(pipe, layers=["no_such_blocks.0.attn"])
     # the estimate of a released checkpoint: its sequence, from the released config alone
-    name, call, seq_len = case.released
-    est = cogattn.estimate(name, **call, num_inference_steps=50, kinds=("frame",), dtype="bfloat16")
-    assert est.layout.seq_len == seq_len and f"S = {seq_len:,}" in est.table()
+    if case.released:
+        name, call, seq_len = case.released
+        est = cogattn.estimate(name, **call, num_inference_steps=50, kinds=("frame",), dtype="bfloat16")
+        assert est.layout.seq_len == seq_len and f"S = {seq_len:,}" in est.table()
     # the estimate of the tiny pipeline's call: the shapes a recording makes
     kinds = tuple(k for k in ("frame", "entropy", "video_to_text") if k in _kinds(family))
     g = torch.Generator().manual_seed(0)
@@ -413,25 +446,25 @@ def test_refusals_and_estimates(pipes, family):
 
 @pytest.mark.parametrize("family", list(CASES))
 def test_layer_names_select_layers(pipes, family):
-    if family not in FAMILY:
+    if _spec(family) is None:
         pytest.skip(f"this diffusers lacks {family}")
     pipe = pipes(family)
-    names = FAMILY[family].layer_names(pipe.transformer)
+    names = _spec(family).layer_names(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame",), layers=[names[-1], 0]) as rec:
         generate(pipe, family, False)
     assert rec.layer_names == names and sorted({layer for _, _, layer in rec.keys()}) == [0, len(names) - 1]
 
 
-@pytest.mark.parametrize("family", [f for f in CASES if f != "cogvideox"])
+@pytest.mark.parametrize("family", [f for f in CASES if f != "cogvideox" and not CASES[f].family])
 def test_the_selftest_checks_the_family_and_catches_a_wrong_map(family, monkeypatch):
     """``python -m cogattn.selftest`` records every kind of the family's tiny pipelines with every method
     against the reference of the q and k (and key counts) its processors handed over; a self-attention map
     off by 1e-3 fails it. (CogVideoX's rows are ``tests/test_selftest.py``'s.)"""
-    if family not in FAMILY:
+    if _spec(family) is None:
         pytest.skip(f"this diffusers lacks {family}")
     from cogattn import engine, selftest
 
-    rows = selftest.family_rows(FAMILY[family], torch.device("cpu"), torch.float32)
+    rows = selftest.family_rows(_spec(family), torch.device("cpu"), torch.float32)
     checked = [r for r in rows if r.passed is not None]
     assert len(checked) >= 2 and all(r.passed and r.bit_identical for r in checked), rows
     real = engine.capture_items
@@ -441,5 +474,5 @@ def test_the_selftest_checks_the_family_and_catches_a_wrong_map(family, monkeypa
         return [o + 1e-3 for o in outs], method, probes
 
     monkeypatch.setattr(engine, "capture_items", wrong)
-    rows = selftest.family_rows(FAMILY[family], torch.device("cpu"), torch.float32)
+    rows = selftest.family_rows(_spec(family), torch.device("cpu"), torch.float32)
     assert not any(r.passed for r in rows if r.passed is not None)
