@@ -40,6 +40,7 @@ class Capture:
         self.timed = engine.TimedChoice()
         self.verifier = Verifier(options.verify)
         self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
+        self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
 
     @property
     def step(self) -> int | None:
@@ -147,6 +148,9 @@ class Capture:
         rows = probe_rows(res.layout) if checked else None
         counts = None if key_counts is None else [int(n) for n in key_counts]
         formed = None if query_counts is None else [int(n) for n in query_counts]
+        for slot, b in zip(slots, items):  # each item's valid text, as the mask keeps it
+            if counts is not None:
+                self.text_lengths.setdefault(slot, res.layout.text_kept(counts[b]))
         args = (query, key, items, reducers)
         outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self.timed, rows, counts, formed)
         if probes:

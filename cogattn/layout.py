@@ -151,6 +151,10 @@ class TokenLayout:
         """The text tokens' positions in the sequence."""
         return slice(self.text_start, self.text_start + self.text_len)
 
+    def text_kept(self, keys: int) -> int:
+        """Text tokens among the first ``keys`` tokens (an item's valid text under a key mask keeping those)."""
+        return max(0, min(int(keys), self.text_start + self.text_len) - self.text_start)
+
     @property
     def grid(self) -> tuple[int, int, int]:
         """Latent patch grid (F, Hp, Wp)."""

@@ -213,6 +213,7 @@ class Recording:
                 **self.options.selection_meta(),
                 "batch_resolved": res and list(res.batch),
                 "heads_resolved": res and list(res.heads),
+                "text_lengths": None if self.text_lengths is None else list(self.text_lengths),
             },
             "model": {
                 "family": self._spec.family,
@@ -237,6 +238,16 @@ class Recording:
     def plan(self) -> CapturePlan | None:
         """The capture plan, made at the generation's first transformer call (`None` before)."""
         return self._capture.plan
+
+    @property
+    def text_lengths(self) -> tuple[int, ...] | None:
+        """Per slot of the results' batch axis, its valid text tokens where a mask keeps fewer than the
+        layout's T (HunyuanVideo's and Mochi's padded prompts), from its first captured call; `None`
+        where every text token is valid (or before a capture)."""
+        lengths = self._capture.text_lengths
+        if not lengths or self.plan is None:
+            return None
+        return tuple(lengths.get(i, self.layout.text_len) for i in range(len(self.plan.resolved.batch)))
 
     @property
     def checks(self) -> list[SpotCheck]:

@@ -289,6 +289,11 @@ class Run:
         return (self.meta.get("model") or {}).get("family", "cogvideox")
 
     @property
+    def text_lengths(self) -> list[int] | None:
+        """Per slot of the batch axis, its valid text tokens where a mask kept fewer than T (`None`: all)."""
+        return (self.meta.get("selection") or {}).get("text_lengths")
+
+    @property
     def layer_names(self) -> list[str] | None:
         """Each layer's stable name, in layer order (`None` for a run recorded before names were kept)."""
         names = (self.meta.get("model") or {}).get("layer_names")

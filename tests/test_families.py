@@ -405,6 +405,10 @@ def test_masked_keys_take_exactly_zero_and_unguided_calls_are_recorded(pipes, fa
         assert bool((received.masked_select(dropped[:, None, :]) == 0).all())
         masked += int(dropped.sum())
     assert masked or _spec(family).output_call, "the tiny call of a family with a key mask should pad some text"
+    # the recording says each video's valid text, where a mask keeps fewer than T tokens
+    V, keeps = rec.layout.video_len, ref[("mask", 0, 0, "self")]
+    valid = tuple(int(keep.sum()) - V for keep in keeps)
+    assert rec.text_lengths == (None if masked == 0 else valid), (rec.text_lengths, valid)
 
 
 @pytest.mark.parametrize("family", list(CASES))
