@@ -88,12 +88,17 @@ def _lucy_edit_pipeline():
     return pipe
 
 
+def _one_video_call(pipe, g, guided):
+    """Wan's call for one video (VACE and Lucy-Edit generate one at a time)."""
+    call = _wan_call(pipe, g, guided)
+    call.update(prompt_embeds=call["prompt_embeds"][:1], negative_prompt_embeds=call["negative_prompt_embeds"][:1])
+    return call
+
+
 def _lucy_edit_call(pipe, g, guided):
     """A video to edit: 9 frames of 32×48."""
     frames = [torch.randint(0, 256, (32, 48, 3), generator=g, dtype=torch.uint8).numpy() for _ in range(9)]
-    call = _wan_call(pipe, g, guided)
-    call.update(prompt_embeds=call["prompt_embeds"][:1], negative_prompt_embeds=call["negative_prompt_embeds"][:1])
-    return {**call, "video": [PIL.Image.fromarray(f) for f in frames]}
+    return {**_one_video_call(pipe, g, guided), "video": [PIL.Image.fromarray(f) for f in frames]}
 
 
 def _chronoedit_call(pipe, g, guided):
@@ -162,6 +167,14 @@ CASES = {
         released=("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", dict(num_frames=81, height=480, width=832), 21 * 30 * 52),
     ),
     "lucy_edit": Case(_lucy_edit_pipeline, _lucy_edit_call, 512, skip=("video_to_image",), family="wan", videos=1),
+    "wan_vace": Case(
+        lambda: FAMILY["wan_vace"].tiny_pipeline(num_heads=3),
+        _one_video_call,  # a blank control video
+        512,
+        skip=("video_to_image",),  # no image context
+        videos=1,
+        released=("Wan-AI/Wan2.1-VACE-14B-diffusers", dict(num_frames=81, height=480, width=832), 21 * 30 * 52),
+    ),
     "skyreels_v2": Case(
         lambda: FAMILY["skyreels_v2"].tiny_pipeline(num_heads=3),
         _wan_call,

@@ -49,13 +49,19 @@ class Site:
         attention (`str`): attribute of a block holding its self-attention (CogVideoX: the joint text +
             video attention).
         context (`str | None`): attribute of a block holding its cross-attention to the text, if any (Wan).
-        count_key (`str`): the transformer config's key holding the number of these blocks.
+        count_key (`str`): the transformer config's key holding the number of these blocks (or a list of
+            one entry per block: Wan VACE's ``vace_layers``).
     """
 
     blocks: str
     attention: str
     context: str | None = None
     count_key: str = "num_layers"
+
+    def count(self, config: dict) -> int:
+        """The number of these blocks in a transformer with ``config``."""
+        value = config[self.count_key]
+        return len(value) if isinstance(value, (list, tuple)) else int(value)
 
 
 @dataclass(frozen=True)
@@ -194,13 +200,11 @@ class ModelSpec:
 
     def layer_names_for_config(self, config: dict) -> tuple[str, ...]:
         """The layer names of a transformer with ``config`` (no module needed: plans made offline)."""
-        return tuple(
-            f"{site.blocks}.{i}.{site.attention}" for site in self.sites for i in range(int(config[site.count_key]))
-        )
+        return tuple(f"{site.blocks}.{i}.{site.attention}" for site in self.sites for i in range(site.count(config)))
 
     def num_layers(self, config: dict) -> int:
         """The number of layers (capture sites) of a transformer with ``config``."""
-        return sum(int(config[site.count_key]) for site in self.sites)
+        return sum(site.count(config) for site in self.sites)
 
     def check_options(self, options) -> None:
         """Raise `ValueError` for options the family cannot serve (an output call it cannot make)."""
