@@ -339,7 +339,7 @@ plot.word_heatmap(
 # %% [markdown]
 # ## HunyuanVideo
 #
-# HunyuanVideo (diffusers ≥ 0.36) runs 20 dual-stream blocks and then 40 single-stream ones; cogattn
+# HunyuanVideo (diffusers ≥ 0.33) runs 20 dual-stream blocks and then 40 single-stream ones; cogattn
 # numbers their attentions in that order and names each (`rec.layer_names`; `layers=` takes the names).
 # Its joint sequence is the video *then* the text, padded to 256 tokens with a key mask: padded text
 # keys get exactly 0 attention, and `frame`'s group 0 is the text wherever it sits. Here the tiny

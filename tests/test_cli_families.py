@@ -22,7 +22,8 @@ TINY = ROOT / "configs" / "tiny.yaml"
 TINY_HV = ROOT / "configs" / "tiny-hunyuan-video.yaml"
 HV = ROOT / "configs" / "hunyuan-video.yaml"
 needs_hunyuan = pytest.mark.skipif(
-    cogattn.models.hunyuan_video is None, reason="cogattn has no HunyuanVideo support with this diffusers (0.36)"
+    cogattn.models.hunyuan_video is None,
+    reason="cogattn has no HunyuanVideo support with this diffusers (it needs 0.33)",
 )
 
 
@@ -221,7 +222,7 @@ def test_a_hunyuan_video_checkpoint_folder_loads_with_its_vae_in_float32(tmp_pat
 )
 def test_bad_values_exit_2_with_one_line_and_write_nothing(tmp_path, dump, config, sets, message):
     if config != TINY and cogattn.models.hunyuan_video is None:
-        pytest.skip("cogattn has no HunyuanVideo support with this diffusers (0.36)")
+        pytest.skip("cogattn has no HunyuanVideo support with this diffusers (it needs 0.33)")
     out = tmp_path / "runs"
     proc = dump(config, *_sets(*sets, f"save_dir={out}"), check=2)
     lines = proc.stderr.strip().splitlines()

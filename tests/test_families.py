@@ -95,6 +95,13 @@ def _one_video_call(pipe, g, guided):
     return call
 
 
+def _vace_call(pipe, g, guided):
+    """One video from a prompt (diffusers 0.35's VACE pipeline takes a prompt string only); a blank control video."""
+    call = _one_video_call(pipe, g, guided)
+    del call["prompt_embeds"], call["negative_prompt_embeds"]
+    return {**call, "prompt": "a red fox running in the snow", "negative_prompt": "blue sky"}
+
+
 def _lucy_edit_call(pipe, g, guided):
     """A video to edit: 9 frames of 32×48."""
     frames = [torch.randint(0, 256, (32, 48, 3), generator=g, dtype=torch.uint8).numpy() for _ in range(9)]
@@ -169,7 +176,7 @@ CASES = {
     "lucy_edit": Case(_lucy_edit_pipeline, _lucy_edit_call, 512, skip=("video_to_image",), family="wan", videos=1),
     "wan_vace": Case(
         lambda: FAMILY["wan_vace"].tiny_pipeline(num_heads=3),
-        _one_video_call,  # a blank control video
+        _vace_call,
         512,
         skip=("video_to_image",),  # no image context
         videos=1,

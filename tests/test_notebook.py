@@ -40,7 +40,7 @@ def test_notebook_runs_end_to_end_on_the_tiny_default(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the notebook writes its GIF
     nb = nbformat.read(NOTEBOOK, as_version=4)
     wan, hunyuan = cogattn.models.wan is not None, cogattn.models.hunyuan_video is not None
-    # the Wan section needs diffusers >= 0.35, the HunyuanVideo one 0.36: without them, run the rest
+    # the Wan section needs diffusers >= 0.35, the HunyuanVideo one 0.33: without them, run the rest
     for section, present, until in (("## Wan", wan, "## HunyuanVideo"), ("## HunyuanVideo", hunyuan, "## Explore")):
         if not present:
             start = next(i for i, c in enumerate(nb.cells) if c.source.startswith(section))

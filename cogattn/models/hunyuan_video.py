@@ -13,20 +13,24 @@ Guidance is distilled into one call per step (``guidance_scale`` is an embedding
 prompts); true classifier-free guidance (``true_cfg_scale > 1`` with a negative prompt) calls the
 transformer twice per step, the conditional call first, as Wan does.
 
-The processor is diffusers' ``HunyuanVideoAttnProcessor2_0`` line for line (the ``dispatch_attention_fn``
-version, diffusers ≥ 0.36), plus the lines that hand q, k and the per-item key counts to the recording.
+The processor is diffusers' ``HunyuanVideoAttnProcessor2_0`` line for line, plus the lines that hand q, k
+and the per-item key counts to the recording: the ``dispatch_attention_fn`` version of diffusers ≥ 0.36
+here, the SDPA version of 0.33 – 0.35 in ``_hunyuan_video_sdpa.py``. On 0.32, whose mask covers queries
+as well as keys, the family is unavailable.
 """
 
 from __future__ import annotations
 
 import sys
 
+import diffusers
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoAttnProcessor2_0,
     HunyuanVideoTransformer3DModel,
 )
+from packaging.version import Version
 
 from ..layout import TokenLayout
 from ..processor import MapSink, key_counts
@@ -48,10 +52,15 @@ KNOWN: dict[str, dict] = {
     "hunyuanvideo-community/HunyuanVideo": {**_HV, "in_channels": 16, "guidance_embeds": True},
 }
 
-if not hasattr(HunyuanVideoAttnProcessor2_0, "_attention_backend"):  # the SDPA version of diffusers ≤ 0.35
-    needs = "HunyuanVideo needs diffusers >= 0.36 (its processor calls dispatch_attention_fn)"
+if Version(diffusers.__version__).release < (0, 33):
+    # 0.32 masks queries as well as keys (B, S, S); 0.33 keeps a key mask (B, 1, 1, S), which capture takes
+    needs = "HunyuanVideo needs diffusers >= 0.33 (a key mask)"
     raise Unavailable("hunyuan_video", needs, ("HunyuanVideoTransformer3DModel",), ("num_single_layers",), KNOWN)
-from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402  (diffusers >= 0.35)
+# The stock processor of 0.36 calls dispatch_attention_fn on (B, S, H, D); of 0.33 – 0.35, SDPA on (B, H, S, D).
+DISPATCH = hasattr(HunyuanVideoAttnProcessor2_0, "_attention_backend")
+if DISPATCH:
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+from ._hunyuan_video_sdpa import HunyuanVideoAttnMapProcessorSDPA  # noqa: E402
 
 __all__ = [
     "SPEC",
@@ -388,7 +397,7 @@ SPEC = ModelSpec(
     "hunyuan_video",
     (HunyuanVideoTransformer3DModel,),
     (Site("transformer_blocks", "attn"), Site("single_transformer_blocks", "attn", count_key="num_single_layers")),
-    {HunyuanVideoAttnProcessor2_0: HunyuanVideoAttnMapProcessor},
+    {HunyuanVideoAttnProcessor2_0: HunyuanVideoAttnMapProcessor if DISPATCH else HunyuanVideoAttnMapProcessorSDPA},
     read_call,
     layout_for_video,
     tiny_pipeline=tiny_pipeline,
@@ -397,10 +406,7 @@ SPEC = ModelSpec(
     config_keys=("num_single_layers",),
     known=KNOWN,
     text_len=TEXT_LEN,
-    refused={
-        "video_to_image": "HunyuanVideo has no image cross-attention; its text-to-video transformer sees text and "
-        "video tokens only."
-    },
+    refused={"video_to_image": "HunyuanVideo has no image attention; its transformer sees text and video tokens."},
     guidance_calls=2,
     guidance=true_cfg,
     guidance_argument="true_cfg_scale",

@@ -73,6 +73,13 @@ def tiny_pipeline(task: str = "text-to-video", *, dtype: torch.dtype = torch.flo
     return pipe
 
 
+def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
+    """Wan's call of the tiny pipeline (``wan.tiny_call``) with a prompt for the embeddings (VACE's pipeline of
+    diffusers 0.35 takes a prompt string only) and a blank control video."""
+    call = {k: v for k, v in wan.tiny_call(pipe, task, generator, guided).items() if not k.endswith("prompt_embeds")}
+    return {**call, "prompt": "a red fox running in the snow", "negative_prompt": "blue sky"}
+
+
 SPEC = ModelSpec(
     "wan_vace",
     (WanVACETransformer3DModel,),
@@ -82,7 +89,7 @@ SPEC = ModelSpec(
     wan.layout_for_video,
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
-    tiny_call=wan.tiny_call,
+    tiny_call=tiny_call,
     known=KNOWN,
     text_len=wan.TEXT_LEN,
     context_kinds=wan.SPEC.context_kinds,
