@@ -274,7 +274,8 @@ class CaptureOptions:
         if not guidance:
             raise ValueError(
                 f"batch={self.batch!r} but this generation runs without classifier-free guidance "
-                "(guidance_scale <= 1), so there is no separate cond/uncond half; use batch='all'."
+                "(guidance_scale <= 1; HunyuanVideo: true_cfg_scale <= 1 or no negative prompt), so there is no "
+                "separate cond/uncond half; use batch='all'."
             )
         if batch_size < 2 or batch_size % 2:
             raise ValueError(

@@ -441,6 +441,9 @@ def test_refusals_and_estimates(pipes, family):
             cogattn.Recording(pipe, kinds=(kind,))
     with pytest.raises(ValueError, match="name no layer"):
         cogattn.Recording(pipe, layers=["no_such_blocks.0.attn"])
+    if spec.guidance_argument == "true_cfg_scale":  # HunyuanVideo: the conditional half exists under true CFG
+        with pytest.raises(ValueError, match="true_cfg_scale <= 1"), cogattn.record(pipe, batch="cond"):
+            generate(pipe, family, False)
     # the estimate of a released checkpoint: its sequence, from the released config alone
     if case.released:
         name, call, seq_len = case.released
