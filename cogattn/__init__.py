@@ -1,4 +1,5 @@
-"""cogattn: exact, memory-bounded attention maps from CogVideoX and Wan with the model's output untouched.
+"""cogattn: exact, memory-bounded attention maps from video diffusion transformers (CogVideoX, Wan,
+HunyuanVideo, Mochi and their relatives: :mod:`cogattn.models`) with the model's output untouched.
 
 ```python
 with cogattn.record(pipe, kinds=("frame", "video_to_text")) as rec:

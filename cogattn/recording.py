@@ -351,7 +351,7 @@ class Recording:
 
 
 def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording:
-    """Record exact attention maps of a CogVideoX or Wan pipeline or transformer while it runs.
+    """Record exact attention maps of a pipeline or transformer of a supported family while it runs.
 
     ```python
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond") as rec:
@@ -360,8 +360,8 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
     ```
 
     Args:
-        target: a CogVideoX or Wan pipeline (text-to-video or image-to-video; Wan 2.2's two experts are
-            both followed) or a ``CogVideoXTransformer3DModel`` / ``WanTransformer3DModel``.
+        target: a pipeline of a supported family (``cogattn.models.FAMILIES``: CogVideoX, Wan, HunyuanVideo,
+            Mochi and their relatives; Wan 2.2's two experts are both followed) or its transformer.
         options (`CaptureOptions | None`): the options as one object; keyword arguments (any field of
             :class:`cogattn.CaptureOptions`, which documents each) are applied on top.
 
