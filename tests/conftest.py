@@ -47,3 +47,13 @@ def dump(capsys, forget_accelerate_state):
         return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny ops run
+    10-20× slower on two threads of a shared CPU (spinning workers)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

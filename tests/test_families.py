@@ -229,12 +229,7 @@ def test_every_registered_family_has_a_case():
     assert set(FAMILY) <= set(CASES), f"add a Case for {set(FAMILY) - set(CASES)} to tests/test_families.py"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,7 @@ def kinds_for(task):
     return SELF_KINDS + ("video_to_text",) + (("video_to_image",) if task == I2V else ())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these tiny ops run 10-20× slower on two threads of a shared CPU (spinning workers)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
