@@ -65,17 +65,17 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 def lse_only(qm: torch.Tensor, km: torch.Tensor, scale: float) -> torch.Tensor:
-    """Log-sum-exp of every row of ``(1, h, S, D)`` queries and keys, float32 ``(1, h, S)``: on CUDA from the
+    """Log-sum-exp of every row of ``(1, h, S, D)`` queries over ``(1, h, K, D)`` keys, float32 ``(1, h, S)``: on CUDA from the
     flash kernel in a 16-bit model's dtype (exact products, fp32 accumulation), else from a float32 pass
     (the CPU's 16-bit flash kernel is off by a few 1e-5)."""
     if qm.dtype != torch.float32 and qm.device.type == "cuda":
         # zero values shared over heads; not over rows too, which the CPU flash kernel runs 2.6× slower
-        zeros = torch.zeros(1, 1, *qm.shape[2:], dtype=qm.dtype, device=qm.device).expand_as(qm)
+        zeros = torch.zeros(1, 1, *km.shape[2:], dtype=qm.dtype, device=qm.device).expand_as(km)  # a value per key
         _, lse = attention_with_lse(qm, km, zeros, scale)
         if lse is not None:
             return lse
     qf, kf = qm.float(), km.float()
-    return sdpa_with_lse(qf, kf, torch.zeros(1, 1, *qf.shape[2:], device=qf.device).expand_as(qf), scale)[1]
+    return sdpa_with_lse(qf, kf, torch.zeros(1, 1, *kf.shape[2:], device=qf.device).expand_as(kf), scale)[1]
 
 
 def joint_width(head_dim: int, num_cols: int) -> int:

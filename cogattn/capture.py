@@ -149,7 +149,7 @@ class Capture:
         counts = None if key_counts is None else [int(n) for n in key_counts]
         formed = None if query_counts is None else [int(n) for n in query_counts]
         for slot, b in zip(slots, items):  # each item's valid text, as the mask keeps it
-            if counts is not None:
+            if counts is not None and counts[b] < res.layout.seq_len:
                 self.text_lengths.setdefault(slot, res.layout.text_kept(counts[b]))
         args = (query, key, items, reducers)
         outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self.timed, rows, counts, formed)

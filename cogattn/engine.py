@@ -343,12 +343,7 @@ def pooled_pass(
         elif multi and fused:
             qm, km = q.chunk(h0, h1, dtype=None), k.chunk(h0, h1, dtype=None)  # the model's dtype
             lse = attention.lse_only(qm[None], km[None, :, :K], scale) if lse is None else lse
-            ind = (
-                indicator[:, :n_cols]
-                if K == S
-                else torch.cat([indicator[:, :n_cols], indicator.new_zeros(S - K, n_cols)])
-            )
-            sums = passes.triton_sums(qm, km, lse[0], ind, scale)  # masked keys: zero indicator rows
+            sums = passes.triton_sums(qm, km[:, :K], lse[0], indicator[:, :n_cols], scale)  # the kept keys
             del qm, km
         elif multi or (lse is None and (single or received)):
             sums, pass_lse = passes.indicator_sums(qf, kf, indicator, n_calls, scale)

@@ -44,6 +44,7 @@ if triton is not None:
         IND,
         OUT,
         S,
+        NK,
         scale,
         sq_h,
         sq_s,
@@ -71,9 +72,9 @@ if triton is not None:
             q = q.to(tl.float32)
         lse = tl.load(LSE + h * sl_h + offs_m, mask=row_ok, other=0.0)
         acc = tl.zeros((BLOCK_M, C), dtype=tl.float32)
-        for n0 in range(0, S, BLOCK_N):
+        for n0 in range(0, NK, BLOCK_N):  # the kept keys only: a masked key is never exponentiated
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < S
+            col_ok = offs_n < NK
             k = tl.load(K + h * sk_h + offs_n[:, None] * sk_s + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
@@ -95,9 +96,9 @@ def pooled_sums(
 
     Args:
         q (`torch.Tensor`): queries ``(H, S, D)``, fp32, fp16 or bf16 (D a power of two ≥ 16).
-        k (`torch.Tensor`): keys ``(H, S, D)``, same dtype.
+        k (`torch.Tensor`): keys ``(H, K, D)``, same dtype (K < S: the keys a key mask keeps).
         lse (`torch.Tensor`): float32 log-sum-exp of every row, ``(H, S)``.
-        indicator (`torch.Tensor`): ``(S, C)``, ``1`` where key j is in group c.
+        indicator (`torch.Tensor`): ``(K, C)``, ``1`` where key j is in group c.
         scale (`float | None`): softmax scale, defaults to ``1/sqrt(D)``.
 
     Returns:
@@ -106,12 +107,13 @@ def pooled_sums(
     if triton is None:
         raise RuntimeError("the fused pooled-sum kernel needs Triton: pip install triton")
     H, S, D = q.shape
+    K = k.shape[1]
     if D < 16 or D & (D - 1):
         raise ValueError(f"head dim {D} is not a power of two ≥ 16, which the kernel's tiles need.")
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     C = indicator.shape[1]
     Cp = max(16, 1 << (C - 1).bit_length())  # tl.dot needs power-of-two tiles of at least 16
-    ind = torch.zeros(S, Cp, device=q.device, dtype=torch.float32)
+    ind = torch.zeros(K, Cp, device=q.device, dtype=torch.float32)
     ind[:, :C] = indicator
     q, k = q.contiguous(), k.contiguous()
     lse = lse.float().contiguous()
@@ -124,11 +126,11 @@ def pooled_sums(
     # launched on the tensors' device, not the current one (a model on cuda:1 must not run on cuda:0)
     on_device = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with on_device:
-        _launch(grid, q, k, lse, ind, out, S, scale, D, Cp, block_m, block_n, interpreted)
+        _launch(grid, q, k, lse, ind, out, S, K, scale, D, Cp, block_m, block_n, interpreted)
     return out[..., :C]
 
 
-def _launch(grid, q, k, lse, ind, out, S, scale, D, Cp, block_m, block_n, interpreted) -> None:
+def _launch(grid, q, k, lse, ind, out, S, K, scale, D, Cp, block_m, block_n, interpreted) -> None:
     _pooled_kernel[grid](
         q,
         k,
@@ -136,6 +138,7 @@ def _launch(grid, q, k, lse, ind, out, S, scale, D, Cp, block_m, block_n, interp
         ind,
         out,
         S,
+        K,
         scale,
         q.stride(0),
         q.stride(1),

@@ -222,7 +222,8 @@ class TokenLayout:
         """Every frame count a decoded video of this layout can have (see :meth:`pixel_frames`)."""
         tc, p = int(temporal_compression or self.temporal_compression), self.patch_size_t or 1
         latents = range(p * (self.frames - 1) + 1, p * self.frames + 1)  # those p pads up to F patches
-        return sorted({tc * (n - 1) + 1 for n in latents} | {tc * n for n in latents if n % 2 == 0})
+        pairs = {tc * n for n in latents if n % 2 == 0} if tc == VAE_TEMPORAL else set()  # CogVideoX's VAE only
+        return sorted({tc * (n - 1) + 1 for n in latents} | pairs)
 
     def pixel_frames(self, num_pixel_frames: int, temporal_compression: int | None = None) -> list[range]:
         """The decoded pixel frames each latent frame (temporal patch, for CogVideoX 1.5) covers.
@@ -251,7 +252,7 @@ class TokenLayout:
             raise ValueError(f"num_pixel_frames={num_pixel_frames} and temporal_compression={tc} must be ≥ 1.")
         if (n - 1) % tc == 0:
             latent, late = (n - 1) // tc + 1, tc - 1  # frame 0 alone: latent frame l starts tc - 1 frames late
-        elif n % (2 * tc) == 0:
+        elif tc == VAE_TEMPORAL and n % (2 * tc) == 0:
             latent, late = n // tc, 0  # CogVideoX's VAE, an even L: tc frames each from frame 0
         else:
             raise ValueError(

@@ -87,7 +87,8 @@ def run_sums(probs: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
     """Sums of ``probs`` ``(h, r, S)`` over runs of consecutive keys, ``(h, r, len(runs))``: a reshape and a
     sum when the runs but the last have one length and start at 0, as blocks do; else a sum per run."""
     lengths = {b - a for a, b in runs[:-1]}
-    if len(lengths) == 1 and runs[0][0] == 0:
+    in_order = all(a[1] == b[0] for a, b in zip(runs, runs[1:]))  # the reshape reads them in sequence order
+    if len(lengths) == 1 and runs[0][0] == 0 and in_order:
         n, size = len(runs) - 1, lengths.pop()
         head = probs[..., : n * size].unflatten(-1, (n, size)).sum(-1)
         return torch.cat([head, probs[..., n * size : runs[-1][1]].sum(-1, keepdim=True)], -1)

@@ -374,6 +374,10 @@ class VideoToTextReducer(Reducer):
         flat = out.view(self.out_heads, self.layout.text_len, self.layout.video_len)
         self._accumulate(flat[:, :, start - video.start : end - video.start], h0, part)
 
+    def clear_unformed(self, out, limit):
+        flat = out.view(self.out_heads, self.layout.text_len, self.layout.video_len)  # its queries: the video
+        flat[:, :, max(0, limit - self.layout.video_start) :] = 0
+
 
 REDUCERS: dict[str, type[Reducer]] = {
     cls.kind: cls

@@ -134,3 +134,25 @@ def test_joint_call_gives_output_lse_and_pooled_sums(dtype):
     ref = naive_probs(q.float(), k.float()) @ indicator.double()
     tol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: P and the sums each rounded, half an ulp at 1 each
     assert sums.shape == (B, H, S, groups.num_groups) and (sums.double() - ref).abs().max() <= tol
+
+
+def test_run_sums_of_runs_out_of_sequence_order_match_the_indicator():
+    """Groups whose runs are not in sequence order (the text group last) are summed run by run."""
+    from cogattn.layout import KeyGroups
+    from cogattn.passes import run_sums
+
+    groups = KeyGroups(torch.arange(7), torch.tensor([0, 0, 2, 2, 1, 1, 3]), 4)
+    probs = torch.arange(7.0).repeat(1, 1, 1)
+    assert run_sums(probs, groups.runs).tolist() == (probs @ groups.indicator(7)).tolist() == [[[1.0, 9.0, 5.0, 6.0]]]
+
+
+def test_video_to_text_holds_nothing_for_unformed_video_rows():
+    """With the text first and a query limit inside the video, the video queries past it hold 0."""
+    from cogattn.reducers import REDUCERS
+
+    layout = TokenLayout(2, 2, 2, 2)  # S = 10: text 0-1, video 2-9
+    red = REDUCERS["video_to_text"](layout, 1, False)
+    out = torch.ones(red.shape(1)[1:])
+    red.clear_unformed(out, 6)  # rows 6..9 are video tokens 4..7
+    flat = out.view(1, 2, 8)
+    assert flat[..., :4].eq(1).all() and flat[..., 4:].eq(0).all()

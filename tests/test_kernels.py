@@ -66,6 +66,34 @@ def test_engine_triton_path_matches_naive(mean):
         assert (out.cpu().double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
 
 
+@pytest.mark.parametrize("mean", [False, True])
+@pytest.mark.parametrize("queries", [False, True])
+def test_engine_triton_path_under_key_counts_without_another_lse(mean, queries):
+    """Text after the video, padded keys dropped (a key far above every row's lse among them, which an
+    unmasked kernel would turn into inf · 0), and no entropy pass: the kernel's lse is over the kept keys
+    alone. With query counts (Mochi), the unformed rows are left out too."""
+    torch.manual_seed(4)
+    layout = TokenLayout(6, 3, 2, 3, text_position="end")
+    H, S, D, K = 2, layout.seq_len, 16, layout.seq_len - 3
+    q, k = torch.randn(H, S, D), torch.randn(H, S, D)
+    k[:, S - 1] = q[:, 0] * 40  # masked: never attended
+    kinds = ["frame", "video_to_text", "received", "query_frame", "block"]
+    reducers = [REDUCERS[kd](layout, H, mean, block_size=7) for kd in kinds]
+    plan = plan_tiles(reducers, S, H, D, 2**30, "triton", DEVICE)
+    outs = [torch.zeros(r.shape(1)[1:], device=DEVICE) for r in reducers]
+    capture(q.to(DEVICE), k.to(DEVICE), reducers, outs, plan, keys=K, queries=K if queries else None)
+    n = K if queries else S  # the formed query rows; a shorter item's text is as much shorter
+    P = naive_probs(q[None, :, :n], k[None, :, :K])
+    for kind, out in zip(kinds, outs):
+        ref = naive_kind(P, kind, layout.text_len - (S - K), layout.grid, block_size=7, text_at_end=True)[0]
+        if not queries:  # every row formed, the masked keys' columns 0
+            P_full = torch.nn.functional.pad(naive_probs(q[None], k[None, :, :K]), (0, S - K))
+            ref = naive_kind(P_full, kind, layout.text_len, layout.grid, block_size=7, text_at_end=True)[0]
+        ref = ref.mean(0, keepdim=True) if mean else ref
+        got = out.cpu().double()[tuple(slice(0, m) for m in ref.shape)]
+        assert torch.isfinite(out).all() and (got - ref).abs().max() <= 1e-5, kind
+
+
 def _record_tiny(**record_kw):
     """A 2-step tiny generation without and with ``cogattn.record(**record_kw)``: (stock, captured, rec, spy)."""
     pipe = tiny_pipeline(num_heads=2)

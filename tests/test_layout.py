@@ -107,3 +107,12 @@ def test_a_cogvideox_video_of_an_even_latent_count_is_mapped_whole():
         video = pipe(num_frames=13, max_sequence_length=TINY_TEXT_LEN, output_type="pt", **call).frames
     assert rec.layout.frames == 4 and video.shape[1] == 16  # 13 frames asked: 4 latent frames, decoded to 16
     assert rec.layout.latent_of_pixel(16) == [f for f in range(4) for _ in range(4)]
+
+
+def test_a_vae_of_temporal_factor_6_decodes_6k_plus_1_frames_only():
+    """Mochi's VAE: L latent frames are 6(L − 1) + 1 frames; CogVideoX's 4L rule for an even L is its own."""
+    lay = cogattn.TokenLayout(0, 2, 2, 3, temporal_compression=6)
+    assert lay.decoded_frames() == [7] and [list(r) for r in lay.pixel_frames(7)] == [[0], [1, 2, 3, 4, 5, 6]]
+    with pytest.raises(ValueError, match="never 12 frames"):
+        lay.pixel_frames(12)
+    assert cogattn.TokenLayout(0, 2, 2, 3).decoded_frames() == [5, 8]  # CogVideoX decodes an even L to 4L
