@@ -49,7 +49,8 @@ class StepTracker:
         self.layout: TokenLayout | None = None
         self.batch_size: int | None = None
         self.device: torch.device | None = None  # where the latents are (capture runs there)
-        self._guidance: bool | None = None  # read at the first call
+        self._guidance: bool | None = None  # read once, at the first call (a family may walk the stack for it)
+        self._guidance_read = False
 
     @property
     def step(self) -> int | None:
@@ -68,9 +69,7 @@ class StepTracker:
     def guidance(self) -> bool | None:
         """Whether classifier-free guidance is on (as the family tells it at the generation's first call);
         `None` when no pipeline tells."""
-        if self._guidance is None:
-            return self.spec.guidance_on(self.pipeline)
-        return self._guidance
+        return self._guidance if self._guidance_read else self.spec.guidance_on(self.pipeline)
 
     @property
     def calls_per_step(self) -> int:
@@ -87,7 +86,7 @@ class StepTracker:
         layout, batch_size, t, device = self.spec.read_call(module.config, args, kwargs)
         if not self.timesteps:
             self.layout, self.batch_size, self.device = layout, batch_size, device
-            self._guidance = self.spec.guidance_on(self.pipeline)
+            self._guidance, self._guidance_read = self.spec.guidance_on(self.pipeline), True
             self.timesteps.append(t)
             self.experts.append(expert)
             self.call = 0
@@ -126,6 +125,7 @@ class StepTracker:
         self.timesteps.clear()
         self.experts.clear()
         self.layout = self.batch_size = self.device = self._guidance = None
+        self._guidance_read = False
 
     def describe(self) -> str:
         """``"4 steps of a 2×(3, 3, 5) generation"``."""
