@@ -128,6 +128,29 @@ def test_dry_run_bytes_equal_what_a_run_writes(tmp_path, dump):
         assert run_meta["layer_output"] == "joint" and run_meta["storage_dtype"] == "float16"
 
 
+def test_a_disk_too_small_refuses_a_run_before_loading_and_a_dry_run_reports_it(tmp_path, dump, monkeypatch):
+    from cogattn.dump import cli
+
+    out = tmp_path / "runs"
+    sets = ["--set", f"save_dir={out}", "--set", "num_inference_steps=2"]
+    dry = dump("--dry-run", *sets, check=0)
+    total_line = next(line for line in dry.stdout.splitlines() if line.split()[:1] == ["total"])
+    total = int(total_line.split()[2].replace(",", ""))
+    need = int(re.search(r"disk: ([\d,]+) bytes", dry.stdout)[1].replace(",", ""))
+    assert total <= need < total + 4096 * 200  # whole blocks: at most one more per record file
+    real = shutil.disk_usage
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
+    monkeypatch.setattr(cli, "load_pipeline", lambda *a: pytest.fail("loaded a pipeline for a run that cannot fit"))
+    short = dump("--dry-run", *sets, check=0)  # planned for another machine: reported, exit 0
+    assert f"a run here would be refused: the remaining prompts will take {need:,} bytes" in short.stdout
+    refused = dump(*sets, check=2)
+    assert (
+        f"will take {need:,} bytes of disk for their maps" in refused.stderr
+        and f"{need - 1:,} bytes free" in refused.stderr
+    )
+    assert len(refused.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
 def test_estimate_matches_the_api_and_refuses_bad_selection():
     e = estimate("tiny", num_frames=9, height=48, width=80, num_inference_steps=4, kinds=("frame",), batch="cond")
     assert e.num_records == 4 * 2 and e.layout.grid == (3, 3, 5)

@@ -33,7 +33,7 @@ from .config import ConfigError, DumpConfig, default_config, load_config
 from .generate import is_complete, load_pipeline, prompt_meta, run_prompt
 from .prompts import Prompt, read_prompts
 
-__all__ = ["main", "plan"]
+__all__ = ["disk_need", "main", "plan"]
 
 PROG = "dump_maps"
 
@@ -58,7 +58,8 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
 
     Checks the device and video writer, that complete prompt folders under ``save_dir`` were made with
     these settings, the capture options against the model and the call (by ``cogattn.estimate``, from
-    ``cfg.capture``: the options a run records with), and the free disk space for the prompts left.
+    ``cfg.capture``: the options a run records with). The disk the maps take is `disk_need`'s, which a run
+    checks against the free space before it loads anything and a dry run reports.
 
     Returns:
         `Estimate`: records, bytes and peak extra memory over all prompts; raises `ConfigError` or the
@@ -92,19 +93,30 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
     call = cfg.call_arguments()
     text_len = call.pop("max_sequence_length")
     call.pop("guidance_scale_2", None)  # guidance (the batch) is the family's guidance_argument's alone
-    result = estimate(
+    return estimate(
         model, cfg.capture, **call, text_len=text_len, num_prompts=len(prompts), dtype=cfg.dtype, device=device
     )
+
+
+def disk_need(cfg: DumpConfig, prompts: list[Prompt], result: Estimate) -> tuple[int, int, Path]:
+    """The disk the prompts not yet complete will take for their maps, and what is free where they go.
+
+    Returns:
+        `tuple[int, int, Path]`: bytes needed (whole filesystem blocks, as a recording counts them), bytes
+        free, and the nearest existing folder of ``save_dir``, whose filesystem was asked.
+    """
+    out = Path(cfg.save_dir).expanduser()
+    existing = next(p for p in [out, *out.absolute().parents] if p.exists())
     todo = sum(1 for p in prompts if not is_complete(out / p.key()))
     per_prompt = [(b, n // max(1, len(prompts))) for _, _, b, n in result.records]
-    need = disk_bytes(existing, per_prompt) * todo  # whole filesystem blocks, as a recording counts them
-    free = shutil.disk_usage(existing).free
-    if need > free:
-        raise ConfigError(
-            f"the remaining prompts will take {need:,} bytes of disk for their maps but {str(existing)!r} has "
-            f"{free:,} bytes free; select less, use capture.storage_dtype float16, or write elsewhere."
-        )
-    return result
+    return disk_bytes(existing, per_prompt) * todo, shutil.disk_usage(existing).free, existing
+
+
+def _disk_line(need: int, free: int, existing: Path) -> str:
+    return (
+        f"the remaining prompts will take {need:,} bytes of disk for their maps but {str(existing)!r} has "
+        f"{free:,} bytes free; select less, use capture.storage_dtype float16, or write elsewhere."
+    )
 
 
 def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
@@ -155,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config, args.overrides)
         prompts = read_prompts(cfg)
         result = plan(cfg, prompts)
+        need, free, existing = disk_need(cfg, prompts, result)
+        if need > free and not args.dry_run:  # a dry run plans for another machine as well: it reports
+            raise ConfigError(_disk_line(need, free, existing))
     except (ConfigError, ValueError, TypeError) as err:
         print(f"{PROG}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -168,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.num_frames} frames at {cfg.height}×{cfg.width} -> {cfg.save_dir}"
         )
         print(result.table())
+        print(f"disk: {need:,} bytes for the maps of the prompts left; {free:,} bytes free at {str(existing)!r}")
+        if need > free:
+            print(f"a run here would be refused: {_disk_line(need, free, existing)}")
         return 0
     try:
         return _run(cfg, prompts)
