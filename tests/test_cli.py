@@ -134,10 +134,11 @@ def test_a_disk_too_small_refuses_a_run_before_loading_and_a_dry_run_reports_it(
     out = tmp_path / "runs"
     sets = ["--set", f"save_dir={out}", "--set", "num_inference_steps=2"]
     dry = dump("--dry-run", *sets, check=0)
-    total_line = next(line for line in dry.stdout.splitlines() if line.split()[:1] == ["total"])
-    total = int(total_line.split()[2].replace(",", ""))
-    need = int(re.search(r"disk: ([\d,]+) bytes", dry.stdout)[1].replace(",", ""))
-    assert total <= need < total + 4096 * 200  # whole blocks: at most one more per record file
+    assert "a run here would be refused" not in dry.stdout
+    cfg = load_config(TINY, [f"save_dir={out}", "num_inference_steps=2"])
+    plan = cli.plan(cfg, read_prompts(cfg))
+    need, free, where = cli.disk_need(cfg, read_prompts(cfg), plan)
+    assert need >= plan.record_bytes and where == tmp_path  # whole filesystem blocks
     real = shutil.disk_usage
     monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
     monkeypatch.setattr(cli, "load_pipeline", lambda *a: pytest.fail("loaded a pipeline for a run that cannot fit"))

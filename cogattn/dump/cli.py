@@ -183,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.num_frames} frames at {cfg.height}×{cfg.width} -> {cfg.save_dir}"
         )
         print(result.table())
-        print(f"disk: {need:,} bytes for the maps of the prompts left; {free:,} bytes free at {str(existing)!r}")
         if need > free:
             print(f"a run here would be refused: {_disk_line(need, free, existing)}")
         return 0
