@@ -122,13 +122,15 @@ class Capture:
         sums: torch.Tensor | None = None,
         key_counts: torch.Tensor | None = None,
         query_counts: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> None:
         """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
         ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
         ``(B, H, S, C)`` when it gave them); spot-check the method that served them. ``key_counts``
         ``(B,)``: a key mask keeping each item's first keys (padded text at the end), their number;
         ``query_counts`` ``(B,)``: where the model forms only each item's first query rows (Mochi), their
-        number."""
+        number; ``mask`` ``(B or 1, S, S)``: any other mask (``processor.query_key_mask``), which row tiles
+        apply, whatever the method."""
         res, reducers = self.plan.resolved, self.plan.reducers
         items, slots = self._call_items()
         B, H, S, D = query.shape
@@ -141,6 +143,8 @@ class Capture:
         method = "rows" if shape in self.verifier.rows_only else self.plan.tiles.method
         if method == "joint" and lse is None:  # the output call fell back to the stock one
             method = "auto"
+        if mask is not None:  # the fused passes take no mask: row tiles apply it
+            method = "rows"
         tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None)
         heads = None if all_heads else torch.tensor(res.heads, device=query.device)
         kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
@@ -152,7 +156,9 @@ class Capture:
             if counts is not None and counts[b] < res.layout.seq_len:
                 self.text_lengths.setdefault(slot, res.layout.text_kept(counts[b]))
         args = (query, key, items, reducers)
-        outs, used, probes = engine.capture_items(*args, tiles, heads, lse, sums, self.timed, rows, counts, formed)
+        outs, used, probes = engine.capture_items(
+            *args, tiles, heads, lse, sums, self.timed, rows, counts, formed, mask
+        )
         if probes:
             what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
             scale = D**-0.5

@@ -111,6 +111,7 @@ def capture(
     probe=None,
     keys: int | None = None,
     queries: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> str:
     """Fold exact float32 attention probabilities of one batch item into ``outs``; returns the method that
     served the key-pooled kinds (``"timed"`` made concrete).
@@ -138,14 +139,19 @@ def capture(
         queries (`int | None`): where the model forms only the first ``queries`` query rows (Mochi drops
             its padded text), their number: the other rows hold 0 in every kind with a query axis, add
             nothing to ``received``, and group means (``frame``, ``block``) are over the formed rows.
+        mask (`torch.Tensor | None`): any other mask of this item (SkyReels-V2's block-causal one): boolean
+            ``(S, S)``, `True` where a query attends a key; every kind then comes from row tiles with the
+            masked scores at −inf (probability exactly 0), which needs ``plan.method == "rows"``.
     """
     S, D = q.shape[1:]
+    if mask is not None and plan.method != "rows":
+        raise ValueError(f"a query-key mask is applied by row tiles only (method 'rows'), not {plan.method!r}")
     keys = S if keys is None else int(keys)
     if queries is not None and queries < S:
         for red in reducers:
             red.query_limit = int(queries)
         try:
-            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, timed, probe, keys)
+            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, timed, probe, keys, mask=mask)
         finally:
             for red, out in zip(reducers, outs):
                 red.clear_unformed(out, red.query_limit)
@@ -157,14 +163,14 @@ def capture(
 
     every_row = [(r, o) for r, o in row_kinds if all_rows(r, S) and not r.mean_rows]
     if every_row or (pooled and plan.method == "rows"):
-        row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale, probe, keys)
+        row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale, probe, keys, mask)
     mean_rows = [(r, o) for r, o in row_kinds if r.mean_rows]
     if mean_rows:
-        passes.mean_row_pass(q, k, mean_rows, plan, scale, keys)
+        passes.mean_row_pass(q, k, mean_rows, plan, scale, keys, mask)
         row_kinds = [(r, o) for r, o in row_kinds if not r.mean_rows]
     for red, out in row_kinds:
         if not all_rows(red, S):
-            row_pass(q, k, red.rows, [(red, out)], [], plan, scale, kept=keys)
+            row_pass(q, k, red.rows, [(red, out)], [], plan, scale, kept=keys, mask=mask)
     if pooled and plan.method != "rows":
         stats = [(r, o) for r, o in pooled if r.stat is not None]
         multi = [(r, o) for r, o in pooled if r.key_groups is not None and not r.key_groups.single_keys]
@@ -196,11 +202,13 @@ def capture_items(
     probe_rows: torch.Tensor | None = None,
     key_counts=None,
     query_counts=None,
+    mask: torch.Tensor | None = None,
 ):
     """:func:`capture` for the batch ``items`` of ``query`` and ``key`` ``(B, H, S, D)`` (and of the output
     call's ``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` when given), in full float32 matmuls; with
     ``key_counts`` (per batch item of the call), each item's keys past its count are masked, and with
-    ``query_counts`` its query rows past its count are never formed.
+    ``query_counts`` its query rows past its count are never formed; ``mask`` ``(B or 1, S, S)``: any other
+    mask, boolean, `True` where a query attends a key (row tiles apply it).
 
     Returns:
         `tuple`: the results, one float32 ``(len(items), H_out, ...)`` tensor per reducer; the method that
@@ -225,6 +233,7 @@ def capture_items(
                 probe=probe,
                 keys=None if key_counts is None else int(key_counts[b]),
                 queries=None if query_counts is None else int(query_counts[b]),
+                mask=None if mask is None else mask[b if mask.shape[0] > 1 else 0],
             )
             if probe is not None:
                 probes.append((b, probe))
@@ -232,13 +241,24 @@ def capture_items(
 
 
 def row_pass(
-    q: passes.HeadView, k: passes.HeadView, rows, row_kinds, pooled, plan: TilePlan, scale: float, probe=None, kept=None
+    q: passes.HeadView,
+    k: passes.HeadView,
+    rows,
+    row_kinds,
+    pooled,
+    plan: TilePlan,
+    scale: float,
+    probe=None,
+    kept=None,
+    mask=None,
 ) -> None:
     """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, when every row is formed,
     into key-pooled kinds (a gather of single keys, sums over runs of keys, else a product with the
-    indicator) and the row statistics; scores of keys from ``kept`` on are masked (−inf: probability 0)."""
+    indicator) and the row statistics; scores of keys from ``kept`` on, and where the boolean ``mask``
+    ``(S, S)`` is `False`, are masked (−inf: probability 0)."""
     H, S, D = q.shape
     kept = S if kept is None else kept
+    blocked = None if mask is None else ~mask.to(q.device)
     n_rows = S if rows is None else len(rows)
     groups = [r.key_groups for r, _ in pooled]
     gathers = [g.keys.to(q.device) if g is not None and g.single_keys else None for g in groups]
@@ -259,6 +279,8 @@ def row_pass(
             scores = torch.matmul(q_rows, kt, out=tile.take(h1 - h0, r1 - r0, S)).mul_(scale)  # (h, r, S)
             if kept < S:
                 scores[..., kept:] = -math.inf
+            if blocked is not None:
+                scores.masked_fill_(blocked[idx], -math.inf)
             if wants_entropy:
                 probs, entropy = passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale)
             else:

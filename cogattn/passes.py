@@ -157,12 +157,14 @@ class TileBuffer:
         return self.buffer[: h * r * S].view(h, r, S)
 
 
-def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None) -> None:
+def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None, mask=None) -> None:
     """Head-mean rows of every query, ``(1, r, S)`` per row tile, summed over head chunks in float32 and
     divided by the heads, folded into kinds of the head-mean row (``topk`` with ``heads="mean"``); ``q`` and
-    ``k`` are the engine's head views, ``plan`` its tile plan; keys from ``keys`` on are masked."""
+    ``k`` are the engine's head views, ``plan`` its tile plan; keys from ``keys`` on, and where the boolean
+    ``mask`` ``(S, S)`` is `False`, are masked."""
     H, S, _ = q.shape
     keys = S if keys is None else keys
+    blocked = None if mask is None else ~mask.to(q.device)
     kt = k.chunk(0, H).transpose(1, 2)  # converted once (when it must be): the loop revisits every head per row tile
     tile = TileBuffer(plan.row_heads * min(plan.row_rows, S) * S, q.device)
     totals = TileBuffer(min(plan.row_rows, S) * S, q.device)  # one buffer: no second one while the first lives
@@ -176,6 +178,8 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None) 
             scores.mul_(scale)
             if keys < S:
                 scores[..., keys:] = -torch.inf
+            if blocked is not None:
+                scores.masked_fill_(blocked[r0:r1], -torch.inf)
             probs = softmax_(scores)
             for head in probs:  # no temporary
                 total[0] += head

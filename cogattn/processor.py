@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["MapSink", "key_counts"]
+__all__ = ["MapSink", "key_counts", "query_key_mask"]
 
 
 class MapSink(Protocol):
@@ -35,10 +35,12 @@ class MapSink(Protocol):
         sums: torch.Tensor | None,
         key_counts: torch.Tensor | None = None,
         query_counts: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> None:
         """Compute the selected maps of ``layer`` from ``query`` and ``key`` ``(B, H, S, D)``; ``key_counts``
         ``(B,)``: each item's kept keys (the first ones), under a key mask; ``query_counts`` ``(B,)``: each
-        item's formed query rows (the first ones), where the model never forms the others."""
+        item's formed query rows (the first ones), where the model never forms the others; ``mask``
+        ``(B or 1, S, S)``: any other mask, from :func:`query_key_mask`."""
 
     def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
         """Compute the selected kinds of a cross-attention (Wan's ``attn2``) from the video queries ``query``
@@ -61,3 +63,29 @@ def key_counts(mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
     if not torch.equal(keep, torch.arange(seq_len, device=mask.device) < counts[:, None]):
         raise ValueError("cogattn captures a key mask that keeps each item's first keys; this one keeps others.")
     return None if bool((counts == seq_len).all()) else counts.cpu()
+
+
+def query_key_mask(mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
+    """The attention mask of a self-attention call as capture takes it: boolean ``(B or 1, S, S)``, `True`
+    where a query attends a key (SkyReels-V2's block-causal mask under diffusion forcing); `None` when it
+    masks nothing. Takes a boolean mask or an additive one of 0 and −inf, ``(B or 1, 1, S, S)``; raises
+    `ValueError` for any other (a bias, or a mask per head), which capture does not take."""
+    if mask is None:
+        return None
+    ok_shape = mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[0] in (1, batch)
+    if not ok_shape or tuple(mask.shape[2:]) != (seq_len, seq_len):
+        raise ValueError(
+            f"cogattn captures attention under a mask of shape (B or 1, 1, {seq_len}, {seq_len}); this call's mask "
+            f"is {tuple(mask.shape)}."
+        )
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == -torch.inf)).all()):
+            raise ValueError(
+                "cogattn captures attention under a boolean mask or an additive one of 0 and -inf; this call adds "
+                "other values (a bias), which is no mask."
+            )
+        mask = mask == 0
+    mask = mask[:, 0]
+    if not bool(mask.any(-1).all()):
+        raise ValueError("this call's attention mask leaves a query row no key, whose attention is undefined.")
+    return None if bool(mask.all()) else mask

@@ -263,9 +263,9 @@ class Recording:
         """:meth:`cogattn.capture.Capture.attention`."""
         return self._capture.attention(layer, query, key, value)
 
-    def capture(self, layer, query, key, lse=None, sums=None, key_counts=None, query_counts=None) -> None:
+    def capture(self, layer, query, key, lse=None, sums=None, key_counts=None, query_counts=None, mask=None) -> None:
         """:meth:`cogattn.capture.Capture.capture`."""
-        self._capture.capture(layer, query, key, lse, sums, key_counts, query_counts)
+        self._capture.capture(layer, query, key, lse, sums, key_counts, query_counts, mask)
 
     def capture_context(self, layer, query, key, context) -> None:
         """:meth:`cogattn.capture.Capture.capture_context`."""

@@ -16,6 +16,7 @@ import torch
 
 from .layout import TokenLayout
 from .models import ModelSpec
+from .models.spec import StepTime
 
 __all__ = ["StepTracker", "WeakHook"]
 
@@ -51,6 +52,7 @@ class StepTracker:
         self.device: torch.device | None = None  # where the latents are (capture runs there)
         self._guidance: bool | None = None  # read once, at the first call (a family may walk the stack for it)
         self._guidance_read = False
+        self._time: float | None = None  # the timestep of the last call, as read_call gave it (a StepTime too)
 
     @property
     def step(self) -> int | None:
@@ -83,13 +85,14 @@ class StepTracker:
         Wan's unconditional call under guidance), or ``"another"`` (a new generation; nothing changes).
         Raises `RuntimeError` for another call at the timestep of the step before, which is not a
         denoising step of its own."""
-        layout, batch_size, t, device = self.spec.read_call(module.config, args, kwargs)
+        layout, batch_size, time, device = self.spec.read_call(module.config, args, kwargs)
+        t = float(time)
         if not self.timesteps:
             self.layout, self.batch_size, self.device = layout, batch_size, device
             self._guidance, self._guidance_read = self.spec.guidance_on(self.pipeline), True
             self.timesteps.append(t)
             self.experts.append(expert)
-            self.call = 0
+            self.call, self._time = 0, time
             return "first"
         # The same video and batch (a step's calls may differ in their text: negative embeddings of another length)
         same_call = (layout.grid, layout.text_len, batch_size) == (
@@ -97,13 +100,14 @@ class StepTracker:
             self.layout.text_len,
             self.batch_size,
         )
+        same_time = time.same_step(self._time) if isinstance(time, StepTime) else t == float(self._time)
         num_steps = self.pipeline_attr("num_timesteps")
-        if same_call and t == self.timesteps[-1] and self.call + 1 < self.calls_per_step:
+        if same_call and same_time and self.call + 1 < self.calls_per_step:
             self.call += 1
             return "again"
         if not same_call or t > self.timesteps[-1] or (num_steps is not None and len(self.timesteps) >= num_steps):
             return "another"
-        if t == self.timesteps[-1]:
+        if same_time:
             if self.spec.guidance_calls > 1 and self.pipeline is None:
                 raise RuntimeError(
                     f"the transformer was called again at timestep {t:g} (step {self.step}): under guidance "
@@ -117,14 +121,14 @@ class StepTracker:
             )
         self.timesteps.append(t)
         self.experts.append(expert)
-        self.call = 0
+        self.call, self._time = 0, time
         return "next"
 
     def forget(self) -> None:
         """Undo the first call (it was refused before any block ran)."""
         self.timesteps.clear()
         self.experts.clear()
-        self.layout = self.batch_size = self.device = self._guidance = None
+        self.layout = self.batch_size = self.device = self._guidance = self._time = None
         self._guidance_read = False
 
     def describe(self) -> str:

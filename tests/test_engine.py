@@ -156,3 +156,54 @@ def test_video_to_text_holds_nothing_for_unformed_video_rows():
     red.clear_unformed(out, 6)  # rows 6..9 are video tokens 4..7
     flat = out.view(1, 2, 8)
     assert flat[..., :4].eq(1).all() and flat[..., 4:].eq(0).all()
+
+
+@pytest.mark.parametrize("mean", [False, True])
+@pytest.mark.parametrize("budget", [40_000, 2**30])
+def test_a_query_key_mask_gives_masked_pairs_exactly_zero_in_every_kind(mean, budget):
+    """A block-causal mask (SkyReels-V2's diffusion forcing: a frame block attends itself and the blocks
+    before it) applied by row tiles, at any tile size: every kind equals the naive softmax with masked
+    scores at -inf, and a fused method is refused."""
+    torch.manual_seed(3)
+    layout = TokenLayout(0, 4, 2, 3)
+    H, S, D = 3, layout.seq_len, 16
+    q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2
+    block = torch.arange(S) // (2 * 2 * 3)  # two latent frames a block
+    mask = block[None, :] <= block[:, None]  # (S, S): query row, key column
+    queries = torch.tensor([0, S - 1, 7])
+    kinds = [kd for kd in KINDS if kd not in ("video_to_text", "text_to_video")]  # no text here
+    reducers = [REDUCERS[kd](layout, H, mean, queries, **SIZES) for kd in kinds]
+    plan = plan_tiles(reducers, S, H, D, budget, "rows", q.device)
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    capture(q, k, reducers, outs, plan, mask=mask)
+    scores = q[None].double() @ k[None].double().transpose(-1, -2) / D**0.5
+    P = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    assert bool((P[0][:, ~mask] == 0).all())
+    for kind, got in zip(kinds, outs):
+        if kind == "topk":
+            assert_topk(REDUCERS[kind].unpack(got[None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
+            continue
+        ref = naive_kind(P, kind, 0, layout.grid, queries.tolist(), **SIZES)[0]
+        ref = ref.mean(0, keepdim=True) if mean else ref
+        assert (got.double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
+    full = outs[kinds.index("full")]
+    assert bool((full[:, ~mask] == 0).all()) if not mean else bool((full[0][~mask] == 0).all())
+    sdpa = plan_tiles(reducers, S, H, D, budget, "sdpa", q.device)
+    with pytest.raises(ValueError, match="row tiles only"):
+        capture(q, k, reducers, outs, sdpa, mask=mask)
+
+
+def test_the_masks_capture_takes_and_those_it_refuses():
+    from cogattn.processor import query_key_mask
+
+    causal = torch.ones(6, 6).tril().bool()[None, None]  # (1, 1, S, S)
+    assert torch.equal(query_key_mask(causal, 2, 6), causal[:, 0])
+    additive = torch.zeros(1, 1, 6, 6).masked_fill(~causal, float("-inf"))
+    assert torch.equal(query_key_mask(additive, 2, 6), causal[:, 0])  # 0 / -inf: the same mask
+    assert query_key_mask(torch.ones(2, 1, 6, 6, dtype=torch.bool), 2, 6) is None  # masks nothing
+    with pytest.raises(ValueError, match="a bias"):
+        query_key_mask(torch.randn(1, 1, 6, 6), 2, 6)
+    with pytest.raises(ValueError, match=r"\(B or 1, 1, 6, 6\); this call's mask is \(1, 3, 6, 6\)"):
+        query_key_mask(causal.expand(1, 3, 6, 6), 2, 6)  # a mask per head
+    with pytest.raises(ValueError, match="leaves a query row no key"):
+        query_key_mask(torch.zeros(1, 1, 6, 6, dtype=torch.bool), 2, 6)

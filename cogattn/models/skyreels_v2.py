@@ -5,8 +5,13 @@ diffusers ships SkyReels-V2 as a copy of Wan: ``SkyReelsV2Transformer3DModel`` w
 modules run by ``SkyReelsV2AttnProcessor``, which is ``WanAttnProcessor`` line for line but for the
 context-parallel config it passes to every attention call (Wan: to the self-attention's only). The
 layout, the call, the kinds and the guidance (two calls per step, the conditional first) are Wan's.
-Diffusion forcing (``SkyReelsV2DiffusionForcingPipeline``: a block-causal mask and a timestep per frame)
-is refused at its first masked call with the reason.
+Diffusion forcing (``SkyReelsV2DiffusionForcingPipeline`` with ``causal_block_size`` > 1) masks the
+self-attention block-causally (a frame block attends itself and the blocks before it) and gives each frame
+its own timestep: capture applies the mask in row tiles (``processor.query_key_mask``), so masked keys hold
+exactly 0 in every kind, and a step's timestep is its largest frame's (asynchronous steps, ``ar_step`` > 0,
+are told apart by their frames' timesteps). A long video (``num_frames`` > ``base_num_frames``) is made in
+windows of other latent grids: one recording holds one, so the second window is refused as a second
+generation.
 """
 
 from __future__ import annotations
@@ -24,6 +29,15 @@ KNOWN: dict[str, dict] = {
     "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers": _SKY_14B,
     "Skywork/SkyReels-V2-T2V-14B-720P-Diffusers": _SKY_14B,
     "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers": {**_SKY_14B, "in_channels": 36, "image_dim": 1280},
+    "Skywork/SkyReels-V2-DF-14B-540P-Diffusers": _SKY_14B,
+    "Skywork/SkyReels-V2-DF-14B-720P-Diffusers": _SKY_14B,
+    "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers": {
+        **_SKY,
+        "num_layers": 30,
+        "num_attention_heads": 12,
+        "in_channels": 16,
+        "out_channels": 16,
+    },
     "Skywork/SkyReels-V2-I2V-1.3B-540P-Diffusers": {
         **_SKY,
         "num_layers": 30,
@@ -45,7 +59,14 @@ except ImportError as missing:
     needs = "SkyReels-V2 needs diffusers >= 0.36 (SkyReelsV2Attention)"
     raise Unavailable("skyreels_v2", needs, ("SkyReelsV2Transformer3DModel",), (), KNOWN) from missing
 
-__all__ = ["SPEC", "KNOWN", "SkyReelsV2AttnMapProcessor", "tiny_pipeline", "tiny_transformer"]
+__all__ = [
+    "SPEC",
+    "KNOWN",
+    "SkyReelsV2AttnMapProcessor",
+    "tiny_diffusion_forcing_pipeline",
+    "tiny_pipeline",
+    "tiny_transformer",
+]
 
 
 class SkyReelsV2AttnMapProcessor(wan.WanAttnMapProcessor):
@@ -75,6 +96,19 @@ def tiny_pipeline(task: str = "text-to-video", *, dtype: torch.dtype = torch.flo
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8.0
     )
     pipe = cls(**parts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_diffusion_forcing_pipeline(*, dtype: torch.dtype = torch.float32, seed: int = 0, **size):
+    """A random ``SkyReelsV2DiffusionForcingPipeline`` of the tiny pipeline's parts. Call it with
+    ``causal_block_size=2``, ``num_frames=13`` (4 latent frames: two causal blocks) and ``base_num_frames=13``
+    for a block-causal mask."""
+    from diffusers import SkyReelsV2DiffusionForcingPipeline
+
+    base = tiny_pipeline(dtype=dtype, seed=seed, **size)
+    takes = inspect.signature(SkyReelsV2DiffusionForcingPipeline.__init__).parameters
+    pipe = SkyReelsV2DiffusionForcingPipeline(**{k: v for k, v in base.components.items() if k in takes})
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

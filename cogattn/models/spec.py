@@ -16,7 +16,7 @@ import torch
 
 from ..reducers import REDUCERS  # every kind is registered once cogattn is imported
 
-__all__ = ["ModelSpec", "Site", "Unavailable"]
+__all__ = ["ModelSpec", "Site", "StepTime", "Unavailable"]
 
 
 class Unavailable(ImportError):
@@ -38,6 +38,30 @@ class Unavailable(ImportError):
 
     def __str__(self) -> str:
         return self.needs
+
+
+class StepTime(float):
+    """The timestep of a call that gives one per frame or per token (diffusion forcing, Wan 2.2 TI2V-5B): as
+    a number, the largest (the step's); it keeps them all, so that two steps whose largest agree (SkyReels-V2's
+    asynchronous diffusion forcing holds its last frames at 999 for several steps) are still told apart.
+
+    Args:
+        values (`torch.Tensor`): the call's timesteps, any shape.
+    """
+
+    values: torch.Tensor
+
+    def __new__(cls, values: torch.Tensor):
+        values = values.detach().to("cpu", torch.float64).flatten()
+        time = super().__new__(cls, float(values.max()))
+        time.values = values
+        return time
+
+    def same_step(self, other: float) -> bool:
+        """Whether a call at ``other`` belongs to the step of a call at this time."""
+        if isinstance(other, StepTime) and other.values.shape == self.values.shape:
+            return torch.equal(self.values, other.values)
+        return float(self) == float(other)
 
 
 @dataclass(frozen=True)
@@ -75,7 +99,8 @@ class ModelSpec:
         sites (`tuple[Site, ...]`): the block lists, in execution order.
         processors (`dict[type, type]`): stock processor class → the cogattn processor copying it.
         read_call (`Callable`): ``(config, args, kwargs)`` of a transformer call → ``(TokenLayout, batch
-            size, timestep, device)``.
+            size, timestep, device)``; the timestep a `float`, or a `StepTime` where the call gives one per
+            frame or token.
         layout_for_video (`Callable`): ``(config, num_frames, height, width, text_len)`` → the
             `TokenLayout` of a pipeline call.
         tiny_pipeline (`Callable`): ``(task="text-to-video", *, dtype, seed, ...)`` → a tiny random pipeline of

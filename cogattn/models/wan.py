@@ -20,8 +20,8 @@ import inspect
 import torch
 
 from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
-from ..processor import MapSink
-from .spec import ModelSpec, Site, Unavailable
+from ..processor import MapSink, query_key_mask
+from .spec import ModelSpec, Site, StepTime, Unavailable
 from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
@@ -148,11 +148,8 @@ class WanAttnMapProcessor:
             key = apply_rotary_emb(key, *rotary_emb)
 
         layer = self.sink.layer_to_capture(attn)
-        if layer is not None and attention_mask is not None:
-            raise ValueError(
-                "cogattn captures this attention without a mask only; this call has one (SkyReels-V2's diffusion "
-                "forcing masks its attention block-causally), which capture does not take yet."
-            )
+        # SkyReels-V2's diffusion forcing masks the self-attention block-causally: capture applies the mask
+        mask = None if layer is None or cross else query_key_mask(attention_mask, query.shape[0], query.shape[1])
         q = None if layer is None else query.transpose(1, 2)  # (B, H, S, D), as the recording takes them
 
         # I2V task
@@ -173,7 +170,7 @@ class WanAttnMapProcessor:
 
         fused = (
             None
-            if layer is None or cross
+            if layer is None or cross or attention_mask is not None  # the opt-in output call takes no mask
             else self.sink.attention(layer, q, key.transpose(1, 2), value.transpose(1, 2))
         )
         if fused is None:
@@ -192,7 +189,7 @@ class WanAttnMapProcessor:
         if layer is not None and cross:
             self.sink.capture_context(layer, q, key.transpose(1, 2), "text")
         elif layer is not None:
-            self.sink.capture(layer, q, key.transpose(1, 2), lse, sums)
+            self.sink.capture(layer, q, key.transpose(1, 2), lse, sums, mask=mask)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.type_as(query)
 
@@ -210,8 +207,9 @@ def read_call(config, args: tuple, kwargs: dict):
     t = kwargs["timestep"] if "timestep" in kwargs else args[1]
     text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[2]
     image = kwargs.get("encoder_hidden_states_image", args[3] if len(args) > 3 else None)
-    # TI2V-5B gives a timestep per token, 0 on a conditioning first frame: the step's is the largest
-    t = float(t.max()) if isinstance(t, torch.Tensor) else float(t)
+    # TI2V-5B gives a timestep per token, 0 on a conditioning first frame, and SkyReels-V2's diffusion forcing
+    # one per frame: the step's is the largest
+    t = StepTime(t) if isinstance(t, torch.Tensor) and t.numel() > 1 else float(t)
     p_t, p_h, p_w = (int(p) for p in config["patch_size"])
     _, _, frames, height, width = hidden.shape
     image_len = 0 if image is None else image.shape[1]
