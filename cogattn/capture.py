@@ -35,6 +35,7 @@ class Capture:
         self.options, self.steps, self.roles, self.store = options, steps, roles, store
         self.plan: CapturePlan | None = None  # set by the recording at the generation's first call
         self.closed = False
+        self.stopped = False  # the generation went on with another video: later calls are not captured
         self.joint_indicator: torch.Tensor | None = None
         self.tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method, lse) of the calls seen
         self.timed = engine.TimedChoice()
@@ -54,7 +55,7 @@ class Capture:
             layer, role = self.roles[id(attn)]
         except KeyError:
             raise ValueError("this processor serves an attention module outside the recorded transformer") from None
-        wanted = not self.closed and self.plan is not None and self.step is not None
+        wanted = not self.closed and not self.stopped and self.plan is not None and self.step is not None
         wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
         wanted = wanted and bool(self.plan.reducers if role == "self" else self.plan.context)
         return layer if wanted and self._call_items()[0] else None

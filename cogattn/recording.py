@@ -159,6 +159,14 @@ class Recording:
                 raise
         elif seen == "another":
             self._second_generation()
+        elif seen == "reshaped" and not self._capture.stopped:
+            self._capture.stopped = True  # its maps would not fit this generation's layout: none are mixed in
+            warnings.warn(
+                f"the pipeline went on with another video after {self._steps.describe()} (ChronoEdit drops its "
+                "temporal-reasoning frames part-way); the recording holds those steps, and later ones are not "
+                "recorded.",
+                stacklevel=4,
+            )
 
     def _second_generation(self) -> None:
         """A new generation began: one recording holds one generation, so it never mixes them. Inside a

@@ -82,7 +82,9 @@ class StepTracker:
         """Read one call of ``module`` (the pipeline's transformer number ``expert``): ``"first"`` (the
         generation starts; :attr:`layout`, :attr:`batch_size` and :attr:`device` are set), ``"next"`` (a
         later step; :attr:`timesteps` grows by one in both cases), ``"again"`` (the step's next call, as
-        Wan's unconditional call under guidance), or ``"another"`` (a new generation; nothing changes).
+        Wan's unconditional call under guidance), ``"reshaped"`` (the pipeline's generation goes on, at a later
+        timestep, with another latent grid or batch: nothing changes), or ``"another"`` (a new generation;
+        nothing changes).
         Raises `RuntimeError` for another call at the timestep of the step before, which is not a
         denoising step of its own."""
         layout, batch_size, time, device = self.spec.read_call(module.config, args, kwargs)
@@ -105,7 +107,10 @@ class StepTracker:
         if same_call and same_time and self.call + 1 < self.calls_per_step:
             self.call += 1
             return "again"
-        if not same_call or t > self.timesteps[-1] or (num_steps is not None and len(self.timesteps) >= num_steps):
+        more_steps = num_steps is None or len(self.timesteps) < num_steps
+        if not same_call and t < self.timesteps[-1] and more_steps and self.pipeline is not None:
+            return "reshaped"  # the generation goes on with another video (ChronoEdit drops its reasoning frames)
+        if not same_call or t > self.timesteps[-1] or not more_steps:
             return "another"
         if same_time:
             if self.spec.guidance_calls > 1 and self.pipeline is None:
