@@ -229,3 +229,36 @@ def test_bad_values_exit_2_with_one_line_and_write_nothing(tmp_path, dump, confi
     assert len(lines) == 1 and lines[0].startswith("dump_maps: "), proc.stderr
     assert re.search(message, lines[0]), lines[0]
     assert not out.exists()
+
+
+def test_a_family_the_batch_tool_only_plans_is_refused_before_anything_loads(tmp_path, dump, monkeypatch):
+    """Wan Animate's call needs pose and face videos that a prompts file does not give: its released config
+    plans (``--dry-run``), and a run is refused in one line, before any weight is loaded or folder written."""
+    if cogattn.models.wan_animate is None:
+        pytest.skip("this diffusers lacks Wan Animate")
+    from cogattn.dump import cli
+
+    config = ROOT / "configs" / "wan2.2-animate-14b.yaml"
+    out = tmp_path / "runs"
+    monkeypatch.setattr(cli, "load_pipeline", lambda *a: pytest.fail("loaded a pipeline the tool cannot run"))
+    dry = dump(config, "--dry-run", "--set", f"save_dir={out}", check=0)
+    assert "S = 75,600" in dry.stdout
+    refused = dump(config, "--set", f"save_dir={out}", check=2)
+    assert "the batch tool does not run Wan Animate yet" in refused.stderr and not out.exists()
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("tiny*.yaml")))
+def test_every_shipped_tiny_config_runs_end_to_end(config, tmp_path, dump):
+    """Each family's tiny config as shipped: every prompt complete, its maps readable with the layout of the
+    call (the pipeline's own arguments: EasyAnimate takes no max_sequence_length and needs a negative prompt)."""
+    try:
+        cfg = load_config(ROOT / "configs" / config)
+    except ConfigError as err:  # a family this diffusers lacks says which one it needs
+        pytest.skip(str(err))
+    out = tmp_path / "runs"
+    dump(ROOT / "configs" / config, "--set", f"save_dir={out}", "--set", "previews=false", check=0)
+    dirs = _prompt_dirs(out)
+    assert dirs and all(json.loads((d / "prompt.json").read_text())["complete"] for d in dirs)
+    run = cogattn.load(dirs[0] / "maps")
+    assert run.family == cfg.family and len(run.timesteps) == cfg.num_inference_steps and run.records()

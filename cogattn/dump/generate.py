@@ -7,6 +7,7 @@ table of :func:`cogattn.head_stats.head_table`, when a kind it reads was recorde
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -135,8 +136,9 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
 def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int) -> None:
 
     seed = cfg.seed if prompt.seed is None else prompt.seed
-    negative = prompt.negative_prompt
-    if negative is None and (cfg.true_cfg_scale or 0) > 1:  # true guidance needs one: the empty prompt, as elsewhere
+    negative, spec = prompt.negative_prompt, cfg.spec()
+    guided = (cfg.true_cfg_scale or 0) > 1 or (spec.empty_negative and (cfg.guidance_scale or 0) > 1)
+    if negative is None and guided:  # true guidance (EasyAnimate's: any) needs one: the empty prompt, as elsewhere
         negative = ""
     meta = {
         "complete": False,
@@ -159,6 +161,8 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
         output_type="pil",
         generator=torch.Generator(device).manual_seed(seed),
     )
+    if "max_sequence_length" not in inspect.signature(pipe.__call__).parameters:  # EasyAnimate pads to its own
+        del call["max_sequence_length"]
     if cfg.tiny_spec() is not None:  # what the tiny pipeline needs with a text prompt (HunyuanVideo's template)
         call.update(cfg.tiny_spec().tiny_prompt_arguments)
     if cfg.task == "image-to-video":

@@ -142,6 +142,10 @@ class ModelSpec:
             ``experts`` sets the number of expert transformers.
         tiny_prompt_arguments (`dict`): pipeline call arguments the tiny pipeline needs with a text prompt
             (HunyuanVideo: a prompt template the tiny word-level tokenizer reads as it is).
+        empty_negative (`bool`): whether its pipeline needs a negative prompt under guidance (EasyAnimate's
+            reads it unguarded): the batch tool then passes the empty one where a prompt has none.
+        batch_refusal (`str`): why the batch tool plans (``--dry-run``) but does not run the family's
+            checkpoints (Wan Animate: its call needs videos a prompts file does not give); empty: it runs them.
     """
 
     family: str
@@ -172,6 +176,8 @@ class ModelSpec:
     tiny_name: str = ""
     tiny_options: dict[str, tuple[str, tuple, str]] = field(default_factory=dict)
     tiny_prompt_arguments: dict = field(default_factory=dict)
+    empty_negative: bool = False
+    batch_refusal: str = ""
 
     def __post_init__(self):
         if not self.title:
