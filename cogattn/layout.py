@@ -7,7 +7,9 @@ text ``[0, T)``) or after it (HunyuanVideo: ``v0 = 0``, text ``[V, V + T)``; ``t
 CogVideoX and HunyuanVideo the text is part of the one joint sequence (``text_len = T``). In Wan the
 self-attention sequence is the video alone (``text_len = 0``) and the text (``context_len`` tokens) and,
 for Wan 2.1 image-to-video, the image (``image_len`` tokens) are keys of a separate cross-attention.
-Frame group 0 is the text wherever it sits (:meth:`TokenLayout.group_of_token`).
+Frame group 0 is the text wherever it sits (:meth:`TokenLayout.group_of_token`). HunyuanVideo FramePack's
+video starts with ``history_len`` tokens off the grid (its history latents): its grid starts at
+``v0 + history_len``, and it has no frame groups.
 
 Frames (the VAE's geometry, kept here and nowhere else): the VAEs keep pixel frame 0 as latent frame 0
 and pack each later group of 4 pixel frames into one latent frame, and compress space by 8. Wan's causal
@@ -46,11 +48,15 @@ class TokenLayout:
         context_len (`int`, defaults to 0): text tokens of a separate cross-attention (Wan: 512); 0 when
             the text is in the sequence.
         image_len (`int`, defaults to 0): image tokens of a separate cross-attention (Wan 2.1
-            image-to-video: 257 CLIP tokens).
+            image-to-video: 257 CLIP tokens); with the text in the sequence, the image tokens that lead
+            the text (HunyuanVideo image-to-video: its LLaVA's, counted in ``text_len``, before the prompt's).
         text_position (`str`, defaults to ``"start"``): where the text sits in the sequence, ``"start"``
             (CogVideoX) or ``"end"`` (HunyuanVideo, after the video).
         temporal_compression (`int`, defaults to 4): pixel frames per latent frame after the first, the
             VAE's ``vae_scale_factor_temporal`` (Mochi's is 6).
+        history_len (`int`, defaults to 0): video tokens off the latent grid, before the grid's first
+            (HunyuanVideo FramePack's clean and 2×/4× downsampled history latents); they are video tokens
+            (``video_len`` counts them) of no latent frame, so the layout has no frame groups.
     """
 
     text_len: int
@@ -63,10 +69,13 @@ class TokenLayout:
     image_len: int = 0
     text_position: str = "start"
     temporal_compression: int = VAE_TEMPORAL
+    history_len: int = 0
 
     def __post_init__(self):
         if self.text_position not in ("start", "end"):
             raise ValueError(f"text_position={self.text_position!r}; the text sits at the 'start' or the 'end'.")
+        if self.history_len < 0:
+            raise ValueError(f"history_len={self.history_len}; the tokens off the grid are a count, 0 or more.")
 
     @classmethod
     def from_latents(cls, latent_shape: tuple[int, ...], text_len: int, config) -> TokenLayout:
@@ -123,8 +132,8 @@ class TokenLayout:
 
     @property
     def video_len(self) -> int:
-        """Number of video tokens, F·Hp·Wp."""
-        return self.frames * self.frame_tokens
+        """Number of video tokens, F·Hp·Wp (and the ``history_len`` before the grid's)."""
+        return self.history_len + self.frames * self.frame_tokens
 
     @property
     def seq_len(self) -> int:
@@ -151,6 +160,11 @@ class TokenLayout:
         """The text tokens' positions in the sequence."""
         return slice(self.text_start, self.text_start + self.text_len)
 
+    @property
+    def grid_tokens(self) -> slice:
+        """The positions of the video tokens on the latent grid (all of them but a ``history_len``)."""
+        return slice(self.video_start + self.history_len, self.video_start + self.video_len)
+
     def text_kept(self, keys: int) -> int:
         """Text tokens among the first ``keys`` tokens (an item's valid text under a key mask keeping those)."""
         return max(0, min(int(keys), self.text_start + self.text_len) - self.text_start)
@@ -164,6 +178,12 @@ class TokenLayout:
     def prompt_len(self) -> int:
         """Text tokens of the prompt, in the sequence or in the cross-attention (the T of ``video_to_text``)."""
         return self.text_len or self.context_len
+
+    @property
+    def prompt_start(self) -> int:
+        """Index of the prompt's first token among the ``prompt_len`` text tokens: the ``image_len`` image
+        tokens that lead the text in the sequence (HunyuanVideo image-to-video), else 0."""
+        return self.image_len if self.text_len else 0
 
     @property
     def text_groups(self) -> int:
@@ -184,14 +204,14 @@ class TokenLayout:
                 f"(F, Hp, Wp) = {self.grid}; valid ranges are frame 0..{self.frames - 1}, "
                 f"row 0..{self.height - 1}, col 0..{self.width - 1}."
             )
-        return self.video_start + (frame * self.height + row) * self.width + col
+        return self.grid_tokens.start + (frame * self.height + row) * self.width + col
 
     def coordinates(self, index: int) -> tuple[int, int, int] | None:
-        """``(frame, row, col)`` of a video token, or `None` for a text token."""
+        """``(frame, row, col)`` of a video token on the grid, or `None` for a text token (or one off the grid)."""
         if not 0 <= index < self.seq_len:
             raise ValueError(f"token index {index} is outside the sequence [0, {self.seq_len}).")
-        v = index - self.video_start
-        if not 0 <= v < self.video_len:
+        v = index - self.grid_tokens.start
+        if not 0 <= v < self.frames * self.frame_tokens:
             return None
         frame, rest = divmod(v, self.frame_tokens)
         row, col = divmod(rest, self.width)
@@ -199,7 +219,12 @@ class TokenLayout:
 
     def group_of_token(self, device=None) -> torch.Tensor:
         """Frame group of every token, shape ``(S,)``: 0 for text (wherever it sits), ``f + 1`` for latent
-        frame ``f`` (``f`` without text in the sequence)."""
+        frame ``f`` (``f`` without text in the sequence). Refused with video tokens off the grid."""
+        if self.history_len:
+            raise ValueError(
+                f"{self.history_len} video tokens of this layout are off the latent grid (history latents): "
+                "they belong to no latent frame, so the sequence has no frame groups."
+            )
         text = torch.zeros(self.text_len, dtype=torch.long, device=device)
         first = self.text_groups
         video = torch.arange(first, self.frames + first, device=device).repeat_interleave(self.frame_tokens)

@@ -9,7 +9,9 @@ word_positions("fox", wan.tokenizer, prompt, 512, clean=True)  # Wan: its 512 UM
 ```
 
 The text length is the T of ``video_to_text``: ``layout.prompt_len`` (226 in CogVideoX, whose text is in
-the sequence; Wan's ``context_len``, 512, whose text is in a separate cross-attention). Any tokenizer
+the sequence; Wan's ``context_len``, 512, whose text is in a separate cross-attention). Where image tokens
+lead the text (HunyuanVideo image-to-video), ``prompt_start=layout.prompt_start`` skips them: they are
+named ``"<image>"`` and are never a word. Any tokenizer
 with the ``transformers`` call works: a fast one's character offsets find a word exactly, and pieces of
 a slow sentencepiece one (T5, UMT5) are grouped at their ``▁`` word-start marker.
 """
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["clean_prompt", "text_tokens", "word_positions"]
+__all__ = ["IMAGE_TOKEN", "clean_prompt", "text_tokens", "word_positions"]
+
+IMAGE_TOKEN = "<image>"  # the name of an image token that leads the text (HunyuanVideo image-to-video)
 
 
 def clean_prompt(prompt: str) -> str:
@@ -38,7 +42,7 @@ def _encode(tokenizer, prompt: str, text_len: int, offsets: bool) -> dict:
     return tokenizer(prompt, **kwargs)
 
 
-def text_tokens(tokenizer, prompt: str, text_len: int, *, clean: bool = False) -> list[str]:
+def text_tokens(tokenizer, prompt: str, text_len: int, *, clean: bool = False, prompt_start: int = 0) -> list[str]:
     """The ``text_len`` text tokens of ``prompt`` as the pipeline feeds them to the transformer.
 
     Args:
@@ -47,20 +51,31 @@ def text_tokens(tokenizer, prompt: str, text_len: int, *, clean: bool = False) -
         text_len (`int`): text tokens T of the layout, ``layout.prompt_len`` (``max_sequence_length`` of
             the call).
         clean (`bool`, defaults to `False`): tokenize :func:`clean_prompt` of the prompt, as Wan does.
+        prompt_start (`int`, defaults to 0): image tokens before the prompt's, ``layout.prompt_start``
+            (HunyuanVideo image-to-video), each named ``"<image>"``.
 
     Returns:
         `list[str]`: ``text_len`` token strings, padding included.
     """
     prompt = clean_prompt(prompt) if clean else prompt
-    ids = _encode(tokenizer, prompt, text_len, offsets=False)["input_ids"]
-    return [str(t) for t in tokenizer.convert_ids_to_tokens(list(ids))]
+    skip = _start(prompt_start, text_len)
+    ids = _encode(tokenizer, prompt, text_len - skip, offsets=False)["input_ids"] if text_len > skip else []
+    return [IMAGE_TOKEN] * skip + [str(t) for t in tokenizer.convert_ids_to_tokens(list(ids))]
+
+
+def _start(prompt_start: int, text_len: int) -> int:
+    if not 0 <= int(prompt_start) <= int(text_len):
+        raise ValueError(f"prompt_start={prompt_start}; the prompt's tokens start in 0..{text_len} of the text.")
+    return int(prompt_start)
 
 
 def _norm_word(text: str) -> str:
     return re.sub(r"[^\w]", "", text.replace("▁", "")).lower()
 
 
-def word_positions(word: str, tokenizer, prompt: str, text_len: int, *, clean: bool = False) -> list[int]:
+def word_positions(
+    word: str, tokenizer, prompt: str, text_len: int, *, clean: bool = False, prompt_start: int = 0
+) -> list[int]:
     """Text-token positions whose pieces form ``word`` in ``prompt``, for every occurrence of it.
 
     A word may be several sentencepiece pieces (``'▁fox', 'hound'``); all of them are returned. A fast
@@ -74,9 +89,11 @@ def word_positions(word: str, tokenizer, prompt: str, text_len: int, *, clean: b
         text_len (`int`): text tokens T of the layout, ``layout.prompt_len``.
         clean (`bool`, defaults to `False`): find the word in :func:`clean_prompt` of the prompt, the text
             Wan tokenizes.
+        prompt_start (`int`, defaults to 0): image tokens before the prompt's, ``layout.prompt_start``
+            (HunyuanVideo image-to-video): the positions count them, and none of them is a word.
 
     Returns:
-        `list[int]`: sorted token positions in ``0 .. text_len - 1``.
+        `list[int]`: sorted token positions in ``prompt_start .. text_len - 1``.
 
     Raises:
         ValueError: the word is not in the prompt, or was cut off at ``text_len`` tokens.
@@ -85,8 +102,10 @@ def word_positions(word: str, tokenizer, prompt: str, text_len: int, *, clean: b
     if not core:
         raise ValueError(f"word {word!r} has no letters or digits; pass a word of the prompt.")
     prompt = clean_prompt(prompt) if clean else prompt
+    skip = _start(prompt_start, text_len)
     fast = bool(getattr(tokenizer, "is_fast", False))
-    enc = _encode(tokenizer, prompt, text_len, offsets=fast)
+    none = {"input_ids": [], "offset_mapping": []}  # all the text is image tokens
+    enc = _encode(tokenizer, prompt, text_len - skip, offsets=fast) if text_len > skip else none
     positions: list[int] = []
     if fast:
         spans = [tuple(o) for o in enc["offset_mapping"]]
@@ -112,13 +131,14 @@ def word_positions(word: str, tokenizer, prompt: str, text_len: int, *, clean: b
                 # punctuation glued to a word ("fox" ",") and lone "▁" pieces are not part of it
                 positions += [i for w in words[k : k + len(target)] for i in w if _norm_word(pieces[i])]
     if not positions:
-        shown = text_tokens(tokenizer, prompt, text_len)
+        shown = text_tokens(tokenizer, prompt, text_len - skip)
         pad, n = getattr(tokenizer, "pad_token", None), len(shown)
         while n and pad is not None and shown[n - 1] == pad:  # 512 tokens of Wan are mostly padding
             n -= 1
         tail = f" then {len(shown) - n} × {pad!r}" if n < len(shown) else ""
+        where = f"{text_len - skip} text tokens after {skip} image tokens" if skip else f"first {text_len} text tokens"
         raise ValueError(
-            f"word {word!r} is not among the first {text_len} text tokens of the prompt {prompt!r}; its tokens "
+            f"word {word!r} is not among the {where} of the prompt {prompt!r}; its tokens "
             f"are {shown[:n]}{tail}. Pass a word of the prompt, or token indices 0..{text_len - 1}."
         )
-    return sorted(set(positions))
+    return sorted({skip + i for i in positions})

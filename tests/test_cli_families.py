@@ -77,7 +77,10 @@ def test_the_tiny_names_of_the_first_families_stay():
         assert family("wan").tiny_name == "tiny-wan" and family("wan").title == "Wan"
     if cogattn.models.hunyuan_video is not None:
         assert family("hunyuan_video").tiny_name == "tiny-hunyuan-video"
-        assert family("hunyuan_video").pipelines == {"text-to-video": "HunyuanVideoPipeline"}
+        assert family("hunyuan_video").pipelines == {
+            "text-to-video": "HunyuanVideoPipeline",
+            "image-to-video": "HunyuanVideoImageToVideoPipeline",
+        }
 
 
 def _direct(pipe, meta: dict, kinds, steps: int, batch: str, **call) -> cogattn.Recording:

@@ -40,6 +40,7 @@ class Case:
     released: tuple = field(default_factory=tuple)
     family: str = ""  # a pipeline of another family's transformer (Lucy-Edit: Wan's): that family
     videos: int = 2  # videos of the call (Lucy-Edit edits one)
+    query_mask: bool = False  # its attention masks query-key pairs: row tiles serve every kind, unchecked
 
 
 def _cogvideox_call(pipe, g, guided):
@@ -114,6 +115,17 @@ def _chronoedit_call(pipe, g, guided):
     return {**_wan_call(pipe, g, guided), "image": PIL.Image.fromarray(pixels), "num_frames": 5}
 
 
+def _diffusion_forcing_pipeline():
+    return cogattn.models.skyreels_v2.tiny_diffusion_forcing_pipeline(num_heads=3)
+
+
+def _diffusion_forcing_call(pipe, g, guided):
+    """Two causal blocks of 2 latent frames (13 frames), one step apart (``ar_step=1``): a block-causal mask
+    and a timestep per frame, the last block's at 999 for two steps."""
+    more = dict(num_frames=13, causal_block_size=2, base_num_frames=13, ar_step=1)
+    return {**_wan_call(pipe, g, guided), "prompt": None, **more}
+
+
 def _mochi_call(pipe, g, guided):
     """Ragged text dropped per item: the prompts keep 6 and 3 of 6 tokens, the negatives 2 and 5; 13 frames
     are 3 latent frames (the VAE compresses time by 6)."""
@@ -146,6 +158,76 @@ def _hunyuan_video_call(pipe, g, guided):
         prompt_embeds=torch.randn(2, 6, 16, generator=g),
         pooled_prompt_embeds=torch.randn(2, 8, generator=g),
         prompt_attention_mask=torch.tensor([[1] * 6, [1] * 3 + [0] * 3]),
+        num_frames=9,
+        height=32,
+        width=48,
+        **extra,
+    )
+
+
+def _easyanimate_call(pipe, g, guided):
+    """Text of 7 tokens whose masks say 5 and 3 are the prompt's: only the text encoder reads them, the
+    transformer gets no mask and attends the padding as any other token (no key is masked)."""
+    emb = torch.randn(2, 7, 16, generator=g)
+    mask = torch.tensor([[1] * 5 + [0] * 2, [1] * 3 + [0] * 4])
+    return dict(
+        prompt_embeds=emb,
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=-emb,
+        negative_prompt_attention_mask=mask,
+        guidance_scale=5.0 if guided else 1.0,
+        num_frames=9,
+        height=32,
+        width=48,
+    )
+
+
+def _wan_animate_call(pipe, g, guided):
+    """A character image, and pose (32×48) and face (16×16) videos of one 9-frame segment (the tiny
+    pipeline's ``num_frames``): 3 latent frames after the reference frame."""
+
+    def frames(height, width, count=9):
+        shape = (height, width, 3)
+        return [
+            PIL.Image.fromarray(torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).numpy())
+            for _ in range(count)
+        ]
+
+    image = frames(32, 48, 1)[0]
+    return {**_wan_call(pipe, g, guided), "image": image, "pose_video": frames(32, 48), "face_video": frames(16, 16)}
+
+
+def _hunyuan_video_framepack_call(pipe, g, guided):
+    """HunyuanVideo's call (ragged text, true guidance) with an image per video: 9 frames of 32×48 are one
+    section, a window of 9×2×3 patches after 18 history tokens, then 16 image tokens and the text."""
+    pixels = [torch.randint(0, 256, (32, 48, 3), generator=g, dtype=torch.uint8).numpy() for _ in range(2)]
+    return {**_hunyuan_video_call(pipe, g, guided), "image": [PIL.Image.fromarray(p) for p in pixels]}
+
+
+def _hunyuan_video_i2v_call(pipe, g, guided):
+    """An image per video, and text of the length the pipeline's own encoding gives with
+    max_sequence_length=8 and the released checkpoints' image tokens (144 with token_replace, 288 with
+    latent_concat, then 4): the items keep every image token and 4 and 1 of the 4 others, the negatives
+    under true guidance 2 and 3."""
+    images = FAMILY["hunyuan_video"].layout_for_video(pipe.transformer.config, 9, 32, 48, 8).image_len
+
+    def mask(*kept):
+        return torch.tensor([[1] * images + [1] * k + [0] * (4 - k) for k in kept])
+
+    extra = {}
+    if guided:
+        extra = dict(
+            negative_prompt_embeds=torch.randn(2, images + 4, 16, generator=g),
+            negative_pooled_prompt_embeds=torch.randn(2, 8, generator=g),
+            negative_prompt_attention_mask=mask(2, 3),
+            true_cfg_scale=4.0,
+        )
+    pixels = [torch.randint(0, 256, (32, 48, 3), generator=g, dtype=torch.uint8).numpy() for _ in range(2)]
+    return dict(
+        image=[PIL.Image.fromarray(p) for p in pixels],
+        prompt_embeds=torch.randn(2, images + 4, 16, generator=g),
+        pooled_prompt_embeds=torch.randn(2, 8, generator=g),
+        prompt_attention_mask=mask(4, 1),
         num_frames=9,
         height=32,
         width=48,
@@ -193,11 +275,31 @@ CASES = {
             25 * 34 * 60,
         ),
     ),
+    "skyreels_v2_diffusion_forcing": Case(
+        _diffusion_forcing_pipeline,
+        _diffusion_forcing_call,
+        512,
+        skip=("video_to_image",),  # text-to-video: no image context
+        family="skyreels_v2",
+        query_mask=True,
+        released=(
+            "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers",
+            dict(num_frames=97, height=544, width=960),
+            25 * 34 * 60,
+        ),
+    ),
     "chronoedit": Case(
         lambda: FAMILY["chronoedit"].tiny_pipeline(num_heads=3),
         _chronoedit_call,
         512,
         released=("nvidia/ChronoEdit-14B-Diffusers", dict(num_frames=5, height=720, width=1280), 2 * 45 * 80),
+    ),
+    "wan_animate": Case(
+        lambda: FAMILY["wan_animate"].tiny_pipeline(num_heads=3),
+        _wan_animate_call,
+        512,
+        # a 77-frame segment: 20 latent frames after the reference frame
+        released=("Wan-AI/Wan2.2-Animate-14B-Diffusers", dict(num_frames=77, height=720, width=1280), 21 * 45 * 80),
     ),
     "mochi": Case(
         lambda: FAMILY["mochi"].tiny_pipeline(num_heads=3),
@@ -214,6 +316,43 @@ CASES = {
             dict(num_frames=129, height=720, width=1280),
             33 * 45 * 80 + 256,
         ),
+    ),
+    "hunyuan_video_i2v": Case(  # token_replace: 144 image tokens lead the text
+        lambda: FAMILY["hunyuan_video"].tiny_pipeline("image-to-video", num_heads=3),
+        _hunyuan_video_i2v_call,
+        8,  # max_sequence_length
+        released=(
+            "hunyuanvideo-community/HunyuanVideo-I2V",
+            dict(num_frames=129, height=720, width=1280),
+            33 * 45 * 80 + 144 + 252,
+        ),
+        family="hunyuan_video",
+    ),
+    "hunyuan_video_i2v_latent_concat": Case(  # 288 image tokens lead the text
+        lambda: FAMILY["hunyuan_video"].tiny_pipeline(
+            "image-to-video", image_condition_type="latent_concat", num_heads=3
+        ),
+        _hunyuan_video_i2v_call,
+        8,
+        released=(
+            "hunyuanvideo-community/HunyuanVideo-I2V-33ch",
+            dict(num_frames=129, height=720, width=1280),
+            33 * 45 * 80 + 288 + 252,
+        ),
+        family="hunyuan_video",
+    ),
+    "hunyuan_video_framepack": Case(
+        lambda: FAMILY["hunyuan_video_framepack"].tiny_pipeline(num_heads=3),
+        _hunyuan_video_framepack_call,
+        6,
+        # one section at 832×480: 3,926 history + 9·52·30 window tokens, 729 image + 256 text tokens
+        released=("lllyasviel/FramePackI2V_HY", dict(num_frames=33, height=832, width=480), 3926 + 14040 + 729 + 256),
+    ),
+    "easyanimate": Case(
+        lambda: FAMILY["easyanimate"].tiny_pipeline(num_heads=3),
+        _easyanimate_call,
+        7,
+        released=("alibaba-pai/EasyAnimateV5.1-12b-zh", dict(num_frames=49, height=512, width=512), 256 + 13 * 32 * 32),
     ),
 }
 FAMILY = {spec.family: spec for spec in FAMILIES}
@@ -291,6 +430,10 @@ class AttentionSpy:
 
 
 def _probs(q, k, mask):
+    if mask is not None and mask.shape[-2] > 1:  # a query-key mask (diffusion forcing): masked scores at -inf
+        assert mask.dtype == torch.bool and mask.shape[1] == 1, mask.shape
+        scores = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
     key_mask = None
     if mask is not None:
         assert mask.dtype == torch.bool and mask.shape[1:3] == (1, 1), mask.shape  # a key mask
@@ -298,17 +441,17 @@ def _probs(q, k, mask):
     return naive_probs(q, k, key_mask=key_mask)
 
 
-def stock_reference(pipe, family, guided, monkeypatch):
+def stock_reference(pipe, family, guided, monkeypatch, run=None):
     """The stock video and, per step and layer, the reference probabilities over the results' batch
     ``[uncond..., cond...]``, each proved against the output of the attention call it came from:
     ``ref[(step, layer, "self")]`` is one ``(1, H, S_b, S_b)`` per batch item (S_b < S where the model
     drops an item's padded text, as Mochi does, attending over each item alone), ``ref[(step, layer,
     "context")]`` the cross-attention's calls in order (``(B, H, V, C)`` each), and ``ref[("mask", ...)]``
-    the ``(B, S)`` keys each item keeps."""
+    the ``(B, S)`` keys each item keeps. ``run``: the pipeline call, when not the case's."""
     spec = _spec(family)
     spy = AttentionSpy(pipe, spec, monkeypatch)
     try:
-        video = generate(pipe, family, guided).frames
+        video = (run or (lambda: generate(pipe, family, guided)))().frames
     finally:
         spy.remove()
         monkeypatch.undo()
@@ -323,7 +466,10 @@ def stock_reference(pipe, family, guided, monkeypatch):
                 err = (P @ v.double() - out.double()).abs().max().item()
                 assert err < 1e-5, (family, n, layer, role, err)  # the reference is the model's attention
                 probs.append(P)
-                keeps.append(torch.ones(q.shape[0], k.shape[2], dtype=torch.bool) if mask is None else mask[:, 0, 0])
+                if mask is None:
+                    keeps.append(torch.ones(q.shape[0], k.shape[2], dtype=torch.bool))
+                else:  # (B, S) keys each item keeps, or (B, S, S) under a query-key mask
+                    keeps.append(mask[:, 0, 0] if mask.shape[-2] == 1 else mask[:, 0].expand(q.shape[0], -1, -1))
             if role == "self":  # one P per item: a batched call's items, or a call per item
                 probs = [P[b : b + 1] for P in probs for b in range(P.shape[0])]
                 keeps = [keep[b] for keep in keeps for b in range(keep.shape[0])]
@@ -367,7 +513,7 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, fa
     spec, pipe = _spec(family), pipes(family)
     if output != "stock" and not spec.output_call:
         with pytest.raises(ValueError, match="key mask"):
-            cogattn.Recording(pipe, layer_output=output)
+            cogattn.Recording(pipe, kinds=("entropy",), layer_output=output)
         return
     video, ref = stock_reference(pipe, family, True, monkeypatch)
     kinds = _kinds(family)
@@ -375,10 +521,13 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, fa
     with cogattn.record(pipe, **options, **SIZES) as rec:
         got = generate(pipe, family, True).frames
     assert torch.equal(got, video), "capture changed the video"
-    assert all(c.passed for c in rec.checks) and (method == "rows" or rec.checks), rec.checks
+    assert all(c.passed for c in rec.checks) and (method == "rows" or CASES[family].query_mask or rec.checks), (
+        rec.checks
+    )
     lay = rec.layout
     tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in QUERIES]
-    for step in range(2):
+    assert len(rec.timesteps) == len({key[0] for key in ref if key[0] != "mask"})  # every step recorded
+    for step in range(len(rec.timesteps)):
         for layer in range(len(rec.layer_names)):
             items = ref[(step, layer, "self")]
             for kind in kinds:
@@ -403,7 +552,9 @@ def test_masked_keys_take_exactly_zero_and_unguided_calls_are_recorded(pipes, fa
         pytest.skip(f"this diffusers lacks {family}")
     pipe = pipes(family)
     video, ref = stock_reference(pipe, family, False, monkeypatch)
-    with cogattn.record(pipe, kinds=("full", "received", "frame"), batch="all", heads="all") as rec:
+    with cogattn.record(
+        pipe, kinds=("full", "received", *{"frame"} & set(_kinds(family))), batch="all", heads="all"
+    ) as rec:
         got = generate(pipe, family, False).frames
     assert torch.equal(got, video)
     assert rec.batch_items == tuple(range(CASES[family].videos))  # no guidance: the videos, one call per step
@@ -412,10 +563,15 @@ def test_masked_keys_take_exactly_zero_and_unguided_calls_are_recorded(pipes, fa
         if key[0] != "mask" or key[3] != "self":
             continue
         _, step, layer, _ = key
+        full, received = rec.get("full", step, layer), rec.get("received", step, layer)
+        if keeps[0].dim() == 2:  # a query-key mask, (S, S) per item: each query's masked keys
+            dropped = ~torch.stack(keeps)
+            assert bool((full.masked_select(dropped[:, None]) == 0).all()), "a masked key got attention"
+            masked += int(dropped.sum())
+            continue
         dropped = torch.ones(len(keeps), rec.layout.seq_len, dtype=torch.bool)  # (B, S): keys no item attends
         for b, keep in enumerate(keeps):
             dropped[b, : len(keep)] = ~keep
-        full, received = rec.get("full", step, layer), rec.get("received", step, layer)
         assert bool((full.masked_select(dropped[:, None, None, :]) == 0).all()), "a masked key got attention"
         assert bool((received.masked_select(dropped[:, None, :]) == 0).all())
         masked += int(dropped.sum())
@@ -423,7 +579,8 @@ def test_masked_keys_take_exactly_zero_and_unguided_calls_are_recorded(pipes, fa
     # the recording says each video's valid text, where a mask keeps fewer than T tokens
     V, keeps = rec.layout.video_len, ref[("mask", 0, 0, "self")]
     valid = tuple(int(keep.sum()) - V for keep in keeps)
-    assert rec.text_lengths == (None if masked == 0 else valid), (rec.text_lengths, valid)
+    key_mask = masked and not CASES[family].query_mask
+    assert rec.text_lengths == (valid if key_mask else None), (rec.text_lengths, valid)
 
 
 @pytest.mark.parametrize("family", list(CASES))
@@ -435,14 +592,17 @@ def test_refusals_and_estimates(pipes, family):
         with pytest.raises(ValueError, match=f"kind '{kind}' does not exist for {spec.family}"):
             cogattn.Recording(pipe, kinds=(kind,))
     with pytest.raises(ValueError, match="name no layer"):
-        cogattn.Recording(pipe, layers=["no_such_blocks.0.attn"])
+        cogattn.Recording(pipe, kinds=("entropy",), layers=["no_such_blocks.0.attn"])
     if spec.guidance_argument == "true_cfg_scale":  # HunyuanVideo: the conditional half exists under true CFG
-        with pytest.raises(ValueError, match="true_cfg_scale <= 1"), cogattn.record(pipe, batch="cond"):
+        with (
+            pytest.raises(ValueError, match="true_cfg_scale <= 1"),
+            cogattn.record(pipe, kinds=("entropy",), batch="cond"),
+        ):
             generate(pipe, family, False)
     # the estimate of a released checkpoint: its sequence, from the released config alone
     if case.released:
         name, call, seq_len = case.released
-        est = cogattn.estimate(name, **call, num_inference_steps=50, kinds=("frame",), dtype="bfloat16")
+        est = cogattn.estimate(name, **call, num_inference_steps=50, kinds=("entropy",), dtype="bfloat16")
         assert est.layout.seq_len == seq_len and f"S = {seq_len:,}" in est.table()
     # the estimate of the tiny pipeline's call: the shapes a recording makes
     kinds = tuple(k for k in ("frame", "entropy", "video_to_text") if k in _kinds(family))
@@ -472,7 +632,7 @@ def test_layer_names_select_layers(pipes, family):
         pytest.skip(f"this diffusers lacks {family}")
     pipe = pipes(family)
     names = _spec(family).layer_names(pipe.transformer)
-    with cogattn.record(pipe, kinds=("frame",), layers=[names[-1], 0]) as rec:
+    with cogattn.record(pipe, kinds=("entropy",), layers=[names[-1], 0]) as rec:
         generate(pipe, family, False)
     assert rec.layer_names == names and sorted({layer for _, _, layer in rec.keys()}) == [0, len(names) - 1]
 
@@ -498,3 +658,31 @@ def test_the_selftest_checks_the_family_and_catches_a_wrong_map(family, monkeypa
     monkeypatch.setattr(engine, "capture_items", wrong)
     rows = selftest.family_rows(_spec(family), torch.device("cpu"), torch.float32)
     assert not any(r.passed for r in rows if r.passed is not None)
+
+
+def test_a_video_that_changes_part_way_keeps_the_steps_before_and_warns(monkeypatch):
+    """ChronoEdit with temporal reasoning drops its reasoning frames after the first steps: the recording
+    keeps the steps of the first video, exact, warns, records nothing of the other video, and the output
+    stays the stock one."""
+    if "chronoedit" not in FAMILY:
+        pytest.skip("this diffusers lacks ChronoEdit")
+    from diffusers import UniPCMultistepScheduler  # temporal reasoning steps a multistep scheduler
+
+    pipe = FAMILY["chronoedit"].tiny_pipeline()
+    pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+
+    def run():
+        call = CASES["chronoedit"].call(pipe, torch.Generator().manual_seed(0), True)
+        call.update(num_frames=13, enable_temporal_reasoning=True, num_temporal_reasoning_steps=1)
+        return pipe(**call, num_inference_steps=3, output_type="pt", generator=torch.Generator().manual_seed(1))
+
+    video, ref = stock_reference(pipe, "chronoedit", True, monkeypatch, run=run)
+    with pytest.warns(UserWarning, match="went on with another video after 1 steps of a 2×\\(4, 2, 3\\)"):
+        with cogattn.record(pipe, kinds=("full",), batch="all", heads="all") as rec:
+            got = run().frames
+    assert torch.equal(got, video) and len(rec.timesteps) == 1
+    assert {step for _, step, _ in rec.keys()} == {0}
+    for layer in range(len(rec.layer_names)):
+        want = torch.cat(ref[(0, layer, "self")])
+        got = rec.get("full", 0, layer).double()
+        assert (got - want).abs().max() <= 1e-5

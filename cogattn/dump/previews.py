@@ -7,11 +7,11 @@ from pathlib import Path
 from .. import plot
 from ..analysis import aggregate, expert_steps, recorded
 from ..run import load
-from ..words import text_tokens
+from ..words import IMAGE_TOKEN, text_tokens
 
 __all__ = ["write_previews"]
 
-_SPECIAL = {"</s>", "<pad>", "<unk>", "<s>"}
+_SPECIAL = {"</s>", "<pad>", "<unk>", "<s>", IMAGE_TOKEN}
 
 
 def _words(run, tokenizer, prompt: str | None, limit: int = 4) -> list[int]:
@@ -20,7 +20,7 @@ def _words(run, tokenizer, prompt: str | None, limit: int = 4) -> list[int]:
     T = run.layout.prompt_len
     if tokenizer is None or prompt is None:
         return list(range(min(limit, T)))
-    tokens = text_tokens(tokenizer, prompt, T, clean=run.layout.text_len == 0)
+    tokens = text_tokens(tokenizer, prompt, T, clean=run.layout.text_len == 0, prompt_start=run.layout.prompt_start)
     return [i for i, t in enumerate(tokens) if t not in _SPECIAL and t.strip("▁")][:limit] or [0]
 
 

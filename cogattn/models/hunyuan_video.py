@@ -1,5 +1,5 @@
-"""HunyuanVideo (text-to-video): the map processor, the family's facts and its tiny pipeline (docs/design.md,
-"The model seam").
+"""HunyuanVideo (text-to-video and image-to-video): the map processor, the family's facts and its tiny
+pipelines (built in ``_hunyuan_video_tiny.py``; docs/design.md, "The model seam").
 
 HunyuanVideo runs 20 dual-stream blocks (``transformer_blocks``: video and text projected apart, one joint
 attention) and then 40 single-stream blocks (``single_transformer_blocks``: one projection of ``[video,
@@ -9,9 +9,23 @@ S)`` that keeps each item's ``V + T_valid`` first keys. Padded text keys get pro
 kind; padded text queries are computed, as the model computes them. The token refiner's attention is over
 the text alone: it is not a capture site.
 
+Image-to-video (``HunyuanVideoImageToVideoPipeline``; the transformer's ``image_condition_type``
+``"token_replace"``, hunyuanvideo-community/HunyuanVideo-I2V, or ``"latent_concat"``, ...-I2V-33ch) runs
+the same blocks and processor. Its LLaVA text encoder reads the image as 576 tokens; the pipeline keeps
+every 4th of them (``token_replace``) or every 2nd (``latent_concat``; its ``image_embed_interleave``) and
+puts them first in the text: the text after the video is ``layout.image_len`` image tokens (144 or 288),
+then the prompt's ``max_sequence_length − 4`` tokens (the chat template's assistant header is cropped), and
+the key mask keeps every image token. ``layout.prompt_start`` is where the prompt's tokens start on the
+text axis. The image is also in the latents: ``token_replace`` puts its latent as the first latent frame,
+which the model modulates as of timestep 0 (the call's timestep is the step's); ``latent_concat`` adds it
+and a mask as input channels, and the pipeline drops the first 4 decoded frames.
+
 Guidance is distilled into one call per step (``guidance_scale`` is an embedding, the batch holds the
 prompts); true classifier-free guidance (``true_cfg_scale > 1`` with a negative prompt) calls the
-transformer twice per step, the conditional call first, as Wan does.
+transformer twice per step, the conditional call first, as Wan does. Both calls of a step must carry text
+of one length (the image-to-video pipeline encodes a negative prompt with ``image_embed_interleave=2``
+whatever the call's: a ``token_replace`` call under true guidance needs ``image_embed_interleave=2`` or
+negative embeddings of the prompt's length).
 
 The processor is diffusers' ``HunyuanVideoAttnProcessor2_0`` line for line, plus the lines that hand q, k
 and the per-item key counts to the recording: the ``dispatch_attention_fn`` version of diffusers ≥ 0.36
@@ -21,6 +35,7 @@ as well as keys, the family is unavailable.
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import diffusers
@@ -35,7 +50,6 @@ from packaging.version import Version
 from ..layout import TokenLayout
 from ..processor import MapSink, key_counts
 from .spec import ModelSpec, Site, Unavailable
-from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
 _HV = {
@@ -50,6 +64,20 @@ _HV = {
 }
 KNOWN: dict[str, dict] = {
     "hunyuanvideo-community/HunyuanVideo": {**_HV, "in_channels": 16, "guidance_embeds": True},
+    # image-to-video: the released checkpoint and the first release (diffusers' conversion script's
+    # HYVideo-T/2-I2V-16ch and -33ch)
+    "hunyuanvideo-community/HunyuanVideo-I2V": {
+        **_HV,
+        "in_channels": 16,
+        "guidance_embeds": True,
+        "image_condition_type": "token_replace",
+    },
+    "hunyuanvideo-community/HunyuanVideo-I2V-33ch": {
+        **_HV,
+        "in_channels": 33,
+        "guidance_embeds": False,
+        "image_condition_type": "latent_concat",
+    },
 }
 
 if Version(diffusers.__version__).release < (0, 33):
@@ -61,12 +89,16 @@ DISPATCH = hasattr(HunyuanVideoAttnProcessor2_0, "_attention_backend")
 if DISPATCH:
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 from ._hunyuan_video_sdpa import HunyuanVideoAttnMapProcessorSDPA  # noqa: E402
+from ._hunyuan_video_tiny import TINY_I2V_TEMPLATE, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 
 __all__ = [
     "SPEC",
     "HunyuanVideoAttnMapProcessor",
+    "IMAGE_EMBEDS",
     "KNOWN",
     "TEXT_LEN",
+    "TINY_I2V_TEMPLATE",
+    "image_tokens",
     "layout_for_video",
     "read_call",
     "tiny_pipeline",
@@ -74,6 +106,9 @@ __all__ = [
 ]
 
 TEXT_LEN = 256  # LLaMA tokens after the prompt template is cropped (the pipelines' max_sequence_length)
+IMAGE_EMBEDS = 576  # LLaVA's tokens of an image (24 × 24 patches), of which image-to-video keeps every 2nd or 4th
+_ASSISTANT = 4  # tokens of the image-to-video template's assistant header, cropped after the prompt
+_INTERLEAVE = {"latent_concat": 2, "token_replace": 4}  # the pipeline's image_embed_interleave by default
 
 
 class HunyuanVideoAttnMapProcessor:
@@ -202,7 +237,9 @@ class HunyuanVideoAttnMapProcessor:
 
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``HunyuanVideoTransformer3DModel`` call: latents
-    ``(B, C, F, H, W)``, the text after the video (its padded length: the mask sets each item's own)."""
+    ``(B, C, F, H, W)``, the text after the video (its padded length: the mask sets each item's own), led by
+    the image tokens of an image-to-video pipeline call (:func:`image_tokens`). The timestep is the call's,
+    the step's: ``token_replace`` gives the first latent frame timestep 0 inside the model."""
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     t = kwargs["timestep"] if "timestep" in kwargs else args[1]
     text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[2]
@@ -216,21 +253,68 @@ def read_call(config, args: tuple, kwargs: dict):
         width=width // p,
         patch_size=p,
         patch_size_t=p_t if p_t > 1 else None,
+        image_len=image_tokens(int(text.shape[1])) if config.get("image_condition_type") else 0,
         text_position="end",
     )
     return layout, hidden.shape[0], t, hidden.device
 
 
+def _pipeline_call():
+    """The locals of the running ``HunyuanVideoImageToVideoPipeline.__call__`` (on the stack at each of
+    its transformer calls), `None` outside one."""
+    pipeline = getattr(diffusers, "HunyuanVideoImageToVideoPipeline", None)
+    if pipeline is None:
+        return None
+    code = inspect.unwrap(pipeline.__call__).__code__
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals
+
+
+def image_tokens(text_len: int) -> int:
+    """The image tokens that lead the ``text_len`` text tokens of the running image-to-video pipeline call.
+
+    The pipeline crops its chat template (``crop_start > 0``) and puts first the LLaVA tokens of the image
+    (``image_emb_start`` to ``image_emb_end`` of its template, every ``image_embed_interleave``-th), then
+    the prompt's ``max_sequence_length − 4`` tokens. With a prompt, that is the call's text; given
+    ``prompt_embeds``, their image tokens are named where they have the length of the pipeline's own
+    encoding (``pipe.encode_prompt`` with the call's template, interleave and ``max_sequence_length``).
+    0 outside such a call, for a template it does not crop (its image tokens are not set apart), and for
+    embeddings of another length.
+    """
+    call = _pipeline_call()
+    if call is None or not isinstance(call.get("prompt_template"), dict):
+        return 0
+    template, every = call["prompt_template"], call.get("image_embed_interleave")
+    crop = template.get("crop_start")
+    if crop is not None and crop <= 0:
+        return 0
+    n = max(0, int(template.get("image_emb_end", 581)) - int(template.get("image_emb_start", 5)))
+    images = len(range(0, n, every)) if every is not None and 0 < every < 6 else n
+    if call.get("prompt") is not None:
+        return images if images <= text_len else 0
+    length = call.get("max_sequence_length", TEXT_LEN)
+    return images if isinstance(length, int) and text_len == images + length - _ASSISTANT else 0
+
+
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
-    """The layout of a HunyuanVideo pipeline call (``(num_frames − 1) // 4 + 1`` latent frames, 8× spatial)."""
+    """The layout of a HunyuanVideo pipeline call (``(num_frames − 1) // 4 + 1`` latent frames, 8× spatial);
+    ``text_len`` is the call's ``max_sequence_length``. Image-to-video's text is the image tokens the
+    pipeline keeps by default (of 576, every 4th for ``token_replace``, every 2nd for ``latent_concat``) and
+    ``max_sequence_length − 4`` prompt tokens."""
     p_t = int(config.get("patch_size_t", 1))
+    text_len = text_len or TEXT_LEN
+    kind = config.get("image_condition_type")
+    images = len(range(0, IMAGE_EMBEDS, _INTERLEAVE[kind])) if kind in _INTERLEAVE else 0
     return TokenLayout.for_video(
         num_frames,
         height,
         width,
-        text_len or TEXT_LEN,
+        images + max(text_len - _ASSISTANT, 0) if images else text_len,
         int(config["patch_size"]),
         p_t if p_t > 1 else None,
+        image_len=images,
         text_position="end",
     )
 
@@ -238,159 +322,64 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
 def true_cfg(pipeline) -> bool | None:
     """Whether the running HunyuanVideo pipeline call uses true classifier-free guidance (two transformer
     calls per step). The pipelines keep it in a local, ``do_true_cfg``, of their ``__call__``: read from that
-    frame, which is on the stack at every transformer call; `None` when no such frame is found."""
+    frame, which is on the stack at every transformer call; `None` when no such frame is found. Raises
+    `ValueError` where the two calls of a step would carry text of different lengths (one recording holds
+    one layout)."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_locals.get("self") is pipeline and "do_true_cfg" in frame.f_locals:
-            return bool(frame.f_locals["do_true_cfg"])
+            call = frame.f_locals
+            on = bool(call["do_true_cfg"])
+            cond, uncond = call.get("prompt_embeds"), call.get("negative_prompt_embeds")
+            if on and isinstance(cond, torch.Tensor) and isinstance(uncond, torch.Tensor):
+                if cond.shape[1] != uncond.shape[1]:
+                    hint = ""
+                    if "image_embed_interleave" in call:  # image-to-video: the negative's image tokens
+                        hint = (
+                            " The image-to-video pipeline encodes a negative prompt with image_embed_interleave=2 "
+                            f"whatever the call's ({call['image_embed_interleave']}): pass image_embed_interleave=2, "
+                            "or negative_prompt_embeds of the prompt's length."
+                        )
+                    raise ValueError(
+                        f"under true classifier-free guidance the text of the conditional call has "
+                        f"{cond.shape[1]} tokens and the unconditional call's {uncond.shape[1]}; a recording "
+                        f"holds one layout, so both calls of a step need text of one length.{hint}"
+                    )
+            return on
         frame = frame.f_back
     return None
 
 
-# -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------
-_LATENT_CHANNELS = 4
-_POOLED_DIM = 8  # width of the tiny CLIP text encoder's pooled output
-
-
-def tiny_transformer(
-    *,
-    num_layers: int = 2,
-    num_single_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 16,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-):
-    """A random ``HunyuanVideoTransformer3DModel``: ``num_layers`` dual-stream and ``num_single_layers``
-    single-stream blocks, patch size 2, text width 16 (``head_dim`` is split over the 3D RoPE axes)."""
-    axes = (head_dim - 2 * (head_dim * 3 // 8), head_dim * 3 // 8, head_dim * 3 // 8)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = HunyuanVideoTransformer3DModel(
-            in_channels=_LATENT_CHANNELS,
-            out_channels=_LATENT_CHANNELS,
-            num_attention_heads=num_heads,
-            attention_head_dim=head_dim,
-            num_layers=num_layers,
-            num_single_layers=num_single_layers,
-            num_refiner_layers=1,
-            patch_size=2,
-            patch_size_t=1,
-            guidance_embeds=True,
-            text_embed_dim=TEXT_DIM,
-            pooled_projection_dim=_POOLED_DIM,
-            rope_axes_dim=axes,
+def call_rules(cfg, config: dict) -> None:
+    """The batch tool's HunyuanVideo rules (``ModelSpec.call_rules``): the checkpoint's task; image-to-video's
+    true guidance (``token_replace``: the negative prompt's text is longer) and previews (``latent_concat``:
+    the pipeline drops the first 4 decoded frames, which the previews' frame mapping does not know); the tiny
+    pipeline's image-to-video needs a prompt template of its own."""
+    kind = config.get("image_condition_type")
+    if cfg.tiny_spec() is not None and cfg.task == "image-to-video":
+        raise ValueError(
+            f"task: 'image-to-video'; the batch tool runs {cfg.model} (the tiny HunyuanVideo pipeline) for "
+            "text-to-video only: its image-to-video call takes a prompt template of its own (TINY_I2V_TEMPLATE); "
+            "record it directly."
         )
-    return cast(model, dtype)
-
-
-def tiny_pipeline(
-    task: str = "text-to-video",
-    *,
-    num_layers: int = 2,
-    num_single_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 16,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-):
-    """A random ``HunyuanVideoPipeline`` with real components at toy size (no download).
-
-    Call it as a real one: ``height=32, width=48`` gives 2×3 patches per latent frame and ``num_frames=9``
-    3 latent frames. A prompt is tokenized by the tiny word-level tokenizer; pass
-    ``prompt_template={"template": "{}", "crop_start": 0}`` (the default template's 95 cropped tokens are
-    LLaMA's), and ``max_sequence_length`` for the padded text length. ``true_cfg_scale > 1`` with a
-    ``negative_prompt`` makes two transformer calls per step.
-
-    Args:
-        task (`str`, defaults to ``"text-to-video"``): the only task of this family here.
-        num_layers, num_single_layers, num_heads, head_dim (`int`): transformer size.
-        dtype (`torch.dtype`, defaults to `torch.float32`): dtype of every component.
-        seed (`int`, defaults to 0): seed of the random weights.
-    """
-    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
-    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
-
-    if task != "text-to-video":
-        raise ValueError(f"task={task!r}; the tiny HunyuanVideo pipeline is text-to-video.")
-    tokenizer = tiny_tokenizer()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        vae = AutoencoderKLHunyuanVideo(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=_LATENT_CHANNELS,
-            down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-            up_block_types=("HunyuanVideoUpBlock3D",) * 4,
-            block_out_channels=(8, 8, 8, 8),
-            layers_per_block=1,
-            norm_num_groups=4,
-            spatial_compression_ratio=8,
-            temporal_compression_ratio=4,
+    a, task = ("an", "image-to-video") if kind else ("a", "text-to-video")
+    if cfg.task != task:
+        raise ValueError(
+            f"task: {cfg.task!r}; the batch tool runs HunyuanVideo checkpoints for the task they were made for: "
+            f"{cfg.model} is {a} {task} checkpoint; set task: {task}."
         )
-        llama = LlamaModel(
-            LlamaConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=TEXT_DIM,
-                intermediate_size=32,
-                num_hidden_layers=3,  # the pipeline takes the hidden states 3 from the end
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                pad_token_id=0,
-            )
+    if kind == "token_replace" and (cfg.true_cfg_scale or 0) > 1:
+        raise ValueError(
+            f"true_cfg_scale: {cfg.true_cfg_scale!r}; {cfg.model} ({kind}) keeps every 4th image token of the "
+            "prompt's text but every 2nd of the negative prompt's (the pipeline's default): the two calls of a "
+            "step differ in length, which one recording cannot hold. Leave true_cfg_scale out (its guidance is "
+            "distilled: guidance_scale)."
         )
-        clip = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=_POOLED_DIM,
-                intermediate_size=16,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                projection_dim=_POOLED_DIM,
-                max_position_embeddings=77,
-                pad_token_id=0,
-                bos_token_id=1,
-                eos_token_id=1,
-            )
+    if kind == "latent_concat" and cfg.previews:
+        raise ValueError(
+            f"previews: true; {cfg.model} ({kind}) drops the first 4 decoded frames of its video, which the "
+            "previews cannot place on the latent frames: set previews: false (the maps and the video are written)."
         )
-    pipe = HunyuanVideoPipeline(
-        text_encoder=cast(llama, dtype),
-        tokenizer=tokenizer,
-        transformer=tiny_transformer(
-            num_layers=num_layers,
-            num_single_layers=num_single_layers,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            seed=seed,
-        ),
-        vae=cast(vae, dtype),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        text_encoder_2=cast(clip, dtype),
-        tokenizer_2=tiny_tokenizer(),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
-    """A call of the tiny pipeline: one video of random text embeddings of 6 tokens, 4 of them kept by the
-    mask (under true guidance the negative keeps 2), 9 frames of 32×48 (3×2×3 patches)."""
-    device, dtype = pipe._execution_device, pipe.transformer.dtype
-
-    def text(kept):
-        emb = torch.randn(1, 6, TEXT_DIM, generator=generator).to(device, dtype)
-        pooled = torch.randn(1, _POOLED_DIM, generator=generator).to(device, dtype)
-        return emb, pooled, (torch.arange(6) < kept).long()[None].to(device)
-
-    emb, pooled, mask = text(4)
-    call = dict(prompt_embeds=emb, pooled_prompt_embeds=pooled, prompt_attention_mask=mask)
-    if guided:
-        emb, pooled, mask = text(2)
-        call.update(negative_prompt_embeds=emb, negative_pooled_prompt_embeds=pooled, true_cfg_scale=4.0)
-        call["negative_prompt_attention_mask"] = mask
-    call.update(num_frames=9, height=32, width=48)
-    return call
 
 
 SPEC = ModelSpec(
@@ -403,15 +392,22 @@ SPEC = ModelSpec(
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
     tiny_call=tiny_call,
+    tiny_tasks=("text-to-video", "image-to-video"),
     config_keys=("num_single_layers",),
     known=KNOWN,
     text_len=TEXT_LEN,
-    refused={"video_to_image": "HunyuanVideo has no image attention; its transformer sees text and video tokens."},
+    refused={
+        "video_to_image": "HunyuanVideo has no image attention; its transformer sees text and video tokens (in "
+        "image-to-video the image's LLaVA tokens lead the text: the first layout.image_len columns of "
+        "video_to_text)."
+    },
     guidance_calls=2,
     guidance=true_cfg,
     guidance_argument="true_cfg_scale",
     output_call=False,
     frame_counts="9, 13, ..., 61, ..., 129",
+    pipelines={"text-to-video": "HunyuanVideoPipeline", "image-to-video": "HunyuanVideoImageToVideoPipeline"},
     float32=("vae",),
+    call_rules=call_rules,
     tiny_prompt_arguments={"prompt_template": {"template": "{}", "crop_start": 0}},  # the 95 cropped tokens are LLaMA's
 )

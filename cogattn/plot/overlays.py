@@ -36,7 +36,9 @@ def _text_ticks(source: MapSource, tokenizer, prompt: str | None, limit: int = 4
     """Tick positions and labels of the text keys. Past ``limit`` tokens (226 in CogVideoX, mostly
     padding) only the prompt's own tokens are named, plus every tenth of the axis by index."""
     T = source.layout.text_len
-    names = text_tokens(tokenizer, prompt, T) if tokenizer is not None and prompt is not None else None
+    start = source.layout.prompt_start  # image tokens that lead the text (HunyuanVideo image-to-video)
+    named_tokens = tokenizer is not None and prompt is not None
+    names = text_tokens(tokenizer, prompt, T, prompt_start=start) if named_tokens else None
     if T <= limit:
         return list(range(T)), names or [str(t) for t in range(T)]
     pad = getattr(tokenizer, "pad_token", None)
@@ -59,7 +61,7 @@ def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt) -> 
     clean = layout.text_len == 0  # the text is in a cross-attention: Wan, which cleans the prompt first
     names = None
     if not image and tokenizer is not None and prompt is not None:
-        names = text_tokens(tokenizer, prompt, T, clean=clean)
+        names = text_tokens(tokenizer, prompt, T, clean=clean, prompt_start=layout.prompt_start)
     out = []
     for item in items:
         if isinstance(item, str):
@@ -70,7 +72,7 @@ def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt) -> 
                     f"token {item!r} is a word: pass tokenizer= (pipe.tokenizer) and prompt= (the generation's "
                     f"prompt), or token indices 0..{T - 1}."
                 )
-            pos = word_positions(item, tokenizer, prompt, T, clean=clean)
+            pos = word_positions(item, tokenizer, prompt, T, clean=clean, prompt_start=layout.prompt_start)
             where = f"token {pos[0]}" if len(pos) == 1 else f"tokens {', '.join(map(str, pos))}"
             out.append((pos, f'"{item}" ({where})'))
         elif isinstance(item, int) and not isinstance(item, bool):
