@@ -258,7 +258,7 @@ def row_pass(
     ``(S, S)`` is `False`, are masked (−inf: probability 0)."""
     H, S, D = q.shape
     kept = S if kept is None else kept
-    blocked = None if mask is None else ~mask.to(q.device)
+    mask = None if mask is None else mask.to(q.device)
     n_rows = S if rows is None else len(rows)
     groups = [r.key_groups for r, _ in pooled]
     gathers = [g.keys.to(q.device) if g is not None and g.single_keys else None for g in groups]
@@ -279,8 +279,8 @@ def row_pass(
             scores = torch.matmul(q_rows, kt, out=tile.take(h1 - h0, r1 - r0, S)).mul_(scale)  # (h, r, S)
             if kept < S:
                 scores[..., kept:] = -math.inf
-            if blocked is not None:
-                scores.masked_fill_(blocked[idx], -math.inf)
+            if mask is not None:  # inverted per tile: the model's (S, S) mask is not copied whole
+                scores.masked_fill_(mask[idx].logical_not(), -math.inf)
             if wants_entropy:
                 probs, entropy = passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale)
             else:

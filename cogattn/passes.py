@@ -164,7 +164,7 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None, 
     ``mask`` ``(S, S)`` is `False`, are masked."""
     H, S, _ = q.shape
     keys = S if keys is None else keys
-    blocked = None if mask is None else ~mask.to(q.device)
+    mask = None if mask is None else mask.to(q.device)
     kt = k.chunk(0, H).transpose(1, 2)  # converted once (when it must be): the loop revisits every head per row tile
     tile = TileBuffer(plan.row_heads * min(plan.row_rows, S) * S, q.device)
     totals = TileBuffer(min(plan.row_rows, S) * S, q.device)  # one buffer: no second one while the first lives
@@ -178,8 +178,8 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None, 
             scores.mul_(scale)
             if keys < S:
                 scores[..., keys:] = -torch.inf
-            if blocked is not None:
-                scores.masked_fill_(blocked[r0:r1], -torch.inf)
+            if mask is not None:  # inverted per tile: the model's (S, S) mask is not copied whole
+                scores.masked_fill_(mask[r0:r1].logical_not(), -torch.inf)
             probs = softmax_(scores)
             for head in probs:  # no temporary
                 total[0] += head

@@ -69,23 +69,36 @@ def query_key_mask(mask: torch.Tensor | None, batch: int, seq_len: int) -> torch
     """The attention mask of a self-attention call as capture takes it: boolean ``(B or 1, S, S)``, `True`
     where a query attends a key (SkyReels-V2's block-causal mask under diffusion forcing); `None` when it
     masks nothing. Takes a boolean mask or an additive one of 0 and −inf, ``(B or 1, 1, S, S)``; raises
-    `ValueError` for any other (a bias, or a mask per head), which capture does not take."""
+    `ValueError` for any other (a bias, or a mask per head), which capture does not take. Every block of a
+    transformer call passes the same mask: it is read once (kept on the tensor, while it is unchanged)."""
     if mask is None:
         return None
+    key = (mask._version, batch, seq_len)
+    read = getattr(mask, "_cogattn_read", None)
+    if read is None or read[0] != key:
+        read = (key, *_read_mask(mask, batch, seq_len))
+        mask._cogattn_read = read
+    _, masks_nothing, converted = read
+    return None if masks_nothing else (mask if converted is None else converted)[:, 0]
+
+
+def _read_mask(mask: torch.Tensor, batch: int, seq_len: int) -> tuple[bool, torch.Tensor | None]:
+    """``(whether it masks nothing, the boolean mask of an additive one)``, or `ValueError`."""
     ok_shape = mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[0] in (1, batch)
     if not ok_shape or tuple(mask.shape[2:]) != (seq_len, seq_len):
         raise ValueError(
             f"cogattn captures attention under a mask of shape (B or 1, 1, {seq_len}, {seq_len}); this call's mask "
             f"is {tuple(mask.shape)}."
         )
+    converted = None
     if mask.dtype != torch.bool:
         if not bool(((mask == 0) | (mask == -torch.inf)).all()):
             raise ValueError(
                 "cogattn captures attention under a boolean mask or an additive one of 0 and -inf; this call adds "
                 "other values (a bias), which is no mask."
             )
-        mask = mask == 0
-    mask = mask[:, 0]
-    if not bool(mask.any(-1).all()):
+        converted = mask == 0
+    keep = mask if converted is None else converted
+    if not bool(keep.any(-1).all()):
         raise ValueError("this call's attention mask leaves a query row no key, whose attention is undefined.")
-    return None if bool(mask.all()) else mask
+    return bool(keep.all()), converted

@@ -67,7 +67,8 @@ def test_every_family_s_tiny_model_is_named_and_checked_through_its_spec(name):
     shape = [f"{key}={call[key]}" for key in ("num_frames", "height", "width")]
     cfg = load_config(None, [f"model={spec.tiny_name}", f"task={task}", *shape])
     assert cfg.family == name and cfg.tiny_spec() is spec and spec.title
-    assert {k: v for k, v in cfg.model_config().items() if k != "experts"} == dict(pipe.transformer.config)
+    named = {"_class_name": type(pipe.transformer).__name__, **pipe.transformer.config}  # as config.json names it
+    assert {k: v for k, v in cfg.model_config().items() if k != "experts"} == named
     assert cfg.max_sequence_length == spec.text_len and cfg.call_arguments()["max_sequence_length"] == spec.text_len
 
 

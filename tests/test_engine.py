@@ -207,3 +207,8 @@ def test_the_masks_capture_takes_and_those_it_refuses():
         query_key_mask(causal.expand(1, 3, 6, 6), 2, 6)  # a mask per head
     with pytest.raises(ValueError, match="leaves a query row no key"):
         query_key_mask(torch.zeros(1, 1, 6, 6, dtype=torch.bool), 2, 6)
+    # every block of a call passes the same mask: read once, read again once it changes
+    mask = torch.ones(1, 1, 6, 6).tril().bool()
+    assert torch.equal(query_key_mask(mask, 2, 6), mask[:, 0]) and mask._cogattn_read[0][0] == mask._version
+    mask.fill_(True)  # in place: another version
+    assert query_key_mask(mask, 2, 6) is None

@@ -162,7 +162,7 @@ class DumpConfig:
                 if tiny is not None:
                     pipe = tiny.tiny_pipeline(self.task, **self.tiny_arguments())
                     experts = sum(getattr(pipe, name, None) is not None for name in tiny.experts)
-                    self.transformer = {**pipe.transformer.config, "experts": experts}
+                    self.transformer = {**transformer_config(pipe.transformer), "experts": experts}
                 else:
                     self.transformer = transformer_config(self.model)
                 spec_for_config(self.transformer)

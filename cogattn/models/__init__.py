@@ -16,6 +16,8 @@ import os
 import pkgutil
 from pathlib import Path
 
+import torch
+
 from .spec import ModelSpec, Site, Unavailable
 
 __all__ = [
@@ -81,18 +83,26 @@ def spec_for_config(config: dict) -> ModelSpec:
     raise ValueError(f"a transformer config of class {name!r} is not a model cogattn supports.")
 
 
+def _module_config(transformer) -> dict:
+    """A transformer module's config with its class named, as a checkpoint's config.json names it: by its
+    keys alone a copy of a model (Wan Animate's ``text_dim``, FramePack's ``num_single_layers``) would read
+    as the model it copies."""
+    named = {"_class_name": type(transformer).__name__} if isinstance(transformer, torch.nn.Module) else {}
+    return {**named, **dict(transformer.config)}
+
+
 def transformer_config(model) -> dict:
     """The transformer config of a pipeline, a transformer, ``"tiny"``, a local folder or a hub id
     (from the hub cache or the hub: the config only, never the weights)."""
     transformer = getattr(model, "transformer", model)
     if hasattr(transformer, "config") and not isinstance(model, (str, os.PathLike)):
-        return dict(transformer.config)
+        return _module_config(transformer)
     name = str(model)
     tiny = next((spec for spec in FAMILIES if spec.tiny_name == name), None)  # "tiny", "tiny-wan", ...
     if tiny is not None:
-        return dict(tiny.tiny_transformer().config)
+        return _module_config(tiny.tiny_transformer())
     if name.startswith("tiny-"):  # a family by its name ("tiny-cogvideox"), or one this diffusers lacks
-        return dict(family(name.removeprefix("tiny-").replace("-", "_")).tiny_transformer().config)
+        return _module_config(family(name.removeprefix("tiny-").replace("-", "_")).tiny_transformer())
     folder = Path(name)
     for candidate in (folder / "transformer" / "config.json", folder / "config.json"):
         if candidate.is_file():

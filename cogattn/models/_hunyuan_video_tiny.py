@@ -39,16 +39,21 @@ def tiny_transformer(
     image_condition_type: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    cls: type = HunyuanVideoTransformer3DModel,
+    **extra,
 ):
     """A random ``HunyuanVideoTransformer3DModel``: ``num_layers`` dual-stream and ``num_single_layers``
     single-stream blocks, patch size 2, text width 16 (``head_dim`` is split over the 3D RoPE axes); with an
     ``image_condition_type`` (``"token_replace"`` or ``"latent_concat"``, 2 × 4 + 1 input channels) an
-    image-to-video one."""
+    image-to-video one. ``cls`` and ``extra``: another class of HunyuanVideo's blocks and its own options
+    (FramePack's)."""
     axes = (head_dim - 2 * (head_dim * 3 // 8), head_dim * 3 // 8, head_dim * 3 // 8)
     concat = image_condition_type == "latent_concat"
+    if image_condition_type:
+        extra["image_condition_type"] = image_condition_type
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = HunyuanVideoTransformer3DModel(
+        model = cls(
             in_channels=2 * _LATENT_CHANNELS + 1 if concat else _LATENT_CHANNELS,
             out_channels=_LATENT_CHANNELS,
             num_attention_heads=num_heads,
@@ -62,7 +67,7 @@ def tiny_transformer(
             text_embed_dim=TEXT_DIM,
             pooled_projection_dim=_POOLED_DIM,
             rope_axes_dim=axes,
-            **({"image_condition_type": image_condition_type} if image_condition_type else {}),
+            **extra,
         )
     return cast(model, dtype)
 

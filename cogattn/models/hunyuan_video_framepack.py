@@ -206,7 +206,6 @@ def call_rules(cfg, config: dict) -> None:
 
 
 # -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------
-_LATENT_CHANNELS = 4  # the tiny HunyuanVideo VAE's
 
 
 def tiny_transformer(
@@ -221,30 +220,17 @@ def tiny_transformer(
     """A random ``HunyuanVideoFramepackTransformer3DModel``: ``num_layers`` dual-stream and
     ``num_single_layers`` single-stream blocks, patch size 2, text width 16, the history embedding and an
     image projection of the tiny SigLIP's 12 channels (``head_dim`` is split over the 3D RoPE axes)."""
-    axes = (head_dim - 2 * (head_dim * 3 // 8), head_dim * 3 // 8, head_dim * 3 // 8)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = HunyuanVideoFramepackTransformer3DModel(
-            in_channels=_LATENT_CHANNELS,
-            out_channels=_LATENT_CHANNELS,
-            num_attention_heads=num_heads,
-            attention_head_dim=head_dim,
-            num_layers=num_layers,
-            num_single_layers=num_single_layers,
-            num_refiner_layers=1,
-            patch_size=2,
-            patch_size_t=1,
-            guidance_embeds=True,
-            text_embed_dim=TEXT_DIM,
-            pooled_projection_dim=8,  # the tiny HunyuanVideo CLIP's
-            rope_axes_dim=axes,
-            has_image_proj=True,
-            image_proj_dim=_TINY_IMAGE_DIM,
-            has_clean_x_embedder=True,
-        )
-    # its class in its config, as a loaded checkpoint's has it: by its keys alone (num_single_layers) a config
-    # would read as HunyuanVideo's
-    model.register_to_config(_class_name=type(model).__name__)
+    model = hunyuan_video.tiny_transformer(
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        seed=seed,
+        cls=HunyuanVideoFramepackTransformer3DModel,
+        has_image_proj=True,
+        image_proj_dim=_TINY_IMAGE_DIM,
+        has_clean_x_embedder=True,
+    )
     return cast(model, dtype)
 
 

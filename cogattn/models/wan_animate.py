@@ -135,9 +135,6 @@ def tiny_transformer(
             face_encoder_num_heads=2,
             inject_face_latents_blocks=1,  # a face adapter per block (the released model: every 5th)
         )
-    # A loaded checkpoint's config names its class; a built one does not, and Wan's keys (``text_dim``)
-    # would then claim it (``spec_for_config``), with a layout one frame short.
-    model.register_to_config(_class_name=type(model).__name__)
     return wan.cast(model, dtype)
 
 
