@@ -235,6 +235,36 @@ def test_bad_values_exit_2_with_one_line_and_write_nothing(tmp_path, dump, confi
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "config,model,message",
+    [
+        (
+            "skyreels-v2-t2v-14b-540p.yaml",
+            "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers",
+            r"is a diffusion-forcing checkpoint; .* record SkyReelsV2DiffusionForcingPipeline from Python",
+        ),
+        (
+            "easyanimate-v5.1-12b.yaml",
+            "alibaba-pai/EasyAnimateV5.1-12b-zh-InP-diffusers",
+            r"is an inpaint \(image-to-video\) checkpoint .* record its inpaint or control pipeline from Python",
+        ),
+    ],
+)
+def test_a_checkpoint_recorded_from_python_only_is_refused_in_one_line_even_in_a_plan(
+    tmp_path, dump, monkeypatch, config, model, message
+):
+    """Released checkpoints whose pipeline the batch tool does not call (diffusion forcing, EasyAnimate's
+    inpaint) are refused by name, offline, rather than run through the plain pipeline."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    try:
+        load_config(ROOT / "configs" / config)
+    except ConfigError as err:  # a family this diffusers lacks
+        pytest.skip(str(err))
+    proc = dump(ROOT / "configs" / config, "--dry-run", *_sets(f"model={model}", f"save_dir={tmp_path}/x"), check=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(message, lines[0]), proc.stderr
+
+
 def test_a_family_the_batch_tool_only_plans_is_refused_before_anything_loads(tmp_path, dump, monkeypatch):
     """Wan Animate's call needs pose and face videos that a prompts file does not give: its released config
     plans (``--dry-run``), and a run is refused in one line, before any weight is loaded or folder written."""

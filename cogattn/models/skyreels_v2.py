@@ -17,6 +17,8 @@ generation.
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 
 import torch
 
@@ -113,6 +115,20 @@ def tiny_diffusion_forcing_pipeline(*, dtype: torch.dtype = torch.float32, seed:
     return pipe
 
 
+def call_rules(cfg, config: dict) -> None:
+    """The batch tool's SkyReels-V2 rule (``ModelSpec.call_rules``): a diffusion-forcing checkpoint (its
+    ``model_index.json`` names ``SkyReelsV2DiffusionForcingPipeline``; offline, ``-DF-`` in its hub id) is
+    refused: the batch tool would run it through the plain pipeline, without diffusion forcing."""
+    index = Path(cfg.model) / "model_index.json"
+    name = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else cfg.model
+    if "DiffusionForcing" in name or "-DF-" in name:
+        raise ValueError(
+            f"model: {cfg.model} is a diffusion-forcing checkpoint; the batch tool runs SkyReels-V2's text- and "
+            "image-to-video pipelines only: record SkyReelsV2DiffusionForcingPipeline from Python with "
+            "cogattn.record."
+        )
+
+
 SPEC = ModelSpec(
     "skyreels_v2",
     (SkyReelsV2Transformer3DModel,),
@@ -130,4 +146,5 @@ SPEC = ModelSpec(
     context_kinds=wan.SPEC.context_kinds,
     refused=wan.SPEC.refused,
     guidance_calls=2,
+    call_rules=call_rules,
 )
