@@ -40,6 +40,7 @@ __all__ = [
     "pick",
     "recorded",
     "recorded_kinds",
+    "skipped_pairs",
     "steps_of_expert",
 ]
 
@@ -222,6 +223,15 @@ def head_positions(head_ids: Sequence[int] | None, num_slots: int, heads: str | 
     return positions
 
 
+def skipped_pairs(source: MapSource, kind: str, steps: Sequence[int], layers: Sequence[int]) -> set[tuple[int, int]]:
+    """The ``(step, layer)`` among ``steps`` × ``layers`` that hold no ``kind`` record because a cache skipped
+    that attention (``source.skipped``): averages leave them out, and figures say how many."""
+    skips = getattr(source, "skipped", None)
+    gone = {(s, layer) for s, layer, _ in skips.calls} if skips else set()
+    held = set(source.keys()) if gone else set()
+    return {(s, layer) for s in steps for layer in layers if (s, layer) in gone and (kind, s, layer) not in held}
+
+
 def aggregate(
     source: MapSource,
     kind: str,
@@ -246,7 +256,8 @@ def aggregate(
         kind (`str`): any kind but ``"topk"`` (values and key indices do not average: read them with
             ``source.get``).
         steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): steps to average (``"all"``:
-            every recorded step of the kind), all of one expert's; an expert's name takes its steps.
+            every recorded step of the kind), all of one expert's; an expert's name takes its steps. The
+            ``(step, layer)`` a cache skipped are left out of the mean (:func:`skipped_pairs`).
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers to average.
         heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): model head indices.
         batch (`int`, defaults to 0): position among the recorded batch items.
@@ -263,15 +274,18 @@ def aggregate(
     step_list = choose(source, kind, "step", steps)
     check_one_expert(expert_steps(source, step_list), f"the mean of {kind!r} over steps={steps!r}")
     layer_list = choose(source, kind, "layer", layers)
+    gaps = skipped_pairs(source, kind, step_list, layer_list)
+    pairs = [(s, layer) for s in step_list for layer in layer_list if (s, layer) not in gaps]
+    if not pairs:  # every chosen map was skipped: say by what
+        source.get(kind, step_list[0], layer_list[0])
     total = None
-    for s in step_list:
-        for layer in layer_list:
-            t = source.get(kind, s, layer)
-            if not 0 <= batch < t.shape[0]:
-                raise ValueError(f"batch={batch} is out of range: {t.shape[0]} batch item(s) were recorded.")
-            t = t[batch].double()
-            total = t if total is None else total + t
-    mean = (total / (len(step_list) * len(layer_list))).float()
+    for s, layer in pairs:
+        t = source.get(kind, s, layer)
+        if not 0 <= batch < t.shape[0]:
+            raise ValueError(f"batch={batch} is out of range: {t.shape[0]} batch item(s) were recorded.")
+        t = t[batch].double()
+        total = t if total is None else total + t
+    mean = (total / len(pairs)).float()
     positions = head_positions(source.head_ids, mean.shape[0], heads)
     if heads == "mean":
         return mean.mean(0)

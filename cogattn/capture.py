@@ -17,6 +17,7 @@ from .attention import attention_joint_for, attention_with_lse
 from .checks import SpotCheck, Verifier, probe_rows
 from .context import context_pass
 from .planner import CapturePlan, TilePlan, plan_tiles
+from .skips import Skips
 
 __all__ = ["Capture"]
 
@@ -42,6 +43,8 @@ class Capture:
         self.verifier = Verifier(options.verify)
         self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
         self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
+        self.skips = Skips()  # selected attention calls that did not run (a cache skipped them)
+        self._stored: set[tuple[int, int, str]] = set()  # (step, layer, role) of the records of the running step
 
     @property
     def step(self) -> int | None:
@@ -60,22 +63,44 @@ class Capture:
         wanted = wanted and bool(self.plan.reducers if role == "self" else self.plan.context)
         return layer if wanted and self._call_items()[0] else None
 
-    def _call_items(self) -> tuple[list[int], list[int]]:
+    def _call_items(self, batch_size: int | None = None) -> tuple[list[int], list[int]]:
         """The selected items of the current call, as indices of its batch and as slots of the results'
         batch axis. The results' batch is the guidance batch ``[uncond..., cond...]``; a family whose
-        pipelines make one call per half (Wan: the conditional call first) gives each call its half."""
+        pipelines make one call per half (Wan: the conditional call first) gives each call its half.
+        ``batch_size``: the batch the attention got, where it may be the conditional half of the call's
+        (FasterCache skips the unconditional half of a ``[uncond, cond]`` batch at some steps)."""
         B, calls = self.steps.batch_size, self.steps.calls_per_step
         offset = B * (calls - 1 - self.steps.call)
         slots = [i for i, b in enumerate(self.plan.resolved.batch) if offset <= b < offset + B]
-        return [self.plan.resolved.batch[i] - offset for i in slots], slots
+        items = [self.plan.resolved.batch[i] - offset for i in slots]
+        if batch_size is None or batch_size == B:
+            return items, slots
+        if calls == 1 and (self.steps.guidance or self.skips.by == "FasterCache") and 2 * batch_size == B:
+            self.skips.halves.add(self.step)
+            kept = [(b - batch_size, s) for b, s in zip(items, slots) if b >= batch_size]
+            return [b for b, _ in kept], [s for _, s in kept]
+        raise RuntimeError(
+            f"an attention layer got a batch of {batch_size} in a transformer call of batch {B}; cogattn follows "
+            "the pipeline's batch, or its conditional half under guidance (FasterCache), and nothing else."
+        )
 
-    def _put(self, kind: str, layer: int, out: torch.Tensor, slots: list[int]) -> None:
-        """Store ``out`` (the items ``slots`` of a result); a result split over a step's calls when whole.
-        Until then the parts wait in host memory, each its own size (Wan runs every block for one call
-        before the next call starts; :attr:`CapturePlan.waiting_bytes` counts them)."""
+    def _whole(self, batch_size: int) -> tuple[list[int], list[int]] | None:
+        """The call's items and slots for an attention of batch ``batch_size``, `None` where some selected
+        item is not in it (the conditional half of a one-call step, and an unconditional item selected):
+        nothing is captured, and :meth:`end_step` lists the layer as skipped."""
+        items, slots = self._call_items(batch_size)
+        if self.steps.calls_per_step == 1 and len(slots) < len(self.plan.resolved.batch):
+            return None
+        return items, slots
+
+    def _put(self, kind: str, layer: int, out: torch.Tensor, slots: list[int], role: str) -> None:
+        """Store ``out`` (the items ``slots`` of a result of the ``role`` attention); a result split over a
+        step's calls when whole. Until then the parts wait in host memory, each its own size (Wan runs every
+        block for one call before the next call starts; :attr:`CapturePlan.waiting_bytes` counts them)."""
         n = len(self.plan.resolved.batch)
         if len(slots) == n:
             self.store.put(kind, self.step, layer, self.steps.timesteps[-1], out)
+            self._stored.add((self.step, layer, role))
             return
         key = (kind, layer)
         if key not in self.pending or self.pending[key][0] != self.step:
@@ -89,6 +114,23 @@ class Capture:
                 whole[s] = part
             del parts
             self.store.put(kind, self.step, layer, self.steps.timesteps[-1], whole)
+            self._stored.add((self.step, layer, role))
+
+    def end_step(self, step: int) -> None:
+        """After ``step``: list the selected ``(layer, role)`` that stored no record (a cache skipped the
+        attention, in a call that holds selected items) in :attr:`skips`, and drop parts of results that
+        wait for a call that never came."""
+        context = {r.kind for r in self.plan.context} if self.plan is not None else set()
+        for kind, layer in [key for key, parts in self.pending.items() if parts[0] == step]:
+            del self.pending[(kind, layer)]  # another of the step's calls skipped it
+            self.skips.partial.add((step, layer, "context" if kind in context else "self"))
+        if self.plan is None or self.stopped or not self.options.wants_step(step):
+            return
+        roles = {"self": bool(self.plan.reducers), "context": bool(self.plan.context)}
+        for layer, role in set(self.roles.values()):
+            if roles[role] and self.options.wants_layer(layer) and (step, layer, role) not in self._stored:
+                self.skips.calls.add((step, layer, role))
+        self._stored = {key for key in self._stored if key[0] != step}
 
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """The output call of a captured layer: `None` for the stock call, else ``(output, lse, sums)``.
@@ -98,8 +140,8 @@ class Capture:
         call for the others. Spot-checked against the stock call on a few rows (:mod:`cogattn.checks`)."""
         mode = self.options.layer_output
         shape = (str(query.device), query.dtype, mode, tuple(query.shape[1:]))
-        if mode == "stock" or shape in self.verifier.stock_output:
-            return None
+        if mode == "stock" or shape in self.verifier.stock_output or query.shape[0] != self.steps.batch_size:
+            return None  # the stock call; also for a batch's conditional half (FasterCache)
         if mode == "lse" or self.joint_indicator is None:  # no multi-key kinds: the lse alone is reused
             result = (*attention_with_lse(query, key, value), None)
         else:
@@ -133,8 +175,10 @@ class Capture:
         number; ``mask`` ``(B or 1, S, S)``: any other mask (``processor.query_key_mask``), which row tiles
         apply, whatever the method."""
         res, reducers = self.plan.resolved, self.plan.reducers
-        items, slots = self._call_items()
         B, H, S, D = query.shape
+        if (whole := self._whole(B)) is None:
+            return
+        items, slots = whole
         if S != res.layout.seq_len:
             raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
         # The engine copies q and k per head chunk unless they already are contiguous float32 with every head.
@@ -169,7 +213,7 @@ class Capture:
                 rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
                 outs, _, _ = engine.capture_items(*args, rows_tiles, heads, key_counts=counts, query_counts=formed)
         for red, out in zip(reducers, outs):
-            self._put(red.kind, layer, out, slots)
+            self._put(red.kind, layer, out, slots, "self")
 
     def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
         """Compute the cross-attention kinds of ``context`` (``"text"`` or ``"image"``) for ``layer`` from
@@ -187,11 +231,13 @@ class Capture:
             )
         if key.shape[0] != query.shape[0]:  # a context given once for all videos, as attention broadcasts it
             key = key.expand(query.shape[0], -1, -1, -1)
-        items, slots = self._call_items()
+        if (whole := self._whole(query.shape[0])) is None:
+            return
+        items, slots = whole
         heads = None if res.heads == tuple(range(query.shape[1])) else torch.tensor(res.heads, device=query.device)
         outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[context])
         for red, out in zip(reducers, outs):
-            self._put(red.kind, layer, out, slots)
+            self._put(red.kind, layer, out, slots, "context")
 
     @property
     def checks(self) -> list[SpotCheck]:

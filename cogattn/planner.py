@@ -23,8 +23,8 @@ from .context import CONTEXT_REDUCERS
 from .layout import TokenLayout
 from .memory import CPU_ROW_TILE, context_tile, too_small, usable
 from .options import STORAGE_DTYPES, CaptureOptions, Resolved
+from .record_file import record_file_bytes
 from .reducers import REDUCERS, Reducer
-from .run import record_file_bytes
 
 __all__ = [
     "CapturePlan",

@@ -19,10 +19,12 @@ import torch
 from . import engine
 from .capture import Capture
 from .checks import SpotCheck
+from .errors import NotRecordedError
 from .layout import TokenLayout
 from .options import CaptureOptions
 from .planner import CapturePlan, ModelShape, plan_capture
 from .sites import Transformers, find_transformer
+from .skips import Skips, cache_in_use
 from .steps import StepTracker, WeakHook
 from .store import MemoryStore, RunWriter, StoreError
 from .version import __version__
@@ -87,8 +89,19 @@ class Recording:
     # -- reading (the interface `cogattn.store.MapSource` shares with a loaded run) ----------------
     def get(self, kind: str, step: int, layer: int) -> torch.Tensor:
         """The float32 CPU result of ``kind`` at denoising step ``step`` and block ``layer`` (read back
-        from disk when recording to ``save_dir``); `NotRecordedError` if there is none."""
-        return self._store.get(kind, step, layer)
+        from disk when recording to ``save_dir``); `NotRecordedError` if there is none, saying so where a
+        cache skipped that attention (:attr:`skipped`)."""
+        try:
+            return self._store.get(kind, step, layer)
+        except NotRecordedError as err:
+            raise self.skipped.error(kind, step, layer, self._sources.get(kind), self.options.batch, str(err)) from None
+
+    @property
+    def skipped(self) -> Skips:
+        """The selected ``(step, layer, role)`` whose attention did not run (a cache reused an earlier
+        output), and the cache found on the transformer (:class:`cogattn.skips.Skips`); each step's are
+        known when the next step starts, the last step's when the recording closes."""
+        return self._capture.skips
 
     def keys(self) -> list[tuple[str, int, int]]:
         """Every recorded ``(kind, step, layer)``, sorted."""
@@ -151,7 +164,9 @@ class Recording:
 
     def _on_forward(self, module, args, kwargs):
         seen = self._steps.observe(module, self._models.index[id(module)], args, kwargs)
-        if seen == "first":
+        if seen == "next":
+            self._capture.end_step(self._steps.step - 1)
+        elif seen == "first":
             try:
                 self._start(self._steps.layout, self._steps.batch_size, self._steps.device)
             except BaseException:
@@ -187,6 +202,7 @@ class Recording:
 
     def _start(self, layout: TokenLayout, batch_size: int, device: torch.device) -> None:
         """First call of the generation: plan the capture (errors before any block runs)."""
+        self._models.check_unsharded()
         num_steps = self._steps.pipeline_attr("num_timesteps")
         plan = plan_capture(
             self.options,
@@ -200,6 +216,7 @@ class Recording:
             calls_per_step=self._steps.calls_per_step,
         )
         self._capture.plan = plan
+        self._capture.skips.by = next(filter(None, map(cache_in_use, self._models.modules)), None)
         if self.options.layer_output == "joint":
             indicator = engine.multi_key_indicator(plan.reducers, layout.seq_len, device)
             # with no multi-key kinds there is nothing to widen the values with: the lse alone is reused
@@ -238,6 +255,7 @@ class Recording:
             "storage_dtype": self.options.storage_dtype,
             "info": self.options.info,
             "checks": [c.asdict() for c in self._capture.verifier.checks],
+            "skipped": self.skipped.asdict(),
             "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
         }
 
@@ -310,6 +328,8 @@ class Recording:
         if status is None:
             status = "interrupted" if self._steps.pipeline_attr("interrupt") else "finished"
         self._status = status
+        if status == "finished" and self.step is not None:  # an interrupted last step is not a skipped one
+            self._capture.end_step(self.step)
         try:
             self._store.close(self._meta())
         finally:
@@ -324,16 +344,13 @@ class Recording:
             )
 
     def _warn_missing(self) -> None:
-        """Layers a cache (PAB, FasterCache, FirstBlockCache, ...) skipped produce no record: say so."""
-        if self.plan is None or self._status != "finished":
-            return
-        opts = self.options
-        steps = sum(1 for s in range(len(self.timesteps)) if opts.wants_step(s))
-        expected = self.plan.layers_captured * steps * len(opts.kinds)
-        have = len(self.keys()) if isinstance(self._store, MemoryStore) else self._store.committed
-        if have < expected:
+        """Selected attention calls that did not run with no cache found on the transformer: say so (a
+        cache's skips are expected, and :attr:`skipped` lists them)."""
+        skips = self.skipped
+        if skips and skips.by is None:
             warnings.warn(
-                f"{expected - have} of {expected} selected records were not produced (attention skipped by a cache).",
+                f"{len(skips.calls)} selected attention calls (step, layer) did not run, and no cache was found "
+                "on the transformer; rec.skipped lists them.",
                 stacklevel=4,
             )
 

@@ -14,11 +14,8 @@ that cannot be read (a disk fault, a power loss's zero-filled tail) is skipped a
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +24,10 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from .errors import NotRecordedError, StoreError
+from .errors import StoreError
 from .layout import TokenLayout
 from .reducers import REDUCERS
+from .skips import Skips
 
 try:
     import fcntl
@@ -47,14 +45,11 @@ __all__ = [
     "Run",
     "RunLock",
     "load",
-    "record_file_bytes",
-    "write_record",
 ]
 
 MANIFEST, META, RECORDS, LOCK = "manifest.jsonl", "run.json", "records", ".lock"
 FORMAT = "cogattn-run/1"
 STATUSES = ("running", "finished", "interrupted", "failed", "stopped")
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 class RunLock:
@@ -104,62 +99,6 @@ def is_locked(folder: Path) -> bool:
     return False
 
 
-# -- record files: one safetensors tensor named "map" ---------------------------------------------
-def _header(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
-    """safetensors header of a one-tensor file (JSON padded with spaces to 8 bytes) and the data size."""
-    n = 1
-    for s in shape:
-        n *= s
-    data = n * torch.finfo(dtype).bits // 8
-    header = json.dumps(
-        {"map": {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [0, data]}}, separators=(",", ":")
-    ).encode()
-    return header + b" " * ((-len(header)) % 8), data
-
-
-def record_file_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Exact size of a record file: safetensors' 8-byte length, its JSON header padded to 8, the data."""
-    header, data = _header(shape, dtype)
-    return 8 + len(header) + data
-
-
-def write_record(path: str | os.PathLike, tensor: torch.Tensor) -> None:
-    """Write ``tensor`` as a safetensors file holding one tensor named ``map``.
-
-    The format is a length, a JSON header and the raw bytes; writing it directly from the tensor's
-    memory avoids the full in-memory copy ``safetensors.torch.save_file`` makes, which halved the
-    writer's throughput (benchmarks/bench_store.py). Files are read with safetensors itself."""
-    t = tensor.contiguous()
-    header, data = _header(tuple(t.shape), t.dtype)
-    with open(path, "wb") as f:
-        _reserve(f.fileno(), 8 + len(header) + data)
-        f.write(len(header).to_bytes(8, "little"))
-        f.write(header)
-        f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
-
-
-def _load_fallocate():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    return fn
-
-
-_FALLOCATE = _load_fallocate() if sys.platform.startswith("linux") else None
-
-
-def _reserve(fd: int, size: int) -> None:
-    """Reserve a new file's blocks before writing it: many files written with delayed allocation were
-    about 1.6× slower to reach the disk on ext4 (measured by benchmarks/bench_store.py's predecessor).
-    The raw ``fallocate`` call, not ``posix_fallocate``: where the filesystem cannot reserve, skip it
-    rather than have libc write zeros first."""
-    if _FALLOCATE is not None:
-        _FALLOCATE(fd, 0, 0, size)  # a failure only means no reservation
-
-
 class MapSource(Protocol):
     """What every holder of maps offers to readers (plots, ``cogattn.analysis``): a :class:`cogattn.Recording`
     (in memory or streaming) and a :class:`Run` loaded from disk."""
@@ -191,6 +130,10 @@ class MapSource(Protocol):
     @property
     def queries(self) -> tuple:
         """The ``query`` kind's queries as given: token indices or ``(frame, row, col)``."""
+
+    @property
+    def skipped(self) -> Skips:
+        """The selected ``(step, layer, role)`` that have no record because a cache skipped the attention."""
 
     def keys(self) -> list[tuple[str, int, int]]:
         """Every ``(kind, step, layer)`` held, sorted."""
@@ -300,6 +243,11 @@ class Run:
         return None if names is None else list(names)
 
     @property
+    def skipped(self) -> Skips:
+        """The selected ``(step, layer, role)`` a cache skipped, and the cache (:class:`cogattn.skips.Skips`)."""
+        return Skips.from_meta(self.meta.get("skipped"))
+
+    @property
     def experts(self) -> list[str]:
         """Per step, the pipeline attribute of the transformer that ran it (``"transformer"``, or Wan 2.2's
         ``"transformer_2"``)."""
@@ -362,7 +310,9 @@ class Run:
         try:
             return self._records[(kind, step, layer)]
         except KeyError:
-            raise NotRecordedError(missing_message(kind, step, layer, self.keys(), f" in {str(self.path)!r}")) from None
+            source, batch = (self.meta.get("sources") or {}).get(kind), (self.meta.get("selection") or {}).get("batch")
+            missing = missing_message(kind, step, layer, self.keys(), f" in {str(self.path)!r}")
+            raise self.skipped.error(kind, step, layer, source, batch, missing) from None
 
     def get(self, kind: str, step: int, layer: int, index: tuple | None = None) -> torch.Tensor:
         """A record as a float32 tensor (``topk``: a :class:`cogattn.reducers.TopK` of values and indices);

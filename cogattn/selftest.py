@@ -2,7 +2,7 @@
 
 Runs every kind with every method and every ``layer_output`` mode, on a synthetic attention layer and
 on the tiny random pipelines (CogVideoX 1.0, 1.5 and image-to-video; and every other registered family's,
-every method, unless ``--quick``), against the naive float64 reference (:mod:`cogattn.reference`); checks that the video is bit-identical to stock where that is
+every method, and the tiny Wan under every attention backend installed, unless ``--quick``), against the naive float64 reference (:mod:`cogattn.reference`); checks that the video is bit-identical to stock where that is
 promised (the default output everywhere, the opt-in outputs on the CPU); and times capture against the
 stock layer. Prints a table and a one-line verdict with the versions, and exits 0 when every row
 passes, 1 otherwise. ``--json PATH`` writes the same report, to attach to a bug report.
@@ -35,7 +35,7 @@ from .models import FAMILIES
 from .planner import plan_tiles
 from .reducers import REDUCERS
 from .reference import kind_error, naive_lse, naive_probs
-from .selftest_pipelines import JOINT_KINDS, PIPELINES, Row, family_rows, methods, pipeline_rows, timed
+from .selftest_pipelines import JOINT_KINDS, PIPELINES, Row, backend_rows, family_rows, methods, pipeline_rows, timed
 from .version import __version__
 
 __all__ = ["Row", "main", "run"]
@@ -145,6 +145,7 @@ def run(device: str | None = None, dtype: str = "float32", seq_len: int = 1024, 
     rows = layer_rows(device, dt, seq_len) + pipeline_rows(device, dt, PIPELINES[:1] if quick else PIPELINES)
     if not quick:
         rows += [row for spec in FAMILIES if spec.family != "cogvideox" for row in family_rows(spec, device, dt)]
+        rows += backend_rows(device, dt)
     checked = [r for r in rows if r.passed is not None]
     return {
         "rows": [asdict(r) for r in rows],

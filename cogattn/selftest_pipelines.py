@@ -15,11 +15,11 @@ import torch
 from .attention import fused_lse_supported
 from .checks import TOLERANCE, bound, made_from_output
 from .kernels import available as triton_available
-from .models import cogvideox
+from .models import FAMILIES, cogvideox
 from .recording import record
 from .reference import kind_error, naive_context, naive_kind, naive_lse, naive_probs, select
 
-__all__ = ["JOINT_KINDS", "PIPELINES", "Row", "family_rows", "methods", "pipeline_rows", "timed"]
+__all__ = ["JOINT_KINDS", "PIPELINES", "Row", "backend_rows", "family_rows", "methods", "pipeline_rows", "timed"]
 
 JOINT_KINDS = cogvideox.SPEC.kinds()  # the kinds of CogVideoX's joint attention
 SIZES = dict(block_size=7, topk=4)  # several blocks, the last one shorter, on the tiny pipelines
@@ -163,6 +163,28 @@ def _spying(rec, inner, context: bool, calls: dict):
     return spy
 
 
+def backend_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """:func:`family_rows` of the tiny Wan under every attention backend whose requirements are installed
+    (diffusers' ``AttentionBackendName``; Wan's processors dispatch to it), the process-wide active backend
+    put back after."""
+    spec = next((s for s in FAMILIES if s.family == "wan"), None)
+    if spec is None:  # a diffusers without Wan's attention modules
+        return []
+    from diffusers.models import attention_dispatch as dispatch
+
+    active, rows = dispatch._AttentionBackendRegistry._active_backend, []
+    try:
+        for backend in dispatch.AttentionBackendName:
+            try:
+                dispatch._check_attention_backend_requirements(backend)
+            except (RuntimeError, ImportError):
+                continue  # not installed here
+            rows += family_rows(spec, device, dtype, backend.value)
+    finally:
+        dispatch._AttentionBackendRegistry.set_active_backend(active)
+    return rows
+
+
 def _item_counts(counts, batch: int) -> list[tuple[int | None, int | None]]:
     """``(kept keys, formed queries)`` of each item of a call (`None`: all)."""
     keys, queries = counts
@@ -198,16 +220,20 @@ def _item_error(rec, kind: str, step: int, layer: int, b: int, P, lse, queries: 
     return max(err, outside.abs().max().item())
 
 
-def family_rows(spec, device: torch.device, dtype: torch.dtype) -> list[Row]:
+def family_rows(spec, device: torch.device, dtype: torch.dtype, backend: str | None = None) -> list[Row]:
     """Every method recording every kind of a family (all but CogVideoX, whose rows also cover the output
     modes) in a 2-step guided generation of each of its tiny pipelines: the self-attention kinds (under the
     family's key mask) and the cross-attention's, against the reference of the q and k the processors
-    handed over, and the video against the stock one."""
+    handed over, and the video against the stock one. ``backend``: the first tiny pipeline under that
+    attention backend (``set_attention_backend``), row tiles only."""
     self_kinds = spec.kinds("self")
     rows = []
-    for task in spec.tiny_tasks:
+    for task in spec.tiny_tasks[:1] if backend else spec.tiny_tasks:
         pipe = spec.tiny_pipeline(task, dtype=dtype, num_heads=3, head_dim=16).to(device)  # Triton: D ≥ 16
         part = f"tiny {spec.family} {'i2v' if task == 'image-to-video' else 't2v'}"
+        if backend:
+            pipe.transformer.set_attention_backend(backend)
+            part += f", {backend} backend"
         call = spec.tiny_call(pipe, task, torch.Generator().manual_seed(0), True)
         context = [k for k in spec.context_kinds if spec.context_kinds[k] == "text" or task == "image-to-video"]
 
@@ -215,9 +241,13 @@ def family_rows(spec, device: torch.device, dtype: torch.dtype) -> list[Row]:
             gen = torch.Generator(device).manual_seed(1)
             return pipe(generator=gen, num_inference_steps=2, output_type="pt", **call).frames
 
-        generate()  # warm up
+        try:
+            generate()  # warm up
+        except RuntimeError as err:  # a backend with no kernel for this device or dtype
+            why = str(err).strip().splitlines()[0][:120]
+            return rows + [Row(part, "all", "rows", "stock", None, None, None, None, None, f"does not run here: {why}")]
         stock, t_stock = timed(generate, device)
-        for method, skipped in methods(device):
+        for method, skipped in [("rows", "")] if backend else methods(device):
             if skipped:
                 rows.append(Row(part, "all", method, "stock", None, None, None, None, None, skipped))
                 continue

@@ -135,12 +135,32 @@ class Transformers:
             for name, proc in replacement.items():
                 _set_processor(modules[name], proc)
 
+    def check_unsharded(self) -> None:
+        """Raise `ValueError` where context parallelism shards the attention (``enable_parallelism`` with a
+        ``ContextParallelConfig`` of a degree above 1): each process's queries and keys are a slice of the
+        sequence, and a map over one slice's keys would be wrong. Called before any block runs."""
+        for m in self.modules:
+            configs = [getattr(m, "_parallel_config", None)]
+            configs += [getattr(a.processor, "_parallel_config", None) for a in self.spec.site_modules(m).values()]
+            for config in filter(None, configs):
+                cp = getattr(config, "context_parallel_config", None)
+                degrees = (getattr(cp, "ulysses_degree", 1) or 1, getattr(cp, "ring_degree", 1) or 1)
+                if cp is not None and degrees[0] * degrees[1] > 1:
+                    raise ValueError(
+                        f"context parallelism (ulysses_degree={degrees[0]}, ring_degree={degrees[1]}) gives each "
+                        "process a slice of every attention's queries and keys; cogattn records unsharded "
+                        "attention only: record without enable_parallelism (README, 'Works with')."
+                    )
+
     def restore(self) -> None:
         """Put the original processors back and compile again what was compiled (idempotent)."""
         if self._originals is not None:
             for m, original in zip(self.modules, self._originals):
                 modules = self.spec.site_modules(m)
                 for name, proc in original.items():
+                    for attr in ("_attention_backend", "_parallel_config"):  # set while recording: kept
+                        if hasattr(proc, attr) and hasattr(modules[name].processor, attr):
+                            setattr(proc, attr, getattr(modules[name].processor, attr))
                     _set_processor(modules[name], proc)
             self._originals = None
         for eager in self._eager:

@@ -10,7 +10,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from cogattn.models.cogvideox import SPEC as COGVIDEOX
 from cogattn.reference import naive_kind, naive_probs, select
 
-__all__ = ["KINDS", "QKSpy", "assert_matches_naive", "naive_kind", "naive_probs", "select"]
+__all__ = ["KINDS", "AttentionSpy", "QKSpy", "assert_matches_naive", "naive_kind", "naive_probs", "select", "spy_probs"]
 
 KINDS = COGVIDEOX.kinds()  # every kind CogVideoX makes
 
@@ -76,3 +76,62 @@ def assert_topk(got, P: torch.Tensor, tol: float) -> None:
     assert (values.double() - ref).abs().max().item() <= tol
     assert (P.gather(-1, indices) - ref).abs().max().item() <= tol  # the indices point at those probabilities
     assert bool((values[..., :-1] >= values[..., 1:]).all())
+
+
+class AttentionSpy:
+    """Every ``scaled_dot_product_attention`` call inside a capture site of a stock run: ``calls[n][(layer,
+    role)]`` is the list of ``(q, k, v, mask, out)`` of transformer call ``n``."""
+
+    def __init__(self, pipe, spec, monkeypatch, dispatch=None):
+        self.calls: list[dict] = []
+        self.where = None
+        transformer = pipe.transformer
+        self.handles = [transformer.register_forward_pre_hook(lambda *a: self.calls.append({}))]
+        for layer, (_, attn, context) in enumerate(spec.layers(transformer)):
+            for role, module in (("self", attn), ("context", context)):
+                if module is not None:
+                    self.handles.append(module.register_forward_pre_hook(self._enter(layer, role)))
+                    self.handles.append(module.register_forward_hook(self._leave))
+        # dispatch: a module whose dispatch_attention_fn the processors call, to spy there ((B, S, H, D)
+        # tensors), whatever backend it runs; else torch's scaled_dot_product_attention
+        owner, name = (
+            (dispatch, "dispatch_attention_fn") if dispatch else (torch.nn.functional, "scaled_dot_product_attention")
+        )
+        real = getattr(owner, name)
+
+        def spy(query, key, value, attn_mask=None, **kwargs):
+            out = real(query, key, value, attn_mask=attn_mask, **kwargs)
+            if self.where is not None:
+                q, k, v, o = (x.transpose(1, 2) if dispatch else x for x in (query, key, value, out))
+                mask = None if attn_mask is None else attn_mask.clone()
+                self.calls[-1].setdefault(self.where, []).append((q.clone(), k.clone(), v.clone(), mask, o.clone()))
+            return out
+
+        monkeypatch.setattr(owner, name, spy)
+
+    def _enter(self, layer, role):
+        def hook(module, args):
+            self.where = (layer, role)
+
+        return hook
+
+    def _leave(self, module, args, output):
+        self.where = None
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def spy_probs(q, k, mask):
+    """The naive float64 probabilities of one spied call: ``mask`` a key mask ``(B, 1, 1, S)`` or a query-key
+    mask ``(B, 1, S, S)`` (masked scores at −inf), as the call was given it."""
+    if mask is not None and mask.shape[-2] > 1:  # a query-key mask (diffusion forcing): masked scores at -inf
+        assert mask.dtype == torch.bool and mask.shape[1] == 1, mask.shape
+        scores = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    key_mask = None
+    if mask is not None:
+        assert mask.dtype == torch.bool and mask.shape[1:3] == (1, 1), mask.shape  # a key mask
+        key_mask = mask[:, 0, 0]
+    return naive_probs(q, k, key_mask=key_mask)

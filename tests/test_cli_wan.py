@@ -285,6 +285,8 @@ def test_the_released_wan_configs_plan_their_models(dump, tmp_path):
         "wan2.1-t2v-1.3b.yaml": "21×30×52 video tokens, S = 32,760",
         "wan2.1-t2v-14b.yaml": "21×30×52 video tokens, S = 32,760",
         "wan2.1-i2v-14b-480p.yaml": "21×30×52 video tokens, S = 32,760",
+        "wan2.1-i2v-14b-720p.yaml": "21×45×80 video tokens, S = 75,600",
+        "wan2.2-i2v-a14b.yaml": "21×30×52 video tokens, S = 32,760",
         "wan2.2-ti2v-5b.yaml": "31×22×40 video tokens, S = 27,280",
         "wan2.2-t2v-a14b.yaml": "21×30×52 video tokens, S = 32,760",
     }

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import PIL.Image
 import pytest
 import torch
-from reference import assert_topk
+from reference import AttentionSpy, assert_topk, spy_probs
 
 import cogattn
 from cogattn.models import FAMILIES, cogvideox
-from cogattn.reference import naive_context, naive_kind, naive_probs
+from cogattn.reference import naive_context, naive_kind
 
 SIZES = dict(block_size=7, topk=4)
 QUERIES = [0, (1, 1, 2)]  # a token index and a video point, on every tiny grid
@@ -389,58 +389,6 @@ def generate(pipe, family, guided, seed=0):
     return pipe(**call, num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(seed + 1))
 
 
-class AttentionSpy:
-    """Every ``scaled_dot_product_attention`` call inside a capture site of a stock run: ``calls[n][(layer,
-    role)]`` is the list of ``(q, k, v, mask, out)`` of transformer call ``n``."""
-
-    def __init__(self, pipe, spec, monkeypatch):
-        self.calls: list[dict] = []
-        self.where = None
-        transformer = pipe.transformer
-        self.handles = [transformer.register_forward_pre_hook(lambda *a: self.calls.append({}))]
-        for layer, (_, attn, context) in enumerate(spec.layers(transformer)):
-            for role, module in (("self", attn), ("context", context)):
-                if module is not None:
-                    self.handles.append(module.register_forward_pre_hook(self._enter(layer, role)))
-                    self.handles.append(module.register_forward_hook(self._leave))
-        real = torch.nn.functional.scaled_dot_product_attention
-
-        def spy(query, key, value, attn_mask=None, **kwargs):
-            q, k, v = query, key, value
-            out = real(q, k, v, attn_mask=attn_mask, **kwargs)
-            if self.where is not None:
-                mask = None if attn_mask is None else attn_mask.clone()
-                self.calls[-1].setdefault(self.where, []).append((q.clone(), k.clone(), v.clone(), mask, out.clone()))
-            return out
-
-        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-
-    def _enter(self, layer, role):
-        def hook(module, args):
-            self.where = (layer, role)
-
-        return hook
-
-    def _leave(self, module, args, output):
-        self.where = None
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-def _probs(q, k, mask):
-    if mask is not None and mask.shape[-2] > 1:  # a query-key mask (diffusion forcing): masked scores at -inf
-        assert mask.dtype == torch.bool and mask.shape[1] == 1, mask.shape
-        scores = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
-        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    key_mask = None
-    if mask is not None:
-        assert mask.dtype == torch.bool and mask.shape[1:3] == (1, 1), mask.shape  # a key mask
-        key_mask = mask[:, 0, 0]
-    return naive_probs(q, k, key_mask=key_mask)
-
-
 def stock_reference(pipe, family, guided, monkeypatch, run=None):
     """The stock video and, per step and layer, the reference probabilities over the results' batch
     ``[uncond..., cond...]``, each proved against the output of the attention call it came from:
@@ -462,7 +410,7 @@ def stock_reference(pipe, family, guided, monkeypatch, run=None):
         for (layer, role), found in seen.items():
             probs, keeps = [], []
             for q, k, v, mask, out in found:
-                P = _probs(q, k, mask)
+                P = spy_probs(q, k, mask)
                 err = (P @ v.double() - out.double()).abs().max().item()
                 assert err < 1e-5, (family, n, layer, role, err)  # the reference is the model's attention
                 probs.append(P)

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import cogattn.attention as attention
 from cogattn.selftest import main
@@ -67,3 +68,16 @@ def test_bad_arguments_are_refused(capsys):
         main(["--dtype", "int8"])
     assert err.value.code == 2
     assert main(["--device", "tpu", "--quick"]) == 2 and "selftest:" in capsys.readouterr().err
+
+
+def test_the_selftest_checks_the_tiny_wan_under_every_attention_backend_installed():
+    from cogattn.models import wan
+    from cogattn.selftest_pipelines import backend_rows
+
+    if wan is None:
+        pytest.skip("this diffusers has no Wan attention modules (0.35)")
+    rows = {r.part.split(", ")[1]: r for r in backend_rows(torch.device("cpu"), torch.float32)}
+    assert {"native backend", "_native_math backend", "flex backend"} <= set(rows)  # torch's, on every machine
+    ran = [r for r in rows.values() if r.passed is not None]
+    assert ran and all(r.passed and r.bit_identical and r.max_error <= r.tolerance for r in ran)
+    assert all(r.note.startswith("does not run here") for r in rows.values() if r.passed is None)

@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from ..analysis import recorded, recorded_kinds
 from ..head_stats import TABLE_KINDS
 from ..run import MapSource
+from ..skips import Skipped
 from .frames import frame_heatmap
 from .heads import head_atlas
 from .overlays import query_map, word_heatmap
@@ -103,21 +104,25 @@ def animate(
     key = {"step": "steps", "layer": "layers", "frame": "frames"}[over]
     limits = kwargs.pop("limits", "shared")
 
-    def draw(v, limits) -> Figure:
-        return plot(source, **{**kwargs, key: [v] if over == "frame" else v, "limits": limits})
+    def draw(v, limits) -> Figure | Skipped:
+        try:
+            return plot(source, **{**kwargs, key: [v] if over == "frame" else v, "limits": limits})
+        except Skipped as gap:  # a cache skipped every map of this frame: a frame that says so
+            return gap
 
     if limits == "shared":  # a first pass finds the range over all frames: a colour means one value throughout
-        clims = [
-            im.get_clim()
-            for v in values
-            for ax in draw(v, "shared").axes
-            for im in ax.images
-            if im.get_gid() == MAP_GID
-        ]
+        figures = [fig for fig in (draw(v, "shared") for v in values) if isinstance(fig, Figure)]
+        clims = [im.get_clim() for fig in figures for ax in fig.axes for im in ax.images if im.get_gid() == MAP_GID]
+        if not clims:
+            raise Skipped(f"a cache skipped every frame of the animation ({over}s {list(values)}).")
         limits = (min(lo for lo, _ in clims), max(hi for _, hi in clims))
+    drawn = [draw(v, limits) for v in values]
+    size = next((fig.get_size_inches() for fig in drawn if isinstance(fig, Figure)), (6.0, 4.0))
     frames = []
-    for v in values:
-        fig = draw(v, limits)
+    for v, fig in zip(values, drawn):
+        if isinstance(fig, Skipped):
+            fig, text = Figure(figsize=size), f"{over} {v}: skipped\n{fig}"
+            fig.text(0.5, 0.5, text, ha="center", va="center", wrap=True, fontsize=9)
         fig.set_dpi(dpi)
         frames.append(_render(fig))
     return write_animation(frames, path, fps)

@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..analysis import aggregate, choose, expert_steps
+from ..analysis import aggregate, choose, expert_steps, skipped_pairs
 from ..reducers import REDUCERS
 from ..run import MapSource
 from .style import (
@@ -159,9 +159,12 @@ def layer_step_grid(
     index = index if isinstance(index, tuple) else (index,)
     dims = list(REDUCERS[kind].dims)
     kept = [d for i, d in enumerate(dims) if i >= len(index) or not isinstance(index[i], int)]
-    arrays = []
+    arrays, gaps = [], skipped_pairs(source, kind, step_list, layer_list)
     for layer in layer_list:
         for s in step_list:
+            if (s, layer) in gaps:  # a cache skipped it: an empty panel, filled in below
+                arrays.append(None)
+                continue
             m = aggregate(source, kind, steps=s, layers=layer, heads=heads, batch=batch)
             try:
                 a = m[index]
@@ -175,6 +178,10 @@ def layer_step_grid(
                     f"{dims} down to 2 (or 1)."
                 )
             arrays.append((a[None] if a.ndim == 1 else a).numpy())
+    if all(a is None for a in arrays):
+        source.get(kind, step_list[0], layer_list[0])  # raises, saying what skipped them
+    blank = next(a for a in arrays if a is not None)
+    arrays = [np.full_like(blank, np.nan) if a is None else a for a in arrays]
     if arrays[0].shape[0] == 1 and len(kept) == 1:
         kept = ["", kept[0]]
     nrows, ncols = len(layer_list), len(step_list)
@@ -196,6 +203,9 @@ def layer_step_grid(
             images.append(
                 ax.imshow(arrays[k], cmap=CMAP, norm=norms[k], interpolation="nearest", aspect=aspect, gid=MAP_GID)
             )
+            if (s, layer) in gaps:
+                by = source.skipped.by or "the model"
+                ax.text(0.5, 0.5, f"skipped\n({by})", ha="center", va="center", fontsize=7, transform=ax.transAxes)
             if kind == "frame" and not index:
                 ax.set_xticks(range(len(group_ticks)), group_ticks if r == nrows - 1 else [], fontsize=6)
                 ax.set_yticks(range(len(group_ticks)), group_ticks if c == 0 else [], fontsize=6)

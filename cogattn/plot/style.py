@@ -12,7 +12,7 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-from ..analysis import choose
+from ..analysis import choose, skipped_pairs
 from ..layout import TokenLayout
 from ..reducers import REDUCERS
 from ..run import MapSource
@@ -72,6 +72,9 @@ def color_norms(arrays: list[np.ndarray], scale: str, limits) -> list[Normalize]
         if is_pair:
             return float(limits[0]), float(limits[1])
         values = np.concatenate([a.ravel() for a in group])
+        values = values[~np.isnan(values)]  # a gap's panel (a skipped map) is NaN
+        if not values.size:
+            return (1e-12, 1.0) if scale == "log" else (0.0, 1.0)
         if scale == "log":
             positive = values[values > 0]
             return (float(positive.min()), float(positive.max())) if positive.size else (1e-12, 1.0)
@@ -167,7 +170,10 @@ def describe(source: MapSource, kind: str, steps, layers, heads) -> str:
     """
     s = choose(source, kind, "step", steps)
     layer_list = choose(source, kind, "layer", layers)
-    return f"{span_text('step', s, source.timesteps)} · {span_text('layer', layer_list)} · {heads_text(source, heads)}"
+    text = f"{span_text('step', s, source.timesteps)} · {span_text('layer', layer_list)} · {heads_text(source, heads)}"
+    if gaps := skipped_pairs(source, kind, s, layer_list):
+        text += f" · {len(gaps)} of {len(s) * len(layer_list)} skipped by {source.skipped.by or 'the model'}"
+    return text
 
 
 def _every_head(head_ids: tuple[int, ...]) -> bool:
