@@ -59,6 +59,7 @@ class Capture:
         except KeyError:
             raise ValueError("this processor serves an attention module outside the recorded transformer") from None
         wanted = not self.closed and not self.stopped and self.plan is not None and self.step is not None
+        wanted = wanted and self.steps.left_out is None  # a guider's perturbed call: not the model's maps
         wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
         wanted = wanted and bool(self.plan.reducers if role == "self" else self.plan.context)
         return layer if wanted and self._call_items()[0] else None

@@ -20,6 +20,7 @@ from . import engine
 from .capture import Capture
 from .checks import SpotCheck
 from .errors import NotRecordedError
+from .guiders import Branches
 from .layout import TokenLayout
 from .options import CaptureOptions
 from .planner import CapturePlan, ModelShape, plan_capture
@@ -68,7 +69,8 @@ class Recording:
                 "[uncond..., cond...])."
             )
         self._models = Transformers(self.pipeline, self.transformer, self._spec)
-        self._steps = StepTracker(self._spec, self.pipeline)
+        self._branches = Branches(self.pipeline, self._models.names)  # a modular pipeline's guider
+        self._steps = StepTracker(self._spec, self.pipeline, self._branches)
         self._capture = Capture(self.options, self._steps, self._models.roles)  # the store follows
         self._closed = False
         self._entered = False  # used as a context manager: a second generation raises instead of closing
@@ -84,7 +86,7 @@ class Recording:
         # its hook goes away with it, instead of outliving it in the transformer.
         self._hooks = self._models.hook(WeakHook(self._on_forward))
         self._models.run_eager()
-        self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models)
+        self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models, self._branches)
 
     # -- reading (the interface `cogattn.store.MapSource` shares with a loaded run) ----------------
     def get(self, kind: str, step: int, layer: int) -> torch.Tensor:
@@ -166,6 +168,8 @@ class Recording:
         seen = self._steps.observe(module, self._models.index[id(module)], args, kwargs)
         if seen == "next":
             self._capture.end_step(self._steps.step - 1)
+        elif seen == "extra":  # a guider's perturbed call: not the model's maps, left out
+            self._capture.skips.perturbed.add(self._steps.step)
         elif seen == "first":
             try:
                 self._start(self._steps.layout, self._steps.batch_size, self._steps.device)
@@ -325,6 +329,7 @@ class Recording:
         for hook in self._hooks:
             hook.remove()
         self._models.restore()
+        self._branches.restore()
         if status is None:
             status = "interrupted" if self._steps.pipeline_attr("interrupt") else "finished"
         self._status = status
@@ -335,23 +340,13 @@ class Recording:
         finally:
             if isinstance(self._store, RunWriter) and self._store.committed == 0 and self._status != "finished":
                 self._store.discard()  # nothing was captured (refused at the first step, say)
-        self._warn_missing()
+        if (why := self.skipped.unexplained()) is not None:  # a cache's skips are expected: rec.skipped lists them
+            warnings.warn(why, stacklevel=3)
         steps = self.options.steps
         if self._status == "finished" and steps != "all" and max(steps) >= len(self.timesteps):
             missing = [s for s in steps if s >= len(self.timesteps)]
             warnings.warn(
                 f"steps {missing} were selected but the generation ran {len(self.timesteps)} steps.", stacklevel=3
-            )
-
-    def _warn_missing(self) -> None:
-        """Selected attention calls that did not run with no cache found on the transformer: say so (a
-        cache's skips are expected, and :attr:`skipped` lists them)."""
-        skips = self.skipped
-        if skips and skips.by is None:
-            warnings.warn(
-                f"{len(skips.calls)} selected attention calls (step, layer) did not run, and no cache was found "
-                "on the transformer; rec.skipped lists them.",
-                stacklevel=4,
             )
 
     def __enter__(self) -> Recording:
@@ -404,12 +399,13 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
     return rec
 
 
-def _abandon(hooks, store, models: Transformers) -> None:
+def _abandon(hooks, store, models: Transformers, branches: Branches) -> None:
     """A recording was garbage-collected without close(): its hooks go, a compiled transformer is
-    compiled again, its run is flushed (its run.json then reads "stopped")."""
+    compiled again, a guider gets its methods back, its run is flushed (its run.json then reads "stopped")."""
     for hook in hooks:
         hook.remove()
     models.restore()
+    branches.restore()
     try:
         store.close(None)
     except StoreError:

@@ -181,7 +181,7 @@ def backend_rows(device: torch.device, dtype: torch.dtype) -> list[Row]:
                 continue  # not installed here
             rows += family_rows(spec, device, dtype, backend.value)
     finally:
-        dispatch._AttentionBackendRegistry.set_active_backend(active)
+        dispatch._AttentionBackendRegistry._active_backend = active
     return rows
 
 

@@ -75,12 +75,14 @@ class Skips:
         halves (`set[int]`): steps where the transformer ran on the conditional half of the batch only.
         partial (`set[tuple[int, int, str]]`): of ``calls``, those that ran in some of the step's calls (Wan's
             conditional call) and were skipped in another.
+        perturbed (`set[int]`): steps with a call a guider perturbed the model for, which is left out.
     """
 
     by: str | None = None
     calls: set = field(default_factory=set)
     halves: set = field(default_factory=set)
     partial: set = field(default_factory=set)
+    perturbed: set = field(default_factory=set)
 
     def __bool__(self) -> bool:
         return bool(self.calls)
@@ -96,6 +98,11 @@ class Skips:
                 f"unconditional output), and batch={batch!r} needs an unconditional item (batch='cond' records these steps)"
             )
         what = "attention" if role == "self" else "cross-attention"
+        if (step, layer, role) in self.partial and step in self.perturbed:
+            return (
+                f"at step {step} the guider perturbed the model for a call of the guidance batch (auto-guidance's "
+                f"unconditional call), which is left out, and batch={batch!r} needs its items; batch='cond' has its map"
+            )
         if (step, layer, role) in self.partial and self.by is None:
             return (
                 f"step {step} made fewer transformer calls than the first step (guidance switched off part-way?), "
@@ -108,6 +115,20 @@ class Skips:
             )
         return f"{who} skipped this {what} at step {step} (it reused an earlier output): there is no map of it"
 
+    def unexplained(self) -> str | None:
+        """The warning a recording closes with where no cache explains these skips, else `None`."""
+        if not self or self.by is not None:
+            return None
+        if self.perturbed:
+            return (
+                f"{len(self.calls)} selected attention calls (step, layer) have no map: the guider perturbed the "
+                "model for calls the selected batch needs (left out: not the model's maps); rec.skipped lists them."
+            )
+        return (
+            f"{len(self.calls)} selected attention calls (step, layer) did not run, and no cache was found on the "
+            "transformer; rec.skipped lists them."
+        )
+
     def error(self, kind: str, step: int, layer: int, source: str | None, batch, otherwise: str) -> NotRecordedError:
         """The `NotRecordedError` for a missing ``(kind, step, layer)`` (``source``: the kind's, as
         ``ModelSpec.source`` gives it): why, where it was skipped; else ``otherwise``."""
@@ -119,11 +140,13 @@ class Skips:
     def asdict(self) -> dict:
         """What ``run.json`` holds under ``"skipped"``."""
         calls, partial = (sorted(list(c) for c in group) for group in (self.calls, self.partial))
-        return {"by": self.by, "calls": calls, "halves": sorted(self.halves), "partial": partial}
+        halves, perturbed = sorted(self.halves), sorted(self.perturbed)
+        return {"by": self.by, "calls": calls, "halves": halves, "partial": partial, "perturbed": perturbed}
 
     @classmethod
     def from_meta(cls, meta: dict | None) -> Skips:
         """The skips ``run.json`` holds (none for a run written before they were kept)."""
         meta = meta or {}
         calls, partial = ({(int(s), int(n), str(r)) for s, n, r in meta.get(key, [])} for key in ("calls", "partial"))
-        return cls(meta.get("by"), calls, {int(s) for s in meta.get("halves", [])}, partial)
+        halves, perturbed = ({int(s) for s in meta.get(key, [])} for key in ("halves", "perturbed"))
+        return cls(meta.get("by"), calls, halves, partial, perturbed)

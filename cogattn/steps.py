@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from .guiders import Branches
 from .layout import TokenLayout
 from .models import ModelSpec
 from .models.spec import StepTime
@@ -42,8 +43,9 @@ class StepTracker:
         pipeline: the pipeline running it, or `None` for a bare transformer.
     """
 
-    def __init__(self, spec: ModelSpec, pipeline=None):
-        self.spec, self.pipeline = spec, pipeline
+    def __init__(self, spec: ModelSpec, pipeline=None, branches: Branches | None = None):
+        self.spec, self.pipeline, self.branches = spec, pipeline, branches
+        self.left_out: str | None = None  # the running call's branch, where a guider perturbs the model for it
         self.timesteps: list[float] = []
         self.experts: list[int] = []  # per step, which of the pipeline's transformers ran it
         self.call = 0  # the call of the step now running: 0, or 1 for Wan's unconditional call
@@ -85,13 +87,20 @@ class StepTracker:
         Wan's unconditional call under guidance), ``"reshaped"`` (the pipeline's generation goes on, at a later
         timestep, with another latent grid or batch: nothing changes), or ``"another"`` (a new generation;
         nothing changes).
+        A modular pipeline's guider (:class:`cogattn.guiders.Branches`) may add calls for which it perturbs
+        the model (skip-layer guidance): ``"extra"``, nothing changes and the call is not captured.
         Raises `RuntimeError` for another call at the timestep of the step before, which is not a
         denoising step of its own."""
+        self.left_out = self.branches.perturbed(module, expert) if self.branches else None
+        if self.left_out is not None and self.timesteps:
+            return "extra"
         layout, batch_size, time, device = self.spec.read_call(module.config, args, kwargs)
         t = float(time)
         if not self.timesteps:
             self.layout, self.batch_size, self.device = layout, batch_size, device
-            self._guidance, self._guidance_read = self.spec.guidance_on(self.pipeline), True
+            guided = self.branches.guided(expert) if self.branches else None
+            self._guidance = self.spec.guidance_on(self.pipeline) if guided is None else guided
+            self._guidance_read = True
             self.timesteps.append(t)
             self.experts.append(expert)
             self.call, self._time = 0, time

@@ -10,6 +10,9 @@ attention a cache skipped must have no record, be listed in ``rec.skipped`` and 
 
 from __future__ import annotations
 
+import contextlib
+
+import diffusers
 import pytest
 import torch
 from reference import AttentionSpy, spy_probs
@@ -18,7 +21,14 @@ from tiny_calls import generate
 import cogattn
 from cogattn.models import cogvideox, wan
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        not hasattr(diffusers, "MagCacheConfig"),
+        reason="the features tested here (caches, group offloading, attention backends, modular pipelines) are "
+        "those of the newest diffusers, which .ci/run tests them on",
+    ),
+]
 
 STEPS = 4
 
@@ -409,7 +419,7 @@ def active_backend():
 
     before = _AttentionBackendRegistry._active_backend
     yield
-    _AttentionBackendRegistry.set_active_backend(before)
+    _AttentionBackendRegistry._active_backend = before
 
 
 def _cpu_backends() -> list[str]:
@@ -489,7 +499,11 @@ def test_a_callback_that_changes_latents_or_switches_guidance_off_keeps_the_step
     call = wan.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), True)
     call.update(num_inference_steps=STEPS, output_type="pt", callback_on_step_end=callback)
     for batch in ("cond", "all"):
-        with pytest.warns(UserWarning, match="did not run, and no cache was found") if batch == "all" else _nothing():
+        with (
+            pytest.warns(UserWarning, match="did not run, and no cache was found")
+            if batch == "all"
+            else contextlib.nullcontext()
+        ):
             with cogattn.record(pipe, kinds=("frame",), layers="all", steps="all", batch=batch) as rec:
                 pipe(**call, generator=torch.Generator().manual_seed(1))
         assert rec.timesteps == [float(t) for t in pipe.scheduler.timesteps]
@@ -499,7 +513,92 @@ def test_a_callback_that_changes_latents_or_switches_guidance_off_keeps_the_step
         rec.get("frame", 1, 0)
 
 
-def _nothing():
-    import contextlib
+def _modular(guider):
+    """The tiny Wan as a modular pipeline (``WanBlocks``, its text encoder block left out: the calls give
+    prompt embeddings) with ``guider``."""
+    diffusers = pytest.importorskip("diffusers")
+    if wan is None or not hasattr(diffusers, "WanBlocks"):
+        pytest.skip("this diffusers has no modular Wan pipeline")
+    parts = wan.tiny_pipeline()
+    blocks = diffusers.WanBlocks()
+    blocks.sub_blocks.pop("text_encoder")
+    pipe = blocks.init_pipeline()
+    pipe.update_components(transformer=parts.transformer, vae=parts.vae, scheduler=parts.scheduler, guider=guider)
+    call = wan.tiny_call(parts, "text-to-video", torch.Generator().manual_seed(0), True)
+    keep = ("prompt_embeds", "negative_prompt_embeds", "num_frames", "height", "width")
 
-    return contextlib.nullcontext()
+    def run():
+        g = torch.Generator().manual_seed(1)
+        args = {k: call[k] for k in keep}
+        return pipe(**args, num_inference_steps=STEPS, generator=g, output_type="pt", output="videos")
+
+    return pipe, run
+
+
+def _guided_stock(pipe, run, monkeypatch):
+    """The stock video, and the probabilities of each step's unperturbed calls, ``{(step, layer):
+    [uncond, cond]}``, told apart by the guider's own count of the step's calls (its ``_input_predictions``
+    in order: conditional, unconditional, then the perturbed branch)."""
+    from diffusers.models.transformers import transformer_wan
+
+    spy = AttentionSpy(pipe, cogattn.models.family("wan"), monkeypatch, transformer_wan)
+    guider, where = pipe.guider, []
+    hook = pipe.transformer.register_forward_pre_hook(lambda *a: where.append((guider._step, guider._count_prepared)))
+    try:
+        video = run()
+    finally:
+        hook.remove()
+        spy.remove()
+        monkeypatch.undo()
+    parts: dict = {}
+    for (step, n), seen in zip(where, spy.calls):
+        branch = type(guider)._input_predictions[n - 1]
+        for (layer, role), ((q, k, v, mask, out), *_) in seen.items():
+            if role == "self" and branch in ("pred_cond", "pred_uncond"):
+                P = spy_probs(q, k, mask)
+                assert (P @ v.double() - out.double()).abs().max().item() < 1e-5  # the reference is the attention
+                parts.setdefault((step, layer), {})[branch] = P[0]
+    ref = {key: torch.stack([p["pred_uncond"], p["pred_cond"]]) for key, p in parts.items()}
+    return video, ref, {step for step, n in where if n == 3}
+
+
+@pytest.mark.parametrize("guider", ["ClassifierFreeGuidance", "AdaptiveProjectedGuidance", "SkipLayerGuidance"])
+def test_a_modular_pipeline_s_guider_keeps_the_branches_apart_and_leaves_perturbed_calls_out(guider, monkeypatch):
+    import diffusers
+
+    options = dict(guidance_scale=5.0)
+    if guider == "SkipLayerGuidance":  # block 0 skipped in a third, perturbed call of the steps within range
+        options.update(skip_layer_config=diffusers.LayerSkipConfig([0]), skip_layer_guidance_start=0.0)
+        options.update(skip_layer_guidance_stop=1.0)
+    pipe, run = _modular(getattr(diffusers, guider)(**options))
+    video, ref, perturbed = _guided_stock(pipe, run, monkeypatch)
+    assert bool(perturbed) == (guider == "SkipLayerGuidance"), perturbed
+    with cogattn.record(pipe, kinds=("full",), layers="all", steps="all", batch="all", heads="all") as rec:
+        got = run()
+    assert torch.equal(got, video), "capture changed the video"
+    assert rec.batch_items == (0, 1) and rec.skipped.perturbed == perturbed
+    _assert_recorded_what_ran(rec, ref, None, len(rec.layer_names))
+    with cogattn.record(pipe, kinds=("full",), layers="all", steps="all", batch="cond", heads="all") as cond:
+        run()
+    assert {(s, layer) for _, s, layer in cond.keys()} == set(ref)
+    assert all(torch.allclose(cond.get("full", *key)[0].double(), P[1], atol=1e-5) for key, P in ref.items())
+    registry = getattr(pipe.transformer.blocks[0], "_diffusers_hook", None)
+    assert not any(name.startswith("SkipLayerGuidance") for name in getattr(registry, "hooks", {}))
+    assert "prepare_inputs_from_block_state" not in vars(pipe.guider)  # the guider's own method again
+
+
+def test_auto_guidance_s_perturbed_unconditional_call_is_left_out(monkeypatch):
+    import diffusers
+
+    guider = diffusers.AutoGuidance(
+        guidance_scale=5.0, auto_guidance_config=diffusers.LayerSkipConfig([0]), dropout=1.0
+    )
+    pipe, run = _modular(guider)
+    with cogattn.record(pipe, kinds=("frame",), layers="all", steps="all", batch="cond") as cond:
+        run()
+    assert {s for _, s, _ in cond.keys()} == set(range(STEPS)) and not cond.skipped
+    with cogattn.record(pipe, kinds=("frame",), layers="all", steps="all", batch="all") as both:
+        run()
+    assert not both.keys() and both.skipped.perturbed == set(range(STEPS))
+    with pytest.raises(cogattn.NotRecordedError, match="the guider perturbed the model for a call"):
+        both.get("frame", 0, 1)

@@ -1,0 +1,100 @@
+"""A modular pipeline's guider: which branch each transformer call computes.
+
+diffusers' modular pipelines (``WanModularPipeline``, ...) leave guidance to a guider component
+(``pipe.guider``; Wan 2.2's second expert has ``guider_2``): each step, ``prepare_inputs`` (or
+``prepare_inputs_from_block_state``) returns one batch per branch, each named by its identifier
+(``"pred_cond"``, ``"pred_uncond"``, ``"pred_cond_skip"``, ...), and the loop calls ``prepare_models``
+(counting the step's calls in ``_count_prepared``) before the transformer call of each. Guiders that add
+calls perturb the model for them: skip-layer and perturbed-attention guidance skip blocks or attention
+through hooks named ``SkipLayerGuidance_<i>``, auto-guidance its unconditional call through
+``AutoGuidance_<i>``.
+
+:class:`Branches` keeps each step's identifiers (it wraps the two methods on the guider object, and puts
+them back on close) and tells a recording, at each transformer call, its branch and whether the model is
+perturbed for it. A recording keeps the conditional and unconditional calls of the unperturbed model (the
+results' batch ``[uncond..., cond...]``) and leaves perturbed calls out: their maps are not the model's.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Branches"]
+
+UNPERTURBED = ("pred_cond", "pred_uncond")
+_PERTURBING = ("SkipLayerGuidance_", "AutoGuidance_", "SmoothedEnergyGuidance_")  # diffusers' guiders' hook names
+
+
+class Branches:
+    """The branches of the guiders of ``pipeline`` (none for a pipeline without one).
+
+    Args:
+        pipeline: the recorded pipeline, or `None`.
+        experts (`tuple[str, ...]`): the pipeline attribute of each transformer followed; transformer ``i``
+            is guided by ``guider`` (``i == 0``) or ``guider_2``.
+    """
+
+    def __init__(self, pipeline, experts: tuple[str, ...] = ("transformer",)):
+        names = ("guider", "guider_2")[: len(experts)]
+        found = [getattr(pipeline, name, None) if pipeline is not None else None for name in names]
+        self.guiders = [g if hasattr(g, "prepare_inputs") and hasattr(g, "_count_prepared") else None for g in found]
+        self._steps: dict[int, list] = {}  # id(guider) → the identifiers of its running step's batches
+        self._wrapped: list[tuple[object, str]] = []
+        for guider in filter(None, self.guiders):
+            for name in ("prepare_inputs", "prepare_inputs_from_block_state"):
+                self._wrap(guider, name)
+
+    def __bool__(self) -> bool:
+        return any(self.guiders)
+
+    def _wrap(self, guider, name: str) -> None:
+        real = getattr(guider, name)
+
+        def keep(*args, **kwargs):
+            batches = real(*args, **kwargs)
+            key = getattr(guider, "_identifier_key", "__guidance_identifier__")
+            self._steps[id(guider)] = [_identifier(batch, key) for batch in batches]
+            return batches
+
+        setattr(guider, name, keep)  # on the object, over its class's method: deleting it restores that
+        self._wrapped.append((guider, name))
+
+    def restore(self) -> None:
+        """Put the guiders' own methods back (idempotent)."""
+        for guider, name in self._wrapped:
+            guider.__dict__.pop(name, None)
+        self._wrapped.clear()
+
+    def _guider(self, expert: int):
+        return self.guiders[min(expert, len(self.guiders) - 1)] if self.guiders else None
+
+    def branch(self, expert: int) -> str | None:
+        """The identifier of the running call of transformer ``expert`` (`None` without a guider)."""
+        guider = self._guider(expert)
+        ids = self._steps.get(id(guider)) if guider is not None else None
+        n = getattr(guider, "_count_prepared", 0)
+        return ids[n - 1] if ids and 0 < n <= len(ids) else None
+
+    def guided(self, expert: int) -> bool | None:
+        """Whether the running step has an unconditional branch (`None` without a guider)."""
+        guider = self._guider(expert)
+        ids = self._steps.get(id(guider)) if guider is not None else None
+        return None if ids is None else "pred_uncond" in ids
+
+    def perturbed(self, transformer, expert: int) -> str | None:
+        """The running call's branch where the model is perturbed for it (a branch of its own, or a
+        guider's hooks on ``transformer``), else `None`."""
+        branch = self.branch(expert)
+        if branch is None:
+            return None
+        if branch not in UNPERTURBED:
+            return branch
+        prefixes = (*_PERTURBING, f"{type(self._guider(expert)).__name__}_")
+        for module in transformer.modules():
+            for name in getattr(getattr(module, "_diffusers_hook", None), "hooks", {}):
+                if name.startswith(prefixes):
+                    return f"{branch} ({name})"
+        return None
+
+
+def _identifier(batch, key: str):
+    """A guider batch's identifier: a ``BlockState`` attribute or a dict entry."""
+    return batch.get(key) if isinstance(batch, dict) else getattr(batch, key, None)
