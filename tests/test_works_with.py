@@ -16,6 +16,7 @@ import diffusers
 import pytest
 import torch
 from reference import AttentionSpy, spy_probs
+from test_families import CASES
 from tiny_calls import generate
 
 import cogattn
@@ -602,3 +603,32 @@ def test_auto_guidance_s_perturbed_unconditional_call_is_left_out(monkeypatch):
     assert not both.keys() and both.skipped.perturbed == set(range(STEPS))
     with pytest.raises(cogattn.NotRecordedError, match="the guider perturbed the model for a call"):
         both.get("frame", 0, 1)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_first_block_cache_on_every_family_diffusers_runs_it_with(family, monkeypatch):
+    """The conformance tests' tiny pipeline of each family under First Block Cache: what ran is recorded
+    and equals the reference of its own q and k (``test_families.stock_reference``), the rest is skipped."""
+    from diffusers import FirstBlockCacheConfig
+    from test_families import _padded, _spec, generate, stock_reference
+
+    if _spec(family) is None:
+        pytest.skip(f"this diffusers lacks {family}")
+    pipe = CASES[family].make()
+    if not hasattr(pipe.transformer, "enable_cache"):
+        pytest.skip(f"{type(pipe.transformer).__name__} takes no cache in diffusers")
+    try:
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+        video, ref = stock_reference(pipe, family, True, monkeypatch)
+    except ValueError as err:  # diffusers' cache does not run on this pipeline: nothing to record
+        pytest.skip(f"First Block Cache does not run on {family} in diffusers: {err}")
+    with cogattn.record(pipe, kinds=("full",), layers="all", steps="all", batch="all", heads="all") as rec:
+        got = generate(pipe, family, True).frames
+    assert torch.equal(got, video)
+    ran = {(key[0], key[1]) for key in ref if key[0] != "mask" and key[2] == "self"}
+    assert {(s, layer) for _, s, layer in rec.keys()} == ran
+    every = {(s, layer) for s in range(len(rec.timesteps)) for layer in range(len(rec.layer_names))}
+    assert ran < every and {(s, layer) for s, layer, _ in rec.skipped.calls} == every - ran
+    for s, layer in ran:  # one (1, H, S_b, S_b) per item, [uncond, cond]; zeros where an item has fewer tokens
+        want = torch.cat([_padded(P, rec.layout.seq_len) for P in ref[(s, layer, "self")]])
+        assert (rec.get("full", s, layer).double() - want).abs().max().item() <= 1e-5
