@@ -83,6 +83,21 @@ def test_every_command_runs(command, tmp_path, monkeypatch, capsys):
         return
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if command.startswith("cogattn view"):  # on a quick run of the tiny default
+        from cogattn.view import ViewServer
+        from cogattn.view import main as view
+
+        runs = tmp_path / "runs" / "tiny"
+        assert main(["--set", f"save_dir={runs}", "--set", "num_inference_steps=1", "--set", "previews=false"]) == 0
+        words = [str(runs), *shlex.split(command)[3:]]
+        if "--export" in words:
+            words[words.index("--export") + 1] = str(tmp_path / "report.html")
+            assert view(words) == 0 and (tmp_path / "report.html").stat().st_size > 0
+        else:  # it serves until Ctrl-C: start it and stop it
+            server = ViewServer(runs)
+            assert len(server.runs) == 3 and server.url.startswith("http://127.0.0.1:")
+            server.httpd.server_close()
+        return
     words = shlex.split(command.removeprefix("bash scripts/dev.sh "))
     words = words[words.index("scripts/dump_maps.py") + 1 :]
     if command in DRY_ONLY:

@@ -20,6 +20,7 @@ from ..errors import StoreError
 from ..head_stats import TABLE_KINDS, head_table
 from ..recording import record
 from ..run import LOCK, RunLock, load
+from ..words import text_tokens
 from .config import ConfigError, DumpConfig
 from .previews import write_previews
 from .prompts import Prompt
@@ -171,9 +172,15 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
         call["image"] = load_image(prompt.image_path)
     t0 = time.perf_counter()
     info = {k: meta[k] for k in ("index", "prompt", "negative_prompt", "seed", "image", "model")}
-    with record(pipe, cfg.capture_options(save_dir=folder / "maps", info=info)):
+    with record(pipe, cfg.capture_options(save_dir=folder / "maps", info=info)) as rec:
         frames = pipe(**call).frames[0]
     meta["seconds"] = round(time.perf_counter() - t0, 3)
+    if getattr(pipe, "tokenizer", None) is not None and rec.layout is not None:  # the viewer's word labels
+        lay = rec.layout
+        clean = lay.text_len == 0  # Wan: its cross-attention reads the cleaned prompt
+        meta["tokens"] = text_tokens(
+            pipe.tokenizer, prompt.prompt, lay.prompt_len, clean=clean, prompt_start=lay.prompt_start
+        )
     meta["video"] = _save_video(frames, folder / "video", cfg).name
     if _write_head_table(folder / "maps", folder / "heads.csv"):
         meta["head_table"] = "heads.csv"

@@ -1,0 +1,193 @@
+"""What the viewer shows, read from a run with the same code as the plots (:mod:`cogattn.analysis`).
+
+:func:`find_runs` turns a path into the runs it holds: a run folder (``manifest.jsonl``), a folder the batch
+tool wrote for one prompt (``maps/`` beside ``prompt.json`` and the video), or a folder of those. A
+:class:`RunView` answers the page's questions as JSON-ready dicts: the run's summary, and one map at a
+time (``frame`` at a step, layer and head; a word's ``video_to_text`` or ``text_to_video`` over the video;
+a video point's row), each averaged by :func:`cogattn.analysis.aggregate`. Records are read when asked for,
+through the run's lazy reader, so a large run opens at once and the server holds one map at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib import colormaps
+
+from ..analysis import aggregate, locate_query, recorded, recorded_kinds
+from ..errors import NotRecordedError, StoreError
+from ..head_stats import TABLE_KINDS, head_table
+from ..run import MANIFEST, Run
+
+__all__ = ["RunView", "colormap", "find_runs"]
+
+WORD_KINDS = ("video_to_text", "text_to_video")
+STAT_KINDS = ("entropy", "received")  # per token: a query's entropy, the mass a key receives
+HEAD_COLUMNS = ("same_frame_mass", "text_mass", "entropy_mean", "sink_share")  # the head atlas's colourings
+
+
+def colormap(name: str = "viridis", n: int = 256) -> list[list[int]]:
+    """The page's colours: ``n`` RGB triples of a matplotlib colormap (the plots' default)."""
+    return (np.asarray(colormaps[name](np.linspace(0, 1, n)))[:, :3] * 255).round().astype(int).tolist()
+
+
+def find_runs(path: str | Path) -> dict[str, Path]:
+    """The runs under ``path``, by a name for each: ``path`` itself when it is a run or a batch prompt's
+    folder, else every such folder directly inside it (a batch tool's output). Raises `FileNotFoundError`
+    (one line) when there is none."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} is not a folder; pass a run folder or a folder of runs.")
+
+    def run_of(folder: Path) -> Path | None:
+        if (folder / MANIFEST).exists():
+            return folder
+        return folder / "maps" if (folder / "maps" / MANIFEST).exists() else None
+
+    if (own := run_of(path)) is not None:
+        return {path.name: own}
+    runs = {sub.name: run for sub in sorted(path.iterdir()) if sub.is_dir() and (run := run_of(sub)) is not None}
+    if not runs:
+        raise FileNotFoundError(f"{str(path)!r} holds no cogattn run (no {MANIFEST} in it or its subfolders).")
+    return runs
+
+
+class RunView:
+    """The page's view of one run.
+
+    Args:
+        path (`Path`): the run folder (its parent may hold the batch tool's ``prompt.json`` and video).
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.run = Run(self.path)
+        parent = self.path.parent
+        prompt_file = parent / "prompt.json"
+        self.prompt = json.loads(prompt_file.read_text()) if self.path.name == "maps" and prompt_file.exists() else {}
+        video = self.prompt.get("video")
+        self.video = parent / video if video and (parent / video).exists() else None
+        preview = parent / "previews" / "frame.png"
+        self.thumbnail = preview if self.path.name == "maps" and preview.exists() else None
+
+    def refresh(self) -> None:
+        """Read the manifest again: a run still being written shows its newly committed records."""
+        self.run = Run(self.path)
+
+    def tokens(self) -> list[str]:
+        """A label for each text token of the word kinds: the batch tool's token strings where it kept them."""
+        layout = self.run.layout
+        if layout is None:
+            return []
+        kept = self.prompt.get("tokens")
+        n = layout.prompt_len
+        return [str(t) for t in kept[:n]] if kept else [f"token {i}" for i in range(n)]
+
+    def summary(self) -> dict:
+        """What the page needs first: the kinds, steps, layers and heads held, the layout, the metadata."""
+        run, meta = self.run, self.run.meta
+        kinds = recorded_kinds(run)
+        layout = run.layout
+        skipped = run.skipped
+        checks = meta.get("checks") or []
+        return {
+            "kinds": kinds,
+            "steps": {k: recorded(run, k, "step") for k in kinds},
+            "layers": {k: recorded(run, k, "layer") for k in kinds},
+            "layer_names": run.layer_names,
+            "timesteps": run.timesteps,
+            "heads": None if run.head_ids is None else list(run.head_ids),
+            "layout": None
+            if layout is None
+            else {"frames": layout.frames, "height": layout.height, "width": layout.width},
+            "groups": _group_names(layout),
+            "tokens": self.tokens(),
+            "video": self.video is not None,
+            "status": run.status,
+            "info": run.info,
+            "model": {k: (meta.get("model") or {}).get(k) for k in ("family", "class", "pipeline", "dtype")},
+            "selection": meta.get("selection") or {},
+            "checks": {"count": len(checks), "failed": sum(1 for c in checks if not c.get("passed", True))},
+            "skipped": {"by": skipped.by, "count": len(skipped.calls), "calls": sorted(list(c) for c in skipped.calls)},
+            "colormap": colormap(),
+            "head_atlas": bool(set(kinds) & set(TABLE_KINDS)),
+            "head_columns": list(HEAD_COLUMNS),
+        }
+
+    def map(self, kind: str, step: int, layer: int | str, head: int | str = "mean", token: int | None = None) -> dict:
+        """One map of the page: ``kind`` at ``step`` and ``layer`` (``"mean"``: over the recorded layers),
+        one head or their mean; a word kind at text token ``token`` (its map over the video).
+
+        Returns:
+            `dict`: ``shape`` and row-major ``values`` (`None` where nothing is there), or ``error`` saying why.
+        """
+        layers = "all" if layer == "mean" else int(layer)
+        heads = head if head == "mean" else int(head)
+        try:
+            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads)
+        except (NotRecordedError, StoreError, ValueError) as err:
+            return {"error": str(err)}
+        if kind in WORD_KINDS:
+            if token is None or not 0 <= int(token) < m.shape[0]:
+                return {"error": f"token={token!r}: choose one of the {m.shape[0]} text tokens."}
+            m = m[int(token)]
+        if kind in STAT_KINDS:  # one value per token: the video's, on its grid
+            lay = self.run.layout
+            m = m[lay.grid_tokens].reshape(lay.frames, lay.height, lay.width)
+        return _payload(m)
+
+    def heads(self, step: int, column: str = "same_frame_mass") -> dict:
+        """The head atlas at ``step``: ``column`` of :func:`cogattn.head_stats.head_table` (the first batch
+        item) and each head's label, as a layers × heads grid."""
+        try:
+            table = head_table(self.run, steps=int(step))
+        except (NotRecordedError, StoreError, ValueError) as err:
+            return {"error": str(err)}
+        if column not in HEAD_COLUMNS:
+            return {"error": f"column={column!r}; choose one of {list(HEAD_COLUMNS)}."}
+        table = table[table["item"] == table["item"].min()]
+        layers, heads = sorted(set(table["layer"])), list(dict.fromkeys(table["head"]))
+        grid = table.pivot(index="layer", columns="head", values=column).reindex(index=layers, columns=heads)
+        labels = table.pivot(index="layer", columns="head", values="label").reindex(index=layers, columns=heads)
+        return {
+            **_payload(torch.tensor(grid.to_numpy(dtype=float))),
+            "layers": [int(x) for x in layers],
+            "heads": [h if isinstance(h, str) else int(h) for h in heads],
+            "labels": labels.fillna("").to_numpy().tolist(),
+            "column": column,
+        }
+
+    def point(self, step: int, layer: int | str, head: int | str, frame: int, row: int, col: int) -> dict:
+        """Where one video point attends: its row over the video (``frames × height × width``), from a
+        recorded ``query`` at that point or the ``full`` map; ``error`` says what to record otherwise."""
+        try:
+            kind, index, _ = locate_query(self.run, (int(frame), int(row), int(col)))
+        except (NotRecordedError, ValueError) as err:
+            return {"error": f"{err} Record kinds 'full' or 'query' (queries=[(frame, row, col)]) to see it."}
+        layers = "all" if layer == "mean" else int(layer)
+        heads = head if head == "mean" else int(head)
+        try:
+            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads)
+        except (NotRecordedError, StoreError) as err:
+            return {"error": str(err)}
+        layout = self.run.layout
+        video = m[index][layout.grid_tokens].reshape(layout.frames, layout.height, layout.width)
+        return {**_payload(video), "kind": kind}
+
+
+def _payload(m: torch.Tensor) -> dict:
+    values = [None if not math.isfinite(v) else v for v in m.double().flatten().tolist()]
+    return {"shape": list(m.shape), "values": values}
+
+
+def _group_names(layout) -> list[str]:
+    """The ``frame`` kind's group labels: the text's groups, then each latent frame."""
+    if layout is None:
+        return []
+    text = ["text"] * layout.text_groups
+    frames = [f"f{f}" for f in range(layout.num_groups - layout.text_groups)]
+    return frames + text if layout.text_position == "end" else text + frames

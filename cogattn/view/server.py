@@ -1,0 +1,152 @@
+"""``cogattn view PATH``: a local web app over a run or a folder of runs.
+
+The server is the standard library's ``ThreadingHTTPServer`` on 127.0.0.1: nothing to install, nothing
+reachable from outside the machine (through SSH, forward the port). It serves the page and its assets from
+the package (``static/``, no CDN) and a small JSON API that :class:`cogattn.view.data.RunView` answers:
+
+    GET /api/runs                              the runs: name, prompt, status, whether a thumbnail exists
+    GET /api/summary?run=NAME                  kinds, steps, layers, heads, layout, tokens, metadata
+    GET /api/map?run=&kind=&step=&layer=&head=[&token=]    one map
+    GET /api/point?run=&step=&layer=&head=&frame=&row=&col= where a video point attends
+    GET /api/heads?run=&step=&column=          the head atlas: a head_table column per layer and head
+    GET /file/NAME/video | /file/NAME/thumbnail             the batch tool's video and frame preview
+
+Each request re-reads the run's manifest, so a run still being written shows what is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+from ..errors import StoreError
+from .data import RunView, find_runs
+from .export import export, static_file
+
+__all__ = ["ViewServer", "main"]
+
+_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".gif": "image/gif", ".png": "image/png"}
+_TYPES[".mp4"] = "video/mp4"
+
+
+class ViewServer:
+    """The runs under ``path`` served on ``127.0.0.1:port`` (0: a free port).
+
+    Raises `FileNotFoundError` for a path with no run, `OSError` for a port that cannot be bound."""
+
+    def __init__(self, path: str | Path, port: int = 0):
+        self.runs = {name: RunView(run) for name, run in find_runs(path).items()}
+        views = self.runs
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet: the URL is all the terminal needs
+                pass
+
+            def do_GET(self):
+                url = urlparse(self.path)
+                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                try:
+                    status, body, kind = _answer(views, url.path, query)
+                except (StoreError, OSError, ValueError) as err:  # a damaged record: that panel says so
+                    status, body, kind = 200, json.dumps({"error": str(err)}).encode(), "application/json"
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ViewServer:
+        """Serve in a background thread (tests, notebooks); :meth:`stop` ends it."""
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, bytes, str]:
+    """``(status, body, content type)`` of one GET."""
+    if path in ("/", "/index.html"):
+        return 200, static_file("index.html"), _TYPES[".html"]
+    if path.startswith("/static/") and Path(path).name in ("app.js", "style.css"):
+        return 200, static_file(Path(path).name), _TYPES[Path(path).suffix]
+    if path == "/api/runs":
+        rows = [
+            {
+                "name": n,
+                "prompt": v.run.info.get("prompt"),
+                "status": v.run.status,
+                "thumbnail": v.thumbnail is not None,
+            }
+            for n, v in views.items()
+        ]
+        return 200, json.dumps(rows).encode(), "application/json"
+    if path.startswith("/file/"):
+        _, _, name, what = path.split("/", 3)
+        view = views.get(name)
+        file = None if view is None else {"video": view.video, "thumbnail": view.thumbnail}.get(what)
+        if file is None:
+            return 404, b"not found", "text/plain"
+        return 200, file.read_bytes(), _TYPES.get(file.suffix, "application/octet-stream")
+    view = views.get(query.get("run", next(iter(views))))
+    if view is None or not path.startswith("/api/"):
+        return 404, json.dumps({"error": f"no such page or run: {path}"}).encode(), "application/json"
+    view.refresh()
+    if path == "/api/summary":
+        body = view.summary()
+    elif path == "/api/map":
+        token = query.get("token")
+        args = (query["kind"], int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"))
+        body = view.map(*args, None if token is None else int(token))
+    elif path == "/api/heads":
+        body = view.heads(int(query["step"]), query.get("column", "same_frame_mass"))
+    elif path == "/api/point":
+        where = (int(query[k]) for k in ("frame", "row", "col"))
+        body = view.point(int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), *where)
+    else:
+        return 404, json.dumps({"error": f"no such page: {path}"}).encode(), "application/json"
+    return 200, json.dumps(body).encode(), "application/json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``cogattn view PATH [--port N] [--export FILE]``: serve the runs under PATH until Ctrl-C, or write
+    one self-contained HTML file. Bad input (no run there, a port in use) is one line and exit code 2."""
+    ap = argparse.ArgumentParser(prog="cogattn view", description="See a run, or a folder of runs, in the browser.")
+    ap.add_argument("path", help="a run folder, a batch prompt's folder, or a folder of them")
+    ap.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    ap.add_argument("--export", metavar="FILE", help="write one self-contained HTML file instead of serving")
+    args = ap.parse_args(argv)
+    try:
+        if args.export:
+            out = export(args.path, args.export)
+            print(f"wrote {out}")
+            return 0
+        server = ViewServer(args.path, args.port)
+    except FileNotFoundError as err:
+        print(f"cogattn view: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"cogattn view: port {args.port} on 127.0.0.1 cannot be used ({err.strerror or err}).", file=sys.stderr)
+        return 2
+    print(f"cogattn view: {len(server.runs)} run(s) at {server.url}  (Ctrl-C stops)", flush=True)
+    try:
+        server.httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.httpd.server_close()
+    return 0

@@ -1,0 +1,260 @@
+// cogattn view: the page. Every number comes from the server (cogattn.analysis, in Python) or, in an
+// export, from the same answers embedded in the file; this script only lays them out and colours them.
+"use strict";
+
+const EMBEDDED = window.COGATTN_EMBEDDED || null;
+const params = new URLSearchParams(location.search);
+const $ = (id) => document.getElementById(id);
+let run = params.get("run");
+let S = null; // the run's summary
+let steps = []; // the steps the slider walks
+let point = null; // the clicked video point [frame, row, col]
+
+async function api(path, query = {}) {
+  if (EMBEDDED) return embedded(path, query);
+  const response = await fetch(path + "?" + new URLSearchParams(query));
+  return response.json();
+}
+
+function embedded(path, q) {
+  if (path === "/api/runs") return EMBEDDED.runs;
+  if (path === "/api/summary") return EMBEDDED.summaries[q.run];
+  if (path === "/api/point") return { error: EMBEDDED.summaries[q.run].export.points };
+  if (path === "/api/heads") return EMBEDDED.maps[[q.run, "heads", q.step, q.column].join("|")] || { error: "not in this export" };
+  const key = [q.run, q.kind, q.step, q.layer, q.head, q.token ?? ""].join("|");
+  return EMBEDDED.maps[key] || { error: `this export does not hold that map (${key}): ${JSON.stringify(EMBEDDED.summaries[q.run].export)}` };
+}
+
+function fileUrl(name, what) {
+  if (EMBEDDED) return EMBEDDED.files[`${name}/${what}`] || null;
+  return `file/${encodeURIComponent(name)}/${what}`;
+}
+
+// -- colours: the plots' colormap, sent by the server ----------------------------------------------------
+function limits(values, log) {
+  let lo = Infinity, hi = -Infinity;
+  for (const v of values) {
+    if (v === null || (log && v <= 0)) continue;
+    lo = Math.min(lo, v);
+    hi = Math.max(hi, v);
+  }
+  if (!isFinite(lo)) return log ? [1e-12, 1] : [0, 1];
+  return hi > lo ? [lo, hi] : [lo, lo + 1e-12];
+}
+
+function paint(canvas, values, rows, cols, range, log, cell) {
+  canvas.width = cols * cell;
+  canvas.height = rows * cell;
+  const ctx = canvas.getContext("2d");
+  const cmap = S.colormap;
+  const [lo, hi] = log ? range.map(Math.log) : range;
+  for (let r = 0; r < rows; r++) {
+    for (let c = 0; c < cols; c++) {
+      const v = values[r * cols + c];
+      if (v === null) {
+        ctx.fillStyle = "#fff";
+      } else {
+        const x = log ? Math.log(Math.max(v, range[0])) : v;
+        const i = Math.max(0, Math.min(cmap.length - 1, Math.round(((x - lo) / (hi - lo)) * (cmap.length - 1))));
+        ctx.fillStyle = `rgb(${cmap[i].join(",")})`;
+      }
+      ctx.fillRect(c * cell, r * cell, cell, cell);
+    }
+  }
+}
+
+// One map: a single 2-D panel, or one panel per latent frame of a (F, h, w) map over the video.
+function draw(target, payload, opts = {}) {
+  const box = $(target);
+  const error = box.parentElement.querySelector(".error");
+  box.replaceChildren();
+  error.textContent = payload.error || "";
+  box.dataset.values = payload.error ? "" : JSON.stringify(payload.values);
+  box.dataset.shape = payload.error ? "" : JSON.stringify(payload.shape);
+  if (payload.error) return;
+  const log = $("scale").value === "log";
+  const shape = payload.shape;
+  const panels = shape.length === 3 ? shape[0] : 1;
+  const [rows, cols] = shape.slice(-2);
+  const size = rows * cols;
+  const shared = limits(payload.values, log);
+  const cell = Math.max(4, Math.min(28, Math.floor(240 / Math.max(rows, cols))));
+  for (let f = 0; f < panels; f++) {
+    const values = payload.values.slice(f * size, (f + 1) * size);
+    const range = $("limits").value === "shared" ? shared : limits(values, log);
+    const figure = document.createElement("figure");
+    const canvas = document.createElement("canvas");
+    canvas.dataset.frame = f;
+    paint(canvas, values, rows, cols, range, log, cell);
+    if (opts.onClick) {
+      canvas.addEventListener("click", (e) => {
+        const r = Math.floor(e.offsetY / cell), c = Math.floor(e.offsetX / cell);
+        opts.onClick(f, Math.min(r, rows - 1), Math.min(c, cols - 1));
+      });
+    }
+    const caption = document.createElement("figcaption");
+    caption.textContent = opts.captions ? opts.captions[f] : `${range[0].toPrecision(3)} – ${range[1].toPrecision(3)}`;
+    figure.append(canvas, caption);
+    box.append(figure);
+  }
+  box.classList.toggle("clickable", Boolean(opts.onClick));
+}
+
+// -- the viewer --------------------------------------------------------------------------------------------
+function selection() {
+  return { run, step: steps[Number($("step").value)], layer: $("layer").value, head: $("head").value };
+}
+
+async function redraw() {
+  const sel = selection();
+  const t = S.timesteps[sel.step];
+  $("step-label").textContent = `${sel.step}` + (t === undefined || t === null ? "" : ` (t=${Number(t).toPrecision(4)})`);
+  const jobs = [];
+  if (S.kinds.includes("frame")) {
+    const captions = [`groups: ${S.groups.join(" · ")}`];
+    jobs.push(api("/api/map", { ...sel, kind: "frame" }).then((p) => draw("frame", p, { captions })));
+  } else {
+    draw("frame", { error: "kind 'frame' was not recorded in this run." });
+  }
+  const wordKind = $("word-kind").value;
+  if (wordKind) {
+    const q = { ...sel, kind: wordKind, token: $("token").value };
+    const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
+    jobs.push(api("/api/map", q).then((p) => draw("word", p, { captions, onClick: choosePoint })));
+  } else {
+    draw("word", { error: "no word kind (video_to_text, text_to_video) was recorded in this run." });
+  }
+  const statKind = $("stat-kind").value;
+  $("stat-panel").hidden = !statKind;
+  if (statKind) {
+    const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
+    jobs.push(api("/api/map", { ...sel, kind: statKind }).then((p) => draw("stat", p, { captions })));
+  }
+  if (S.head_atlas) {
+    const q = { run, step: sel.step, column: $("head-column").value };
+    jobs.push(api("/api/heads", q).then(drawHeads));
+  }
+  if (point) jobs.push(drawPoint());
+  await Promise.all(jobs);
+  document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1);
+}
+
+function drawHeads(payload) {
+  $("heads-panel").hidden = false;
+  const pick = (f, r, c) => {
+    $("layer").value = String(payload.layers[r]);
+    $("head").value = String(payload.heads[c]);
+    redraw();
+  };
+  draw("heads", payload, { captions: [payload.column || ""], onClick: payload.error ? null : pick });
+  const canvas = $("heads").querySelector("canvas");
+  if (canvas && payload.labels) canvas.title = payload.labels.map((row, i) => `layer ${payload.layers[i]}: ${row.join(", ")}`).join("\n");
+}
+
+function choosePoint(frame, row, col) {
+  point = [frame, row, col];
+  drawPoint().then(() => (document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1)));
+}
+
+async function drawPoint() {
+  const [frame, row, col] = point;
+  $("point-label").textContent = `frame ${frame}, row ${row}, column ${col}`;
+  $("point").dataset.point = JSON.stringify(point);
+  const payload = await api("/api/point", { ...selection(), frame, row, col });
+  const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
+  draw("point", payload, { captions });
+}
+
+function option(select, value, text) {
+  const o = document.createElement("option");
+  o.value = value;
+  o.textContent = text ?? value;
+  select.append(o);
+}
+
+function describe() {
+  const info = S.info || {};
+  const parts = [];
+  if (info.prompt) parts.push(`“${info.prompt}”`);
+  if (info.seed !== undefined && info.seed !== null) parts.push(`seed ${info.seed}`);
+  parts.push(`${S.model.family || "?"} (${S.model.class || "?"}, ${S.model.dtype || "?"})`);
+  parts.push(`status: ${S.status}`);
+  parts.push(`spot checks: ${S.checks.count} (${S.checks.failed} failed)`);
+  if (S.skipped.count) parts.push(`${S.skipped.count} attention calls skipped by ${S.skipped.by || "the model"}`);
+  if (S.export) parts.push(`export: ${S.export.layers}; ${S.export.heads}; ${S.export.tokens} tokens; ≤ ${S.export.max_side} patches a side`);
+  $("meta").textContent = parts.join(" · ");
+}
+
+async function openRun() {
+  S = await api("/api/summary", { run });
+  $("viewer").hidden = false;
+  $("run-name").textContent = run;
+  describe();
+  const kinds = S.kinds;
+  const first = kinds.includes("frame") ? "frame" : kinds[0];
+  steps = S.steps[first] || [];
+  $("step").max = Math.max(0, steps.length - 1);
+  $("step").value = Math.max(0, steps.length - 1);
+  option($("layer"), "mean", "mean of layers");
+  for (const l of S.layers[first] || []) option($("layer"), l, S.layer_names ? `${l}: ${S.layer_names[l]}` : `${l}`);
+  option($("head"), "mean", "mean of heads");
+  for (const h of S.heads || []) option($("head"), h, `head ${h}`);
+  for (const k of ["video_to_text", "text_to_video"]) if (kinds.includes(k)) option($("word-kind"), k);
+  for (const k of ["entropy", "received"]) if (kinds.includes(k)) option($("stat-kind"), k);
+  for (const c of S.head_columns) option($("head-column"), c);
+  S.tokens.forEach((t, i) => option($("token"), i, `${i}: ${t}`));
+  if (S.video) {
+    const url = fileUrl(run, "video");
+    if (url) {
+      $("video").src = url;
+      $("video-panel").hidden = false;
+    }
+  }
+  for (const id of ["step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column"]) {
+    $(id).addEventListener("input", redraw);
+  }
+  await redraw();
+}
+
+async function listRuns(runs) {
+  $("runs").hidden = false;
+  const body = $("run-table").querySelector("tbody");
+  for (const r of runs) {
+    const tr = document.createElement("tr");
+    tr.className = "run";
+    tr.dataset.prompt = (r.prompt || "").toLowerCase();
+    const thumb = document.createElement("td");
+    if (r.thumbnail && !EMBEDDED) {
+      const img = document.createElement("img");
+      img.src = fileUrl(r.name, "thumbnail");
+      img.alt = "frame map";
+      thumb.append(img);
+    }
+    const cells = [r.name, r.prompt || "", r.status].map((text) => {
+      const td = document.createElement("td");
+      td.textContent = text;
+      return td;
+    });
+    tr.append(thumb, ...cells);
+    tr.addEventListener("click", () => (location.search = "?run=" + encodeURIComponent(r.name)));
+    body.append(tr);
+  }
+  $("search").addEventListener("input", () => {
+    const q = $("search").value.toLowerCase();
+    for (const tr of body.children) tr.hidden = !tr.dataset.prompt.includes(q);
+  });
+  document.body.dataset.ready = "1";
+}
+
+async function main() {
+  const runs = await api("/api/runs");
+  if (!run && runs.length === 1) run = runs[0].name;
+  if (run) {
+    $("all-runs").hidden = runs.length < 2;
+    await openRun();
+  } else {
+    await listRuns(runs);
+  }
+}
+
+main();

@@ -1,0 +1,201 @@
+"""``cogattn view``: the server's answers against ``cogattn.analysis`` on a batch run of the tiny default,
+and the page in a real browser (headless Chromium from the system's packages, driven by Playwright): it
+loads with no console error, a step or word change redraws, a click on a video point shows that point's
+row, the numbers on the page equal the run's, and the export opens with no request leaving the file."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from cogattn.analysis import aggregate
+from cogattn.dump import main as dump_main
+from cogattn.head_stats import head_table
+from cogattn.run import load
+from cogattn.view import RunView, ViewServer, export, find_runs
+from cogattn.view.server import main
+
+KINDS = "capture.kinds=[frame,video_to_text,text_to_video,full,entropy]"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The tiny default's three prompts, with every head and the full map (a video point's row)."""
+    out = tmp_path_factory.mktemp("view") / "runs"
+    args = ["--set", f"save_dir={out}", "--set", KINDS, "--set", "capture.heads=all"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert dump_main(args) == 0
+    return out
+
+
+def _first(runs: Path) -> Path:
+    return sorted(p for p in runs.iterdir() if p.is_dir())[0]
+
+
+def _close(got: list, want: torch.Tensor) -> bool:
+    return torch.allclose(torch.tensor(got, dtype=torch.float64), want.double().flatten(), atol=1e-6)
+
+
+def test_find_runs_takes_a_run_a_prompt_folder_or_a_folder_of_them(runs):
+    folder = _first(runs)
+    assert len(find_runs(runs)) == 3
+    assert find_runs(folder) == {folder.name: folder / "maps"} and find_runs(folder / "maps") == {
+        "maps": folder / "maps"
+    }
+    with pytest.raises(FileNotFoundError, match="holds no cogattn run"):
+        find_runs(folder / "previews")
+
+
+def test_the_answers_are_the_analysis_of_the_run(runs):
+    view = RunView(_first(runs) / "maps")
+    run = load(_first(runs) / "maps")
+    summary = view.summary()
+    assert summary["kinds"] == ["entropy", "frame", "full", "text_to_video", "video_to_text"]
+    assert summary["tokens"][:3] == ["a", "red", "fox"] and summary["video"] and summary["heads"] == [0, 1]
+    frame = view.map("frame", 2, 1, 0)
+    assert frame["shape"] == [4, 4] and _close(frame["values"], aggregate(run, "frame", steps=2, layers=1, heads=0))
+    word = view.map("video_to_text", 1, "mean", "mean", 2)
+    assert _close(word["values"], aggregate(run, "video_to_text", steps=1)[2])
+    lay = run.layout
+    point = view.point(3, "mean", "mean", 1, 2, 3)
+    row = aggregate(run, "full", steps=3)[lay.token_index(1, 2, 3)][lay.grid_tokens]
+    assert point["shape"] == [lay.frames, lay.height, lay.width] and _close(point["values"], row)
+    assert "not recorded" in view.map("query", 0, "mean")["error"]
+
+
+def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cogattn view: ") and "holds no cogattn run" in err[0]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main([str(runs), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"port {port} on 127.0.0.1 cannot be used" in err[0]
+
+
+def test_a_damaged_record_says_so_in_its_panel_and_the_rest_works(runs, tmp_path):
+    folder = shutil.copytree(_first(runs), tmp_path / "copy")
+    record = sorted((folder / "maps" / "records" / "frame").iterdir())[0]
+    record.write_bytes(b"not a safetensors file")
+    view = RunView(folder / "maps")
+    step, layer = (int(x.lstrip("steplayr")) for x in record.stem.split("_"))  # step0003_layer001
+    assert "cannot be read" in view.map("frame", step, layer)["error"]
+    assert "values" in view.map("video_to_text", step, layer, "mean", 0) and view.summary()["kinds"]
+
+
+# -- in a real browser -------------------------------------------------------------------------------------
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.skip("no Chromium on this machine (Debian: apt-get install chromium); .ci/run installs it")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is a test dependency (pip install -e .[test])"
+    )
+    path = _chromium()
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def _page(browser, url: str, problems: list):
+    page = browser.new_page()
+    page.on("console", lambda m: problems.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.goto(url)
+    page.wait_for_function("Number(document.body.dataset.ready) >= 1", timeout=20000)
+    return page
+
+
+def _values(page, panel: str) -> list:
+    return json.loads(page.get_attribute(f"#{panel}", "data-values"))
+
+
+def _redrawn(page, action):
+    before = int(page.evaluate("Number(document.body.dataset.ready)"))
+    action()
+    page.wait_for_function(f"Number(document.body.dataset.ready) > {before}", timeout=20000)
+
+
+def test_the_page_shows_the_run_s_numbers_and_follows_steps_words_and_clicks(runs, browser):
+    folder = _first(runs)
+    run = load(folder / "maps")
+    lay = run.layout
+    server = ViewServer(runs).start()
+    problems = []
+    try:
+        page = _page(browser, f"{server.url}?run={folder.name}", problems)
+        last = len(run.timesteps) - 1  # the slider starts at the last step
+        assert _close(_values(page, "frame"), aggregate(run, "frame", steps=last))
+        _redrawn(page, lambda: page.fill("#step", "0"))  # a step change redraws, with step 0's numbers
+        assert _close(_values(page, "frame"), aggregate(run, "frame", steps=0))
+        assert _close(_values(page, "word"), aggregate(run, "video_to_text", steps=0)[0])
+        _redrawn(page, lambda: page.select_option("#token", "2"))  # the word "fox"
+        assert _close(_values(page, "word"), aggregate(run, "video_to_text", steps=0)[2])
+        _redrawn(page, lambda: page.select_option("#head", "1"))
+        assert _close(_values(page, "frame"), aggregate(run, "frame", steps=0, heads=1))
+        table = head_table(run, steps=0)  # the head atlas: a head_table column per layer and head
+        atlas = table.pivot(index="layer", columns="head", values="same_frame_mass")
+        assert _close(_values(page, "heads"), torch.tensor(atlas.to_numpy()))
+        atlas_cell = page.locator("#heads canvas")  # layer 1, head 0 picks them
+        size = atlas_cell.bounding_box()
+        _redrawn(page, lambda: atlas_cell.click(position={"x": 0.5 * size["width"] / 2, "y": 1.5 * size["height"] / 2}))
+        assert (page.input_value("#layer"), page.input_value("#head")) == ("1", "0")
+        assert _close(_values(page, "frame"), aggregate(run, "frame", steps=0, layers=1, heads=0))
+        _redrawn(page, lambda: page.select_option("#layer", "mean"))
+        _redrawn(page, lambda: page.select_option("#head", "1"))
+        entropy = aggregate(run, "entropy", steps=0, heads=1)[lay.grid_tokens]
+        assert _close(_values(page, "stat"), entropy)  # entropy over the video
+        cell = page.locator("#word canvas[data-frame='1']")  # frame 1, row 2, column 3 of the word map
+        box = cell.bounding_box()
+        rows, cols = lay.height, lay.width
+        x, y = (3 + 0.5) * box["width"] / cols, (2 + 0.5) * box["height"] / rows
+        _redrawn(page, lambda: cell.click(position={"x": x, "y": y}))
+        assert json.loads(page.get_attribute("#point", "data-point")) == [1, 2, 3]
+        row = aggregate(run, "full", steps=0, heads=1)[lay.token_index(1, 2, 3)][lay.grid_tokens]
+        assert _close(_values(page, "point"), row)
+        shot = Path(__file__).resolve().parents[1] / "docs" / "view.png"
+        page.set_viewport_size({"width": 1100, "height": 560})
+        page.screenshot(path=str(shot), full_page=True)
+        # the folder: a table of its runs, searchable by prompt
+        listing = _page(browser, server.url, problems)
+        assert listing.locator("tr.run").count() == 3
+        listing.fill("#search", "fox")
+        prompts = [p.lower() for p in (load(f / "maps").info["prompt"] for f in sorted(runs.iterdir()))]
+        assert listing.locator("tr.run:visible").count() == sum("fox" in p for p in prompts)
+    finally:
+        server.stop()
+    assert not problems, problems
+
+
+def test_the_export_opens_with_no_request_leaving_the_file(runs, browser, tmp_path):
+    folder = _first(runs)
+    run = load(folder / "maps")
+    out = export(folder, tmp_path / "report.html")
+    requests, problems = [], []
+    page = browser.new_page()
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("console", lambda m: problems.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.goto(out.as_uri())
+    page.wait_for_function("Number(document.body.dataset.ready) >= 1", timeout=20000)
+    assert _close(_values(page, "frame"), aggregate(run, "frame", steps=len(run.timesteps) - 1))
+    _redrawn(page, lambda: page.fill("#step", "1"))
+    assert _close(_values(page, "word"), aggregate(run, "video_to_text", steps=1)[0])
+    assert "export: " in page.inner_text("#meta")
+    assert [u for u in requests if not u.startswith(("file:", "data:"))] == [] and requests[0] == out.as_uri()
+    assert not problems, problems
