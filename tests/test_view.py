@@ -199,3 +199,24 @@ def test_the_export_opens_with_no_request_leaving_the_file(runs, browser, tmp_pa
     assert "export: " in page.inner_text("#meta")
     assert [u for u in requests if not u.startswith(("file:", "data:"))] == [] and requests[0] == out.as_uri()
     assert not problems, problems
+
+
+def test_a_run_still_being_written_shows_what_is_committed_and_picks_up_new_records(runs, tmp_path):
+    from urllib.request import urlopen
+
+    folder = shutil.copytree(_first(runs) / "maps", tmp_path / "maps")
+    manifest = folder / "manifest.jsonl"
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    manifest.write_bytes(b"".join(lines[:3]))  # three records committed so far
+    server = ViewServer(folder).start()
+    try:
+
+        def held() -> int:
+            summary = json.loads(urlopen(f"{server.url}api/summary").read())
+            return sum(len(summary["steps"][k]) * len(summary["layers"][k]) for k in summary["kinds"])
+
+        before = held()
+        manifest.write_bytes(b"".join(lines))  # the writer commits the rest
+        assert before == 3 and held() == len(lines)
+    finally:
+        server.stop()
