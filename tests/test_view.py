@@ -18,18 +18,19 @@ import torch
 from cogattn.analysis import aggregate
 from cogattn.dump import main as dump_main
 from cogattn.head_stats import head_table
+from cogattn.masks import mask_recall, same_frame_mask
 from cogattn.run import load
 from cogattn.view import RunView, ViewServer, export, find_runs
 from cogattn.view.server import main
 
-KINDS = "capture.kinds=[frame,video_to_text,text_to_video,full,entropy]"
+KINDS = "capture.kinds=[frame,video_to_text,text_to_video,full,entropy,block]"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """The tiny default's three prompts, with every head and the full map (a video point's row)."""
     out = tmp_path_factory.mktemp("view") / "runs"
-    args = ["--set", f"save_dir={out}", "--set", KINDS, "--set", "capture.heads=all"]
+    args = ["--set", f"save_dir={out}", "--set", KINDS, "--set", "capture.heads=all", "--set", "capture.block_size=7"]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert dump_main(args) == 0
     return out
@@ -57,7 +58,7 @@ def test_the_answers_are_the_analysis_of_the_run(runs):
     view = RunView(_first(runs) / "maps")
     run = load(_first(runs) / "maps")
     summary = view.summary()
-    assert summary["kinds"] == ["entropy", "frame", "full", "text_to_video", "video_to_text"]
+    assert summary["kinds"] == ["block", "entropy", "frame", "full", "text_to_video", "video_to_text"]
     assert summary["tokens"][:3] == ["a", "red", "fox"] and summary["video"] and summary["heads"] == [0, 1]
     frame = view.map("frame", 2, 1, 0)
     assert frame["shape"] == [4, 4] and _close(frame["values"], aggregate(run, "frame", steps=2, layers=1, heads=0))
@@ -159,6 +160,11 @@ def test_the_page_shows_the_run_s_numbers_and_follows_steps_words_and_clicks(run
         assert _close(_values(page, "frame"), aggregate(run, "frame", steps=0, layers=1, heads=0))
         _redrawn(page, lambda: page.select_option("#layer", "mean"))
         _redrawn(page, lambda: page.select_option("#head", "1"))
+        _redrawn(page, lambda: page.select_option("#mask", "same_frame"))  # a block mask and its recall
+        assert _close(_values(page, "block"), aggregate(run, "block", steps=0, heads=1))
+        keep = same_frame_mask(lay, run.block_size)
+        recall = mask_recall(run, keep, steps=[0]).query("head == 1 and item == 0")["recall"].mean()
+        assert float(page.get_attribute("#block", "data-recall")) == pytest.approx(recall, abs=1e-9)
         entropy = aggregate(run, "entropy", steps=0, heads=1)[lay.grid_tokens]
         assert _close(_values(page, "stat"), entropy)  # entropy over the video
         cell = page.locator("#word canvas[data-frame='1']")  # frame 1, row 2, column 3 of the word map

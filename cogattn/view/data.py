@@ -21,12 +21,19 @@ from matplotlib import colormaps
 from ..analysis import aggregate, locate_query, recorded, recorded_kinds
 from ..errors import NotRecordedError, StoreError
 from ..head_stats import TABLE_KINDS, head_table
+from ..masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
 from ..run import MANIFEST, Run
 
 __all__ = ["RunView", "colormap", "find_runs"]
 
 WORD_KINDS = ("video_to_text", "text_to_video")
 STAT_KINDS = ("entropy", "received")  # per token: a query's entropy, the mass a key receives
+MASKS = {  # the block-sparse masks the block panel outlines (window 1 latent frame, radius 1 patch)
+    "none": None,
+    "same_frame": same_frame_mask,
+    "temporal_window": lambda layout, size: temporal_window_mask(layout, size, 1),
+    "spatial_window": lambda layout, size: spatial_window_mask(layout, size, 1),
+}
 HEAD_COLUMNS = ("same_frame_mass", "text_mass", "entropy_mean", "sink_share")  # the head atlas's colourings
 
 
@@ -116,6 +123,7 @@ class RunView:
             "colormap": colormap(),
             "head_atlas": bool(set(kinds) & set(TABLE_KINDS)),
             "head_columns": list(HEAD_COLUMNS),
+            "masks": list(MASKS),
         }
 
     def map(self, kind: str, step: int, layer: int | str, head: int | str = "mean", token: int | None = None) -> dict:
@@ -160,6 +168,24 @@ class RunView:
             "labels": labels.fillna("").to_numpy().tolist(),
             "column": column,
         }
+
+    def block(self, step: int, layer: int | str, head: int | str, mask: str = "none") -> dict:
+        """The ``block`` map, with a block-sparse mask of :mod:`cogattn.masks` (``mask``: one of
+        :data:`MASKS`, window 1) and its recall (:func:`cogattn.masks.mask_recall`, the first batch item,
+        the head or every head's mean), as :func:`cogattn.plot.block_map` draws them."""
+        if mask not in MASKS:
+            return {"error": f"mask={mask!r}; choose one of {list(MASKS)}."}
+        payload = self.map("block", step, layer, head)
+        if "error" in payload or mask == "none":
+            return payload
+        lay, size = self.run.layout, self.run.block_size
+        keep = MASKS[mask](lay, size)
+        layers = recorded(self.run, "block", "layer") if layer == "mean" else [int(layer)]
+        table = mask_recall(self.run, keep, steps=[int(step)], layers=layers)
+        table = table[table["item"] == table["item"].min()]
+        if head != "mean":
+            table = table[table["head"] == int(head)]
+        return {**payload, "mask": keep.flatten().tolist(), "recall": float(table["recall"].mean())}
 
     def point(self, step: int, layer: int | str, head: int | str, frame: int, row: int, col: int) -> dict:
         """Where one video point attends: its row over the video (``frames × height × width``), from a

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..head_stats import TABLE_KINDS
-from .data import HEAD_COLUMNS, WORD_KINDS, RunView, find_runs
+from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, find_runs
 
 __all__ = ["MAX_SIDE", "MAX_TOKENS", "export", "static_file"]
 
@@ -53,12 +53,15 @@ def _answers(view: RunView) -> tuple[dict, dict]:
         for step in summary["steps"].get(kind, []):
             for token in tokens:
                 maps[f"{kind}|{step}|mean|mean|{token}"] = _pooled(view.map(kind, step, "mean", "mean", token))
+    for step in summary["steps"].get("block", []):
+        for mask in MASKS:
+            maps[f"block|{step}|mean|mean|{mask}"] = view.block(step, "mean", "mean", mask)
     if summary["head_atlas"]:
         for step in sorted({s for k in TABLE_KINDS for s in summary["steps"].get(k, [])}):
             for column in HEAD_COLUMNS:
                 maps[f"heads|{step}|{column}"] = view.heads(step, column)
     summary["export"] = {
-        "layers": "frame: every layer and their mean; word kinds: the mean over layers",
+        "layers": "frame: every layer and their mean; word kinds and block: the mean over layers",
         "heads": "the mean over heads",
         "tokens": len(tokens),
         "max_side": MAX_SIDE,

@@ -9,6 +9,7 @@ the package (``static/``, no CDN) and a small JSON API that :class:`cogattn.view
     GET /api/map?run=&kind=&step=&layer=&head=[&token=]    one map
     GET /api/point?run=&step=&layer=&head=&frame=&row=&col= where a video point attends
     GET /api/heads?run=&step=&column=          the head atlas: a head_table column per layer and head
+    GET /api/block?run=&step=&layer=&head=&mask=  the block map, a mask's kept blocks and its recall
     GET /file/NAME/video | /file/NAME/thumbnail             the batch tool's video and frame preview
 
 Each request re-reads the run's manifest, so a run still being written shows what is committed.
@@ -112,6 +113,9 @@ def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, byt
         token = query.get("token")
         args = (query["kind"], int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"))
         body = view.map(*args, None if token is None else int(token))
+    elif path == "/api/block":
+        args = (int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), query.get("mask", "none"))
+        body = view.block(*args)
     elif path == "/api/heads":
         body = view.heads(int(query["step"]), query.get("column", "same_frame_mass"))
     elif path == "/api/point":

@@ -20,6 +20,7 @@ function embedded(path, q) {
   if (path === "/api/runs") return EMBEDDED.runs;
   if (path === "/api/summary") return EMBEDDED.summaries[q.run];
   if (path === "/api/point") return { error: EMBEDDED.summaries[q.run].export.points };
+  if (path === "/api/block") return EMBEDDED.maps[[q.run, "block", q.step, q.layer, q.head, q.mask].join("|")] || { error: "not in this export" };
   if (path === "/api/heads") return EMBEDDED.maps[[q.run, "heads", q.step, q.column].join("|")] || { error: "not in this export" };
   const key = [q.run, q.kind, q.step, q.layer, q.head, q.token ?? ""].join("|");
   return EMBEDDED.maps[key] || { error: `this export does not hold that map (${key}): ${JSON.stringify(EMBEDDED.summaries[q.run].export)}` };
@@ -130,6 +131,10 @@ async function redraw() {
     const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
     jobs.push(api("/api/map", { ...sel, kind: statKind }).then((p) => draw("stat", p, { captions })));
   }
+  if (S.kinds.includes("block")) {
+    $("block-panel").hidden = false;
+    jobs.push(api("/api/block", { ...sel, mask: $("mask").value }).then(drawBlock));
+  }
   if (S.head_atlas) {
     const q = { run, step: sel.step, column: $("head-column").value };
     jobs.push(api("/api/heads", q).then(drawHeads));
@@ -137,6 +142,22 @@ async function redraw() {
   if (point) jobs.push(drawPoint());
   await Promise.all(jobs);
   document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1);
+}
+
+function drawBlock(payload) {
+  draw("block", payload, { captions: [`${S.selection.block_size || ""} tokens a block`] });
+  $("recall").textContent = payload.recall === undefined ? "" : `recall ${payload.recall.toFixed(4)} of the attention mass`;
+  $("block").dataset.recall = payload.recall === undefined ? "" : String(payload.recall);
+  const canvas = $("block").querySelector("canvas");
+  if (!canvas || !payload.mask) return;
+  const [rows, cols] = payload.shape;
+  const cell = canvas.width / cols;
+  const ctx = canvas.getContext("2d");
+  ctx.strokeStyle = "cyan";
+  ctx.lineWidth = Math.max(1, cell / 8);
+  for (let r = 0; r < rows; r++) {
+    for (let c = 0; c < cols; c++) if (payload.mask[r * cols + c]) ctx.strokeRect(c * cell + 1, r * cell + 1, cell - 2, cell - 2);
+  }
 }
 
 function drawHeads(payload) {
@@ -202,6 +223,7 @@ async function openRun() {
   for (const k of ["video_to_text", "text_to_video"]) if (kinds.includes(k)) option($("word-kind"), k);
   for (const k of ["entropy", "received"]) if (kinds.includes(k)) option($("stat-kind"), k);
   for (const c of S.head_columns) option($("head-column"), c);
+  for (const m of S.masks) option($("mask"), m);
   S.tokens.forEach((t, i) => option($("token"), i, `${i}: ${t}`));
   if (S.video) {
     const url = fileUrl(run, "video");
@@ -210,7 +232,7 @@ async function openRun() {
       $("video-panel").hidden = false;
     }
   }
-  for (const id of ["step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column"]) {
+  for (const id of ["step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask"]) {
     $(id).addEventListener("input", redraw);
   }
   await redraw();
