@@ -18,13 +18,14 @@ def _modules() -> dict[str, Path]:
 
 
 # What a function may import when it runs: dependencies that are optional (triton, accelerate, ipywidgets,
-# imageio-ffmpeg, fcntl on POSIX), slow to import for what needs them once (pandas, PIL, the hub client,
+# imageio and imageio-ffmpeg, fcntl on POSIX), slow to import for what needs them once (pandas, PIL, the hub client,
 # tqdm, matplotlib's backends), or parts of diffusers and transformers only some versions have.
 LAZY_OK = {
     "accelerate",
     "diffusers",
     "fcntl",
     "huggingface_hub",
+    "imageio",
     "imageio_ffmpeg",
     "ipywidgets",
     "matplotlib",

@@ -167,6 +167,11 @@ def test_the_page_shows_the_run_s_numbers_and_follows_steps_words_and_clicks(run
         assert float(page.get_attribute("#block", "data-recall")) == pytest.approx(recall, abs=1e-9)
         entropy = aggregate(run, "entropy", steps=0, heads=1)[lay.grid_tokens]
         assert _close(_values(page, "stat"), entropy)  # entropy over the video
+        # the word's map over the video: pixel frame 5 of 9 is under latent frame 2 (frames 1-4: 1, 5-8: 2)
+        assert page.is_visible("#overlay") and page.get_attribute("#pixel-frame", "max") == "8"
+        page.fill("#pixel-frame", "5")
+        page.wait_for_function("document.getElementById('overlay').dataset.pixel === '5'")
+        assert int(page.get_attribute("#overlay", "data-latent")) == lay.latent_of_pixel(9)[5] == 2
         cell = page.locator("#word canvas[data-frame='1']")  # frame 1, row 2, column 3 of the word map
         box = cell.bounding_box()
         rows, cols = lay.height, lay.width

@@ -10,6 +10,7 @@ through the run's lazy reader, so a large run opens at once and the server holds
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from matplotlib import colormaps
+from PIL import Image, ImageSequence
 
 from ..analysis import aggregate, locate_query, recorded, recorded_kinds
 from ..errors import NotRecordedError, StoreError
@@ -78,8 +80,18 @@ class RunView:
         self.prompt = json.loads(prompt_file.read_text()) if self.path.name == "maps" and prompt_file.exists() else {}
         video = self.prompt.get("video")
         self.video = parent / video if video and (parent / video).exists() else None
+        self._frames: list[bytes] | None = None
         preview = parent / "previews" / "frame.png"
         self.thumbnail = preview if self.path.name == "maps" and preview.exists() else None
+
+    def frames(self) -> list[bytes]:
+        """The video's frames as PNG files (a GIF decoded with pillow; an MP4 with imageio where installed,
+        else none), read once."""
+        if self._frames is None:
+            self._frames = []
+            if self.video is not None:
+                self._frames = [_png(frame) for frame in _decode(self.video)]
+        return self._frames
 
     def refresh(self) -> None:
         """Read the manifest again: a run still being written shows its newly committed records."""
@@ -114,6 +126,8 @@ class RunView:
             "groups": _group_names(layout),
             "tokens": self.tokens(),
             "video": self.video is not None,
+            "video_frames": len(frames := self.frames()),
+            "latent_of_pixel": layout.latent_of_pixel(len(frames)) if layout is not None and frames else [],
             "status": run.status,
             "info": run.info,
             "model": {k: (meta.get("model") or {}).get(k) for k in ("family", "class", "pipeline", "dtype")},
@@ -203,6 +217,24 @@ class RunView:
         layout = self.run.layout
         video = m[index][layout.grid_tokens].reshape(layout.frames, layout.height, layout.width)
         return {**_payload(video), "kind": kind}
+
+
+def _decode(path: Path) -> list[Image.Image]:
+    """The frames of the batch tool's video: a GIF with pillow, an MP4 with imageio (optional)."""
+    if path.suffix == ".gif":
+        with Image.open(path) as gif:
+            return [frame.convert("RGB") for frame in ImageSequence.Iterator(gif)]
+    try:
+        import imageio.v3 as iio
+    except ImportError:  # the 'video' extra: without it an MP4 shows, but its frames are not overlaid
+        return []
+    return [Image.fromarray(frame) for frame in iio.imread(path)]
+
+
+def _png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 def _payload(m: torch.Tensor) -> dict:

@@ -11,6 +11,7 @@ the package (``static/``, no CDN) and a small JSON API that :class:`cogattn.view
     GET /api/heads?run=&step=&column=          the head atlas: a head_table column per layer and head
     GET /api/block?run=&step=&layer=&head=&mask=  the block map, a mask's kept blocks and its recall
     GET /file/NAME/video | /file/NAME/thumbnail             the batch tool's video and frame preview
+    GET /file/NAME/frame/I                     the video's frame I, a PNG (for the maps over the video)
 
 Each request re-reads the run's manifest, so a run still being written shows what is committed.
 """
@@ -99,6 +100,10 @@ def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, byt
     if path.startswith("/file/"):
         _, _, name, what = path.split("/", 3)
         view = views.get(name)
+        if view is not None and what.startswith("frame/") and what[6:].isdigit():  # one video frame, a PNG
+            frames = view.frames()
+            i = int(what[6:])
+            return (200, frames[i], _TYPES[".png"]) if i < len(frames) else (404, b"not found", "text/plain")
         file = None if view is None else {"video": view.video, "thumbnail": view.thumbnail}.get(what)
         if file is None:
             return 404, b"not found", "text/plain"

@@ -121,7 +121,13 @@ async function redraw() {
   if (wordKind) {
     const q = { ...sel, kind: wordKind, token: $("token").value };
     const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
-    jobs.push(api("/api/map", q).then((p) => draw("word", p, { captions, onClick: choosePoint })));
+    jobs.push(
+      api("/api/map", q).then((p) => {
+        draw("word", p, { captions, onClick: choosePoint });
+        wordPayload = p;
+        if (S.video_frames && !EMBEDDED) drawOverlay();
+      }),
+    );
   } else {
     draw("word", { error: "no word kind (video_to_text, text_to_video) was recorded in this run." });
   }
@@ -142,6 +148,60 @@ async function redraw() {
   if (point) jobs.push(drawPoint());
   await Promise.all(jobs);
   document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1);
+}
+
+// -- the word's map over the video: each pixel frame under its latent frame's map --------------------------
+const frameImages = [];
+let wordPayload = null;
+let playing = null;
+
+function loadFrame(i) {
+  if (!frameImages[i]) {
+    frameImages[i] = new Image();
+    frameImages[i].src = fileUrl(run, `frame/${i}`);
+  }
+  return frameImages[i];
+}
+
+function drawOverlay() {
+  const i = Number($("pixel-frame").value);
+  const latent = S.latent_of_pixel[i];
+  const canvas = $("overlay");
+  canvas.dataset.pixel = String(i);
+  canvas.dataset.latent = String(latent);
+  $("pixel-label").textContent = `${i} (latent frame ${latent})`;
+  const image = loadFrame(i);
+  const paintAll = () => {
+    canvas.width = image.naturalWidth * 3;
+    canvas.height = image.naturalHeight * 3;
+    const ctx = canvas.getContext("2d");
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(image, 0, 0, canvas.width, canvas.height);
+    if (!wordPayload || wordPayload.error || latent < 0) return;
+    const [, rows, cols] = wordPayload.shape;
+    const values = wordPayload.values.slice(latent * rows * cols, (latent + 1) * rows * cols);
+    const heat = document.createElement("canvas");
+    paint(heat, values, rows, cols, limits(wordPayload.values, $("scale").value === "log"), $("scale").value === "log", 1);
+    ctx.globalAlpha = 0.55;
+    ctx.drawImage(heat, 0, 0, canvas.width, canvas.height);
+    ctx.globalAlpha = 1;
+  };
+  if (image.complete && image.naturalWidth) paintAll();
+  else image.onload = paintAll;
+}
+
+function togglePlay() {
+  if (playing) {
+    clearInterval(playing);
+    playing = null;
+    $("play").textContent = "play";
+    return;
+  }
+  $("play").textContent = "pause";
+  playing = setInterval(() => {
+    $("pixel-frame").value = String((Number($("pixel-frame").value) + 1) % S.video_frames);
+    drawOverlay();
+  }, 125);
 }
 
 function drawBlock(payload) {
@@ -225,6 +285,12 @@ async function openRun() {
   for (const c of S.head_columns) option($("head-column"), c);
   for (const m of S.masks) option($("mask"), m);
   S.tokens.forEach((t, i) => option($("token"), i, `${i}: ${t}`));
+  if (S.video_frames && !EMBEDDED && S.kinds.some((k) => k === "video_to_text" || k === "text_to_video")) {
+    $("overlay-panel").hidden = false;
+    $("pixel-frame").max = S.video_frames - 1;
+    $("pixel-frame").addEventListener("input", drawOverlay);
+    $("play").addEventListener("click", togglePlay);
+  }
   if (S.video) {
     const url = fileUrl(run, "video");
     if (url) {
