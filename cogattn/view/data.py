@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from matplotlib import colormaps
-from PIL import Image, ImageSequence
+from PIL import Image
 
 from ..analysis import aggregate, locate_query, recorded, recorded_kinds
 from ..errors import NotRecordedError, StoreError
@@ -80,18 +80,23 @@ class RunView:
         self.prompt = json.loads(prompt_file.read_text()) if self.path.name == "maps" and prompt_file.exists() else {}
         video = self.prompt.get("video")
         self.video = parent / video if video and (parent / video).exists() else None
-        self._frames: list[bytes] | None = None
+        self._count: int | None = None
         preview = parent / "previews" / "frame.png"
         self.thumbnail = preview if self.path.name == "maps" and preview.exists() else None
 
-    def frames(self) -> list[bytes]:
-        """The video's frames as PNG files (a GIF decoded with pillow; an MP4 with imageio where installed,
-        else none), read once."""
-        if self._frames is None:
-            self._frames = []
-            if self.video is not None:
-                self._frames = [_png(frame) for frame in _decode(self.video)]
-        return self._frames
+    def frame_count(self) -> int:
+        """Frames of the video the page can overlay (0 without one, or for an MP4 without imageio)."""
+        if self._count is None:
+            self._count = 0 if self.video is None else _count(self.video)
+        return self._count
+
+    def frame_png(self, i: int) -> bytes | None:
+        """Frame ``i`` of the video as a PNG file, decoded when asked for (the server holds no video)."""
+        if not 0 <= i < self.frame_count():
+            return None
+        out = io.BytesIO()
+        _frame(self.video, i).save(out, format="PNG")
+        return out.getvalue()
 
     def refresh(self) -> None:
         """Read the manifest again: a run still being written shows its newly committed records."""
@@ -126,8 +131,8 @@ class RunView:
             "groups": _group_names(layout),
             "tokens": self.tokens(),
             "video": self.video is not None,
-            "video_frames": len(frames := self.frames()),
-            "latent_of_pixel": layout.latent_of_pixel(len(frames)) if layout is not None and frames else [],
+            "video_frames": (frames := self.frame_count()),
+            "latent_of_pixel": layout.latent_of_pixel(frames) if layout is not None and frames else [],
             "status": run.status,
             "info": run.info,
             "model": {k: (meta.get("model") or {}).get(k) for k in ("family", "class", "pipeline", "dtype")},
@@ -219,22 +224,27 @@ class RunView:
         return {**_payload(video), "kind": kind}
 
 
-def _decode(path: Path) -> list[Image.Image]:
-    """The frames of the batch tool's video: a GIF with pillow, an MP4 with imageio (optional)."""
+def _count(path: Path) -> int:
+    """Frames of the batch tool's video: a GIF's with pillow, an MP4's with imageio (optional; else 0)."""
     if path.suffix == ".gif":
         with Image.open(path) as gif:
-            return [frame.convert("RGB") for frame in ImageSequence.Iterator(gif)]
+            return gif.n_frames
     try:
         import imageio.v3 as iio
     except ImportError:  # the 'video' extra: without it an MP4 shows, but its frames are not overlaid
-        return []
-    return [Image.fromarray(frame) for frame in iio.imread(path)]
+        return 0
+    return sum(1 for _ in iio.imiter(path))  # streamed: the ffmpeg plugin does not know the count
 
 
-def _png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
+def _frame(path: Path, i: int) -> Image.Image:
+    """Frame ``i`` of the video, alone."""
+    if path.suffix == ".gif":
+        with Image.open(path) as gif:
+            gif.seek(i)
+            return gif.convert("RGB")
+    import imageio.v3 as iio
+
+    return Image.fromarray(iio.imread(path, index=i))
 
 
 def _payload(m: torch.Tensor) -> dict:

@@ -101,9 +101,8 @@ def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, byt
         _, _, name, what = path.split("/", 3)
         view = views.get(name)
         if view is not None and what.startswith("frame/") and what[6:].isdigit():  # one video frame, a PNG
-            frames = view.frames()
-            i = int(what[6:])
-            return (200, frames[i], _TYPES[".png"]) if i < len(frames) else (404, b"not found", "text/plain")
+            png = view.frame_png(int(what[6:]))
+            return (200, png, _TYPES[".png"]) if png is not None else (404, b"not found", "text/plain")
         file = None if view is None else {"video": view.video, "thumbnail": view.thumbnail}.get(what)
         if file is None:
             return 404, b"not found", "text/plain"
