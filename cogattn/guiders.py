@@ -17,6 +17,8 @@ results' batch ``[uncond..., cond...]``) and leaves perturbed calls out: their m
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["Branches"]
 
 UNPERTURBED = ("pred_cond", "pred_uncond")
@@ -74,9 +76,17 @@ class Branches:
         return ids[n - 1] if ids and 0 < n <= len(ids) else None
 
     def guided(self, expert: int) -> bool | None:
-        """Whether the running step has an unconditional branch (`None` without a guider)."""
+        """Whether the guider runs an unconditional branch in this generation (`None` without a guider):
+        from its settings (enabled, a scale that guides), so a guidance that starts after step 0
+        counts; else from the running step's branches."""
         guider = self._guider(expert)
-        ids = self._steps.get(id(guider)) if guider is not None else None
+        if guider is None:
+            return None
+        scale = getattr(guider, "guidance_scale", None)
+        if scale is not None:
+            neutral = 0.0 if getattr(guider, "use_original_formulation", False) else 1.0
+            return bool(getattr(guider, "_enabled", True)) and not math.isclose(float(scale), neutral)
+        ids = self._steps.get(id(guider))
         return None if ids is None else "pred_uncond" in ids
 
     def perturbed(self, transformer, expert: int) -> str | None:

@@ -92,7 +92,7 @@ class Skips:
         if (step, layer, role) not in self.calls:
             return None
         who = self.by or "the model (no cache found on the transformer)"
-        if step in self.halves:
+        if step in self.halves and batch != "cond":
             return (
                 f"{who} ran the transformer on the conditional half of the batch at step {step} (it reuses the "
                 f"unconditional output), and batch={batch!r} needs an unconditional item (batch='cond' records these steps)"
@@ -105,8 +105,8 @@ class Skips:
             )
         if (step, layer, role) in self.partial and self.by is None:
             return (
-                f"step {step} made fewer transformer calls than the first step (guidance switched off part-way?), "
-                f"and batch={batch!r} needs the items of the call that did not come; batch='cond' has its map"
+                f"step {step} made no transformer call for the unconditional items (guidance off at that step: "
+                f"a guider's start or stop, or a callback), and batch={batch!r} needs them; batch='cond' has its map"
             )
         if (step, layer, role) in self.partial:
             return (

@@ -510,7 +510,7 @@ def test_a_callback_that_changes_latents_or_switches_guidance_off_keeps_the_step
         assert rec.timesteps == [float(t) for t in pipe.scheduler.timesteps]
         steps = {s for _, s, _ in rec.keys()}
         assert steps == (set(range(STEPS)) if batch == "cond" else {0}), (batch, steps)
-    with pytest.raises(cogattn.NotRecordedError, match="step 1 made fewer transformer calls than the first step"):
+    with pytest.raises(cogattn.NotRecordedError, match="step 1 made no transformer call for the unconditional"):
         rec.get("frame", 1, 0)
 
 
@@ -632,3 +632,19 @@ def test_first_block_cache_on_every_family_diffusers_runs_it_with(family, monkey
     for s, layer in ran:  # one (1, H, S_b, S_b) per item, [uncond, cond]; zeros where an item has fewer tokens
         want = torch.cat([_padded(P, rec.layout.seq_len) for P in ref[(s, layer, "self")]])
         assert (rec.get("full", s, layer).double() - want).abs().max().item() <= 1e-5
+
+
+def test_a_guider_whose_guidance_starts_after_the_first_step(monkeypatch):
+    """Classifier-free guidance from 30 % of the steps on: step 0 makes one call, the later steps two."""
+    import diffusers
+
+    pipe, run = _modular(diffusers.ClassifierFreeGuidance(guidance_scale=5.0, start=0.3))
+    video = run()
+    for batch in ("cond", "all"):
+        with cogattn.record(pipe, kinds=("frame",), layers="all", steps="all", batch=batch) as rec:
+            got = run()
+        assert torch.equal(got, video)
+        steps = {s for _, s, _ in rec.keys()}
+        assert steps == (set(range(STEPS)) if batch == "cond" else set(range(1, STEPS))), (batch, steps)
+    with pytest.raises(cogattn.NotRecordedError, match="step 0 made no transformer call for the unconditional"):
+        rec.get("frame", 0, 0)

@@ -26,7 +26,7 @@ from ..head_stats import TABLE_KINDS, head_table
 from ..masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
 from ..run import MANIFEST, Run
 
-__all__ = ["RunView", "colormap", "find_runs"]
+__all__ = ["RunView", "colormap", "find_runs", "open_runs"]
 
 WORD_KINDS = ("video_to_text", "text_to_video")
 STAT_KINDS = ("entropy", "received")  # per token: a query's entropy, the mass a key receives
@@ -65,6 +65,20 @@ def find_runs(path: str | Path) -> dict[str, Path]:
     return runs
 
 
+def open_runs(path: str | Path, problems: list[str]) -> dict[str, RunView]:
+    """:class:`RunView` of each run under ``path``; a run that cannot be opened (its ``run.json`` damaged)
+    is left out, with one line in ``problems``. Raises `FileNotFoundError` when none is left."""
+    views = {}
+    for name, run in find_runs(path).items():
+        try:
+            views[name] = RunView(run)
+        except (StoreError, OSError, ValueError) as err:
+            problems.append(f"{name}: left out ({err})")
+    if not views:
+        raise FileNotFoundError(f"no run under {str(path)!r} can be read: {'; '.join(problems)}")
+    return views
+
+
 class RunView:
     """The page's view of one run.
 
@@ -77,7 +91,12 @@ class RunView:
         self.run = Run(self.path)
         parent = self.path.parent
         prompt_file = parent / "prompt.json"
-        self.prompt = json.loads(prompt_file.read_text()) if self.path.name == "maps" and prompt_file.exists() else {}
+        try:  # the batch tool's facts about the prompt; a damaged file costs the labels and the video only
+            self.prompt = (
+                json.loads(prompt_file.read_text()) if self.path.name == "maps" and prompt_file.exists() else {}
+            )
+        except (OSError, ValueError):
+            self.prompt = {}
         video = self.prompt.get("video")
         self.video = parent / video if video and (parent / video).exists() else None
         self._count: int | None = None
@@ -130,7 +149,7 @@ class RunView:
             else {"frames": layout.frames, "height": layout.height, "width": layout.width},
             "groups": _group_names(layout),
             "tokens": self.tokens(),
-            "video": self.video is not None,
+            "video": None if self.video is None else self.video.suffix.lstrip("."),
             "video_frames": (frames := self.frame_count()),
             "latent_of_pixel": layout.latent_of_pixel(frames) if layout is not None and frames else [],
             "status": run.status,
@@ -152,10 +171,9 @@ class RunView:
         Returns:
             `dict`: ``shape`` and row-major ``values`` (`None` where nothing is there), or ``error`` saying why.
         """
-        layers = "all" if layer == "mean" else int(layer)
         heads = head if head == "mean" else int(head)
         try:
-            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads)
+            m = aggregate(self.run, kind, steps=int(step), layers=self._layers(kind, step, layer), heads=heads)
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
         if kind in WORD_KINDS:
@@ -188,6 +206,13 @@ class RunView:
             "column": column,
         }
 
+    def _layers(self, kind: str, step: int, layer: int | str) -> list[int] | int:
+        """``layer``, or for ``"mean"`` the layers held at ``step`` (a step still being written has fewer)."""
+        if layer != "mean":
+            return int(layer)
+        held = sorted({n for k, s, n in self.run.keys() if k == kind and s == int(step)})
+        return held or "all"  # none: aggregate says what was recorded
+
     def block(self, step: int, layer: int | str, head: int | str, mask: str = "none") -> dict:
         """The ``block`` map, with a block-sparse mask of :mod:`cogattn.masks` (``mask``: one of
         :data:`MASKS`, window 1) and its recall (:func:`cogattn.masks.mask_recall`, the first batch item,
@@ -199,8 +224,8 @@ class RunView:
             return payload
         lay, size = self.run.layout, self.run.block_size
         keep = MASKS[mask](lay, size)
-        layers = recorded(self.run, "block", "layer") if layer == "mean" else [int(layer)]
-        table = mask_recall(self.run, keep, steps=[int(step)], layers=layers)
+        layers = self._layers("block", step, layer)
+        table = mask_recall(self.run, keep, steps=[int(step)], layers=layers if isinstance(layers, list) else [layers])
         table = table[table["item"] == table["item"].min()]
         if head != "mean":
             table = table[table["head"] == int(head)]
@@ -213,10 +238,9 @@ class RunView:
             kind, index, _ = locate_query(self.run, (int(frame), int(row), int(col)))
         except (NotRecordedError, ValueError) as err:
             return {"error": f"{err} Record kinds 'full' or 'query' (queries=[(frame, row, col)]) to see it."}
-        layers = "all" if layer == "mean" else int(layer)
         heads = head if head == "mean" else int(head)
         try:
-            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads)
+            m = aggregate(self.run, kind, steps=int(step), layers=self._layers(kind, step, layer), heads=heads)
         except (NotRecordedError, StoreError) as err:
             return {"error": str(err)}
         layout = self.run.layout
@@ -256,6 +280,5 @@ def _group_names(layout) -> list[str]:
     """The ``frame`` kind's group labels: the text's groups, then each latent frame."""
     if layout is None:
         return []
-    text = ["text"] * layout.text_groups
     frames = [f"f{f}" for f in range(layout.num_groups - layout.text_groups)]
-    return frames + text if layout.text_position == "end" else text + frames
+    return ["text"] * layout.text_groups + frames  # the text's group is first wherever the text sits

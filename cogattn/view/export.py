@@ -4,7 +4,7 @@ and no network.
 The page's script, style and the answers it would fetch are written into the HTML: per run, the summary,
 ``frame`` at every recorded step and layer (and their mean), and the word kinds at every step as the mean
 over layers for the prompt's tokens (at most :data:`MAX_TOKENS`), each frame pooled down to at most
-:data:`MAX_SIDE` patches a side. The batch tool's video goes in as a data URL. What was kept is stated on
+:data:`MAX_SIDE` patches on its longer side, every value to 4 significant digits. The batch tool's video goes in as a data URL. What was kept is stated on
 the page (``summary["export"]``); a video point's row needs the full map, so the export leaves it out.
 """
 
@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+from ..analysis import aggregate
 from ..head_stats import TABLE_KINDS
-from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, find_runs
+from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 
 __all__ = ["MAX_SIDE", "MAX_TOKENS", "export", "static_file"]
 
@@ -32,14 +34,22 @@ def static_file(name: str) -> bytes:
     return resources.files("cogattn.view").joinpath("static", name).read_bytes()
 
 
-def _pooled(payload: dict) -> dict:
-    """A ``(F, h, w)`` map average-pooled to at most :data:`MAX_SIDE` patches a side."""
-    if "error" in payload or max(payload["shape"][1:]) <= MAX_SIDE:
+def _kept(m: torch.Tensor) -> dict:
+    """A map as the export keeps it: a ``(F, h, w)`` map average-pooled to at most :data:`MAX_SIDE` patches
+    on its longer side (the aspect kept), values to 4 significant digits, NaN as `None`."""
+    if m.dim() == 3 and max(m.shape[1:]) > MAX_SIDE:
+        scale = MAX_SIDE / max(m.shape[1:])
+        size = tuple(max(1, round(n * scale)) for n in m.shape[1:])
+        m = torch.nn.functional.adaptive_avg_pool2d(m[:, None].double(), size)[:, 0]
+    values = [None if not math.isfinite(v) else float(f"{v:.4g}") for v in m.double().flatten().tolist()]
+    return {"shape": list(m.shape), "values": values}
+
+
+def _rounded(payload: dict) -> dict:
+    if "error" in payload:
         return payload
-    m = torch.tensor([float("nan") if v is None else v for v in payload["values"]]).reshape(payload["shape"])
-    size = tuple(min(MAX_SIDE, n) for n in m.shape[1:])
-    pooled = torch.nn.functional.adaptive_avg_pool2d(m[:, None], size)[:, 0]
-    return {"shape": list(pooled.shape), "values": pooled.flatten().tolist()}
+    values = torch.tensor([math.nan if v is None else v for v in payload["values"]]).reshape(payload["shape"])
+    return {**payload, **_kept(values)}
 
 
 def _answers(view: RunView) -> tuple[dict, dict]:
@@ -47,24 +57,28 @@ def _answers(view: RunView) -> tuple[dict, dict]:
     summary, maps = view.summary(), {}
     for step in summary["steps"].get("frame", []):
         for layer in ["mean", *summary["layers"]["frame"]]:
-            maps[f"frame|{step}|{layer}|mean|"] = view.map("frame", step, layer)
-    tokens = [i for i, t in enumerate(summary["tokens"])][:MAX_TOKENS]
+            maps[f"frame|{step}|{layer}|mean|"] = _rounded(view.map("frame", step, layer))
+    lay = view.run.layout
+    start = 0 if lay is None else lay.prompt_start  # HunyuanVideo image-to-video: the image's tokens first
+    tokens = list(range(start, len(summary["tokens"])))[:MAX_TOKENS]
     for kind in WORD_KINDS:
         for step in summary["steps"].get(kind, []):
+            m = aggregate(view.run, kind, steps=step)  # once per step: (T, F, h, w), then each token's
             for token in tokens:
-                maps[f"{kind}|{step}|mean|mean|{token}"] = _pooled(view.map(kind, step, "mean", "mean", token))
+                maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[token])
     for step in summary["steps"].get("block", []):
         for mask in MASKS:
-            maps[f"block|{step}|mean|mean|{mask}"] = view.block(step, "mean", "mean", mask)
+            maps[f"block|{step}|mean|mean|{mask}"] = _rounded(view.block(step, "mean", "mean", mask))
     if summary["head_atlas"]:
         for step in sorted({s for k in TABLE_KINDS for s in summary["steps"].get(k, [])}):
             for column in HEAD_COLUMNS:
-                maps[f"heads|{step}|{column}"] = view.heads(step, column)
+                maps[f"heads|{step}|{column}"] = _rounded(view.heads(step, column))
     summary["export"] = {
         "layers": "frame: every layer and their mean; word kinds and block: the mean over layers",
         "heads": "the mean over heads",
         "tokens": len(tokens),
         "max_side": MAX_SIDE,
+        "digits": 4,
         "points": "not kept: open the run with `cogattn view` to click video points",
     }
     return summary, maps
@@ -72,17 +86,14 @@ def _answers(view: RunView) -> tuple[dict, dict]:
 
 def export(path: str | Path, out: str | Path) -> Path:
     """Write the runs under ``path`` as one self-contained HTML file ``out``; returns its path."""
-    runs = find_runs(path)
     data = {"runs": [], "summaries": {}, "maps": {}, "files": {}}
-    for name, run_path in runs.items():
-        view = RunView(run_path)
+    for name, view in open_runs(path, []).items():
         summary, maps = _answers(view)
         data["runs"].append({"name": name, "prompt": view.run.info.get("prompt"), "status": view.run.status})
         data["summaries"][name] = summary
         data["maps"].update({f"{name}|{key}": value for key, value in maps.items()})
         if view.video is not None and view.video.stat().st_size <= MAX_VIDEO:
-            kind = "gif" if view.video.suffix == ".gif" else "mp4"
-            mime = f"image/{kind}" if kind == "gif" else "video/mp4"
+            mime = "image/gif" if view.video.suffix == ".gif" else "video/mp4"
             data["files"][f"{name}/video"] = f"data:{mime};base64,{base64.b64encode(view.video.read_bytes()).decode()}"
     page = static_file("index.html").decode()
     embedded = json.dumps(data).replace("</", "<\\/")  # no "</script>" inside the script

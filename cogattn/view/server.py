@@ -24,10 +24,10 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 from ..errors import StoreError
-from .data import RunView, find_runs
+from .data import RunView, open_runs
 from .export import export, static_file
 
 __all__ = ["ViewServer", "main"]
@@ -42,7 +42,8 @@ class ViewServer:
     Raises `FileNotFoundError` for a path with no run, `OSError` for a port that cannot be bound."""
 
     def __init__(self, path: str | Path, port: int = 0):
-        self.runs = {name: RunView(run) for name, run in find_runs(path).items()}
+        self.problems: list[str] = []  # runs left out: one line each
+        self.runs = open_runs(path, self.problems)
         views = self.runs
 
         class Handler(BaseHTTPRequestHandler):
@@ -53,7 +54,13 @@ class ViewServer:
                 url = urlparse(self.path)
                 query = {k: v[-1] for k, v in parse_qs(url.query).items()}
                 try:
-                    status, body, kind = _answer(views, url.path, query)
+                    status, body, kind = _answer(views, unquote(url.path), query)
+                except KeyError as err:  # a request without a parameter it needs
+                    status, body, kind = (
+                        400,
+                        json.dumps({"error": f"missing parameter {err}"}).encode(),
+                        "application/json",
+                    )
                 except (StoreError, OSError, ValueError) as err:  # a damaged record: that panel says so
                     status, body, kind = 200, json.dumps({"error": str(err)}).encode(), "application/json"
                 self.send_response(status)
@@ -144,12 +151,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}")
             return 0
         server = ViewServer(args.path, args.port)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, StoreError, ValueError) as err:  # no run there, or a run that cannot be read
         print(f"cogattn view: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"cogattn view: port {args.port} on 127.0.0.1 cannot be used ({err.strerror or err}).", file=sys.stderr)
+        where = f"{args.export!r} cannot be written" if args.export else f"port {args.port} on 127.0.0.1 cannot be used"
+        print(f"cogattn view: {where} ({err.strerror or err}).", file=sys.stderr)
         return 2
+    for problem in server.problems:
+        print(f"cogattn view: {problem}", file=sys.stderr)
     print(f"cogattn view: {len(server.runs)} run(s) at {server.url}  (Ctrl-C stops)", flush=True)
     try:
         server.httpd.serve_forever()

@@ -268,6 +268,11 @@ function describe() {
 
 async function openRun() {
   S = await api("/api/summary", { run });
+  if (!S || S.error || !S.kinds) {
+    $("run-name").textContent = `${run}: ${(S && S.error) || "no such run"}`;
+    document.body.dataset.ready = "1";
+    return;
+  }
   $("viewer").hidden = false;
   $("run-name").textContent = run;
   describe();
@@ -293,8 +298,10 @@ async function openRun() {
   }
   if (S.video) {
     const url = fileUrl(run, "video");
+    const element = S.video === "mp4" ? $("video-mp4") : $("video");
     if (url) {
-      $("video").src = url;
+      element.src = url;
+      element.hidden = false;
       $("video-panel").hidden = false;
     }
   }
