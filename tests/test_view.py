@@ -222,6 +222,10 @@ def test_the_export_opens_with_no_request_leaving_the_file(runs, browser, tmp_pa
     _redrawn(page, lambda: page.fill("#step", "1"))
     assert _close(_values(page, "word"), aggregate(run, "video_to_text", steps=1)[0], digits=4)
     assert "export: " in page.inner_text("#meta")
+    page.click("#details summary")  # the run's options, spot checks and what was kept
+    assert '"kinds":["frame","video_to_text","text_to_video","full","entropy","block"]' in page.inner_text(
+        "#details-text"
+    )
     assert [u for u in requests if not u.startswith(("file:", "data:"))] == [] and requests[0] == out.as_uri()
     assert not problems, problems
 
@@ -250,3 +254,11 @@ def test_a_run_still_being_written_shows_what_is_committed_and_picks_up_new_reco
         assert before == 3 and held() == len(lines)
     finally:
         server.stop()
+
+
+def test_the_export_keeps_the_word_kinds_at_ten_steps_at_most_the_first_and_the_last_among_them():
+    from cogattn.view.export import MAX_STEPS, _spread
+
+    kept = _spread(list(range(50)), MAX_STEPS)
+    assert len(kept) == MAX_STEPS == 10 and kept[0] == 0 and kept[-1] == 49 and kept == sorted(set(kept))
+    assert _spread([3, 7], MAX_STEPS) == [3, 7]

@@ -156,7 +156,11 @@ class RunView:
             "info": run.info,
             "model": {k: (meta.get("model") or {}).get(k) for k in ("family", "class", "pipeline", "dtype")},
             "selection": meta.get("selection") or {},
-            "checks": {"count": len(checks), "failed": sum(1 for c in checks if not c.get("passed", True))},
+            "checks": {
+                "count": len(checks),
+                "failed": sum(1 for c in checks if not c.get("passed", True)),
+                "largest_error": max((c.get("max_error") or 0.0 for c in checks), default=None),
+            },
             "skipped": {"by": skipped.by, "count": len(skipped.calls), "calls": sorted(list(c) for c in skipped.calls)},
             "colormap": colormap(),
             "head_atlas": bool(set(kinds) & set(TABLE_KINDS)),

@@ -3,7 +3,7 @@ and no network.
 
 The page's script, style and the answers it would fetch are written into the HTML: per run, the summary,
 ``frame`` at every recorded step and layer (and their mean), and the word kinds at every step as the mean
-over layers for the prompt's tokens (at most :data:`MAX_TOKENS`), each frame pooled down to at most
+over layers for the prompt's tokens (at most :data:`MAX_TOKENS`, at :data:`MAX_STEPS` steps), each frame pooled down to at most
 :data:`MAX_SIDE` patches on its longer side, every value to 4 significant digits. The batch tool's video goes in as a data URL. What was kept is stated on
 the page (``summary["export"]``); a video point's row needs the full map, so the export leaves it out.
 """
@@ -25,6 +25,7 @@ from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 __all__ = ["MAX_SIDE", "MAX_TOKENS", "export", "static_file"]
 
 MAX_TOKENS = 64  # text tokens of the word kinds kept per step
+MAX_STEPS = 10  # steps of the word kinds kept: the first, the last, and evenly between
 MAX_SIDE = 24  # patches a side kept per frame of a word map (average pooling above it)
 MAX_VIDEO = 32 * 2**20  # bytes of video embedded
 
@@ -45,6 +46,13 @@ def _kept(m: torch.Tensor) -> dict:
     return {"shape": list(m.shape), "values": values}
 
 
+def _spread(values: list[int], most: int) -> list[int]:
+    """At most ``most`` of ``values``: the first, the last, and evenly between."""
+    if len(values) <= most:
+        return list(values)
+    return sorted({values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)})
+
+
 def _rounded(payload: dict) -> dict:
     if "error" in payload:
         return payload
@@ -61,8 +69,10 @@ def _answers(view: RunView) -> tuple[dict, dict]:
     lay = view.run.layout
     start = 0 if lay is None else lay.prompt_start  # HunyuanVideo image-to-video: the image's tokens first
     tokens = list(range(start, len(summary["tokens"])))[:MAX_TOKENS]
+    word_steps = {}
     for kind in WORD_KINDS:
-        for step in summary["steps"].get(kind, []):
+        word_steps[kind] = _spread(summary["steps"].get(kind, []), MAX_STEPS)
+        for step in word_steps[kind]:
             m = aggregate(view.run, kind, steps=step)  # once per step: (T, F, h, w), then each token's
             for token in tokens:
                 maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[token])
@@ -77,6 +87,7 @@ def _answers(view: RunView) -> tuple[dict, dict]:
         "layers": "frame: every layer and their mean; word kinds and block: the mean over layers",
         "heads": "the mean over heads",
         "tokens": len(tokens),
+        "word_steps": word_steps,
         "max_side": MAX_SIDE,
         "digits": 4,
         "points": "not kept: open the run with `cogattn view` to click video points",

@@ -264,6 +264,16 @@ function describe() {
   if (S.skipped.count) parts.push(`${S.skipped.count} attention calls skipped by ${S.skipped.by || "the model"}`);
   if (S.export) parts.push(`export: ${S.export.layers}; ${S.export.heads}; ${S.export.tokens} tokens; ≤ ${S.export.max_side} patches a side`);
   $("meta").textContent = parts.join(" · ");
+  const details = {
+    options: S.selection,
+    model: S.model,
+    "spot checks": S.checks,
+    "skipped by a cache (step, layer, role)": S.skipped.count ? S.skipped.calls : "none",
+  };
+  if (S.export) details.export = S.export;
+  $("details-text").textContent = Object.entries(details)
+    .map(([k, v]) => `${k}: ${JSON.stringify(v)}`)
+    .join("\n");
 }
 
 async function openRun() {
