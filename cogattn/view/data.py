@@ -88,7 +88,8 @@ class RunView:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.run = Run(self.path)
+        stat = (self.path / MANIFEST).stat()
+        self.run, self._manifest = Run(self.path), (stat.st_size, stat.st_mtime_ns)
         parent = self.path.parent
         prompt_file = parent / "prompt.json"
         try:  # the batch tool's facts about the prompt; a damaged file costs the labels and the video only
@@ -118,8 +119,11 @@ class RunView:
         return out.getvalue()
 
     def refresh(self) -> None:
-        """Read the manifest again: a run still being written shows its newly committed records."""
-        self.run = Run(self.path)
+        """Read the manifest again where it changed: a run still being written shows its newly committed
+        records, and a finished one is not parsed again for every request."""
+        stat = (self.path / MANIFEST).stat()
+        if (stat.st_size, stat.st_mtime_ns) != self._manifest:
+            self.run, self._manifest = Run(self.path), (stat.st_size, stat.st_mtime_ns)
 
     def tokens(self) -> list[str]:
         """A label for each text token of the word kinds: the batch tool's token strings where it kept them."""

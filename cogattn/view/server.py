@@ -32,8 +32,8 @@ from .export import export, static_file
 
 __all__ = ["ViewServer", "main"]
 
-_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".gif": "image/gif", ".png": "image/png"}
-_TYPES[".mp4"] = "video/mp4"
+_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+_TYPES.update({".gif": "image/gif", ".png": "image/png", ".mp4": "video/mp4"})
 
 
 class ViewServer:
