@@ -28,7 +28,7 @@ import torch
 
 from .errors import NotRecordedError
 from .reducers import REDUCERS
-from .run import MapSource
+from .run import MapSource, Run
 
 __all__ = [
     "aggregate",
@@ -240,6 +240,7 @@ def aggregate(
     layers: str | int | Sequence[int] = "all",
     heads: str | int | Sequence[int] = "mean",
     batch: int = 0,
+    row: int | slice | None = None,
 ) -> torch.Tensor:
     """One batch item's map, averaged over the chosen steps and layers, with heads chosen or averaged.
 
@@ -261,9 +262,14 @@ def aggregate(
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers to average.
         heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): model head indices.
         batch (`int`, defaults to 0): position among the recorded batch items.
+        row (`int | slice`, *optional*): one row of the kind's first axis after the heads (a text token of
+            ``video_to_text``, a query token of ``full``, a query of ``query``), dropped from the result, or
+            a slice of rows, kept as an axis. From a run on disk only those rows are read (memory-mapped
+            slices), so one token of a 100 GB record costs its own size.
 
     Returns:
-        `torch.Tensor`: float32, the kind's shape without ``B`` (and without ``H`` unless kept).
+        `torch.Tensor`: float32, the kind's shape without ``B`` (and without ``H`` unless kept, without the
+        row axis when ``row`` is given).
 
     Raises:
         ValueError: a malformed selector, steps of two experts (Wan 2.2 A14B), or ``batch`` out of range.
@@ -280,10 +286,7 @@ def aggregate(
         source.get(kind, step_list[0], layer_list[0])
     total = None
     for s, layer in pairs:
-        t = source.get(kind, s, layer)
-        if not 0 <= batch < t.shape[0]:
-            raise ValueError(f"batch={batch} is out of range: {t.shape[0]} batch item(s) were recorded.")
-        t = t[batch].double()
+        t = _item(source, kind, s, layer, batch, row).double()
         total = t if total is None else total + t
     mean = (total / len(pairs)).float()
     positions = head_positions(source.head_ids, mean.shape[0], heads)
@@ -292,6 +295,26 @@ def aggregate(
     if isinstance(heads, int):
         return mean[positions[0]]
     return mean[positions]
+
+
+def _item(source: MapSource, kind: str, step: int, layer: int, batch: int, row: int | slice | None) -> torch.Tensor:
+    """Batch item ``batch`` of one record, ``(H, ...)``, or its ``row`` alone ``(H, ...)``: from a run on
+    disk, only what is asked for is read."""
+    if row is None or not isinstance(source, Run):
+        t = source.get(kind, step, layer)
+        shape = tuple(t.shape)
+    else:
+        shape = source.record_info(kind, step, layer).shape
+    if not 0 <= batch < shape[0]:
+        raise ValueError(f"batch={batch} is out of range: {shape[0]} batch item(s) were recorded.")
+    if isinstance(row, int) and not (len(shape) > 2 and 0 <= row < shape[2]):
+        rows = shape[2] if len(shape) > 2 else 0
+        raise ValueError(f"row={row} is out of range: {kind!r} has {rows} rows (its axis after the heads).")
+    if row is None:
+        return t[batch]
+    if isinstance(source, Run):
+        return source.get(kind, step, layer, index=(batch, slice(None), row))
+    return t[batch, :, row]
 
 
 def locate_query(source: MapSource, query: int | tuple[int, int, int]) -> tuple[str, int, int]:

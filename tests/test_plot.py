@@ -468,6 +468,23 @@ def test_a_loaded_run_plots_the_same(tiny, run):
             assert np.array_equal(heat(x).get_array(), heat(y).get_array())
 
 
+def test_aggregate_one_row_reads_only_that_row_from_a_run(tiny, run, monkeypatch):
+    rec = tiny[1]
+    for source in (rec, run):  # a row of the word kinds, of full and of query: the whole map's row
+        for kind, row in (("video_to_text", 2), ("full", 7), ("query", 1)):
+            want = torch.tensor(ref(source, kind, head=1))[row]
+            assert torch.allclose(analysis.aggregate(source, kind, heads=1, row=row), want, atol=1e-6)
+    reads = []
+    get = type(run).get
+    monkeypatch.setattr(type(run), "get", lambda self, *a, **kw: reads.append(kw.get("index")) or get(self, *a, **kw))
+    assert analysis.aggregate(run, "full", steps=0, layers=1, row=7).shape == (run.layout.seq_len,)
+    assert reads == [(0, slice(None), 7)]  # one memory-mapped row, not the (S, S) map
+    with pytest.raises(ValueError, match=r"row=999 is out of range: 'full' has \d+ rows"):
+        analysis.aggregate(run, "full", row=999)
+    with pytest.raises(ValueError, match="batch=3 is out of range"):
+        analysis.aggregate(run, "full", batch=3, row=0)
+
+
 def test_saved_png_decodes_to_the_figure_size(tiny, tmp_path):
     fig = plot.frame_heatmap(tiny[1], heads="all")
     fig.savefig(tmp_path / "f.png", dpi=50)

@@ -107,6 +107,44 @@ def test_a_damaged_record_says_so_in_its_panel_and_the_rest_works(runs, tmp_path
     assert "values" in view.map("video_to_text", step, layer, "mean", 0) and view.summary()["kinds"]
 
 
+@pytest.fixture(scope="module")
+def sparse(runs, tmp_path_factory) -> Path:
+    """The first prompt again, recording a point's row only as ``topk`` and ``query_frame``."""
+    out = tmp_path_factory.mktemp("view") / "sparse"
+    prompts = out.parent / "prompt.txt"
+    prompts.write_text(load(_first(runs) / "maps").info["prompt"] + "\n")
+    args = ["--set", f"save_dir={out}", "--set", f"prompts={prompts}", "--set", "capture.kinds=[topk,query_frame]"]
+    args += ["--set", "capture.heads=all", "--set", "capture.topk=5"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert dump_main(args) == 0
+    return _first(out) / "maps"
+
+
+def test_a_point_without_full_or_query_shows_its_topk_or_its_mass_per_frame(runs, sparse):
+    full, lay = load(_first(runs) / "maps"), load(sparse).layout
+    view = RunView(sparse)
+    token = lay.token_index(1, 2, 3)
+    row = full.get("full", 2, 1)[0, 0, token]  # the same generation's full row: layer 1, head 0, step 2
+    got = view.point(2, 1, 0, 1, 2, 3)
+    assert got["kind"] == "topk" and got["shape"] == [lay.frames, lay.height, lay.width]
+    values = torch.tensor([float("nan") if v is None else v for v in got["values"]])
+    top = torch.topk(row, 5)
+    grid = torch.arange(lay.seq_len)[lay.grid_tokens].tolist()
+    on_video = [i for i in top.indices.tolist() if i in grid]
+    where = [grid.index(i) for i in on_video]
+    assert torch.allclose(values[where], row[on_video], atol=1e-6)
+    assert int(values.isfinite().sum()) == len(on_video) and "the 5 largest" in got["note"]
+    assert "choose a layer" in view.point(2, "mean", 0, 1, 2, 3)["error"]
+    assert "choose a head" in view.point(2, 1, "mean", 1, 2, 3)["error"]
+    # query_frame: the row's mass to each key group, the same generation's full row summed per group
+    groups = lay.group_of_token()
+    got = view._point_groups(2, "mean", "mean", token)
+    mean_row = aggregate(full, "full", steps=2, row=token)
+    want = torch.zeros(lay.num_groups, dtype=torch.float64).index_add_(0, groups, mean_row.double())
+    assert got["kind"] == "query_frame" and got["shape"] == [1, lay.num_groups] and _close(got["values"], want)
+    assert got["groups"][0] == "text" and len(got["groups"]) == lay.num_groups
+
+
 # -- in a real browser -------------------------------------------------------------------------------------
 def _chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):

@@ -20,7 +20,7 @@ import torch
 from matplotlib import colormaps
 from PIL import Image
 
-from ..analysis import aggregate, locate_query, recorded, recorded_kinds
+from ..analysis import aggregate, head_positions, locate_query, recorded, recorded_kinds
 from ..errors import NotRecordedError, StoreError
 from ..head_stats import TABLE_KINDS, head_table
 from ..masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
@@ -180,14 +180,14 @@ class RunView:
             `dict`: ``shape`` and row-major ``values`` (`None` where nothing is there), or ``error`` saying why.
         """
         heads = head if head == "mean" else int(head)
+        if kind in WORD_KINDS and token is None:
+            return {"error": f"{kind} is one map per text token: choose a token."}
+        row = None if kind not in WORD_KINDS else int(token)  # one token's map: only its rows are read
         try:
-            m = aggregate(self.run, kind, steps=int(step), layers=self._layers(kind, step, layer), heads=heads)
+            layers = self.layers_at(kind, step, layer)
+            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads, row=row)
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
-        if kind in WORD_KINDS:
-            if token is None or not 0 <= int(token) < m.shape[0]:
-                return {"error": f"token={token!r}: choose one of the {m.shape[0]} text tokens."}
-            m = m[int(token)]
         if kind in STAT_KINDS:  # one value per token: the video's, on its grid
             lay = self.run.layout
             m = m[lay.grid_tokens].reshape(lay.frames, lay.height, lay.width)
@@ -214,7 +214,7 @@ class RunView:
             "column": column,
         }
 
-    def _layers(self, kind: str, step: int, layer: int | str) -> list[int] | int:
+    def layers_at(self, kind: str, step: int, layer: int | str) -> list[int] | int:
         """``layer``, or for ``"mean"`` the layers held at ``step`` (a step still being written has fewer)."""
         if layer != "mean":
             return int(layer)
@@ -232,7 +232,7 @@ class RunView:
             return payload
         lay, size = self.run.layout, self.run.block_size
         keep = MASKS[mask](lay, size)
-        layers = self._layers("block", step, layer)
+        layers = self.layers_at("block", step, layer)
         table = mask_recall(self.run, keep, steps=[int(step)], layers=layers if isinstance(layers, list) else [layers])
         table = table[table["item"] == table["item"].min()]
         if head != "mean":
@@ -240,20 +240,68 @@ class RunView:
         return {**payload, "mask": keep.flatten().tolist(), "recall": float(table["recall"].mean())}
 
     def point(self, step: int, layer: int | str, head: int | str, frame: int, row: int, col: int) -> dict:
-        """Where one video point attends: its row over the video (``frames × height × width``), from a
-        recorded ``query`` at that point or the ``full`` map; ``error`` says what to record otherwise."""
+        """Where one video point attends, from whichever kind holds its row: a recorded ``query`` at that
+        point or ``full`` (its row over the video, ``frames × height × width``); else ``topk`` (its k
+        largest over the video, the rest `None`; one layer, one head or a head mean recorded as such); else
+        ``query_frame`` (its mass to each key group). Only that row is read. ``error`` says what to record
+        when none of them was."""
+        lay = self.run.layout
         try:
+            token = lay.token_index(int(frame), int(row), int(col))
             kind, index, _ = locate_query(self.run, (int(frame), int(row), int(col)))
-        except (NotRecordedError, ValueError) as err:
-            return {"error": f"{err} Record kinds 'full' or 'query' (queries=[(frame, row, col)]) to see it."}
+        except ValueError as err:
+            return {"error": str(err)}
+        except NotRecordedError as err:
+            kinds = recorded_kinds(self.run)
+            if "topk" in kinds:
+                return self._point_topk(step, layer, head, token)
+            if "query_frame" in kinds:
+                return self._point_groups(step, layer, head, token)
+            return {"error": f"{err} Record 'full', 'query' (queries=[(frame, row, col)]), 'topk' or 'query_frame'."}
         heads = head if head == "mean" else int(head)
         try:
-            m = aggregate(self.run, kind, steps=int(step), layers=self._layers(kind, step, layer), heads=heads)
-        except (NotRecordedError, StoreError) as err:
+            layers = self.layers_at(kind, step, layer)
+            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads, row=index)
+        except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
-        layout = self.run.layout
-        video = m[index][layout.grid_tokens].reshape(layout.frames, layout.height, layout.width)
-        return {**_payload(video), "kind": kind}
+        return {**_payload(m[lay.grid_tokens].reshape(lay.frames, lay.height, lay.width)), "kind": kind}
+
+    def _point_topk(self, step: int, layer: int | str, head: int | str, token: int) -> dict:
+        """A point's ``topk`` row over the video: its k largest probabilities where they fall, the rest `None`."""
+        if layer == "mean":
+            return {"error": "only 'topk' holds this point's row, and each layer keeps its own k largest keys, "
+                    "which do not average: choose a layer."}  # fmt: skip
+        ids = self.run.head_ids
+        if head == "mean" and ids is not None and len(ids) > 1:
+            return {"error": "only 'topk' holds this point's row, and each head keeps its own k largest keys, "
+                    "which do not average: choose a head (or record topk with heads='mean')."}  # fmt: skip
+        try:
+            top = self.run.get("topk", int(step), int(layer), index=(0, slice(None), token))
+            slot = 0 if head == "mean" else head_positions(ids, top.values.shape[0], int(head))[0]
+        except (NotRecordedError, StoreError, ValueError) as err:
+            return {"error": str(err)}
+        lay = self.run.layout
+        row = torch.full((lay.seq_len,), math.nan)
+        row[top.indices[slot]] = top.values[slot]
+        video = row[lay.grid_tokens]
+        k, kept = top.values.shape[-1], float(top.values[slot].sum())
+        on_video = float(video.nan_to_num().sum())
+        note = (
+            f"topk: the {k} largest of this row, {kept:.4f} of its mass ({on_video:.4f} on the video, "
+            f"{kept - on_video:.4f} on other tokens); the rest was not recorded (blank)"
+        )
+        return {**_payload(video.reshape(lay.frames, lay.height, lay.width)), "kind": "topk", "note": note}
+
+    def _point_groups(self, step: int, layer: int | str, head: int | str, token: int) -> dict:
+        """A point's ``query_frame`` row: its attention mass to each key group (the text's, each latent frame)."""
+        heads = head if head == "mean" else int(head)
+        try:
+            layers = self.layers_at("query_frame", step, layer)
+            m = aggregate(self.run, "query_frame", steps=int(step), layers=layers, heads=heads, row=token)
+        except (NotRecordedError, StoreError, ValueError) as err:
+            return {"error": str(err)}
+        note = "query_frame: this point's attention mass to each key group; record 'full' for its row per patch"
+        return {**_payload(m[None]), "kind": "query_frame", "groups": _group_names(self.run.layout), "note": note}
 
 
 def _count(path: Path) -> int:

@@ -73,9 +73,12 @@ def _answers(view: RunView) -> tuple[dict, dict]:
     for kind in WORD_KINDS:
         word_steps[kind] = _spread(summary["steps"].get(kind, []), MAX_STEPS)
         for step in word_steps[kind]:
-            m = aggregate(view.run, kind, steps=step)  # once per step: (T, F, h, w), then each token's
-            for token in tokens:
-                maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[token])
+            if not tokens:
+                continue
+            rows = slice(tokens[0], tokens[-1] + 1)  # once per step, reading the kept tokens' rows only
+            m = aggregate(view.run, kind, steps=step, layers=view.layers_at(kind, step, "mean"), row=rows)
+            for i, token in enumerate(tokens):
+                maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[i])
     for step in summary["steps"].get("block", []):
         for mask in MASKS:
             maps[f"block|{step}|mean|mean|{mask}"] = _rounded(view.block(step, "mean", "mean", mask))

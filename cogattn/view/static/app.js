@@ -242,8 +242,9 @@ async function drawPoint() {
   $("point-label").textContent = `frame ${frame}, row ${row}, column ${col}`;
   $("point").dataset.point = JSON.stringify(point);
   const payload = await api("/api/point", { ...selection(), frame, row, col });
-  const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
-  draw("point", payload, { captions });
+  const frames = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
+  draw("point", payload, { captions: payload.groups ? [`key groups: ${payload.groups.join(" · ")}`] : frames });
+  $("point-note").textContent = payload.note || "";
 }
 
 function option(select, value, text) {
