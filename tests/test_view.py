@@ -134,11 +134,12 @@ def test_a_point_without_full_or_query_shows_its_topk_or_its_mass_per_frame(runs
     where = [grid.index(i) for i in on_video]
     assert torch.allclose(values[where], row[on_video], atol=1e-6)
     assert int(values.isfinite().sum()) == len(on_video) and "the 5 largest" in got["note"]
-    assert "choose a layer" in view.point(2, "mean", 0, 1, 2, 3)["error"]
-    assert "choose a head" in view.point(2, 1, "mean", 1, 2, 3)["error"]
-    # query_frame: the row's mass to each key group, the same generation's full row summed per group
+    assert "choose a layer" in view._topk_refusal("mean", 0) and "choose a head" in view._topk_refusal(1, "mean")
+    # where topk's k largest do not average (the mean of layers or of heads): query_frame, the row's mass to
+    # each key group, equal to the same generation's full row summed per group
     groups = lay.group_of_token()
-    got = view._point_groups(2, "mean", "mean", token)
+    assert view.point(2, 1, "mean", 1, 2, 3)["kind"] == "query_frame"
+    got = view.point(2, "mean", "mean", 1, 2, 3)
     mean_row = aggregate(full, "full", steps=2, row=token)
     want = torch.zeros(lay.num_groups, dtype=torch.float64).index_add_(0, groups, mean_row.double())
     assert got["kind"] == "query_frame" and got["shape"] == [1, lay.num_groups] and _close(got["values"], want)
@@ -241,6 +242,52 @@ def test_the_page_shows_the_run_s_numbers_and_follows_steps_words_and_clicks(run
         listing.fill("#search", "fox")
         prompts = [p.lower() for p in (load(f / "maps").info["prompt"] for f in sorted(runs.iterdir()))]
         assert listing.locator("tr.run:visible").count() == sum("fox" in p for p in prompts)
+    finally:
+        server.stop()
+    assert not problems, problems
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory) -> Path:
+    """A run of the tiny pipeline under First Block Cache, which skips layers' attention at some steps."""
+    import diffusers
+
+    if not hasattr(diffusers, "FirstBlockCacheConfig"):
+        pytest.skip(f"diffusers {diffusers.__version__} has no First Block Cache")
+    from tiny_calls import generate
+
+    import cogattn
+    from cogattn.models.cogvideox import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    pipe.transformer.enable_cache(diffusers.FirstBlockCacheConfig(threshold=0.3))
+    folder = tmp_path_factory.mktemp("view") / "cached"
+    with cogattn.record(pipe, kinds=("frame",), layers="all", steps="all", save_dir=folder) as rec:
+        generate(pipe, steps=4)
+    assert rec.skipped.calls
+    return folder
+
+
+def test_the_step_slider_marks_what_a_cache_skipped(cached, browser):
+    run = load(cached)
+    gaps = {}
+    for s, layer, _ in sorted(run.skipped.calls):
+        if ("frame", s, layer) not in run.keys():
+            gaps.setdefault(s, []).append(layer)
+    assert {int(s): v for s, v in RunView(cached).summary()["gaps"]["frame"].items()} == gaps
+    server = ViewServer(cached).start()
+    problems = []
+    try:
+        page = _page(browser, server.url, problems)
+        marks = json.loads(page.get_attribute("#step-gaps", "data-gaps"))
+        assert marks == [len(gaps.get(s, [])) for s in range(len(run.timesteps))] and page.is_visible("#step-gaps")
+        step = min(gaps)
+        _redrawn(page, lambda: page.fill("#step", str(step)))
+        assert f"{len(gaps[step])} layer(s) skipped by FirstBlockCache" in page.inner_text("#step-label")
+        held = [n for n in range(len(run.layer_names)) if n not in gaps[step]]  # the mean leaves the gaps out
+        assert _close(_values(page, "frame"), aggregate(run, "frame", steps=step, layers=held))
+        _redrawn(page, lambda: page.select_option("#layer", str(gaps[step][0])))
+        assert "FirstBlockCache skipped this" in page.inner_text("#frame-panel .error")
     finally:
         server.stop()
     assert not problems, problems

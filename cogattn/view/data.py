@@ -20,7 +20,7 @@ import torch
 from matplotlib import colormaps
 from PIL import Image
 
-from ..analysis import aggregate, head_positions, locate_query, recorded, recorded_kinds
+from ..analysis import aggregate, head_positions, locate_query, recorded, recorded_kinds, skipped_pairs
 from ..errors import NotRecordedError, StoreError
 from ..head_stats import TABLE_KINDS, head_table
 from ..masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
@@ -166,11 +166,25 @@ class RunView:
                 "largest_error": max((c.get("max_error") or 0.0 for c in checks), default=None),
             },
             "skipped": {"by": skipped.by, "count": len(skipped.calls), "calls": sorted(list(c) for c in skipped.calls)},
+            "gaps": {k: self._gaps(k) for k in kinds},
             "colormap": colormap(),
             "head_atlas": bool(set(kinds) & set(TABLE_KINDS)),
             "head_columns": list(HEAD_COLUMNS),
             "masks": list(MASKS),
         }
+
+    def _gaps(self, kind: str) -> dict[int, list[int]]:
+        """The layers of ``kind`` with no record at each step because a cache skipped their attention
+        (:func:`cogattn.analysis.skipped_pairs`), by step, including steps where it skipped every layer."""
+        calls = self.run.skipped.calls
+        if not calls:
+            return {}
+        steps = sorted(set(recorded(self.run, kind, "step")) | {s for s, _, _ in calls})
+        layers = sorted(set(recorded(self.run, kind, "layer")) | {n for _, n, _ in calls})
+        gaps: dict[int, list[int]] = {}
+        for s, n in sorted(skipped_pairs(self.run, kind, steps, layers)):
+            gaps.setdefault(s, []).append(n)
+        return gaps
 
     def map(self, kind: str, step: int, layer: int | str, head: int | str = "mean", token: int | None = None) -> dict:
         """One map of the page: ``kind`` at ``step`` and ``layer`` (``"mean"``: over the recorded layers),
@@ -253,10 +267,13 @@ class RunView:
             return {"error": str(err)}
         except NotRecordedError as err:
             kinds = recorded_kinds(self.run)
-            if "topk" in kinds:
+            refusal = self._topk_refusal(layer, head) if "topk" in kinds else "no topk"
+            if refusal is None:
                 return self._point_topk(step, layer, head, token)
             if "query_frame" in kinds:
                 return self._point_groups(step, layer, head, token)
+            if "topk" in kinds:
+                return {"error": refusal}
             return {"error": f"{err} Record 'full', 'query' (queries=[(frame, row, col)]), 'topk' or 'query_frame'."}
         heads = head if head == "mean" else int(head)
         try:
@@ -266,15 +283,21 @@ class RunView:
             return {"error": str(err)}
         return {**_payload(m[lay.grid_tokens].reshape(lay.frames, lay.height, lay.width)), "kind": kind}
 
-    def _point_topk(self, step: int, layer: int | str, head: int | str, token: int) -> dict:
-        """A point's ``topk`` row over the video: its k largest probabilities where they fall, the rest `None`."""
+    def _topk_refusal(self, layer: int | str, head: int | str) -> str | None:
+        """Why ``topk`` cannot show a point's row for this choice (a mean of k-largest lists), or `None`."""
         if layer == "mean":
-            return {"error": "only 'topk' holds this point's row, and each layer keeps its own k largest keys, "
-                    "which do not average: choose a layer."}  # fmt: skip
+            return "only 'topk' holds this point's row, and each layer keeps its own k largest keys: choose a layer."
         ids = self.run.head_ids
         if head == "mean" and ids is not None and len(ids) > 1:
-            return {"error": "only 'topk' holds this point's row, and each head keeps its own k largest keys, "
-                    "which do not average: choose a head (or record topk with heads='mean')."}  # fmt: skip
+            return (
+                "only 'topk' holds this point's row, and each head keeps its own k largest keys: choose a head "
+                "(or record topk with heads='mean')."
+            )
+        return None
+
+    def _point_topk(self, step: int, layer: int | str, head: int | str, token: int) -> dict:
+        """A point's ``topk`` row over the video: its k largest probabilities where they fall, the rest `None`."""
+        ids = self.run.head_ids
         try:
             top = self.run.get("topk", int(step), int(layer), index=(0, slice(None), token))
             slot = 0 if head == "mean" else head_positions(ids, top.values.shape[0], int(head))[0]

@@ -106,10 +106,32 @@ function selection() {
   return { run, step: steps[Number($("step").value)], layer: $("layer").value, head: $("head").value };
 }
 
+// Under the step slider, a mark per step where a cache skipped layers (darker: more of them).
+function drawGaps(gaps, layerCount) {
+  const strip = $("step-gaps");
+  strip.replaceChildren();
+  strip.dataset.gaps = JSON.stringify(steps.map((s) => (gaps[s] || []).length));
+  strip.hidden = !Object.keys(gaps).length;
+  for (const s of steps) {
+    const mark = document.createElement("span");
+    const skipped = gaps[s] || [];
+    if (skipped.length) {
+      mark.className = "gap";
+      mark.style.opacity = String(0.25 + (0.75 * skipped.length) / Math.max(1, layerCount));
+      mark.title = `step ${s}: ${S.skipped.by || "a cache"} skipped layer(s) ${skipped.join(", ")}`;
+    }
+    strip.append(mark);
+  }
+}
+
 async function redraw() {
   const sel = selection();
   const t = S.timesteps[sel.step];
-  $("step-label").textContent = `${sel.step}` + (t === undefined || t === null ? "" : ` (t=${Number(t).toPrecision(4)})`);
+  const skipped = ((S.gaps && S.gaps[S.kinds.includes("frame") ? "frame" : S.kinds[0]]) || {})[sel.step] || [];
+  $("step-label").textContent =
+    `${sel.step}` +
+    (t === undefined || t === null ? "" : ` (t=${Number(t).toPrecision(4)})`) +
+    (skipped.length ? ` · ${skipped.length} layer(s) skipped by ${S.skipped.by || "a cache"}: no map, left out of the mean` : "");
   const jobs = [];
   if (S.kinds.includes("frame")) {
     const captions = [`groups: ${S.groups.join(" · ")}`];
@@ -128,14 +150,13 @@ async function redraw() {
         if (S.video_frames && !EMBEDDED) drawOverlay();
       }),
     );
-  } else {
-    draw("word", { error: "no word kind (video_to_text, text_to_video) was recorded in this run." });
   }
+  $("word-panel").hidden = !wordKind;
   const statKind = $("stat-kind").value;
   $("stat-panel").hidden = !statKind;
   if (statKind) {
     const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
-    jobs.push(api("/api/map", { ...sel, kind: statKind }).then((p) => draw("stat", p, { captions })));
+    jobs.push(api("/api/map", { ...sel, kind: statKind }).then((p) => draw("stat", p, { captions, onClick: choosePoint })));
   }
   if (S.kinds.includes("block")) {
     $("block-panel").hidden = false;
@@ -243,7 +264,17 @@ async function drawPoint() {
   $("point").dataset.point = JSON.stringify(point);
   const payload = await api("/api/point", { ...selection(), frame, row, col });
   const frames = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
-  draw("point", payload, { captions: payload.groups ? [`key groups: ${payload.groups.join(" · ")}`] : frames });
+  const overVideo = !payload.error && payload.shape.length === 3; // a row over the video: click it to move
+  const captions = payload.groups ? [`key groups: ${payload.groups.join(" · ")}`] : frames;
+  draw("point", payload, { captions, onClick: overVideo ? choosePoint : null });
+  const canvas = overVideo && $("point").querySelector(`canvas[data-frame="${frame}"]`);
+  if (canvas) { // the point itself, outlined
+    const cell = canvas.width / payload.shape[2];
+    const ctx = canvas.getContext("2d");
+    ctx.strokeStyle = "red";
+    ctx.lineWidth = Math.max(1, cell / 6);
+    ctx.strokeRect(col * cell + 1, row * cell + 1, cell - 2, cell - 2);
+  }
   $("point-note").textContent = payload.note || "";
 }
 
@@ -289,11 +320,15 @@ async function openRun() {
   describe();
   const kinds = S.kinds;
   const first = kinds.includes("frame") ? "frame" : kinds[0];
-  steps = S.steps[first] || [];
+  const gaps = (S.gaps && S.gaps[first]) || {};
+  const union = (a, b) => [...new Set([...a, ...b])].sort((x, y) => x - y);
+  steps = union(S.steps[first] || [], Object.keys(gaps).map(Number)); // a step a cache skipped whole is a gap too
+  const layers = union(S.layers[first] || [], Object.values(gaps).flat());
   $("step").max = Math.max(0, steps.length - 1);
   $("step").value = Math.max(0, steps.length - 1);
+  drawGaps(gaps, layers.length);
   option($("layer"), "mean", "mean of layers");
-  for (const l of S.layers[first] || []) option($("layer"), l, S.layer_names ? `${l}: ${S.layer_names[l]}` : `${l}`);
+  for (const l of layers) option($("layer"), l, S.layer_names ? `${l}: ${S.layer_names[l]}` : `${l}`);
   option($("head"), "mean", "mean of heads");
   for (const h of S.heads || []) option($("head"), h, `head ${h}`);
   for (const k of ["video_to_text", "text_to_video"]) if (kinds.includes(k)) option($("word-kind"), k);
@@ -316,6 +351,7 @@ async function openRun() {
       $("video-panel").hidden = false;
     }
   }
+  if (S.layout) point = [S.layout.frames >> 1, S.layout.height >> 1, S.layout.width >> 1]; // the middle, till a click
   for (const id of ["step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask"]) {
     $(id).addEventListener("input", redraw);
   }
