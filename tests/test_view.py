@@ -347,3 +347,42 @@ def test_the_export_keeps_the_word_kinds_at_ten_steps_at_most_the_first_and_the_
     kept = _spread(list(range(50)), MAX_STEPS)
     assert len(kept) == MAX_STEPS == 10 and kept[0] == 0 and kept[-1] == 49 and kept == sorted(set(kept))
     assert _spread([3, 7], MAX_STEPS) == [3, 7]
+
+
+def test_the_export_keeps_what_it_is_told_and_says_so(runs, tmp_path, capsys):
+    folder = _first(runs)
+    run = load(folder / "maps")
+    out = tmp_path / "small.html"
+    assert main([str(folder), "--export", str(out), "--tokens", "2", "--steps", "1", "--side", "2"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"wrote {out} (") and said.rstrip().endswith("MiB)")
+    text = out.read_text()
+    data = json.loads(text[text.index("COGATTN_EMBEDDED = ") + 19 : text.index(";</script>")].replace("<\\/", "</"))
+    kept = data["summaries"][folder.name]["export"]
+    last = len(run.timesteps) - 1
+    assert kept["tokens"] == 2 and kept["max_side"] == 2 and kept["word_steps"]["video_to_text"] == [last]
+    keys = sorted(k for k in data["maps"] if "|video_to_text|" in k)
+    assert keys == [f"{folder.name}|video_to_text|{last}|mean|mean|{t}" for t in (0, 1)]
+    got = data["maps"][keys[1]]  # token 1 over the video, pooled to 2 patches on the longer side
+    want = torch.nn.functional.adaptive_avg_pool2d(
+        aggregate(run, "video_to_text", steps=last)[1][:, None].double(), (1, 2)
+    )
+    assert got["shape"] == [run.layout.frames, 1, 2] and _close(got["values"], want[:, 0], digits=4)
+    assert main([str(folder), "--export", str(out), "--tokens", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokens=0" in err[0]
+
+
+def test_only_requests_for_this_machine_are_answered(runs):
+    from urllib.error import HTTPError
+    from urllib.request import Request, urlopen
+
+    server = ViewServer(runs, allow_hosts=("hub.example",)).start()
+    try:
+        for host in ("localhost:9999", "127.0.0.1", "[::1]:8000", "HUB.example:443"):  # a tunnel, a proxy
+            assert json.loads(urlopen(Request(f"{server.url}api/runs", headers={"Host": host})).read())
+        with pytest.raises(HTTPError) as answer:  # a page of another site, its name resolved to 127.0.0.1
+            urlopen(Request(f"{server.url}api/runs", headers={"Host": f"attacker.example:{server.port}"}))
+        assert answer.value.code == 403 and b"--allow-host" in answer.value.read()
+    finally:
+        server.stop()

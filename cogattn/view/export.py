@@ -22,7 +22,7 @@ from ..analysis import aggregate
 from ..head_stats import TABLE_KINDS
 from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 
-__all__ = ["MAX_SIDE", "MAX_TOKENS", "export", "static_file"]
+__all__ = ["MAX_SIDE", "MAX_STEPS", "MAX_TOKENS", "export", "static_file"]
 
 MAX_TOKENS = 64  # text tokens of the word kinds kept per step
 MAX_STEPS = 10  # steps of the word kinds kept: the first, the last, and evenly between
@@ -35,11 +35,11 @@ def static_file(name: str) -> bytes:
     return resources.files("cogattn.view").joinpath("static", name).read_bytes()
 
 
-def _kept(m: torch.Tensor) -> dict:
-    """A map as the export keeps it: a ``(F, h, w)`` map average-pooled to at most :data:`MAX_SIDE` patches
-    on its longer side (the aspect kept), values to 4 significant digits, NaN as `None`."""
-    if m.dim() == 3 and max(m.shape[1:]) > MAX_SIDE:
-        scale = MAX_SIDE / max(m.shape[1:])
+def _kept(m: torch.Tensor, side: int = MAX_SIDE) -> dict:
+    """A map as the export keeps it: a ``(F, h, w)`` map average-pooled to at most ``side`` patches on its
+    longer side (the aspect kept), values to 4 significant digits, NaN as `None`."""
+    if m.dim() == 3 and max(m.shape[1:]) > side:
+        scale = side / max(m.shape[1:])
         size = tuple(max(1, round(n * scale)) for n in m.shape[1:])
         m = torch.nn.functional.adaptive_avg_pool2d(m[:, None].double(), size)[:, 0]
     values = [None if not math.isfinite(v) else float(f"{v:.4g}") for v in m.double().flatten().tolist()]
@@ -47,20 +47,22 @@ def _kept(m: torch.Tensor) -> dict:
 
 
 def _spread(values: list[int], most: int) -> list[int]:
-    """At most ``most`` of ``values``: the first, the last, and evenly between."""
+    """At most ``most`` of ``values``: the first, the last, and evenly between (``most=1``: the last)."""
     if len(values) <= most:
         return list(values)
+    if most == 1:
+        return [values[-1]]
     return sorted({values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)})
 
 
-def _rounded(payload: dict) -> dict:
+def _rounded(payload: dict, side: int = MAX_SIDE) -> dict:
     if "error" in payload:
         return payload
     values = torch.tensor([math.nan if v is None else v for v in payload["values"]]).reshape(payload["shape"])
-    return {**payload, **_kept(values)}
+    return {**payload, **_kept(values, side)}
 
 
-def _answers(view: RunView) -> tuple[dict, dict]:
+def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tuple[dict, dict]:
     """The summary (with what the export kept) and the maps, keyed as the page asks for them."""
     summary, maps = view.summary(), {}
     for step in summary["steps"].get("frame", []):
@@ -68,17 +70,17 @@ def _answers(view: RunView) -> tuple[dict, dict]:
             maps[f"frame|{step}|{layer}|mean|"] = _rounded(view.map("frame", step, layer))
     lay = view.run.layout
     start = 0 if lay is None else lay.prompt_start  # HunyuanVideo image-to-video: the image's tokens first
-    tokens = list(range(start, len(summary["tokens"])))[:MAX_TOKENS]
+    tokens = list(range(start, len(summary["tokens"])))[:most_tokens]
     word_steps = {}
     for kind in WORD_KINDS:
-        word_steps[kind] = _spread(summary["steps"].get(kind, []), MAX_STEPS)
+        word_steps[kind] = _spread(summary["steps"].get(kind, []), most_steps)
         for step in word_steps[kind]:
             if not tokens:
                 continue
             rows = slice(tokens[0], tokens[-1] + 1)  # once per step, reading the kept tokens' rows only
             m = aggregate(view.run, kind, steps=step, layers=view.layers_at(kind, step, "mean"), row=rows)
             for i, token in enumerate(tokens):
-                maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[i])
+                maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[i], side)
     for step in summary["steps"].get("block", []):
         for mask in MASKS:
             maps[f"block|{step}|mean|mean|{mask}"] = _rounded(view.block(step, "mean", "mean", mask))
@@ -91,18 +93,35 @@ def _answers(view: RunView) -> tuple[dict, dict]:
         "heads": "the mean over heads",
         "tokens": len(tokens),
         "word_steps": word_steps,
-        "max_side": MAX_SIDE,
+        "max_side": side,
         "digits": 4,
         "points": "not kept: open the run with `cogattn view` to click video points",
     }
     return summary, maps
 
 
-def export(path: str | Path, out: str | Path) -> Path:
-    """Write the runs under ``path`` as one self-contained HTML file ``out``; returns its path."""
+def export(
+    path: str | Path, out: str | Path, *, tokens: int = MAX_TOKENS, steps: int = MAX_STEPS, side: int = MAX_SIDE
+) -> Path:
+    """Write the runs under ``path`` as one self-contained HTML file ``out``; returns its path.
+
+    Args:
+        path (`str | Path`): a run, a batch prompt's folder, or a folder of them.
+        out (`str | Path`): the HTML file to write.
+        tokens (`int`, defaults to :data:`MAX_TOKENS`): text tokens of the word kinds kept per step.
+        steps (`int`, defaults to :data:`MAX_STEPS`): steps of the word kinds kept (the first, the last,
+            evenly between).
+        side (`int`, defaults to :data:`MAX_SIDE`): patches kept on the longer side of a word map's frame.
+
+    Raises:
+        ValueError: a size below 1.
+    """
+    for name, value in (("tokens", tokens), ("steps", steps), ("side", side)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: the export keeps at least 1; pass a positive whole number.")
     data = {"runs": [], "summaries": {}, "maps": {}, "files": {}}
     for name, view in open_runs(path, []).items():
-        summary, maps = _answers(view)
+        summary, maps = _answers(view, tokens, steps, side)
         data["runs"].append({"name": name, "prompt": view.run.info.get("prompt"), "status": view.run.status})
         data["summaries"][name] = summary
         data["maps"].update({f"{name}|{key}": value for key, value in maps.items()})

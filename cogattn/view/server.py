@@ -1,7 +1,9 @@
 """``cogattn view PATH``: a local web app over a run or a folder of runs.
 
 The server is the standard library's ``ThreadingHTTPServer`` on 127.0.0.1: nothing to install, nothing
-reachable from outside the machine (through SSH, forward the port). It serves the page and its assets from
+reachable from outside the machine (through SSH, forward the port). It answers only requests whose ``Host``
+is a loopback name (or one given with ``--allow-host``), so a web page elsewhere cannot read it through DNS
+rebinding; the page asks for relative paths, so it also works under a proxy's prefix. It serves the page and its assets from
 the package (``static/``, no CDN) and a small JSON API that :class:`cogattn.view.data.RunView` answers:
 
     GET /api/runs                              the runs: name, prompt, status, whether a thumbnail exists
@@ -28,29 +30,40 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 from ..errors import StoreError
 from .data import RunView, open_runs
-from .export import export, static_file
+from .export import MAX_SIDE, MAX_STEPS, MAX_TOKENS, export, static_file
 
 __all__ = ["ViewServer", "main"]
 
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]")  # the Host names a browser on this machine (or a tunnel) sends
 _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 _TYPES.update({".gif": "image/gif", ".png": "image/png", ".mp4": "video/mp4"})
 
 
 class ViewServer:
-    """The runs under ``path`` served on ``127.0.0.1:port`` (0: a free port).
+    """The runs under ``path`` served on ``127.0.0.1:port`` (0: a free port), answering requests whose
+    ``Host`` is a loopback name, at any port (an SSH tunnel's), or one of ``allow_hosts`` (a proxy's).
 
     Raises `FileNotFoundError` for a path with no run, `OSError` for a port that cannot be bound."""
 
-    def __init__(self, path: str | Path, port: int = 0):
+    def __init__(self, path: str | Path, port: int = 0, allow_hosts: tuple[str, ...] = ()):
         self.problems: list[str] = []  # runs left out: one line each
         self.runs = open_runs(path, self.problems)
         views = self.runs
+        hosts = {*LOOPBACK, *(h.lower() for h in allow_hosts)}
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):  # quiet: the URL is all the terminal needs
                 pass
 
             def do_GET(self):
+                if _hostname(self.headers.get("Host", "")) not in hosts:  # a page of another site, by DNS rebinding
+                    body = f"cogattn view answers requests for {sorted(hosts)}; see --allow-host.".encode()
+                    self.send_response(403)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 url = urlparse(self.path)
                 query = {k: v[-1] for k, v in parse_qs(url.query).items()}
                 try:
@@ -85,6 +98,12 @@ class ViewServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def _hostname(host: str) -> str:
+    """The name in a ``Host`` header, without its port (``[::1]:8000`` → ``[::1]``)."""
+    host = host.strip().lower()
+    return host if host.endswith("]") else host.rsplit(":", 1)[0]
 
 
 def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, bytes, str]:
@@ -143,14 +162,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="cogattn view", description="See a run, or a folder of runs, in the browser.")
     ap.add_argument("path", help="a run folder, a batch prompt's folder, or a folder of them")
     ap.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    ap.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests naming this host (a proxy in front of the server); repeatable",
+    )
     ap.add_argument("--export", metavar="FILE", help="write one self-contained HTML file instead of serving")
+    sizes = ap.add_argument_group("what --export keeps of the word kinds (a larger file for more)")
+    sizes.add_argument("--tokens", type=int, default=MAX_TOKENS, help=f"text tokens per step (default {MAX_TOKENS})")
+    sizes.add_argument("--steps", type=int, default=MAX_STEPS, help=f"steps: the first, the last, evenly between (default {MAX_STEPS})")  # fmt: skip
+    sizes.add_argument("--side", type=int, default=MAX_SIDE, help=f"patches on a frame's longer side (default {MAX_SIDE})")  # fmt: skip
     args = ap.parse_args(argv)
     try:
         if args.export:
-            out = export(args.path, args.export)
-            print(f"wrote {out}")
+            out = export(args.path, args.export, tokens=args.tokens, steps=args.steps, side=args.side)
+            print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
             return 0
-        server = ViewServer(args.path, args.port)
+        server = ViewServer(args.path, args.port, tuple(args.allow_host))
     except (FileNotFoundError, StoreError, ValueError) as err:  # no run there, or a run that cannot be read
         print(f"cogattn view: {err}", file=sys.stderr)
         return 2

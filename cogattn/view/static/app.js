@@ -12,7 +12,7 @@ let point = null; // the clicked video point [frame, row, col]
 
 async function api(path, query = {}) {
   if (EMBEDDED) return embedded(path, query);
-  const response = await fetch(path + "?" + new URLSearchParams(query));
+  const response = await fetch(path.slice(1) + "?" + new URLSearchParams(query)); // relative: works under a proxy's prefix
   return response.json();
 }
 
