@@ -386,3 +386,16 @@ def test_only_requests_for_this_machine_are_answered(runs):
         assert answer.value.code == 403 and b"--allow-host" in answer.value.read()
     finally:
         server.stop()
+
+
+def test_an_mp4_this_python_cannot_decode_shows_without_its_overlay_and_says_why(runs, tmp_path, monkeypatch):
+    import sys
+
+    folder = shutil.copytree(_first(runs), tmp_path / "copy")
+    facts = json.loads((folder / "prompt.json").read_text())
+    (folder / "video.mp4").write_bytes(b"an mp4 this machine cannot decode")
+    (folder / "prompt.json").write_text(json.dumps({**facts, "video": "video.mp4"}))
+    monkeypatch.setitem(sys.modules, "imageio.v3", None)  # imageio is not installed
+    summary = RunView(folder / "maps").summary()
+    assert summary["video"] == "mp4" and summary["video_frames"] == 0 and summary["latent_of_pixel"] == []
+    assert "pip install 'cogattn[video]'" in summary["video_note"]

@@ -101,14 +101,21 @@ class RunView:
         video = self.prompt.get("video")
         self.video = parent / video if video and (parent / video).exists() else None
         self._count: int | None = None
+        self._why: str | None = None
         preview = parent / "previews" / "frame.png"
         self.thumbnail = preview if self.path.name == "maps" and preview.exists() else None
 
     def frame_count(self) -> int:
-        """Frames of the video the page can overlay (0 without one, or for an MP4 without imageio)."""
+        """Frames of the video the page can overlay (0 without one, or for an MP4 this Python cannot decode:
+        :meth:`video_note` says why)."""
         if self._count is None:
-            self._count = 0 if self.video is None else _count(self.video)
+            self._count, self._why = (0, None) if self.video is None else _count(self.video)
         return self._count
+
+    def video_note(self) -> str | None:
+        """Why the video's frames cannot be overlaid with the maps, when they cannot."""
+        self.frame_count()
+        return self._why
 
     def frame_png(self, i: int) -> bytes | None:
         """Frame ``i`` of the video as a PNG file, decoded when asked for (the server holds no video)."""
@@ -155,6 +162,7 @@ class RunView:
             "tokens": self.tokens(),
             "video": None if self.video is None else self.video.suffix.lstrip("."),
             "video_frames": (frames := self.frame_count()),
+            "video_note": self.video_note(),
             "latent_of_pixel": layout.latent_of_pixel(frames) if layout is not None and frames else [],
             "status": run.status,
             "info": run.info,
@@ -327,16 +335,19 @@ class RunView:
         return {**_payload(m[None]), "kind": "query_frame", "groups": _group_names(self.run.layout), "note": note}
 
 
-def _count(path: Path) -> int:
-    """Frames of the batch tool's video: a GIF's with pillow, an MP4's with imageio (optional; else 0)."""
+def _count(path: Path) -> tuple[int, str | None]:
+    """Frames of the batch tool's video, a GIF's with pillow, an MP4's with imageio (optional), and why
+    there are none to overlay when there are none."""
     if path.suffix == ".gif":
         with Image.open(path) as gif:
-            return gif.n_frames
+            return gif.n_frames, None
     try:
         import imageio.v3 as iio
-    except ImportError:  # the 'video' extra: without it an MP4 shows, but its frames are not overlaid
-        return 0
-    return sum(1 for _ in iio.imiter(path))  # streamed: the ffmpeg plugin does not know the count
+
+        return sum(1 for _ in iio.imiter(path)), None  # streamed: the ffmpeg plugin does not know the count
+    except Exception as err:  # the 'video' extra missing, or no plugin for MP4: the video shows, not overlaid
+        why = f"{type(err).__name__}: {err}".splitlines()[0][:160]
+        return 0, f"the maps are laid over an MP4's frames with imageio (pip install 'cogattn[video]'): {why}"
 
 
 def _frame(path: Path, i: int) -> Image.Image:

@@ -349,6 +349,7 @@ async function openRun() {
       element.src = url;
       element.hidden = false;
       $("video-panel").hidden = false;
+      $("video-note").textContent = EMBEDDED ? "" : S.video_note || "";
     }
   }
   if (S.layout) point = [S.layout.frames >> 1, S.layout.height >> 1, S.layout.width >> 1]; // the middle, till a click
