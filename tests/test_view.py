@@ -247,6 +247,27 @@ def test_the_page_shows_the_run_s_numbers_and_follows_steps_words_and_clicks(run
     assert not problems, problems
 
 
+def test_a_link_opens_the_same_view(runs, browser):
+    folder = _first(runs)
+    run = load(folder / "maps")
+    lay = run.layout
+    server = ViewServer(runs).start()
+    problems = []
+    try:
+        link = f"{server.url}?run={folder.name}&step=1&layer=mean&head=1&word-kind=text_to_video&token=2&point=1,2,3"
+        page = _page(browser, link, problems)
+        assert _close(_values(page, "word"), aggregate(run, "text_to_video", steps=1, heads=1)[2])
+        row = aggregate(run, "full", steps=1, heads=1)[lay.token_index(1, 2, 3)][lay.grid_tokens]
+        assert _close(_values(page, "point"), row)
+        _redrawn(page, lambda: page.select_option("#token", "3"))  # the address follows the controls
+        again = _page(browser, page.url, problems)
+        assert "token=3" in page.url and _values(again, "word") == _values(page, "word")
+        assert _close(_values(again, "word"), aggregate(run, "text_to_video", steps=1, heads=1)[3])
+    finally:
+        server.stop()
+    assert not problems, problems
+
+
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory) -> Path:
     """A run of the tiny pipeline under First Block Cache, which skips layers' attention at some steps."""

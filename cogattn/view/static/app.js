@@ -102,6 +102,32 @@ function draw(target, payload, opts = {}) {
 }
 
 // -- the viewer --------------------------------------------------------------------------------------------
+// The controls the page's address keeps, so a link opens the same view (`?run=…&step=…&point=f,r,c`).
+const KEPT = ["step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask"];
+
+function restore() {
+  for (const id of KEPT) {
+    const v = params.get(id);
+    if (v === null) continue;
+    if (id === "step") {
+      const i = steps.indexOf(Number(v));
+      if (i >= 0) $("step").value = String(i);
+    } else if ([...$(id).options].some((o) => o.value === v)) {
+      $(id).value = v;
+    }
+  }
+  const p = (params.get("point") || "").split(",").map(Number);
+  if (p.length === 3 && p.every(Number.isInteger)) point = p;
+}
+
+function remember() {
+  if (EMBEDDED) return; // a file: its address is the file's
+  const q = new URLSearchParams({ run });
+  for (const id of KEPT) q.set(id, id === "step" ? String(steps[Number($("step").value)]) : $(id).value);
+  if (point) q.set("point", point.join(","));
+  history.replaceState(null, "", "?" + q);
+}
+
 function selection() {
   return { run, step: steps[Number($("step").value)], layer: $("layer").value, head: $("head").value };
 }
@@ -167,6 +193,7 @@ async function redraw() {
     jobs.push(api("/api/heads", q).then(drawHeads));
   }
   if (point) jobs.push(drawPoint());
+  remember();
   await Promise.all(jobs);
   document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1);
 }
@@ -255,6 +282,7 @@ function drawHeads(payload) {
 
 function choosePoint(frame, row, col) {
   point = [frame, row, col];
+  remember();
   drawPoint().then(() => (document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1)));
 }
 
@@ -353,6 +381,7 @@ async function openRun() {
     }
   }
   if (S.layout) point = [S.layout.frames >> 1, S.layout.height >> 1, S.layout.width >> 1]; // the middle, till a click
+  restore(); // a link's view
   for (const id of ["step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask"]) {
     $(id).addEventListener("input", redraw);
   }
