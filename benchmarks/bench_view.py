@@ -2,8 +2,9 @@
 
 Builds a run with CogVideoX-5b's token layout (226 text tokens, 13 latent frames of 30 × 45 patches:
 S = 17,776) holding ``frame``, ``video_to_text`` and ``full`` (the mean over heads) for 42 layers × 2
-steps: 84 ``full`` records of 1.26 GB each, 106 GB in all. Every record of a kind is a hard link to one
-file written once, so the run takes 1.3 GB of disk while the reader sees 106 GB in 84 files. A second run
+steps: 84 ``full`` records of 1.26 GB each, 107.5 GB in all with the other kinds. Every record of a kind
+is a hard link to one file written once, so the run takes 1.3 GB of disk while the reader sees 107.5 GB in
+252 files. A second run
 holds one step and one layer of the same records (1.3 GB). For each, the script times the viewer's
 answers (:class:`cogattn.view.data.RunView`, what the server calls) and their peak resident memory above
 what the process held before (Linux ``VmHWM``), then reads one ``full`` record whole, as a point's row

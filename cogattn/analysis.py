@@ -22,6 +22,7 @@ both are refused with the steps of each (:func:`expert_steps`, :func:`check_one_
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -272,7 +273,9 @@ def aggregate(
         row axis when ``row`` is given).
 
     Raises:
-        ValueError: a malformed selector, steps of two experts (Wan 2.2 A14B), or ``batch`` out of range.
+        ValueError: a malformed selector, steps of two experts (Wan 2.2 A14B), or ``batch`` or ``row`` out of
+            range.
+        TypeError: ``row`` is neither an integer nor a slice.
         NotRecordedError: the kind, a step, a layer or a head was not recorded.
     """
     if kind == "topk":
@@ -300,6 +303,10 @@ def aggregate(
 def _item(source: MapSource, kind: str, step: int, layer: int, batch: int, row: int | slice | None) -> torch.Tensor:
     """Batch item ``batch`` of one record, ``(H, ...)``, or its ``row`` alone ``(H, ...)``: from a run on
     disk, only what is asked for is read."""
+    if row is not None and not isinstance(row, slice):
+        if isinstance(row, bool):
+            raise TypeError(f"row={row!r}: pass a row index or a slice of rows.")
+        row = operator.index(row)  # a numpy or tensor integer too; anything else is a TypeError
     if row is None or not isinstance(source, Run):
         t = source.get(kind, step, layer)
         shape = tuple(t.shape)

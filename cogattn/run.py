@@ -326,18 +326,16 @@ class Run:
             index = REDUCERS[kind].stored_index(index) if kind in REDUCERS else index
         try:
             with safe_open(str(file), framework="pt") as f:
-                if index is None:
-                    t = f.get_tensor("map")
-                else:
-                    t = f.get_slice("map")[index]
+                part = f.get_slice("map")
+                held = tuple(part.get_shape())
+                if held == record.shape:  # else the file is not the record the manifest names
+                    t = f.get_tensor("map") if index is None else part[index]
         except (IndexError, TypeError, ValueError):
             raise  # a bad `index`: the caller's mistake, not the file's
         except Exception as err:
             raise StoreError(f"record file {str(file)!r} cannot be read ({type(err).__name__}: {err}).") from err
-        if tuple(t.shape) != record.shape and index is None:
-            raise StoreError(
-                f"record file {str(file)!r} holds shape {tuple(t.shape)}, the manifest says {record.shape}."
-            )
+        if held != record.shape:
+            raise StoreError(f"record file {str(file)!r} holds shape {held}, the manifest says {record.shape}.")
         return REDUCERS[kind].unpack(t.float()) if kind in REDUCERS else t.float()
 
     def __repr__(self) -> str:

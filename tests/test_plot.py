@@ -483,6 +483,9 @@ def test_aggregate_one_row_reads_only_that_row_from_a_run(tiny, run, monkeypatch
         analysis.aggregate(run, "full", row=999)
     with pytest.raises(ValueError, match="batch=3 is out of range"):
         analysis.aggregate(run, "full", batch=3, row=0)
+    with pytest.raises(TypeError, match="row=True"):
+        analysis.aggregate(run, "full", row=True)
+    assert torch.equal(analysis.aggregate(run, "full", row=np.int64(7)), analysis.aggregate(run, "full", row=7))
 
 
 def test_saved_png_decodes_to_the_figure_size(tiny, tmp_path):

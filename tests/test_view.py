@@ -105,6 +105,11 @@ def test_a_damaged_record_says_so_in_its_panel_and_the_rest_works(runs, tmp_path
     step, layer = (int(x.lstrip("steplayr")) for x in record.stem.split("_"))  # step0003_layer001
     assert "cannot be read" in view.map("frame", step, layer)["error"]
     assert "values" in view.map("video_to_text", step, layer, "mean", 0) and view.summary()["kinds"]
+    from safetensors.torch import save_file  # a readable file, but not the record: one head where two were kept
+
+    wrong = folder / "maps" / "records" / "full" / record.name
+    save_file({"map": torch.rand(1, 1, 4, 4)}, str(wrong))
+    assert "holds shape (1, 1, 4, 4), the manifest says" in view.point(step, layer, "mean", 1, 2, 3)["error"]
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +300,10 @@ def test_the_step_slider_marks_what_a_cache_skipped(cached, browser):
     for s, layer, _ in sorted(run.skipped.calls):
         if ("frame", s, layer) not in run.keys():
             gaps.setdefault(s, []).append(layer)
-    assert {int(s): v for s, v in RunView(cached).summary()["gaps"]["frame"].items()} == gaps
+    view = RunView(cached)
+    assert {int(s): v for s, v in view.summary()["gaps"]["frame"].items()} == gaps
+    for s, layers in gaps.items():  # a skipped map's panel says what skipped it
+        assert all("FirstBlockCache skipped this" in view.map("frame", s, n)["error"] for n in layers)
     server = ViewServer(cached).start()
     problems = []
     try:
@@ -398,7 +406,9 @@ def test_only_requests_for_this_machine_are_answered(runs):
     from urllib.error import HTTPError
     from urllib.request import Request, urlopen
 
-    server = ViewServer(runs, allow_hosts=("hub.example",)).start()
+    with pytest.raises(TypeError, match="pass a tuple of host names"):
+        ViewServer(runs, allow_hosts="hub.example")
+    server = ViewServer(runs, allow_hosts=("hub.example:443",)).start()
     try:
         for host in ("localhost:9999", "127.0.0.1", "[::1]:8000", "HUB.example:443"):  # a tunnel, a proxy
             assert json.loads(urlopen(Request(f"{server.url}api/runs", headers={"Host": host})).read())

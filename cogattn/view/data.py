@@ -238,9 +238,14 @@ class RunView:
 
     def layers_at(self, kind: str, step: int, layer: int | str) -> list[int] | int:
         """``layer``, or for ``"mean"`` the layers held at ``step`` (a step still being written has fewer)."""
+        step = int(step)
         if layer != "mean":
+            if (kind, step, int(layer)) not in self.run:
+                self.run.record_info(kind, step, int(layer))  # raises, saying why (a cache skipped it, ...)
             return int(layer)
-        held = sorted({n for k, s, n in self.run.keys() if k == kind and s == int(step)})
+        held = sorted({n for k, s, n in self.run.keys() if k == kind and s == step})
+        if not held and (gone := sorted(n for s, n, _ in self.run.skipped.calls if s == step)):
+            self.run.record_info(kind, step, gone[0])  # a cache skipped the whole step: its error says so
         return held or "all"  # none: aggregate says what was recorded
 
     def block(self, step: int, layer: int | str, head: int | str, mask: str = "none") -> dict:
@@ -277,7 +282,9 @@ class RunView:
             kinds = recorded_kinds(self.run)
             refusal = self._topk_refusal(layer, head) if "topk" in kinds else "no topk"
             if refusal is None:
-                return self._point_topk(step, layer, head, token)
+                answer = self._point_topk(step, layer, head, token)
+                if "error" not in answer or "query_frame" not in kinds:
+                    return answer
             if "query_frame" in kinds:
                 return self._point_groups(step, layer, head, token)
             if "topk" in kinds:
@@ -293,7 +300,7 @@ class RunView:
 
     def _topk_refusal(self, layer: int | str, head: int | str) -> str | None:
         """Why ``topk`` cannot show a point's row for this choice (a mean of k-largest lists), or `None`."""
-        if layer == "mean":
+        if layer == "mean" and len(recorded(self.run, "topk", "layer")) != 1:
             return "only 'topk' holds this point's row, and each layer keeps its own k largest keys: choose a layer."
         ids = self.run.head_ids
         if head == "mean" and ids is not None and len(ids) > 1:
@@ -307,6 +314,9 @@ class RunView:
         """A point's ``topk`` row over the video: its k largest probabilities where they fall, the rest `None`."""
         ids = self.run.head_ids
         try:
+            if layer == "mean":  # a run holding one layer of topk: that layer (refused above otherwise)
+                layer = recorded(self.run, "topk", "layer")[0]
+            self.layers_at("topk", step, layer)  # a layer a cache skipped: its error says so
             top = self.run.get("topk", int(step), int(layer), index=(0, slice(None), token))
             slot = 0 if head == "mean" else head_positions(ids, top.values.shape[0], int(head))[0]
         except (NotRecordedError, StoreError, ValueError) as err:
@@ -332,6 +342,8 @@ class RunView:
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
         note = "query_frame: this point's attention mass to each key group; record 'full' for its row per patch"
+        if "topk" in recorded_kinds(self.run):
+            note += " (or choose one layer and one head: its topk)"
         return {**_payload(m[None]), "kind": "query_frame", "groups": _group_names(self.run.layout), "note": note}
 
 

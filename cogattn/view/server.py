@@ -49,7 +49,9 @@ class ViewServer:
         self.problems: list[str] = []  # runs left out: one line each
         self.runs = open_runs(path, self.problems)
         views = self.runs
-        hosts = {*LOOPBACK, *(h.lower() for h in allow_hosts)}
+        if isinstance(allow_hosts, str):
+            raise TypeError(f"allow_hosts={allow_hosts!r}: pass a tuple of host names, e.g. ({allow_hosts!r},).")
+        hosts = {*LOOPBACK, *(_hostname(h) for h in allow_hosts)}  # a name given with a port: the name
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):  # quiet: the URL is all the terminal needs

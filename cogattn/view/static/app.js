@@ -138,16 +138,18 @@ function drawGaps(gaps, layerCount) {
   strip.replaceChildren();
   strip.dataset.gaps = JSON.stringify(steps.map((s) => (gaps[s] || []).length));
   strip.hidden = !Object.keys(gaps).length;
-  for (const s of steps) {
+  steps.forEach((s, i) => {
     const mark = document.createElement("span");
     const skipped = gaps[s] || [];
+    mark.style.left = `${steps.length > 1 ? (100 * i) / (steps.length - 1) : 50}%`; // under the thumb at step i
+    mark.style.width = `max(4px, ${100 / steps.length}%)`;
     if (skipped.length) {
       mark.className = "gap";
       mark.style.opacity = String(0.25 + (0.75 * skipped.length) / Math.max(1, layerCount));
       mark.title = `step ${s}: ${S.skipped.by || "a cache"} skipped layer(s) ${skipped.join(", ")}`;
     }
     strip.append(mark);
-  }
+  });
 }
 
 async function redraw() {
