@@ -22,12 +22,12 @@ import json
 import os
 import platform
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
+from report import write_table
 
 import cogattn
 from cogattn.analysis import aggregate
@@ -149,12 +149,7 @@ def main() -> None:
     for name, size, what, seconds, peak in rows:
         ref = whole[name][4]
         lines.append(f"| {name} | {size / GB:,.1f} | {what} | {seconds:.3f} | {peak / 1e6:,.1f} | {peak / ref:.4f}× |")
-    lines += ["", f"Command: `python {' '.join(sys.argv)}`"]
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    Path(args.out).write_text(table + "\n")
-    print(f"\nwritten to {args.out}")
+    write_table(lines, args.out)
 
 
 if __name__ == "__main__":

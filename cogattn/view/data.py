@@ -280,14 +280,14 @@ class RunView:
             return {"error": str(err)}
         except NotRecordedError as err:
             kinds = recorded_kinds(self.run)
-            refusal = self._topk_refusal(layer, head) if "topk" in kinds else "no topk"
-            if refusal is None:
+            refusal = self._topk_refusal(layer, head) if "topk" in kinds else None
+            if "topk" in kinds and refusal is None:
                 answer = self._point_topk(step, layer, head, token)
                 if "error" not in answer or "query_frame" not in kinds:
                     return answer
             if "query_frame" in kinds:
                 return self._point_groups(step, layer, head, token)
-            if "topk" in kinds:
+            if refusal is not None:
                 return {"error": refusal}
             return {"error": f"{err} Record 'full', 'query' (queries=[(frame, row, col)]), 'topk' or 'query_frame'."}
         heads = head if head == "mean" else int(head)

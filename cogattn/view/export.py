@@ -55,11 +55,11 @@ def _spread(values: list[int], most: int) -> list[int]:
     return sorted({values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)})
 
 
-def _rounded(payload: dict, side: int = MAX_SIDE) -> dict:
+def _rounded(payload: dict) -> dict:
     if "error" in payload:
         return payload
     values = torch.tensor([math.nan if v is None else v for v in payload["values"]]).reshape(payload["shape"])
-    return {**payload, **_kept(values, side)}
+    return {**payload, **_kept(values)}
 
 
 def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tuple[dict, dict]:

@@ -8,6 +8,7 @@ const $ = (id) => document.getElementById(id);
 let run = params.get("run");
 let S = null; // the run's summary
 let steps = []; // the steps the slider walks
+let sliderKind = null; // the kind whose steps and layers the slider and the layer list walk
 let point = null; // the clicked video point [frame, row, col]
 
 async function api(path, query = {}) {
@@ -155,7 +156,7 @@ function drawGaps(gaps, layerCount) {
 async function redraw() {
   const sel = selection();
   const t = S.timesteps[sel.step];
-  const skipped = ((S.gaps && S.gaps[S.kinds.includes("frame") ? "frame" : S.kinds[0]]) || {})[sel.step] || [];
+  const skipped = ((S.gaps && S.gaps[sliderKind]) || {})[sel.step] || [];
   $("step-label").textContent =
     `${sel.step}` +
     (t === undefined || t === null ? "" : ` (t=${Number(t).toPrecision(4)})`) +
@@ -349,11 +350,11 @@ async function openRun() {
   $("run-name").textContent = run;
   describe();
   const kinds = S.kinds;
-  const first = kinds.includes("frame") ? "frame" : kinds[0];
-  const gaps = (S.gaps && S.gaps[first]) || {};
+  sliderKind = kinds.includes("frame") ? "frame" : kinds[0];
+  const gaps = (S.gaps && S.gaps[sliderKind]) || {};
   const union = (a, b) => [...new Set([...a, ...b])].sort((x, y) => x - y);
-  steps = union(S.steps[first] || [], Object.keys(gaps).map(Number)); // a step a cache skipped whole is a gap too
-  const layers = union(S.layers[first] || [], Object.values(gaps).flat());
+  steps = union(S.steps[sliderKind] || [], Object.keys(gaps).map(Number)); // a step a cache skipped whole is a gap too
+  const layers = union(S.layers[sliderKind] || [], Object.values(gaps).flat());
   $("step").max = Math.max(0, steps.length - 1);
   $("step").value = Math.max(0, steps.length - 1);
   drawGaps(gaps, layers.length);
