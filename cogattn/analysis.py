@@ -18,6 +18,10 @@ Wan 2.2 A14B runs two transformers (experts): ``transformer`` for the high-noise
 for the rest, each with its own weights, so layer L of one is not layer L of the other. An average over
 steps keeps to one expert: a steps selector may name one (``steps="transformer_2"``), and steps that span
 both are refused with the steps of each (:func:`expert_steps`, :func:`check_one_expert`).
+
+Under classifier-free guidance the recorded batch may hold the unconditional items (the negative prompt's)
+beside the conditional ones (``batch="all"``). Every reader here shows the first conditional item unless told
+otherwise (``batch=None``, :func:`pick_item`), and :func:`item_label` names the item a figure shows.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ __all__ = [
     "choose",
     "expert_steps",
     "head_positions",
+    "item_label",
+    "pick_item",
     "locate_query",
     "pick",
     "recorded",
@@ -224,6 +230,51 @@ def head_positions(head_ids: Sequence[int] | None, num_slots: int, heads: str | 
     return positions
 
 
+def pick_item(source: MapSource, batch: int | str | None = None) -> int:
+    """The slot of the results' batch axis that ``batch`` names: a slot index, ``"cond"`` or ``"uncond"``
+    (the first such item under guidance), or `None`: the first conditional item, else slot 0 (no guidance,
+    or a run that does not say). So a map shown under a prompt's words is the prompt's, never the
+    negative prompt's, unless asked for.
+
+    Raises:
+        ValueError: ``"cond"``/``"uncond"`` where no such item was recorded, or another word.
+        TypeError: ``batch`` is neither an integer, a word nor `None`.
+    """
+    roles = getattr(source, "batch_roles", None)
+    if batch is None:
+        return next((i for i, r in enumerate(roles or ()) if r != "uncond"), 0)
+    if isinstance(batch, str):
+        if batch not in ("cond", "uncond"):
+            raise ValueError(f"batch={batch!r}; pass a recorded slot index, 'cond' or 'uncond'.")
+        if not roles or batch not in roles:
+            raise ValueError(
+                f"batch={batch!r}, but the recorded items are {list(roles) if roles else 'not a guidance batch'}"
+                " (batch='all' under guidance records both halves); pass a slot index."
+            )
+        return roles.index(batch)
+    if isinstance(batch, bool):
+        raise TypeError(f"batch={batch!r}: pass a slot index, 'cond', 'uncond' or None.")
+    return operator.index(batch)
+
+
+def item_label(source: MapSource, batch: int | str | None = None) -> str:
+    """What slot ``batch`` (see :func:`pick_item`) of the results holds, for a figure's title: ``"batch item
+    N"``, and under guidance ``", conditional: '<prompt>'"`` or ``", unconditional: '<negative prompt>'"`` (the
+    texts from ``info`` where the recording kept them)."""
+    slot = pick_item(source, batch)
+    roles = getattr(source, "batch_roles", None) or ()
+    role = roles[slot] if 0 <= slot < len(roles) else None
+    if role is None:
+        return f"batch item {slot}"
+    name = f"batch item {slot}, {'conditional' if role == 'cond' else 'unconditional'}"
+    text = (getattr(source, "info", None) or {}).get("prompt" if role == "cond" else "negative_prompt")
+    if not isinstance(text, str):
+        return name
+    text = " ".join(text.split())
+    text = text if len(text) <= 48 else text[:47] + "…"
+    return f"{name}: {text!r}" if text else f"{name}: the empty prompt"
+
+
 def skipped_pairs(source: MapSource, kind: str, steps: Sequence[int], layers: Sequence[int]) -> set[tuple[int, int]]:
     """The ``(step, layer)`` among ``steps`` × ``layers`` that hold no ``kind`` record because a cache skipped
     that attention (``source.skipped``): averages leave them out, and figures say how many."""
@@ -240,7 +291,7 @@ def aggregate(
     steps: str | int | Sequence[int] = "all",
     layers: str | int | Sequence[int] = "all",
     heads: str | int | Sequence[int] = "mean",
-    batch: int = 0,
+    batch: int | str | None = None,
     row: int | slice | None = None,
 ) -> torch.Tensor:
     """One batch item's map, averaged over the chosen steps and layers, with heads chosen or averaged.
@@ -262,7 +313,9 @@ def aggregate(
             ``(step, layer)`` a cache skipped are left out of the mean (:func:`skipped_pairs`).
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers to average.
         heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): model head indices.
-        batch (`int`, defaults to 0): position among the recorded batch items.
+        batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis, or the first
+            conditional / unconditional item; by default the first conditional item under guidance (the
+            prompt's, not the negative prompt's), else slot 0 (:func:`pick_item`).
         row (`int | slice`, *optional*): one row of the kind's first axis after the heads (a text token of
             ``video_to_text``, a query token of ``full``, a query of ``query``), dropped from the result, or
             a slice of rows, kept as an axis. From a run on disk only those rows are read (memory-mapped
@@ -283,6 +336,7 @@ def aggregate(
     step_list = choose(source, kind, "step", steps)
     check_one_expert(expert_steps(source, step_list), f"the mean of {kind!r} over steps={steps!r}")
     layer_list = choose(source, kind, "layer", layers)
+    batch = pick_item(source, batch)
     gaps = skipped_pairs(source, kind, step_list, layer_list)
     pairs = [(s, layer) for s in step_list for layer in layer_list if (s, layer) not in gaps]
     if not pairs:  # every chosen map was skipped: say by what

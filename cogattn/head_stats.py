@@ -166,6 +166,7 @@ def head_table(
         )
     table = pd.concat(frames, ignore_index=True)
     table["label"] = [label_row(rule, row) for row in table.to_dict("records")]
+    table.attrs["batch_roles"] = list(getattr(source, "batch_roles", None) or ())  # which items are conditional
     return table
 
 

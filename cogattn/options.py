@@ -247,9 +247,11 @@ class CaptureOptions:
                 f"steps={list(self.steps)} asks for step {max(self.steps)}, but this generation has "
                 f"{num_steps} denoising steps (0..{num_steps - 1})."
             )
+        batch = self._resolve_batch(batch_size, guidance)
         return Resolved(
             layout=layout,
-            batch=self._resolve_batch(batch_size, guidance),
+            batch=batch,
+            roles=tuple(item_role(i, batch_size, guidance) for i in batch),
             heads=tuple(range(num_heads)) if isinstance(self.heads, str) else self.heads,
             mean_heads=self.heads == "mean",
             queries=self._resolve_queries(layout),
@@ -308,9 +310,19 @@ class Resolved:
 
     layout: TokenLayout
     batch: tuple[int, ...]
+    roles: tuple[str | None, ...]  # per batch slot: "cond", "uncond", or None (no guidance batch)
     heads: tuple[int, ...]
     mean_heads: bool
     queries: torch.Tensor | None
+
+
+def item_role(item: int, batch_size: int, guidance: bool | None) -> str | None:
+    """What transformer batch item ``item`` is: ``"uncond"`` (the negative prompt's) or ``"cond"`` (the
+    prompt's) in a guidance batch ``[uncond..., cond...]``; `None` without guidance, or where it is unknown
+    (a bare transformer)."""
+    if not guidance or batch_size < 2 or batch_size % 2:
+        return None
+    return "uncond" if item < batch_size // 2 else "cond"
 
 
 def parse_bytes(value: int | str) -> int:

@@ -141,6 +141,12 @@ class Recording:
         return None if self.plan is None else self.plan.resolved.batch
 
     @property
+    def batch_roles(self) -> tuple[str | None, ...] | None:
+        """Per slot of the results' batch axis, ``"cond"`` (the prompt's item) or ``"uncond"`` (the negative
+        prompt's) under classifier-free guidance, `None` without it; `None` before the first transformer call."""
+        return None if self.plan is None else self.plan.resolved.roles
+
+    @property
     def chosen_methods(self) -> dict[tuple, str]:
         """What ``method="auto"`` measured on CUDA with Triton: shape → ``"sdpa"`` or ``"triton"``."""
         return dict(self._capture.timed.chosen)
@@ -241,6 +247,7 @@ class Recording:
             "selection": {
                 **self.options.selection_meta(),
                 "batch_resolved": res and list(res.batch),
+                "batch_roles": res and list(res.roles),
                 "heads_resolved": res and list(res.heads),
                 "text_lengths": None if self.text_lengths is None else list(self.text_lengths),
             },

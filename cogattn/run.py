@@ -120,6 +120,11 @@ class MapSource(Protocol):
         """The model head of each slot of a result's head axis; `None` when heads were averaged."""
 
     @property
+    def batch_roles(self) -> tuple[str | None, ...] | None:
+        """Per slot of a result's batch axis: ``"cond"``, ``"uncond"`` (under guidance) or `None`; `None` when
+        unknown."""
+
+    @property
     def block_size(self) -> int:
         """Tokens per block of the ``block`` kind."""
 
@@ -264,6 +269,16 @@ class Run:
         if sel["heads"] == "all":
             return tuple(range(int(self.meta["model"]["config"]["num_attention_heads"])))
         return tuple(sel["heads"])
+
+    @property
+    def batch_roles(self) -> tuple[str | None, ...] | None:
+        """Per slot of a result's batch axis, ``"cond"`` (the prompt's item) or ``"uncond"`` (the negative
+        prompt's) under classifier-free guidance, `None` without it; `None` where the run does not say (runs
+        made before it was kept) or says something else."""
+        roles = (self.meta.get("selection") or {}).get("batch_roles")
+        if not isinstance(roles, list) or not all(r in ("cond", "uncond", None) for r in roles):
+            return None
+        return tuple(roles)
 
     @property
     def block_size(self) -> int:

@@ -48,7 +48,10 @@ def run(tiny, tmp_path_factory):
     return cogattn.load(folder)
 
 
-def ref(source, kind, steps=(0, 1), layers=(0, 1), head=None, batch=0):
+COND = 1  # the conditional item of the guidance batch [uncond, cond]: what the figures show by default
+
+
+def ref(source, kind, steps=(0, 1), layers=(0, 1), head=None, batch=COND):
     """Mean over steps × layers, then over heads (or one head), from plain ``get`` calls."""
     t = torch.stack([source.get(kind, s, layer)[batch] for s in steps for layer in layers]).double().mean(0)
     return (t.mean(0) if head is None else t[head]).numpy()
@@ -101,12 +104,13 @@ def test_head_atlas_numbers_and_step_mean(tiny):
 
     _, rec, _ = tiny
     full = table(rec)
+    cond = rec.batch_roles.index("cond")  # the atlas shows the prompt's item under guidance
     im = heat(panels(plot.head_atlas(rec, color="entropy_mean", steps="mean"))[0])
     for layer in (0, 1):
         for head in (0, 1):
             # from the records: mean over steps of the mean entropy of the video queries
-            direct = np.mean([rec.get("entropy", s, layer)[0, head, T:].double().mean().item() for s in (0, 1)])
-            rows = full[(full["layer"] == layer) & (full["head"] == head) & (full["item"] == 0)]
+            direct = np.mean([rec.get("entropy", s, layer)[cond, head, T:].double().mean().item() for s in (0, 1)])
+            rows = full[(full["layer"] == layer) & (full["head"] == head) & (full["item"] == cond)]
             assert im.get_array()[layer, head] == pytest.approx(direct, abs=1e-6)
             assert im.get_array()[layer, head] == pytest.approx(rows["entropy_mean"].mean(), abs=1e-9)
     assert im.get_clim() == pytest.approx((im.get_array().min(), im.get_array().max()))
@@ -115,12 +119,12 @@ def test_head_atlas_numbers_and_step_mean(tiny):
     im = heat(panels(plot.head_atlas(full, steps="mean", rule=rule))[0])
     for layer in (0, 1):
         for head in (0, 1):
-            rows = full[(full["layer"] == layer) & (full["head"] == head) & (full["item"] == 0)]
+            rows = full[(full["layer"] == layer) & (full["head"] == head) & (full["item"] == cond)]
             mean = {c: rows[c].mean() for c in ("text_mass", "same_frame_mass", "dt_1", "dt_2")}
             assert list(plot.LABEL_COLORS)[int(im.get_array()[layer, head])] == rule.label(mean)
     # a table as the source, one step, another item
-    im = heat(panels(plot.head_atlas(full, color="dt_1", steps=0, item=1))[0])
-    rows = full[(full["step"] == 0) & (full["item"] == 1)]
+    im = heat(panels(plot.head_atlas(full, color="dt_1", steps=0, item=1 - cond))[0])
+    rows = full[(full["step"] == 0) & (full["item"] == 1 - cond)]
     for _, row in rows.iterrows():
         assert im.get_array()[row["layer"], row["head"]] == row["dt_1"]
     with pytest.raises(ValueError, match="'label' or one of"):
@@ -143,7 +147,7 @@ def test_animate_head_atlas_one_frame_per_step_with_shared_limits(tiny, tmp_path
     monkeypatch.setattr(plot_animation, "_render", spy)
     path = plot.animate(plot.head_atlas, rec, tmp_path / "atlas.gif", over="step", dpi=30, color="sink_share")
     assert Image.open(path).n_frames == 2
-    values = table(rec).query("item == 0")["sink_share"]
+    values = table(rec).query("item == @COND")["sink_share"]
     assert seen == [pytest.approx((values.min(), values.max()))] * 2  # one colour scale for both steps
     labels = plot.animate(plot.head_atlas, rec, tmp_path / "labels.gif", dpi=30)
     assert Image.open(labels).n_frames == 2
@@ -158,7 +162,7 @@ def test_decay_curves_per_layer_and_head(tiny):
     (ax,) = panels(fig)
     curves = [ln for ln in ax.lines if ln.get_gid() == "decay-curve"]
     assert [ln.get_label() for ln in curves] == ["layer 0", "layer 1"]
-    expected = temporal_decay(table(rec).query("item == 0"), by="layer")
+    expected = temporal_decay(table(rec).query("item == @COND"), by="layer")
     for layer, ln in enumerate(curves):
         assert list(ln.get_xdata()) == [0, 1, 2]
         assert np.allclose(ln.get_ydata(), expected.loc[layer].to_numpy(), atol=1e-12)
@@ -169,7 +173,7 @@ def test_decay_curves_per_layer_and_head(tiny):
     assert "latent frame distance" in ax.get_xlabel()
     by_head = [ln for ln in panels(plot.decay_curves(rec, per_frame=True))[0].lines if ln.get_gid() == "decay-curve"]
     assert [ln.get_label() for ln in by_head] == ["head 0", "head 1"]
-    per_head = temporal_decay(table(rec).query("item == 0"), by="head")
+    per_head = temporal_decay(table(rec).query("item == @COND"), by="head")
     frames_at = np.array([1, 4 / 3, 2 / 3])  # F = 3: key frames at distance 0, 1, 2, averaged over query frames
     for head, ln in enumerate(by_head):
         assert np.allclose(ln.get_ydata(), per_head.loc[head].to_numpy() / frames_at, atol=1e-12)
@@ -258,7 +262,7 @@ def test_block_map_data_ticks_outline_and_recall(tiny):
     assert np.allclose(ax.get_xticks(), [t / BLOCK - 0.5 for t in (0, 8, 23, 38)])
     assert [t.get_text() for t in ax.get_yticklabels()] == ["text", "f0", "f1", "f2"]
     one = panels(plot.block_map(rec, steps=0, layers=1, heads=1, scale="log"))[0]
-    assert np.array_equal(heat(one).get_array(), rec.get("block", 0, 1)[0, 1].numpy())
+    assert np.array_equal(heat(one).get_array(), rec.get("block", 0, 1)[COND, 1].numpy())
     assert isinstance(heat(one).norm, LogNorm)
 
     mask = same_frame_mask(rec.layout, rec.block_size, text=False)
@@ -271,7 +275,7 @@ def test_block_map_data_ticks_outline_and_recall(tiny):
         assert np.array_equal(_cells_inside(outline.get_segments(), 9), mask.numpy())
         shown = float(re.search(r"recall (\d\.\d{4})", fig.get_suptitle()).group(1))
         steps, layers = ([kwargs["steps"]], [kwargs["layers"]]) if kwargs else ((0, 1), (0, 1))
-        rows = mask_recall(rec, mask, steps=list(steps), layers=list(layers)).query("item == 0")
+        rows = mask_recall(rec, mask, steps=list(steps), layers=list(layers)).query("item == @COND")
         if kwargs:
             rows = rows[rows["head"] == 1]
         assert shown == pytest.approx(rows["recall"].mean(), abs=5e-5)

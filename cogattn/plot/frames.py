@@ -39,7 +39,7 @@ def frame_heatmap(
     steps: str | int | Sequence[int] = "all",
     layers: str | int | Sequence[int] = "all",
     heads: str | int | Sequence[int] = "mean",
-    batch: int = 0,
+    batch: int | str | None = None,
     num_pixel_frames: int | None = None,
     scale: str = "linear",
     limits: str | tuple[float, float] = "shared",
@@ -60,7 +60,8 @@ def frame_heatmap(
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers, averaged.
         heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): heads; ``"all"`` or a
             list draws one panel per head.
-        batch (`int`, defaults to 0): position among the recorded batch items.
+        batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
+            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
         num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video, to name the pixel
             frames of each latent frame (CogVideoX 1.0 infers it; 1.5 needs it).
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
@@ -109,7 +110,7 @@ def frame_heatmap(
                 light = norms[i](v) < 0.5  # white text on the dark end of the colour map
                 ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if light else "k")
     add_colorbars(fig, images, [a for a in axes[:n]], "frame", limits)
-    set_title(fig, "frame → frame attention", describe(source, "frame", steps, layers, heads))
+    set_title(fig, "frame → frame attention", describe(source, "frame", steps, layers, heads, batch))
     return fig
 
 
@@ -127,7 +128,7 @@ def layer_step_grid(
     steps: str | Sequence[int] = "all",
     layers: str | Sequence[int] = "all",
     heads: str | int = "mean",
-    batch: int = 0,
+    batch: int | str | None = None,
     scale: str = "linear",
     limits: str | tuple[float, float] = "shared",
     fig: Figure | None = None,
@@ -145,7 +146,8 @@ def layer_step_grid(
         steps, layers (`"all" | Sequence[int]`, defaults to ``"all"``): the columns and rows (pick a few
             for a real model: 50 steps × 30 layers is 1,500 panels); an expert's name takes its steps.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
-        batch (`int`, defaults to 0): position among the recorded batch items.
+        batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
+            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits.
         fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.

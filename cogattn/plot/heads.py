@@ -14,7 +14,7 @@ from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..analysis import check_one_expert
+from ..analysis import check_one_expert, item_label, pick_item
 from ..head_stats import TABLE_KINDS, LabelRule, expert_steps_of, head_table, label_row, temporal_decay
 from ..run import MapSource
 from .style import CMAP, MAP_GID, color_norms, frame_unit, new_figure, set_title, span_text
@@ -111,13 +111,20 @@ def _table_and_steps(source_or_table, steps, layers, rule, averaged: str | None)
     return table, source, step_list, list(groups) if several else []
 
 
-def _items(table, item):
+def _items(table, item, source):
+    """The rows of batch slot ``item`` (``"cond"``: the first conditional item, else slot 0; ``"uncond"``: the
+    first unconditional one), every row for `None`; and the slot chosen."""
     if item is None:
-        return table
+        return table, None
     have = sorted(table["item"].unique().tolist())
+    if isinstance(item, str) and source is None and item == "cond":  # a table alone: what head_table kept
+        roles = table.attrs.get("batch_roles") or []
+        item = next((i for i in have if i >= len(roles) or roles[i] != "uncond"), have[0])
+    elif isinstance(item, str):
+        item = pick_item(source, None if item == "cond" else item)
     if item not in have:
         raise ValueError(f"item={item!r} is not in the table; it holds batch items {have}.")
-    return table[table["item"] == item]
+    return table[table["item"] == item], item
 
 
 def _detail(source, step_list: list[int], experts: list[str], layers: list[int] | None, item, each=False) -> str:
@@ -127,7 +134,13 @@ def _detail(source, step_list: list[int], experts: list[str], layers: list[int] 
         parts.append(" and ".join(experts))
     if layers is not None:
         parts.append(span_text("layer", layers))
-    parts.append("mean over batch items" if item is None else f"batch item {item}")
+    parts.append(
+        "mean over batch items"
+        if item is None
+        else item_label(source, item)
+        if source is not None
+        else f"batch item {item}"
+    )
     return " · ".join(parts)
 
 
@@ -138,7 +151,7 @@ def head_atlas(
     *,
     steps: str | int | Sequence[int] = "last",
     layers: str | int | Sequence[int] = "all",
-    item: int | None = 0,
+    item: int | str | None = "cond",
     rule=None,
     scale: str = "linear",
     limits: str | tuple[float, float] = "shared",
@@ -162,7 +175,9 @@ def head_atlas(
             recorded by default), or the mean over every step (``"mean"``), over a list, or over one
             expert's steps (its name, e.g. ``"transformer_2"``); steps of two experts are refused.
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): the rows.
-        item (`int | None`, defaults to 0): batch item; `None` averages the items.
+        item (`int | "cond" | "uncond" | None`, defaults to ``"cond"``): batch slot, or the first conditional /
+            unconditional item (the first conditional item, else slot 0, where the source does not say);
+            `None` averages the items.
         rule (defaults to `None`): the labelling rule (:class:`cogattn.head_stats.LabelRule`), for a source and
             for labels of averaged numbers; `None` is ``LabelRule()``.
         scale (`str`, defaults to ``"linear"``): colour scale of a numeric column, or ``"log"``.
@@ -178,7 +193,7 @@ def head_atlas(
     table, source, step_list, experts = _table_and_steps(
         source_or_table, steps, layers, rule, f"head_atlas(steps={steps!r})"
     )
-    table = _items(table, item)
+    table, item = _items(table, item, source)
     numeric = color != "label"
     if numeric:
         _check_table(table, (color,))
@@ -273,7 +288,7 @@ def decay_curves(
     *,
     steps: str | int | Sequence[int] = "all",
     layers: str | int | Sequence[int] = "all",
-    item: int | None = 0,
+    item: int | str | None = "cond",
     per_frame: bool = False,
     scale: str = "linear",
     fig: Figure | None = None,
@@ -292,7 +307,9 @@ def decay_curves(
         steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): averaged (per head or layer:
             one expert's, e.g. ``"transformer_2"``: its steps).
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
-        item (`int | None`, defaults to 0): batch item; `None` averages the items.
+        item (`int | "cond" | "uncond" | None`, defaults to ``"cond"``): batch slot, or the first conditional /
+            unconditional item (the first conditional item, else slot 0, where the source does not say);
+            `None` averages the items.
         per_frame (`bool`, defaults to `False`): mass per key frame at each distance.
         scale (`str`, defaults to ``"linear"``): the mass axis, or ``"log"``.
         fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
@@ -307,7 +324,7 @@ def decay_curves(
         raise ValueError(f"scale={scale!r}; choose 'linear' or 'log'.")
     averaged = None if by == "step" else f"decay_curves(by={by!r}, steps={steps!r})"
     table, source, step_list, experts = _table_and_steps(source_or_table, steps, layers, None, averaged)
-    table = _items(table, item)
+    table, item = _items(table, item, source)
     curves = temporal_decay(table, by=by)  # index: by; columns dt_0 .. dt_{F-1}
     expert_of = {s: e for e, group in expert_steps_of(table).items() for s in group} if experts else {}
     F = curves.shape[1]

@@ -196,7 +196,7 @@ def word_heatmap(
     steps: str | int | Sequence[int] = "all",
     layers: str | int | Sequence[int] = "all",
     heads: str | int = "mean",
-    batch: int = 0,
+    batch: int | str | None = None,
     num_pixel_frames: int | None = None,
     scale: str = "linear",
     limits: str | tuple[float, float] = "shared",
@@ -231,7 +231,8 @@ def word_heatmap(
             frames without a video); `None`: the middle pixel frame of every latent frame.
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
-        batch (`int`, defaults to 0): position among the recorded batch items.
+        batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
+            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
         num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video when no video is
             given (names the pixel frames of each latent frame).
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
@@ -296,7 +297,7 @@ def word_heatmap(
         "text_to_video": "text → video: where each word attends in the video",
         "video_to_image": "video → image: where the video attends to each image token",
     }[kind]
-    set_title(fig, what, describe(source, kind, steps, layers, heads))
+    set_title(fig, what, describe(source, kind, steps, layers, heads, batch))
     return fig
 
 
@@ -311,7 +312,7 @@ def query_map(
     steps: str | int | Sequence[int] = "all",
     layers: str | int | Sequence[int] = "all",
     heads: str | int = "mean",
-    batch: int = 0,
+    batch: int | str | None = None,
     num_pixel_frames: int | None = None,
     scale: str = "linear",
     limits: str | tuple[float, float] = "shared",
@@ -333,7 +334,8 @@ def query_map(
         prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]``.
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
-        batch (`int`, defaults to 0): position among the recorded batch items.
+        batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
+            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
         num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video when no video is
             given.
         scale (`str`, defaults to ``"linear"``): ``"log"`` shows the long tail.
@@ -370,5 +372,5 @@ def query_map(
                 x, y = (x + 0.5) * w / layout.width, (y + 0.5) * h / layout.height
             ax.plot([x], [y], marker="x", color="cyan", markersize=9, mew=2, gid=POINT_GID)
     who = f"text token {token}" if point is None else f"video point (frame, row, col) = {point}"
-    set_title(fig, f"where {who} attends", describe(source, kind, steps, layers, heads))
+    set_title(fig, f"where {who} attends", describe(source, kind, steps, layers, heads, batch))
     return fig

@@ -12,7 +12,7 @@ import torch
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
-from ..analysis import aggregate, choose
+from ..analysis import aggregate, choose, pick_item
 from ..masks import mask_recall
 from ..run import MapSource
 from .overlays import token_figure
@@ -50,7 +50,7 @@ def token_stat(
     steps: str | int | Sequence[int] = "all",
     layers: str | int | Sequence[int] = "all",
     heads: str | int = "mean",
-    batch: int = 0,
+    batch: int | str | None = None,
     sinks: int = 5,
     num_pixel_frames: int | None = None,
     scale: str = "linear",
@@ -79,7 +79,8 @@ def token_stat(
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged; the steps all of one
             expert's (Wan 2.2 A14B: ``steps="transformer"`` or ``"transformer_2"`` takes its steps).
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
-        batch (`int`, defaults to 0): position among the recorded batch items.
+        batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
+            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
         sinks (`int`, defaults to 5): how many top receivers to mark for ``received`` (0: none).
         num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video when no video is
             given.
@@ -136,7 +137,7 @@ def token_stat(
     if top:
         named = [f"#{k} {_token_name(layout, t)}: {values[t].item():.3g}" for k, t in enumerate(top, 1)]
         what += "\ntop sinks (marked): " + ", ".join(named)
-    set_title(fig, what, describe(source, kind, steps, layers, heads))
+    set_title(fig, what, describe(source, kind, steps, layers, heads, batch))
     return fig
 
 
@@ -158,11 +159,12 @@ def mask_outline(kept) -> np.ndarray:
     return np.array(vertical + horizontal, dtype=float).reshape(-1, 2, 2)
 
 
-def _recall(source: MapSource, mask, step_list: list[int], layer_list: list[int], heads, batch: int) -> float:
+def _recall(source: MapSource, mask, step_list: list[int], layer_list: list[int], heads, batch) -> float:
     """The mask's recall for the figure's selection: the mean of :func:`cogattn.masks.mask_recall`'s rows
     of batch item ``batch`` and the chosen head (all heads for ``"mean"``)."""
 
     table = mask_recall(source, mask, steps=step_list, layers=layer_list)
+    batch = pick_item(source, batch)
     table = table[table["item"] == batch]
     if isinstance(heads, int):
         table = table[table["head"] == heads]
@@ -192,7 +194,7 @@ def block_map(
     steps: str | int | Sequence[int] = "all",
     layers: str | int | Sequence[int] = "all",
     heads: str | int = "mean",
-    batch: int = 0,
+    batch: int | str | None = None,
     scale: str = "linear",
     limits: str | tuple[float, float] = "shared",
     fig: Figure | None = None,
@@ -213,7 +215,8 @@ def block_map(
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged; the steps all of one
             expert's (Wan 2.2 A14B: ``steps="transformer"`` or ``"transformer_2"`` takes its steps).
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
-        batch (`int`, defaults to 0): position among the recorded batch items.
+        batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
+            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
         scale (`str`, defaults to ``"linear"``): ``"log"`` shows the small blocks far from the diagonal.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits.
         fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
@@ -252,5 +255,5 @@ def block_map(
         ax.add_collection(LineCollection(mask_outline(kept), colors="cyan", linewidths=1.2, gid=MASK_GID))
         what += f"\nmask keeps {kept.mean():.1%} of the blocks · recall {recall:.4f} of the attention mass"
     add_colorbars(fig, [im], [ax], "block", limits)
-    set_title(fig, what, describe(source, "block", steps, layers, heads))
+    set_title(fig, what, describe(source, "block", steps, layers, heads, batch))
     return fig

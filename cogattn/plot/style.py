@@ -12,7 +12,7 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-from ..analysis import choose, skipped_pairs
+from ..analysis import choose, item_label, skipped_pairs
 from ..layout import TokenLayout
 from ..reducers import REDUCERS
 from ..run import MapSource
@@ -159,20 +159,25 @@ def span_text(name: str, values: list[int], timesteps: Sequence[float | None] | 
     return f"mean over {name}s {values}"
 
 
-def describe(source: MapSource, kind: str, steps, layers, heads) -> str:
-    """The second title line: which steps, layers and heads a figure averages or shows.
+def describe(source: MapSource, kind: str, steps, layers, heads, batch=None) -> str:
+    """The second title line: which steps, layers and heads a figure averages or shows, and which batch item
+    where the recorded batch has several or is a guidance batch (:func:`cogattn.analysis.item_label`).
 
     Args:
         source (`MapSource`): a `Recording` or a `Run`.
         kind (`str`): the kind drawn.
         steps, layers (`"all" | int | Sequence[int]`): the selectors passed to the figure.
         heads (`"mean" | "all" | int | Sequence[int]`): the head selection passed to the figure.
+        batch (`int | "cond" | "uncond" | None`, defaults to `None`): the figure's batch selection.
     """
     s = choose(source, kind, "step", steps)
     layer_list = choose(source, kind, "layer", layers)
     text = f"{span_text('step', s, source.timesteps)} · {span_text('layer', layer_list)} · {heads_text(source, heads)}"
     if gaps := skipped_pairs(source, kind, s, layer_list):
         text += f" · {len(gaps)} of {len(s) * len(layer_list)} skipped by {source.skipped.by or 'the model'}"
+    roles = getattr(source, "batch_roles", None) or ()
+    if batch is not None or len(roles) > 1 or any(roles):
+        text += f" · {item_label(source, batch)}"
     return text
 
 

@@ -1,0 +1,78 @@
+"""Which batch item a reader shows: under classifier-free guidance the recorded batch may hold the
+unconditional items (the negative prompt's) beside the conditional ones; every reader shows the prompt's
+item unless told otherwise, and the figures name the item they show."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import cogattn
+from cogattn import plot
+from cogattn.analysis import aggregate, item_label, pick_item
+from cogattn.models.cogvideox import tiny_pipeline
+from cogattn.options import item_role
+from tests.tiny_calls import PROMPT, generate
+
+pytestmark = pytest.mark.usefixtures("forget_accelerate_state", "one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _title(fig) -> str:
+    return fig._suptitle.get_text() if fig._suptitle is not None else " ".join(t.get_text() for t in fig.texts)
+
+
+def test_the_roles_of_a_guidance_batch():
+    assert [item_role(i, 4, True) for i in range(4)] == ["uncond", "uncond", "cond", "cond"]
+    assert [item_role(i, 2, False) for i in range(2)] == [None, None]
+    assert item_role(0, 2, None) is None  # a bare transformer does not say
+
+
+@pytest.fixture(scope="module")
+def guided():
+    """One tiny CogVideoX generation under guidance, recorded whole (batch 'all': [uncond, cond]) and the
+    prompt's item alone (batch 'cond'), on disk."""
+
+    def run(batch, folder):
+        pipe = tiny_pipeline()
+        info = {"prompt": PROMPT, "negative_prompt": "blue sky"}
+        with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch=batch, save_dir=folder, info=info) as rec:
+            generate(pipe, prompt=PROMPT)
+        return rec
+
+    return run
+
+
+def test_readers_show_the_conditional_item_by_default_and_name_it(guided, tmp_path):
+    both, cond = guided("all", tmp_path / "all"), guided("cond", tmp_path / "cond")
+    assert both.batch_roles == ("uncond", "cond") and cond.batch_roles == ("cond",)
+    run = cogattn.load(tmp_path / "all")
+    assert run.batch_roles == ("uncond", "cond")
+    assert json.loads((tmp_path / "all" / "run.json").read_text())["selection"]["batch_roles"] == ["uncond", "cond"]
+    for source in (both, run):
+        got = aggregate(source, "video_to_text", steps=0, layers=0)
+        want = cond.get("video_to_text", 0, 0)[0].double().mean(0).float()  # the prompt's item, recorded alone
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+        unconditional = source.get("video_to_text", 0, 0)[0].double().mean(0).float()
+        assert not torch.allclose(got, unconditional)  # the negative prompt's item is another map
+        torch.testing.assert_close(aggregate(source, "video_to_text", steps=0, layers=0, batch="uncond"), unconditional)
+        assert pick_item(source) == pick_item(source, "cond") == 1 and pick_item(source, "uncond") == 0
+        assert item_label(source) == f"batch item 1, conditional: {PROMPT!r}"
+        assert item_label(source, 0) == "batch item 0, unconditional: 'blue sky'"
+    fig = plot.word_heatmap(run, [2], steps=0)
+    assert f"batch item 1, conditional: {PROMPT!r}" in _title(fig)
+    assert "unconditional: 'blue sky'" in _title(plot.word_heatmap(run, [2], steps=0, batch="uncond"))
+    assert "unconditional" in _title(plot.head_atlas(run, item="uncond", color="same_frame_mass"))
+    with pytest.raises(ValueError, match="batch='uncond', but the recorded items are \\['cond'\\]"):
+        aggregate(cond, "frame", batch="uncond")
+
+
+def test_without_guidance_the_items_have_no_role_and_the_first_is_shown(tmp_path):
+    pipe = tiny_pipeline()
+    with cogattn.record(pipe, kinds=("frame",)) as rec:
+        generate(pipe, guidance=1.0)
+    assert rec.batch_roles == (None,) and pick_item(rec) == 0 and item_label(rec) == "batch item 0"
+    assert "batch item" not in _title(plot.frame_heatmap(rec))  # one item, no guidance: nothing to name
