@@ -20,7 +20,7 @@ from ..errors import StoreError
 from ..head_stats import TABLE_KINDS, head_table
 from ..recording import record
 from ..run import LOCK, RunLock, load
-from ..words import text_tokens
+from ..words import PromptFormat, text_tokens
 from .config import ConfigError, DumpConfig
 from .previews import write_previews
 from .prompts import Prompt
@@ -175,17 +175,17 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
     with record(pipe, cfg.capture_options(save_dir=folder / "maps", info=info)) as rec:
         frames = pipe(**call).frames[0]
     meta["seconds"] = round(time.perf_counter() - t0, 3)
-    if getattr(pipe, "tokenizer", None) is not None and rec.layout is not None:  # the viewer's word labels
+    # the viewer's and the previews' word labels: the tokens of the text the transformer read, through the
+    # pipeline's own template and crop (and the call's prompt_template where it passed one)
+    text = PromptFormat(pipe, call.get("prompt_template")) if getattr(pipe, "tokenizer", None) is not None else None
+    if text is not None and rec.layout is not None:
         lay = rec.layout
-        clean = lay.text_len == 0  # Wan: its cross-attention reads the cleaned prompt
-        meta["tokens"] = text_tokens(
-            pipe.tokenizer, prompt.prompt, lay.prompt_len, clean=clean, prompt_start=lay.prompt_start
-        )
+        meta["tokens"] = text_tokens(text, prompt.prompt, lay.prompt_len, prompt_start=lay.prompt_start)
     meta["video"] = _save_video(frames, folder / "video", cfg).name
     if _write_head_table(folder / "maps", folder / "heads.csv"):
         meta["head_table"] = "heads.csv"
     if cfg.previews:
-        written = write_previews(folder / "maps", folder / "previews", frames, pipe.tokenizer, prompt.prompt)
+        written = write_previews(folder / "maps", folder / "previews", frames, text, prompt.prompt)
         meta["previews"] = [p.name for p in written]
     meta["complete"] = True
     _write_json(folder / "prompt.json", meta)

@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .. import plot
 from ..analysis import aggregate, expert_steps, recorded
 from ..run import load
-from ..words import IMAGE_TOKEN, text_tokens
+from ..words import word_positions
 
 __all__ = ["write_previews"]
 
-_SPECIAL = {"</s>", "<pad>", "<unk>", "<s>", IMAGE_TOKEN}
-
 
 def _words(run, tokenizer, prompt: str | None, limit: int = 4) -> list[int]:
-    """The first ``limit`` text tokens that are neither special nor padding (their indices), among the
-    ``prompt_len`` of ``video_to_text`` (Wan: its cross-attention's 512, of the cleaned prompt)."""
-    T = run.layout.prompt_len
+    """The first ``limit`` text tokens of the prompt's words (their indices), found by
+    ``words.word_positions`` among the ``prompt_len`` of ``video_to_text``: past the template's tokens where
+    ``tokenizer`` is the pipeline or a ``words.PromptFormat``; Wan: its cross-attention's 512, of the
+    cleaned prompt."""
+    lay = run.layout
+    T = lay.prompt_len
     if tokenizer is None or prompt is None:
         return list(range(min(limit, T)))
-    tokens = text_tokens(tokenizer, prompt, T, clean=run.layout.text_len == 0, prompt_start=run.layout.prompt_start)
-    return [i for i, t in enumerate(tokens) if t not in _SPECIAL and t.strip("▁")][:limit] or [0]
+    found: set[int] = set()
+    for word in dict.fromkeys(re.findall(r"\w+", prompt)):
+        try:
+            found.update(
+                word_positions(word, tokenizer, prompt, T, clean=lay.text_len == 0, prompt_start=lay.prompt_start)
+            )
+        except ValueError:  # cut off at T tokens, or changed by the pipeline's cleaning
+            continue
+    return sorted(found)[:limit] or [0]
 
 
 def _image_tokens(run, steps, limit: int = 4) -> list[int]:
@@ -51,7 +60,8 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
         run_path: a run folder written by ``cogattn.record(..., save_dir=...)``.
         folder: where the PNGs go (created).
         video: the decoded frames of the generation (list of PIL images or a tensor).
-        tokenizer, prompt: to label text tokens with their words.
+        tokenizer, prompt: to label text tokens with their words: the pipeline (its template and crop), a
+            ``words.PromptFormat`` (a call's own ``prompt_template``), or its tokenizer (the bare prompt).
         dpi (`int`, defaults to 90): resolution of the images.
 
     Returns:

@@ -67,6 +67,7 @@ __all__ = [
     "KNOWN",
     "TEXT_LEN",
     "layout_for_video",
+    "prompt_text",
     "read_call",
     "tiny_pipeline",
     "tiny_transformer",
@@ -224,6 +225,23 @@ def call_rules(cfg, config: dict) -> None:
             f"max_sequence_length: {n}; EasyAnimate's pipeline pads every prompt to {TEXT_LEN} tokens (its call "
             "takes no max_sequence_length): leave it out."
         )
+
+
+def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool = False):
+    """The ``length`` text tokens the transformer reads for ``prompt``, as ``EasyAnimatePipeline.encode_prompt``
+    makes them (``ModelSpec.prompt_text``): the prompt as the user's message in the tokenizer's chat
+    template with the generation prompt (Qwen2-VL's system and role tokens before it), padded on the right;
+    nothing is cropped. ``template`` is unused (the call takes none)."""
+    from ..words import in_template, kept, tokenize
+
+    tokenizer = pipeline.tokenizer
+
+    def chat(text: str) -> str:
+        message = {"role": "user", "content": [{"type": "text", "text": text}]}
+        return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+
+    text = in_template(prompt, chat)
+    return kept(tokenize(tokenizer, text.text, length, offsets, padding_side="right"), text)
 
 
 # -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------
@@ -389,4 +407,5 @@ SPEC = ModelSpec(
     frame_counts="1, 5, 9, ..., 49",
     call_rules=call_rules,
     empty_negative=True,  # its encode_prompt iterates over the negative prompt under guidance
+    prompt_text=prompt_text,
 )

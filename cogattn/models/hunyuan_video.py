@@ -100,6 +100,7 @@ __all__ = [
     "TINY_I2V_TEMPLATE",
     "image_tokens",
     "layout_for_video",
+    "prompt_text",
     "read_call",
     "tiny_pipeline",
     "tiny_transformer",
@@ -298,6 +299,40 @@ def image_tokens(text_len: int) -> int:
     return images if isinstance(length, int) and text_len == images + length - _ASSISTANT else 0
 
 
+def prompt_text(pipeline, prompt: str, length: int, template: dict | None = None, offsets: bool = False):
+    """The ``length`` text tokens the transformer reads for ``prompt``, as HunyuanVideo's pipelines make them
+    (``_get_llama_prompt_embeds``; ``ModelSpec.prompt_text``), image tokens not included.
+
+    The prompt goes in ``template`` (the call's ``prompt_template``; `None`: the default of the pipeline's
+    call, its module's ``DEFAULT_PROMPT_TEMPLATE``), is tokenized to ``crop_start`` + its length, and the
+    first ``crop_start`` tokens (the template's, the BOS among them) are cropped; image-to-video also crops
+    the 4 tokens before the last ``<|end_header_id|>``'s next one (``<|eot_id|>`` and the assistant header),
+    so its text is ``max_sequence_length − 4`` tokens.
+    """
+    from ..words import in_template, kept, pipeline_text, tokenize
+
+    tokenizer = pipeline.tokenizer
+    if template is None:
+        default = inspect.signature(pipeline.__call__).parameters.get("prompt_template")
+        if default is None or not isinstance(default.default, dict):  # a pipeline whose call takes no template
+            return pipeline_text(pipeline, prompt, length, None, offsets)
+        template = default.default
+    i2v = type(pipeline).__name__ == "HunyuanVideoImageToVideoPipeline" or "image_emb_len" in template
+    text = in_template(prompt, template["template"].format)
+    crop = template.get("crop_start")
+    if crop is None:  # the pipeline's own count: the template's tokens less its placeholder and closing ones
+        whole = tokenizer(template["template"], padding="max_length", return_attention_mask=False)
+        crop = len(whole["input_ids"]) - (5 if i2v else 2)
+    crop = max(int(crop), 0)
+    if not i2v or crop == 0:  # uncropped, image-to-video keeps the LLaVA tokens inside the text: not named
+        return kept(tokenize(tokenizer, text.text, length + crop, offsets), text, list(range(crop, length + crop)))
+    enc = tokenize(tokenizer, text.text, length + crop + _ASSISTANT, offsets)
+    ids, end = list(enc["input_ids"]), tokenizer.convert_tokens_to_ids("<|end_header_id|>")
+    heads = [i for i, t in enumerate(ids) if t == end]
+    after = heads[-1] + 1 if len(heads) not in (0, 2) else len(ids)  # two: the prompt cut the assistant header off
+    return kept(enc, text, list(range(crop, after - _ASSISTANT)) + list(range(after, len(ids))))
+
+
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
     """The layout of a HunyuanVideo pipeline call (``(num_frames − 1) // 4 + 1`` latent frames, 8× spatial);
     ``text_len`` is the call's ``max_sequence_length``. Image-to-video's text is the image tokens the
@@ -410,4 +445,5 @@ SPEC = ModelSpec(
     float32=("vae",),
     call_rules=call_rules,
     tiny_prompt_arguments={"prompt_template": {"template": "{}", "crop_start": 0}},  # the 95 cropped tokens are LLaMA's
+    prompt_text=prompt_text,
 )

@@ -396,4 +396,5 @@ SPEC = FramepackSpec(
     float32=("vae",),
     call_rules=call_rules,
     tiny_prompt_arguments={"prompt_template": {"template": "{}", "crop_start": 0}},  # the 95 cropped tokens are LLaMA's
+    prompt_text=hunyuan_video.prompt_text,  # the same LLaMA template and crop
 )

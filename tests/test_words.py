@@ -1,0 +1,255 @@
+"""Word labels name the tokens the transformer's text really holds: for the tiny pipeline of every family,
+the labels of ``cogattn.words`` (and the batch tool's ``prompt.json`` ``tokens``) are the tokens of the
+ids the pipeline's own ``encode_prompt`` hands on, read back through a text encoder that returns its
+input ids as its hidden states. Where a family wraps the prompt (HunyuanVideo's LLaMA template and crop,
+EasyAnimate's Qwen2-VL chat template), the tiny pipeline gets a tokenizer built to the real one's
+structure: a BOS token, the template's special tokens, a word split in two pieces, so that the released
+templates' ``crop_start`` (95, 103) counts exactly the tokens before the prompt."""
+
+import inspect
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import cogattn.models
+from cogattn import words
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPT = "a red fox running in the snow"
+hv = cogattn.models.hunyuan_video
+needs_hunyuan = pytest.mark.skipif(hv is None, reason="this diffusers has no HunyuanVideo")
+# Qwen2-VL's chat template, less its image and video parts
+QWEN_CHAT = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% for content in message['content'] %}{{ content['text'] }}"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer(texts, specials, bos: bool):
+    """A WordPiece tokenizer of the words of ``texts`` (LLaMA's structure: a BOS token, ``\\n\\n`` a token,
+    "behaviors" two pieces), padded on the right."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    pattern = r"\n+|\w+|[^\w\s]+"
+    found = {w for t in texts for w in re.findall(pattern, re.sub(r"<[|\w]+>", " ", t))} - {"behaviors"}
+    vocab = ["<pad>", "<s>", "<unk>", *specials, "behavior", "##s", *sorted(found)]
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>")
+    out.add_special_tokens({"additional_special_tokens": list(specials)})
+    return out
+
+
+def _llama(pipe):
+    """A LLaMA-structured tokenizer for a HunyuanVideo pipeline's default template."""
+    template = inspect.signature(pipe.__call__).parameters["prompt_template"].default
+    specials = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<image>"]
+    return _tokenizer([template["template"], PROMPT], specials, bos=True)
+
+
+def _qwen():
+    texts = ["system\nYou are a helpful assistant.\nuser\nassistant\n", PROMPT]
+    tok = _tokenizer(texts, ["<|im_start|>", "<|im_end|>"], bos=False)
+    tok.chat_template = QWEN_CHAT
+    return tok
+
+
+class _Out(tuple):
+    """A text encoder's output read every way a pipeline reads it ([0], .last_hidden_state, .hidden_states)."""
+
+
+def _spy(encoder, seen):
+    """Make ``encoder`` return its input ids as hidden states (channel 0; the ids it saw go in ``seen``)."""
+
+    def forward(input_ids=None, *args, **kwargs):
+        seen.append(input_ids)
+        h = input_ids[..., None].to(torch.float32).expand(*input_ids.shape, 4).clone()
+        out = _Out((h,))
+        out.last_hidden_state, out.hidden_states = h, (h,) * 4
+        return out
+
+    encoder.forward = forward
+
+
+def _transformer_ids(pipe, seen, **kwargs):
+    """The token ids of the text the transformer gets: the pipeline's prompt_embeds, channel 0."""
+    params = inspect.signature(pipe.encode_prompt).parameters
+    if "do_classifier_free_guidance" in params:
+        kwargs["do_classifier_free_guidance"] = False
+    with torch.no_grad():
+        emb = pipe.encode_prompt(prompt=PROMPT, **kwargs)[0]
+    assert seen, "the text encoder was not called"
+    return emb[0, :, 0].round().long().tolist()
+
+
+def _tiny(spec):
+    pipe = spec.tiny_pipeline(spec.tiny_tasks[0])
+    if spec.family.startswith("hunyuan_video"):
+        pipe.tokenizer = _llama(pipe)
+    elif spec.family == "easyanimate":
+        pipe.tokenizer = _qwen()
+    return pipe
+
+
+@pytest.mark.parametrize("spec", cogattn.models.FAMILIES, ids=lambda s: s.family)
+def test_labels_are_the_tokens_of_the_transformer_s_text(spec):
+    pipe, seen = _tiny(spec), []
+    _spy(pipe.text_encoder, seen)
+    takes_length = "max_sequence_length" in inspect.signature(pipe.encode_prompt).parameters
+    length = {"max_sequence_length": 24} if takes_length else {}
+    ids = _transformer_ids(pipe, seen, **length)
+    T = len(ids)
+    labels = words.text_tokens(pipe, PROMPT, T)
+    assert labels == pipe.tokenizer.convert_ids_to_tokens(ids)
+    fox = labels.index("fox")
+    assert words.word_positions("fox", pipe, PROMPT, T) == [fox]
+    assert words.word_positions("red fox", pipe, PROMPT, T) == [fox - 1, fox]
+
+
+@needs_hunyuan
+def test_hunyuan_video_labels_skip_the_cropped_template_and_its_bos():
+    pipe, seen = hv.tiny_pipeline(), []
+    pipe.tokenizer = _llama(pipe)
+    _spy(pipe.text_encoder, seen)
+    ids = _transformer_ids(pipe, seen, max_sequence_length=16)  # the default template, crop_start 95
+    assert len(seen[0][0]) == 95 + 16 and pipe.tokenizer.convert_ids_to_tokens(seen[0][0].tolist())[0] == "<s>"
+    names = words.text_tokens(pipe, PROMPT, 16)
+    assert names[:8] == ["a", "red", "fox", "running", "in", "the", "snow", "<|eot_id|>"]
+    assert names == pipe.tokenizer.convert_ids_to_tokens(ids)
+    assert words.word_positions("fox", pipe, PROMPT, 16) == [2]
+    assert words.text_tokens(pipe.tokenizer, PROMPT, 16)[:3] == ["<s>", "a", "red"]  # the bare prompt: one off
+    with pytest.raises(ValueError, match="word 'camera' is not among"):  # a word of the template, not the prompt
+        words.word_positions("camera", pipe, PROMPT, 16)
+    # a call's own template: crop_start left out, the pipeline counts it (the template's tokens less 2)
+    own = {"template": "<|start_header_id|>system<|end_header_id|>\n\nDescribe the video:<|eot_id|>"
+           "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"}  # fmt: skip
+    seen.clear()
+    ids = _transformer_ids(pipe, seen, max_sequence_length=16, prompt_template=own)
+    fmt = words.PromptFormat(pipe, own)
+    assert words.text_tokens(fmt, PROMPT, 16) == pipe.tokenizer.convert_ids_to_tokens(ids)
+    assert words.word_positions("fox", fmt, PROMPT, 16) == [ids.index(pipe.tokenizer.convert_tokens_to_ids("fox"))]
+
+
+@needs_hunyuan
+@pytest.mark.parametrize("length", [16, 9])  # 9: the prompt cuts the assistant header off
+def test_hunyuan_video_image_to_video_labels_follow_the_image_tokens(length):
+    import PIL.Image
+
+    if not hasattr(__import__("diffusers"), "HunyuanVideoImageToVideoPipeline"):
+        pytest.skip("this diffusers has no HunyuanVideo image-to-video")
+    pipe, seen = hv.tiny_pipeline("image-to-video"), []
+    pipe.tokenizer = _llama(pipe)
+    pipe.text_encoder.config.image_token_index = pipe.tokenizer.convert_tokens_to_ids("<image>")
+    _spy(pipe.text_encoder, seen)
+    image = PIL.Image.new("RGB", (48, 32))
+    ids = _transformer_ids(pipe, seen, image=image, max_sequence_length=length, image_embed_interleave=4)
+    n = 144  # of the default template's 576 LLaVA tokens, every 4th
+    assert len(ids) == n + length - 4 and set(ids[:n]) == {pipe.text_encoder.config.image_token_index}
+    names = words.text_tokens(pipe, PROMPT, len(ids), prompt_start=n)
+    assert names[:n] == [words.IMAGE_TOKEN] * n and names[n:] == pipe.tokenizer.convert_ids_to_tokens(ids[n:])
+    assert names[n : n + 3] == ["a", "red", "fox"]
+    assert words.word_positions("fox", pipe, PROMPT, len(ids), prompt_start=n) == [n + 2]
+    if length == 16:  # <|eot_id|> and the assistant header are cropped, the "\n\n" after them kept
+        assert names[n + 7 : n + 9] == ["\n\n", "<pad>"]
+
+
+@needs_hunyuan
+def test_the_tiny_image_to_video_template_of_a_call_is_followed():
+    import PIL.Image
+
+    if not hasattr(__import__("diffusers"), "HunyuanVideoImageToVideoPipeline"):
+        pytest.skip("this diffusers has no HunyuanVideo image-to-video")
+    pipe, seen = hv.tiny_pipeline("image-to-video"), []
+    _spy(pipe.text_encoder, seen)
+    image = PIL.Image.new("RGB", (48, 32))
+    call = dict(prompt_template=hv.TINY_I2V_TEMPLATE, max_sequence_length=12, image_embed_interleave=4)
+    ids = _transformer_ids(pipe, seen, image=image, **call)
+    fmt, n = words.PromptFormat(pipe, hv.TINY_I2V_TEMPLATE), 4  # of the tiny LLaVA's 16, every 4th
+    names = words.text_tokens(fmt, PROMPT, len(ids), prompt_start=n)
+    assert names[n:] == pipe.tokenizer.convert_ids_to_tokens(ids[n:]) and names[n : n + 3] == ["a", "red", "fox"]
+    assert words.word_positions("fox", fmt, PROMPT, len(ids), prompt_start=n) == [n + 2]
+
+
+def test_easyanimate_labels_hold_the_chat_template_s_role_tokens():
+    from cogattn.models import easyanimate
+
+    pipe, seen = easyanimate.tiny_pipeline(), []
+    pipe.tokenizer = _qwen()
+    _spy(pipe.text_encoder, seen)
+    ids = _transformer_ids(pipe, seen)
+    names = words.text_tokens(pipe, PROMPT, 256)
+    assert names == pipe.tokenizer.convert_ids_to_tokens(ids) and len(ids) == 256
+    assert names[:5] == ["<|im_start|>", "system", "\n", "You", "are"]
+    assert words.word_positions("fox", pipe, PROMPT, 256) == [16]  # after 14 tokens of the template
+    assert words.word_positions("fox", pipe.tokenizer, PROMPT, 256) == [2]  # the bare prompt: where it is not
+    with pytest.raises(ValueError, match="word 'helpful' is not among"):
+        words.word_positions("helpful", pipe, PROMPT, 256)
+
+
+def test_wan_labels_are_of_the_prompt_its_pipeline_cleans():
+    from cogattn.models import wan
+
+    pipe, seen = wan.tiny_pipeline(), []
+    _spy(pipe.text_encoder, seen)
+    messy = "a red  &amp;amp; fox"
+    with torch.no_grad():
+        ids = pipe.encode_prompt(prompt=messy, do_classifier_free_guidance=False, max_sequence_length=12)[0]
+    ids = ids[0, :, 0].long().tolist()
+    assert words.text_tokens(pipe, messy, 12) == pipe.tokenizer.convert_ids_to_tokens(ids)
+    assert words.text_tokens(pipe, messy, 12) == words.text_tokens(pipe.tokenizer, messy, 12, clean=True)
+    assert words.word_positions("fox", pipe, messy, 12) == [3]
+
+
+def test_a_source_that_is_not_a_pipeline_or_a_tokenizer_is_refused():
+    with pytest.raises(TypeError, match="str is not a pipeline, a PromptFormat or a tokenizer"):
+        words.text_tokens("pipe", PROMPT, 8)
+
+
+def test_the_batch_tool_writes_the_transformer_s_tokens(tmp_path, dump, monkeypatch):
+    """``prompt.json``'s ``tokens`` and the previews' words, for EasyAnimate's chat template."""
+    from cogattn.dump import cli, previews
+    from cogattn.models import easyanimate
+
+    seen, pipes = [], []
+    load = cli.load_pipeline
+
+    def loaded(cfg, device):
+        pipe = load(cfg, device)
+        pipe.tokenizer = _qwen()  # its words are ids of the tiny text encoder
+        original = pipe.text_encoder.forward
+        pipe.text_encoder.forward = lambda input_ids=None, **kw: seen.append(input_ids) or original(input_ids, **kw)
+        pipes.append(pipe)
+        return pipe
+
+    monkeypatch.setattr(cli, "load_pipeline", loaded)
+    (tmp_path / "p.txt").write_text(PROMPT + "\n")
+    config = easyanimate.__file__.replace("cogattn/models/easyanimate.py", "configs/tiny-easyanimate.yaml")
+    sets = [f"prompts={tmp_path / 'p.txt'}", f"save_dir={tmp_path / 'runs'}", "capture.kinds=[video_to_text]",
+            "num_inference_steps=1"]  # fmt: skip
+    dump(config, *[a for s in sets for a in ("--set", s)], check=0)
+    (meta_path,) = (tmp_path / "runs").rglob("prompt.json")
+    meta = json.loads(meta_path.read_text())
+    pipe = pipes[0]
+    assert meta["tokens"] == pipe.tokenizer.convert_ids_to_tokens(seen[0][0].tolist())
+    assert meta["tokens"][16] == "fox"
+    run = cogattn.load(meta_path.parent / "maps")
+    picked = previews._words(run, words.PromptFormat(pipe), PROMPT)
+    assert [meta["tokens"][i] for i in picked] == ["a", "red", "fox", "running"]
+
+
+def test_previews_pick_the_prompt_s_words():
+    run = SimpleNamespace(layout=SimpleNamespace(prompt_len=256, text_len=256, prompt_start=0))
+    from cogattn.dump import previews
+    from cogattn.models import easyanimate
+
+    pipe = easyanimate.tiny_pipeline()
+    pipe.tokenizer = _qwen()
+    assert previews._words(run, pipe, PROMPT) == [14, 15, 16, 17]
