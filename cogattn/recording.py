@@ -170,6 +170,11 @@ class Recording:
         low-noise ``"transformer_2"``); each step's layers are that transformer's blocks."""
         return [self._models.names[i] for i in self._steps.experts]
 
+    @property
+    def windows(self) -> list[int]:
+        """Per step, its window of the pipeline call: 0 but in a long video made in windows (SkyReels-V2)."""
+        return list(self._steps.windows)
+
     def _on_forward(self, module, args, kwargs):
         seen = self._steps.observe(module, self._models.index[id(module)], args, kwargs)
         if seen == "next":
@@ -186,12 +191,7 @@ class Recording:
             self._second_generation()
         elif seen == "reshaped" and not self._capture.stopped:
             self._capture.stopped = True  # its maps would not fit this generation's layout: none are mixed in
-            warnings.warn(
-                f"the pipeline went on with another video after {self._steps.describe()} (ChronoEdit drops its "
-                "temporal-reasoning frames part-way); the recording holds those steps, and later ones are not "
-                "recorded.",
-                stacklevel=4,
-            )
+            warnings.warn(self._steps.went_on(), stacklevel=4)
 
     def _second_generation(self) -> None:
         """A new generation began: one recording holds one generation, so it never mixes them. Inside a
@@ -213,7 +213,7 @@ class Recording:
     def _start(self, layout: TokenLayout, batch_size: int, device: torch.device) -> None:
         """First call of the generation: plan the capture (errors before any block runs)."""
         self._models.check_unsharded()
-        num_steps = self._steps.pipeline_attr("num_timesteps")
+        num_steps, most_steps = self._steps.step_counts()
         plan = plan_capture(
             self.options,
             self._shape,
@@ -232,7 +232,7 @@ class Recording:
             # with no multi-key kinds there is nothing to widen the values with: the lse alone is reused
             self._capture.joint_indicator = indicator if indicator.shape[1] else None
         if isinstance(self._store, RunWriter):
-            self._store.check_space([(b, n) for _, _, b, n in self.plan.records(num_steps)])
+            self._store.check_space([(b, n) for _, _, b, n in self.plan.records(most_steps)])
             self._store.write_meta(self._meta())
 
     def _meta(self) -> dict:
@@ -244,6 +244,7 @@ class Recording:
             "steps": len(self.timesteps),
             "layout": None if self.layout is None else dataclasses.asdict(self.layout),
             "timesteps": self.timesteps,
+            "windows": self.windows,
             "selection": {
                 **self.options.selection_meta(),
                 "batch_resolved": res and list(res.batch),

@@ -4,8 +4,12 @@ A recording registers one forward pre-hook on each transformer of the pipeline (
 take turns by step); every call passes through :meth:`StepTracker.observe`, which reads the latent
 grid, the batch size and the timestep (as the model family's ``read_call`` says) and tells whether the
 call starts the generation, continues it with the next step, is the step's second call (Wan's
-unconditional call under guidance), or starts another generation. It asks the pipeline (when there is one) for its guidance scale, its number of steps and
-its interrupt flag; a bare transformer tells none of them.
+unconditional call under guidance), or starts another generation. It asks the pipeline (when there is one)
+for its guidance scale, its number of steps and its interrupt flag; a bare transformer tells none of them.
+
+A pipeline that makes a long video in windows (SkyReels-V2's diffusion forcing) runs a denoising loop per
+window, its timesteps starting over: the family's ``window`` reader tells the call's next window from
+another generation, and the steps are numbered on across windows, each step's window kept beside it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ class StepTracker:
         self.left_out: str | None = None  # the running call's branch, where a guider perturbs the model for it
         self.timesteps: list[float] = []
         self.experts: list[int] = []  # per step, which of the pipeline's transformers ran it
+        self.windows: list[int] = []  # per step, the window of the pipeline call it belongs to
+        self.window: int | None = None  # the window running (a window of another grid too, unrecorded)
+        self.num_windows: int | None = None  # the windows of the pipeline call, `None` where it makes none
+        self.off_grid: tuple | None = None  # the grid of a window of another grid: nothing from it is recorded
+        self._window_start = 0  # the first step of the running window
         self.call = 0  # the call of the step now running: 0, or 1 for Wan's unconditional call
         self.layout: TokenLayout | None = None
         self.batch_size: int | None = None
@@ -80,13 +89,21 @@ class StepTracker:
         """Transformer calls each step makes: 2 for Wan under guidance (conditional, then unconditional)."""
         return self.spec.guidance_calls if self.guidance else 1
 
+    def read_window(self) -> tuple[int, int] | None:
+        """``(index, count)`` of the window running in the pipeline's call, as the family's ``window`` reader
+        tells it; `None` without a pipeline or a reader, or outside a windowed call."""
+        if self.pipeline is None or self.spec.window is None:
+            return None
+        return self.spec.window(self.pipeline)
+
     def observe(self, module, expert: int, args: tuple, kwargs: dict) -> str:
         """Read one call of ``module`` (the pipeline's transformer number ``expert``): ``"first"`` (the
         generation starts; :attr:`layout`, :attr:`batch_size` and :attr:`device` are set), ``"next"`` (a
-        later step; :attr:`timesteps` grows by one in both cases), ``"again"`` (the step's next call, as
-        Wan's unconditional call under guidance), ``"reshaped"`` (the pipeline's generation goes on, at a later
-        timestep, with another latent grid or batch: nothing changes), or ``"another"`` (a new generation;
-        nothing changes).
+        later step, the first of the pipeline call's next window too; :attr:`timesteps` grows by one in both
+        cases), ``"again"`` (the step's next call, as Wan's unconditional call under guidance),
+        ``"reshaped"`` (the pipeline's generation goes on, at a later timestep or in its next window, with
+        another latent grid or batch: nothing changes, and nothing after it is a step of this generation),
+        or ``"another"`` (a new generation; nothing changes).
         A modular pipeline's guider (:class:`cogattn.guiders.Branches`) may add calls for which it perturbs
         the model (skip-layer guidance): ``"extra"``, nothing changes and the call is not captured.
         Raises `RuntimeError` for another call at the timestep of the step before, which is not a
@@ -96,14 +113,14 @@ class StepTracker:
             return "extra"
         layout, batch_size, time, device = self.spec.read_call(module.config, args, kwargs)
         t = float(time)
+        window = self.read_window()
         if not self.timesteps:
             self.layout, self.batch_size, self.device = layout, batch_size, device
             guided = self.branches.guided(expert) if self.branches else None
             self._guidance = self.spec.guidance_on(self.pipeline) if guided is None else guided
             self._guidance_read = True
-            self.timesteps.append(t)
-            self.experts.append(expert)
-            self.call, self._time = 0, time
+            self.window, self.num_windows = window if window is not None else (0, None)
+            self._append(t, expert, time)
             return "first"
         # The same video and batch (a step's calls may differ in their text: negative embeddings of another length)
         same_call = (layout.grid, layout.text_len, batch_size) == (
@@ -111,12 +128,23 @@ class StepTracker:
             self.layout.text_len,
             self.batch_size,
         )
+        if window is not None and self.window is not None and window[0] > self.window:
+            # the pipeline call's next window: a denoising loop of its own, its timesteps starting over
+            self.window, self.call, self._time = window[0], 0, time
+            if not same_call or self.off_grid:
+                self.off_grid = self.off_grid or layout.grid
+                return "reshaped"
+            self._window_start = len(self.timesteps)
+            self._append(t, expert, time)
+            return "next"
+        if self.off_grid and window is not None and window[0] == self.window:
+            return "reshaped"  # a later call of the window of another grid
         same_time = time.same_step(self._time) if isinstance(time, StepTime) else t == float(self._time)
-        num_steps = self.pipeline_attr("num_timesteps")
+        num_steps = self.pipeline_attr("num_timesteps")  # of the running window, in a windowed call
         if same_call and same_time and self.call + 1 < self.calls_per_step:
             self.call += 1
             return "again"
-        more_steps = num_steps is None or len(self.timesteps) < num_steps
+        more_steps = num_steps is None or len(self.timesteps) - self._window_start < num_steps
         if not same_call and t < self.timesteps[-1] and more_steps and self.pipeline is not None:
             return "reshaped"  # the generation goes on with another video (ChronoEdit drops its reasoning frames)
         if not same_call or t > self.timesteps[-1] or not more_steps:
@@ -133,17 +161,45 @@ class StepTracker:
                 "one transformer call per denoising step. Batch such calls as the pipelines do "
                 "([uncond..., cond...]), or use one recording per call."
             )
+        self._append(t, expert, time)
+        return "next"
+
+    def _append(self, t: float, expert: int, time: float) -> None:
+        """A step begins: its timestep, expert and window kept; its first call running."""
         self.timesteps.append(t)
         self.experts.append(expert)
+        self.windows.append(self.window)
         self.call, self._time = 0, time
-        return "next"
 
     def forget(self) -> None:
         """Undo the first call (it was refused before any block ran)."""
         self.timesteps.clear()
         self.experts.clear()
+        self.windows.clear()
         self.layout = self.batch_size = self.device = self._guidance = self._time = None
-        self._guidance_read = False
+        self.window = self.num_windows = self.off_grid = None
+        self._guidance_read, self._window_start = False, 0
+
+    def step_counts(self) -> tuple[int | None, int | None]:
+        """``(steps, at most)`` of the generation, told at its first call: the pipeline's ``num_timesteps``
+        (`None` without a pipeline). A call made in windows runs a denoising loop per window, its steps
+        numbered on across them: ``(None, the first window's times the windows)``, the first having the most
+        (no overlap history is ready in it)."""
+        num_steps = self.pipeline_attr("num_timesteps")
+        if num_steps is None or (self.num_windows or 1) == 1:
+            return num_steps, num_steps
+        return None, num_steps * self.num_windows
+
+    def went_on(self) -> str:
+        """The warning for a generation that went on with another latent grid (``"reshaped"``)."""
+        what, why = "another video", "ChronoEdit drops its temporal-reasoning frames part-way"
+        if self.off_grid is not None:
+            what = f"window {self.window} of {self.num_windows}, of the latent grid {self.off_grid},"
+            why = "a long video's last window may hold fewer latent frames"
+        return (
+            f"the pipeline went on with {what} after {self.describe()} ({why}); the recording holds those steps, "
+            "and later ones are not recorded."
+        )
 
     def describe(self) -> str:
         """``"4 steps of a 2×(3, 3, 5) generation"``."""

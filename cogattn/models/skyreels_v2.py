@@ -9,15 +9,19 @@ Diffusion forcing (``SkyReelsV2DiffusionForcingPipeline`` with ``causal_block_si
 self-attention block-causally (a frame block attends itself and the blocks before it) and gives each frame
 its own timestep: capture applies the mask in row tiles (``processor.query_key_mask``), so masked keys hold
 exactly 0 in every kind, and a step's timestep is its largest frame's (asynchronous steps, ``ar_step`` > 0,
-are told apart by their frames' timesteps). A long video (``num_frames`` > ``base_num_frames``) is made in
-windows of other latent grids: one recording holds one, so the second window is refused as a second
-generation.
+are told apart by their frames' timesteps). A long video (``num_frames`` > ``base_num_frames``, with
+``overlap_history``) is made in windows, each a denoising loop over ``base_num_frames`` of latent frames whose
+first frames are the previous window's last (its overlap history); :func:`window` reads the running window
+from the pipeline call, so one recording numbers the steps on across windows and keeps each step's window
+(``Recording.windows``). A last window of fewer latent frames has another grid: a recording holds one, so
+it keeps the windows before it and warns.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -68,6 +72,7 @@ __all__ = [
     "tiny_diffusion_forcing_pipeline",
     "tiny_pipeline",
     "tiny_transformer",
+    "window",
 ]
 
 
@@ -105,7 +110,8 @@ def tiny_pipeline(task: str = "text-to-video", *, dtype: torch.dtype = torch.flo
 def tiny_diffusion_forcing_pipeline(*, dtype: torch.dtype = torch.float32, seed: int = 0, **size):
     """A random ``SkyReelsV2DiffusionForcingPipeline`` of the tiny pipeline's parts. Call it with
     ``causal_block_size=2``, ``num_frames=13`` (4 latent frames: two causal blocks) and ``base_num_frames=13``
-    for a block-causal mask."""
+    for a block-causal mask; ``num_frames=21`` and ``overlap_history=5`` besides make a long video of two
+    windows of 4 latent frames, the second starting with the first's last 2."""
     from diffusers import SkyReelsV2DiffusionForcingPipeline
 
     base = tiny_pipeline(dtype=dtype, seed=seed, **size)
@@ -113,6 +119,26 @@ def tiny_diffusion_forcing_pipeline(*, dtype: torch.dtype = torch.float32, seed:
     pipe = SkyReelsV2DiffusionForcingPipeline(**{k: v for k, v in base.components.items() if k in takes})
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def window(pipeline) -> tuple[int, int] | None:
+    """``(index, count)`` of the window running in ``pipeline``'s call (``ModelSpec.window``): the diffusion-
+    forcing pipelines loop over ``n_iter`` windows, counting them in a local of their ``__call__``
+    (``iter_idx``; video-to-video's ``long_video_iter``), which is on the stack at every transformer call.
+    `None` outside such a call (the text- and image-to-video pipelines, a bare transformer)."""
+    call = inspect.unwrap(type(pipeline).__call__)
+    code = getattr(call, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    found = frame.f_locals
+    index = found.get("iter_idx", found.get("long_video_iter"))
+    count = found.get("n_iter")
+    if not isinstance(index, int) or not isinstance(count, int):
+        return None
+    return index, count
 
 
 def call_rules(cfg, config: dict) -> None:
@@ -147,4 +173,5 @@ SPEC = ModelSpec(
     refused=wan.SPEC.refused,
     guidance_calls=2,
     call_rules=call_rules,
+    window=window,
 )
