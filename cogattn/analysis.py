@@ -21,7 +21,8 @@ both are refused with the steps of each (:func:`expert_steps`, :func:`check_one_
 
 Under classifier-free guidance the recorded batch may hold the unconditional items (the negative prompt's)
 beside the conditional ones (``batch="all"``). Every reader here shows the first conditional item unless told
-otherwise (``batch=None``, :func:`pick_item`), and :func:`item_label` names the item a figure shows.
+otherwise (``batch=None``, :func:`cogattn.items.pick_item`), and :func:`cogattn.items.item_label` names the
+item a figure shows.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import NotRecordedError
+from .items import pick_item
 from .reducers import REDUCERS
 from .run import MapSource, Run
 
@@ -41,8 +43,6 @@ __all__ = [
     "choose",
     "expert_steps",
     "head_positions",
-    "item_label",
-    "pick_item",
     "locate_query",
     "pick",
     "recorded",
@@ -230,51 +230,6 @@ def head_positions(head_ids: Sequence[int] | None, num_slots: int, heads: str | 
     return positions
 
 
-def pick_item(source: MapSource, batch: int | str | None = None) -> int:
-    """The slot of the results' batch axis that ``batch`` names: a slot index, ``"cond"`` or ``"uncond"``
-    (the first such item under guidance), or `None`: the first conditional item, else slot 0 (no guidance,
-    or a run that does not say). So a map shown under a prompt's words is the prompt's, never the
-    negative prompt's, unless asked for.
-
-    Raises:
-        ValueError: ``"cond"``/``"uncond"`` where no such item was recorded, or another word.
-        TypeError: ``batch`` is neither an integer, a word nor `None`.
-    """
-    roles = getattr(source, "batch_roles", None)
-    if batch is None:
-        return next((i for i, r in enumerate(roles or ()) if r != "uncond"), 0)
-    if isinstance(batch, str):
-        if batch not in ("cond", "uncond"):
-            raise ValueError(f"batch={batch!r}; pass a recorded slot index, 'cond' or 'uncond'.")
-        if not roles or batch not in roles:
-            raise ValueError(
-                f"batch={batch!r}, but the recorded items are {list(roles) if roles else 'not a guidance batch'}"
-                " (batch='all' under guidance records both halves); pass a slot index."
-            )
-        return roles.index(batch)
-    if isinstance(batch, bool):
-        raise TypeError(f"batch={batch!r}: pass a slot index, 'cond', 'uncond' or None.")
-    return operator.index(batch)
-
-
-def item_label(source: MapSource, batch: int | str | None = None) -> str:
-    """What slot ``batch`` (see :func:`pick_item`) of the results holds, for a figure's title: ``"batch item
-    N"``, and under guidance ``", conditional: '<prompt>'"`` or ``", unconditional: '<negative prompt>'"`` (the
-    texts from ``info`` where the recording kept them)."""
-    slot = pick_item(source, batch)
-    roles = getattr(source, "batch_roles", None) or ()
-    role = roles[slot] if 0 <= slot < len(roles) else None
-    if role is None:
-        return f"batch item {slot}"
-    name = f"batch item {slot}, {'conditional' if role == 'cond' else 'unconditional'}"
-    text = (getattr(source, "info", None) or {}).get("prompt" if role == "cond" else "negative_prompt")
-    if not isinstance(text, str):
-        return name
-    text = " ".join(text.split())
-    text = text if len(text) <= 48 else text[:47] + "…"
-    return f"{name}: {text!r}" if text else f"{name}: the empty prompt"
-
-
 def skipped_pairs(source: MapSource, kind: str, steps: Sequence[int], layers: Sequence[int]) -> set[tuple[int, int]]:
     """The ``(step, layer)`` among ``steps`` × ``layers`` that hold no ``kind`` record because a cache skipped
     that attention (``source.skipped``): averages leave them out, and figures say how many."""
@@ -315,7 +270,7 @@ def aggregate(
         heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): model head indices.
         batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis, or the first
             conditional / unconditional item; by default the first conditional item under guidance (the
-            prompt's, not the negative prompt's), else slot 0 (:func:`pick_item`).
+            prompt's, not the negative prompt's), else slot 0 (:func:`cogattn.items.pick_item`).
         row (`int | slice`, *optional*): one row of the kind's first axis after the heads (a text token of
             ``video_to_text``, a query token of ``full``, a query of ``query``), dropped from the result, or
             a slice of rows, kept as an axis. From a run on disk only those rows are read (memory-mapped

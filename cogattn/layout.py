@@ -230,6 +230,28 @@ class TokenLayout:
         video = torch.arange(first, self.frames + first, device=device).repeat_interleave(self.frame_tokens)
         return torch.cat([text, video] if self.text_position == "start" else [video, text])
 
+    def tile_counts(self, tile_shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Tiles of ``tile_shape`` (latent frames, patch rows, patch columns) along each axis of the grid:
+        ``(⌈F / t⌉, ⌈Hp / h⌉, ⌈Wp / w⌉)``, the edge tiles smaller."""
+        return tuple(-(-n // size) for n, size in zip(self.grid, tile_shape))
+
+    def tile_of_token(self, tile_shape: tuple[int, int, int], device=None) -> torch.Tensor:
+        """Tile group of every token, shape ``(S,)``: 0 for the text (wherever it sits; no text group without
+        text), then the video's 3-D tiles of ``tile_shape`` in (t, y, x) row-major order. Refused with video
+        tokens off the grid. ``tile_shape=(1, Hp, Wp)`` gives :meth:`group_of_token`."""
+        if self.history_len:
+            raise ValueError(
+                f"{self.history_len} video tokens of this layout are off the latent grid (history latents): "
+                "they belong to no tile, so the sequence has no tile groups."
+            )
+        t, h, w = tile_shape
+        _, nh, nw = self.tile_counts(tile_shape)
+        f, y, x = (torch.arange(n, device=device) for n in self.grid)
+        tile = ((f // t)[:, None, None] * nh + (y // h)[None, :, None]) * nw + (x // w)[None, None, :]
+        video = tile.flatten() + self.text_groups
+        text = torch.zeros(self.text_len, dtype=torch.long, device=device)
+        return torch.cat([text, video] if self.text_position == "start" else [video, text])
+
     def group_sizes(self) -> list[int]:
         """Tokens in each frame group, in group order: ``[T, Hp·Wp, ..., Hp·Wp]`` (no text entry without text)."""
         return [self.text_len] * self.text_groups + [self.frame_tokens] * self.frames

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import torch
 
@@ -21,6 +22,7 @@ __all__ = [
     "check_host",
     "context_tile",
     "host_available",
+    "parse_bytes",
     "pooled_bytes",
     "row_tile_bytes",
     "too_small",
@@ -32,6 +34,37 @@ __all__ = [
 _F32 = 4
 _RESERVE = 16 * 2**20  # at most this much of the budget is kept back as headroom
 CPU_ROW_TILE = 8 * 2**20  # a CPU's row tile of scores: cache-sized (docs/benchmarks.md)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """Parse a byte count: an int, or a string such as ``"1GiB"``, ``"512 MB"``, ``"2e9"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"memory_budget must be an int (bytes) or a string like '1GiB', got {value!r}.")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"memory_budget={value!r} is not a byte size; use bytes or a number with a unit "
+                f"({', '.join(u for u in _UNITS if u)}), e.g. '1GiB'."
+            )
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"memory_budget={value!r} is less than one byte; give a size such as '1GiB'.")
+    return n
 
 
 def host_available() -> int | None:

@@ -14,34 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .items import item_role
 from .layout import TokenLayout
+from .memory import parse_bytes
 from .reducers import REDUCERS
 
-__all__ = ["CaptureOptions", "Resolved", "parse_bytes", "METHODS", "LAYER_OUTPUTS", "STORAGE_DTYPES"]
+__all__ = ["CaptureOptions", "Resolved", "METHODS", "LAYER_OUTPUTS", "STORAGE_DTYPES"]
 
 METHODS = ("auto", "rows", "sdpa", "triton")
 LAYER_OUTPUTS = ("stock", "lse", "joint")
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BATCH_WORDS = ("auto", "all", "cond", "uncond")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 
 @dataclass(frozen=True)
@@ -76,6 +65,8 @@ class CaptureOptions:
             ``[(2, 1, 4)]`` for the point.
         block_size (`int`, defaults to 128): tokens per block of the ``block`` kind (runs of tokens in the
             model's order from token 0; the last may be shorter).
+        tile_shape (`tuple[int, int, int]`, defaults to ``(4, 4, 4)``): latent frames × patch rows × patch
+            columns of each 3-D tile of the ``tile`` kind (the grid's edge tiles are smaller).
         topk (`int`, defaults to 32): how many of each row's largest probabilities ``topk`` keeps (at
             most S).
         memory_budget (`int | str`, defaults to ``"1GiB"``): bound on the transient working memory of
@@ -125,6 +116,7 @@ class CaptureOptions:
     heads: str | int | Sequence[int] = "mean"
     queries: int | Sequence[int | tuple[int, int, int]] | None = None
     block_size: int = 128
+    tile_shape: tuple[int, int, int] = (4, 4, 4)
     topk: int = 32
     memory_budget: int | str = "1GiB"
     method: str = "auto"
@@ -161,6 +153,12 @@ class CaptureOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        tile = self.tile_shape
+        if not isinstance(tile, (list, tuple)) or len(tile) != 3 or not all(_is_index(n) and n >= 1 for n in tile):
+            raise ValueError(
+                f"tile_shape={tile!r}; pass 3 positive ints (latent frames, patch rows, patch columns), e.g. (1, 8, 8) "
+                "for Sliding Tile Attention's spatial tiles or (4, 4, 4) for VSA's cubes."
+            )
         for flag in ("overwrite", "verify"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}.")
@@ -175,6 +173,7 @@ class CaptureOptions:
             batch=_indices("batch", self.batch, None, BATCH_WORDS),
             heads=_indices("heads", self.heads, None, ("all", "mean")),
             queries=queries,
+            tile_shape=tuple(int(n) for n in self.tile_shape),
             memory_budget=parse_bytes(self.memory_budget),
             save_dir=None if self.save_dir is None else Path(self.save_dir).expanduser(),
             info=dict(self.info or {}),
@@ -231,6 +230,7 @@ class CaptureOptions:
             "heads",
             "queries",
             "block_size",
+            "tile_shape",
             "topk",
             "memory_budget",
             "method",
@@ -314,34 +314,6 @@ class Resolved:
     heads: tuple[int, ...]
     mean_heads: bool
     queries: torch.Tensor | None
-
-
-def item_role(item: int, batch_size: int, guidance: bool | None) -> str | None:
-    """What transformer batch item ``item`` is: ``"uncond"`` (the negative prompt's) or ``"cond"`` (the
-    prompt's) in a guidance batch ``[uncond..., cond...]``; `None` without guidance, or where it is unknown
-    (a bare transformer)."""
-    if not guidance or batch_size < 2 or batch_size % 2:
-        return None
-    return "uncond" if item < batch_size // 2 else "cond"
-
-
-def parse_bytes(value: int | str) -> int:
-    """Parse a byte count: an int, or a string such as ``"1GiB"``, ``"512 MB"``, ``"2e9"``."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"memory_budget must be an int (bytes) or a string like '1GiB', got {value!r}.")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(
-                f"memory_budget={value!r} is not a byte size; use bytes or a number with a unit "
-                f"({', '.join(u for u in _UNITS if u)}), e.g. '1GiB'."
-            )
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ValueError(f"memory_budget={value!r} is less than one byte; give a size such as '1GiB'.")
-    return n
 
 
 def _choice(name: str, value, choices: Sequence[str]) -> None:

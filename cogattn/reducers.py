@@ -20,7 +20,6 @@ the class.
 
 from __future__ import annotations
 
-import bisect
 import math
 from typing import ClassVar, NamedTuple
 
@@ -38,6 +37,7 @@ __all__ = [
     "QueryReducer",
     "QueryFrameReducer",
     "BlockReducer",
+    "TileReducer",
     "EntropyReducer",
     "ReceivedReducer",
     "TopK",
@@ -74,12 +74,13 @@ class Reducer:
         *,
         block_size: int = 128,
         topk: int = 32,
+        tile_shape: tuple[int, int, int] = (4, 4, 4),
     ):
         self.layout = layout
         self.num_heads = num_heads
         self.mean_heads = mean_heads
         self.out_heads = 1 if mean_heads else num_heads
-        self.block_size, self.topk = block_size, topk
+        self.block_size, self.topk, self.tile_shape = block_size, topk, tuple(tile_shape)
 
     @property
     def mean_rows(self) -> bool:
@@ -204,10 +205,8 @@ class FrameReducer(Reducer):
 
     def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
         super().__init__(layout, num_heads, mean_heads, **sizes)
-        self.key_groups = self._groups()
-        # query groups: the same runs of tokens, in sequence order (the text group last when it sits last)
-        self._runs = sorted((a, b, g) for g, (a, b) in enumerate(self.key_groups.runs))
-        self._starts = [a for a, _, _ in self._runs]
+        self.key_groups = self._groups()  # every token is a key; queries pool by the same groups
+        self._weights: dict = {}  # (query limit, device) → each token's group and 1 / (formed queries of it)
 
     def _groups(self) -> KeyGroups:
         layout = self.layout
@@ -217,19 +216,30 @@ class FrameReducer(Reducer):
         G = self.key_groups.num_groups
         return (num_batch, self.out_heads, G, G)
 
+    def _weight(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (self.query_limit, str(device))
+        if key not in self._weights:
+            group = self.key_groups.groups
+            formed = group[: self.query_limit]  # a query limit leaves out rows the model never forms
+            counts = torch.bincount(formed, minlength=self.key_groups.num_groups).clamp_(min=1)
+            self._weights[key] = (group.to(device), (1.0 / counts.double()).float()[group].to(device))
+        return self._weights[key]
+
     def fold_pooled(self, out, h0, r0, pooled):
-        # A sum over each query group's run of rows (deterministic, where index_add_ on CUDA is not), for
-        # the groups the tile's rows overlap only: no (G, G) temporary per tile.
-        # A mean over the group's formed queries (a query limit leaves out rows the model never forms).
-        r, limit = pooled.shape[1], self.query_limit
-        n = max(0, bisect.bisect_right(self._starts, r0) - 1)
-        while n < len(self._runs) and self._runs[n][0] < r0 + r:
-            start, end, g = self._runs[n]
-            formed = end - start if limit is None else min(end, limit) - start
-            a, b = max(start, r0), min(end, r0 + r, end if limit is None else limit)
-            if a < b:
-                self._accumulate(out[:, g], h0, pooled[:, a - r0 : b - r0].sum(1).mul_(1.0 / formed))
-            n += 1
+        # The rows of each group the tile meets are averaged by a (groups met × rows) weight matrix: groups
+        # need not be runs of tokens (3-D tiles), the sum is deterministic, and no (G, G) temporary is made.
+        end = r0 + pooled.shape[1] if self.query_limit is None else min(r0 + pooled.shape[1], self.query_limit)
+        if end <= r0:
+            return
+        group, weight = self._weight(pooled.device)
+        met, inverse = torch.unique(group[r0:end], return_inverse=True)
+        pool = torch.zeros(len(met), end - r0, dtype=pooled.dtype, device=pooled.device)
+        pool.scatter_(0, inverse[None], weight[r0:end][None].to(pooled.dtype))
+        means = pool @ pooled[:, : end - r0]  # (h, groups met, G)
+        if self.mean_heads:
+            out[0, met] += means.sum(0) / self.num_heads
+        else:
+            out[h0 : h0 + means.shape[0], met] += means
 
 
 class BlockReducer(FrameReducer):
@@ -243,6 +253,19 @@ class BlockReducer(FrameReducer):
     def _groups(self) -> KeyGroups:
         S, size = self.layout.seq_len, self.block_size
         return KeyGroups(torch.arange(S), torch.arange(S) // size, math.ceil(S / size))
+
+
+class TileReducer(FrameReducer):
+    """``tile``: ``(B, H, N, N)``: group 0 the text (where the sequence has text), then the video's 3-D tiles of
+    ``tile_shape`` (latent frames, patch rows, patch columns) in (t, y, x) row-major order, the edge tiles
+    smaller (Sliding Tile Attention's and VSA's tiles); as ``frame`` otherwise, which ``(1, Hp, Wp)`` gives."""
+
+    kind = "tile"
+    dims = ("query tile", "key tile")
+
+    def _groups(self) -> KeyGroups:
+        group = self.layout.tile_of_token(self.tile_shape)
+        return KeyGroups(torch.arange(self.layout.seq_len), group, int(group.max()) + 1)
 
 
 class QueryFrameReducer(Reducer):
@@ -391,6 +414,7 @@ REDUCERS: dict[str, type[Reducer]] = {
         ReceivedReducer,
         QueryFrameReducer,
         BlockReducer,
+        TileReducer,
         TopKReducer,
     )
 }

@@ -47,11 +47,13 @@ def naive_kind(
     block_size: int = 128,
     topk: int = 32,
     text_at_end: bool = False,
+    tile_shape: tuple[int, int, int] = (4, 4, 4),
 ) -> torch.Tensor:
     """One kind from full probabilities ``P`` ``(B, H, S, S)``: ``T`` text tokens before the video (after it
     with ``text_at_end``), the latent ``grid`` ``(F, Hp, Wp)``, the ``query`` kind's token indices
-    ``queries``, the ``block`` kind's ``block_size`` and ``topk``'s k (``topk``: ``(B, H, S, k, 2)``, values
-    and key indices, as stored). Frame group 0 is the text (when there is text), group ``f + 1`` frame f."""
+    ``queries``, the ``block`` kind's ``block_size``, ``topk``'s k (``topk``: ``(B, H, S, k, 2)``, values
+    and key indices, as stored) and the ``tile`` kind's ``tile_shape``. Frame group 0 is the text (when there
+    is text), group ``f + 1`` frame f; tile group 0 the text, then the tiles in (t, y, x) order."""
     B, H, S, _ = P.shape
     F, Hp, Wp = grid
     V = F * Hp * Wp
@@ -77,12 +79,27 @@ def naive_kind(
         return P[:, :, video, text].permute(0, 1, 3, 2).reshape(B, H, T, F, Hp, Wp)
     if kind == "text_to_video":
         return P[:, :, text, video].reshape(B, H, T, F, Hp, Wp)
-    if kind in ("frame", "block"):
+    if kind == "tile":  # a tile's tokens are runs of patch rows in several frames: token lists
+        t, h, w = tile_shape
+        groups = [list(range(t0, t0 + T))] if T else []
+        for f0 in range(0, F, t):
+            for y0 in range(0, Hp, h):
+                for x0 in range(0, Wp, w):
+                    groups.append(
+                        [
+                            v0 + (f * Hp + y) * Wp + x
+                            for f in range(f0, min(f0 + t, F))
+                            for y in range(y0, min(y0 + h, Hp))
+                            for x in range(x0, min(x0 + w, Wp))
+                        ]
+                    )
+    if kind in ("frame", "block", "tile"):
+        groups = [g if isinstance(g, list) else list(range(*g)) for g in groups]
         G = len(groups)
         out = torch.empty(B, H, G, G, dtype=P.dtype)
-        for g, (a, b) in enumerate(groups):
-            for h, (c, d) in enumerate(groups):
-                out[:, :, g, h] = P[:, :, a:b, c:d].sum(-1).mean(-1)
+        for g, rows in enumerate(groups):
+            for n, cols in enumerate(groups):
+                out[:, :, g, n] = P[:, :, rows][..., cols].sum(-1).mean(-1)
         return out
     raise ValueError(kind)
 

@@ -12,7 +12,7 @@ from cogattn.reducers import REDUCERS
 
 LAYOUTS = [TokenLayout(8, 3, 3, 5), TokenLayout(5, 2, 7, 3), TokenLayout(3, 1, 1, 1)]
 KINDS = list(COGVIDEOX.kinds())  # the kinds of a joint text + video attention
-SIZES = dict(block_size=7, topk=4)  # blocks that do not divide S; fewer than S keys kept
+SIZES = dict(block_size=7, topk=4, tile_shape=(2, 2, 3))  # blocks and tiles that do not divide S or the grid
 
 
 def _run(q, k, layout, kinds, heads_mean, budget, path, queries=None):

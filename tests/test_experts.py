@@ -58,7 +58,10 @@ def wan(tmp_path_factory):
     return rec, cogattn.load(folder)
 
 
-def by_hand(source, kind, steps, layers=LAYERS, item=0) -> torch.Tensor:
+COND = 1  # the conditional item of the guidance batch [uncond, cond]: what readers show by default
+
+
+def by_hand(source, kind, steps, layers=LAYERS, item=COND) -> torch.Tensor:
     """The mean over ``steps`` × ``layers`` of one item's records (heads kept), from plain ``get`` calls."""
     return torch.stack([source.get(kind, s, la)[item] for s in steps for la in layers]).double().mean(0)
 
@@ -94,7 +97,9 @@ def test_a_cogvideox_table_says_transformer():
         generate(pipe, steps=2)
     table = head_table(rec)
     assert table["expert"].tolist() == ["transformer"] * len(table) and len(table) == 2 * 2  # steps × layers
-    assert aggregate(rec, "frame").numpy() == pytest.approx(by_hand(rec, "frame", [0, 1]).mean(0).numpy(), abs=1e-6)
+    assert aggregate(rec, "frame").numpy() == pytest.approx(
+        by_hand(rec, "frame", [0, 1], item=0).mean(0).numpy(), abs=1e-6
+    )
 
 
 # -- aggregate -------------------------------------------------------------------------------------
@@ -153,7 +158,7 @@ def test_decay_curves_keep_to_one_expert(wan):
     curves = [ln for ax in fig.axes for ln in ax.lines if ln.get_gid() == CURVE_GID]
     assert len(curves) == 2 and "transformer" in fig.get_suptitle()
     for layer, ln in zip(LAYERS, curves):
-        frames = torch.stack([rec.get("frame", s, layer)[0] for s in (0, 1)]).double()
+        frames = torch.stack([rec.get("frame", s, layer)[COND] for s in (0, 1)]).double()
         assert np.allclose(ln.get_ydata(), dt_by_hand(frames).mean((0, 1)).numpy(), atol=1e-6)
     per_step = plot.decay_curves(rec, by="step")  # one curve per step: no average over steps
     labels = [ln.get_label() for ax in per_step.axes for ln in ax.lines if ln.get_gid() == CURVE_GID]

@@ -12,9 +12,9 @@ import torch
 
 import cogattn
 from cogattn import plot
-from cogattn.analysis import aggregate, item_label, pick_item
+from cogattn.analysis import aggregate
+from cogattn.items import item_label, item_role, pick_item
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.options import item_role
 from tests.tiny_calls import PROMPT, generate
 
 pytestmark = pytest.mark.usefixtures("forget_accelerate_state", "one_thread")

@@ -36,7 +36,7 @@ __all__ = [
 FAMILIES: list[ModelSpec] = []
 UNAVAILABLE: dict[str, Unavailable] = {}  # family → what it needs, where this diffusers lacks its attention modules
 for _found in pkgutil.iter_modules(__path__):  # every module of this package but these is a family
-    if _found.name in ("spec", "tiny_text") or _found.name.startswith("_"):  # a family's private part
+    if _found.name in ("spec", "tiny_text", "prompt_text") or _found.name.startswith("_"):  # a family's private part
         continue
     try:
         _module = importlib.import_module(f"{__name__}.{_found.name}")

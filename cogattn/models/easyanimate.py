@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..layout import TokenLayout
 from ..processor import MapSink
+from .prompt_text import in_template, kept, tokenize
 from .spec import ModelSpec, Site, Unavailable
 from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
 
@@ -232,8 +233,6 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
     makes them (``ModelSpec.prompt_text``): the prompt as the user's message in the tokenizer's chat
     template with the generation prompt (Qwen2-VL's system and role tokens before it), padded on the right;
     nothing is cropped. ``template`` is unused (the call takes none)."""
-    from ..words import in_template, kept, tokenize
-
     tokenizer = pipeline.tokenizer
 
     def chat(text: str) -> str:

@@ -89,6 +89,7 @@ DISPATCH = hasattr(HunyuanVideoAttnProcessor2_0, "_attention_backend")
 if DISPATCH:
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 from ._hunyuan_video_sdpa import HunyuanVideoAttnMapProcessorSDPA  # noqa: E402
+from ._hunyuan_video_text import ASSISTANT_TOKENS, prompt_text  # noqa: E402
 from ._hunyuan_video_tiny import TINY_I2V_TEMPLATE, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 
 __all__ = [
@@ -108,7 +109,6 @@ __all__ = [
 
 TEXT_LEN = 256  # LLaMA tokens after the prompt template is cropped (the pipelines' max_sequence_length)
 IMAGE_EMBEDS = 576  # LLaVA's tokens of an image (24 × 24 patches), of which image-to-video keeps every 2nd or 4th
-_ASSISTANT = 4  # tokens of the image-to-video template's assistant header, cropped after the prompt
 _INTERLEAVE = {"latent_concat": 2, "token_replace": 4}  # the pipeline's image_embed_interleave by default
 
 
@@ -296,41 +296,7 @@ def image_tokens(text_len: int) -> int:
     if call.get("prompt") is not None:
         return images if images <= text_len else 0
     length = call.get("max_sequence_length", TEXT_LEN)
-    return images if isinstance(length, int) and text_len == images + length - _ASSISTANT else 0
-
-
-def prompt_text(pipeline, prompt: str, length: int, template: dict | None = None, offsets: bool = False):
-    """The ``length`` text tokens the transformer reads for ``prompt``, as HunyuanVideo's pipelines make them
-    (``_get_llama_prompt_embeds``; ``ModelSpec.prompt_text``), image tokens not included.
-
-    The prompt goes in ``template`` (the call's ``prompt_template``; `None`: the default of the pipeline's
-    call, its module's ``DEFAULT_PROMPT_TEMPLATE``), is tokenized to ``crop_start`` + its length, and the
-    first ``crop_start`` tokens (the template's, the BOS among them) are cropped; image-to-video also crops
-    the 4 tokens before the last ``<|end_header_id|>``'s next one (``<|eot_id|>`` and the assistant header),
-    so its text is ``max_sequence_length − 4`` tokens.
-    """
-    from ..words import in_template, kept, pipeline_text, tokenize
-
-    tokenizer = pipeline.tokenizer
-    if template is None:
-        default = inspect.signature(pipeline.__call__).parameters.get("prompt_template")
-        if default is None or not isinstance(default.default, dict):  # a pipeline whose call takes no template
-            return pipeline_text(pipeline, prompt, length, None, offsets)
-        template = default.default
-    i2v = type(pipeline).__name__ == "HunyuanVideoImageToVideoPipeline" or "image_emb_len" in template
-    text = in_template(prompt, template["template"].format)
-    crop = template.get("crop_start")
-    if crop is None:  # the pipeline's own count: the template's tokens less its placeholder and closing ones
-        whole = tokenizer(template["template"], padding="max_length", return_attention_mask=False)
-        crop = len(whole["input_ids"]) - (5 if i2v else 2)
-    crop = max(int(crop), 0)
-    if not i2v or crop == 0:  # uncropped, image-to-video keeps the LLaVA tokens inside the text: not named
-        return kept(tokenize(tokenizer, text.text, length + crop, offsets), text, list(range(crop, length + crop)))
-    enc = tokenize(tokenizer, text.text, length + crop + _ASSISTANT, offsets)
-    ids, end = list(enc["input_ids"]), tokenizer.convert_tokens_to_ids("<|end_header_id|>")
-    heads = [i for i, t in enumerate(ids) if t == end]
-    after = heads[-1] + 1 if len(heads) not in (0, 2) else len(ids)  # two: the prompt cut the assistant header off
-    return kept(enc, text, list(range(crop, after - _ASSISTANT)) + list(range(after, len(ids))))
+    return images if isinstance(length, int) and text_len == images + length - ASSISTANT_TOKENS else 0
 
 
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
@@ -346,7 +312,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         num_frames,
         height,
         width,
-        images + max(text_len - _ASSISTANT, 0) if images else text_len,
+        images + max(text_len - ASSISTANT_TOKENS, 0) if images else text_len,
         int(config["patch_size"]),
         p_t if p_t > 1 else None,
         image_len=images,

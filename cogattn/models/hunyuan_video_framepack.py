@@ -17,7 +17,7 @@ after the video: the image's SigLIP tokens (an image embedding in the joint atte
 then the prompt's tokens; ``Recording.text_lengths`` counts both.
 
 The history tokens belong to no latent frame of the window, so the kinds that pool over frame groups or
-index the grid (``frame``, ``query_frame``, ``video_to_text``, ``text_to_video``) are refused; ``full``,
+index the grid (``frame``, ``query_frame``, ``tile``, ``video_to_text``, ``text_to_video``) are refused; ``full``,
 ``query``, ``entropy``, ``received``, ``block`` and ``topk`` are exact over every token. With one video in
 the call the transformer drops the padded text instead of masking it (the sequence is ``V + I + T_valid``
 long): the processor hands the recording the layout's whole sequence, zero-padded, with that count of keys
@@ -383,6 +383,7 @@ SPEC = FramepackSpec(
         "video_to_text": f"{_OFF_GRID}, and its condition tokens are the image's and the text's; query (video "
         "points address the window's grid) or full give a video token's attention to them.",
         "text_to_video": f"{_OFF_GRID}; query or full give a text token's whole row.",
+        "tile": f"{_OFF_GRID}, so its tokens do not split into 3-D tiles; block pools runs of tokens of every token.",
         "video_to_image": "FramePack has no image cross-attention: its SigLIP image tokens are keys of the joint "
         "attention, the first tokens of the layout's text (query or full give them).",
     },

@@ -145,10 +145,10 @@ class ModelSpec:
         empty_negative (`bool`): whether its pipeline needs a negative prompt under guidance (EasyAnimate's
             reads it unguarded): the batch tool then passes the empty one where a prompt has none.
         prompt_text (`Callable | None`): ``(pipeline, prompt, length, template, offsets)`` → the
-            `cogattn.words.PromptText` of the ``length`` text tokens the transformer reads for ``prompt``, as
+            `cogattn.models.prompt_text.PromptText` of the ``length`` text tokens the transformer reads for ``prompt``, as
             the family's pipeline makes them (its template and crop; ``template`` is the call's
             ``prompt_template``, `None` for the pipeline's default; ``offsets``: with character offsets);
-            left out: the tokenizer on the prompt alone (``cogattn.words.pipeline_text``).
+            left out: the tokenizer on the prompt alone (``cogattn.models.prompt_text.pipeline_text``).
         batch_refusal (`str`): why the batch tool plans (``--dry-run``) but does not run the family's
             checkpoints (Wan Animate: its call needs videos a prompts file does not give); empty: it runs them.
         window (`Callable | None`): ``pipeline`` → ``(index, count)`` of the window running in its call, where

@@ -61,7 +61,7 @@ def frame_heatmap(
         heads (`"mean" | "all" | int | Sequence[int]`, defaults to ``"mean"``): heads; ``"all"`` or a
             list draws one panel per head.
         batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
-            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
+            first conditional item under guidance, else slot 0 (:func:`cogattn.items.pick_item`).
         num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video, to name the pixel
             frames of each latent frame (CogVideoX 1.0 infers it; 1.5 needs it).
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
@@ -147,7 +147,7 @@ def layer_step_grid(
             for a real model: 50 steps × 30 layers is 1,500 panels); an expert's name takes its steps.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
-            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
+            first conditional item under guidance, else slot 0 (:func:`cogattn.items.pick_item`).
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits.
         fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.

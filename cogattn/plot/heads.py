@@ -14,8 +14,9 @@ from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..analysis import check_one_expert, item_label, pick_item
+from ..analysis import check_one_expert
 from ..head_stats import TABLE_KINDS, LabelRule, expert_steps_of, head_table, label_row, temporal_decay
+from ..items import item_label, pick_item
 from ..run import MapSource
 from .style import CMAP, MAP_GID, color_norms, frame_unit, new_figure, set_title, span_text
 

@@ -232,7 +232,7 @@ def word_heatmap(
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
-            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
+            first conditional item under guidance, else slot 0 (:func:`cogattn.items.pick_item`).
         num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video when no video is
             given (names the pixel frames of each latent frame).
         scale (`str`, defaults to ``"linear"``): ``"linear"`` or ``"log"``.
@@ -335,7 +335,7 @@ def query_map(
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
-            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
+            first conditional item under guidance, else slot 0 (:func:`cogattn.items.pick_item`).
         num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video when no video is
             given.
         scale (`str`, defaults to ``"linear"``): ``"log"`` shows the long tail.

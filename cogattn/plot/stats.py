@@ -12,7 +12,8 @@ import torch
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
-from ..analysis import aggregate, choose, pick_item
+from ..analysis import aggregate, choose
+from ..items import pick_item
 from ..masks import mask_recall
 from ..run import MapSource
 from .overlays import token_figure
@@ -80,7 +81,7 @@ def token_stat(
             expert's (Wan 2.2 A14B: ``steps="transformer"`` or ``"transformer_2"`` takes its steps).
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
-            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
+            first conditional item under guidance, else slot 0 (:func:`cogattn.items.pick_item`).
         sinks (`int`, defaults to 5): how many top receivers to mark for ``received`` (0: none).
         num_pixel_frames (`int | None`, defaults to `None`): frames of the decoded video when no video is
             given.
@@ -216,7 +217,7 @@ def block_map(
             expert's (Wan 2.2 A14B: ``steps="transformer"`` or ``"transformer_2"`` takes its steps).
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
-            first conditional item under guidance, else slot 0 (:func:`cogattn.analysis.pick_item`).
+            first conditional item under guidance, else slot 0 (:func:`cogattn.items.pick_item`).
         scale (`str`, defaults to ``"linear"``): ``"log"`` shows the small blocks far from the diagonal.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits.
         fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.

@@ -12,7 +12,8 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-from ..analysis import choose, item_label, skipped_pairs
+from ..analysis import choose, skipped_pairs
+from ..items import item_label
 from ..layout import TokenLayout
 from ..reducers import REDUCERS
 from ..run import MapSource
@@ -161,7 +162,7 @@ def span_text(name: str, values: list[int], timesteps: Sequence[float | None] | 
 
 def describe(source: MapSource, kind: str, steps, layers, heads, batch=None) -> str:
     """The second title line: which steps, layers and heads a figure averages or shows, and which batch item
-    where the recorded batch has several or is a guidance batch (:func:`cogattn.analysis.item_label`).
+    where the recorded batch has several or is a guidance batch (:func:`cogattn.items.item_label`).
 
     Args:
         source (`MapSource`): a `Recording` or a `Run`.

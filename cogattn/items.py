@@ -1,0 +1,67 @@
+"""Which batch item a result slot holds, and which one a reader shows.
+
+Under classifier-free guidance the transformer's batch is ``[uncond..., cond...]``: the negative prompt's
+items, then the prompt's. A recording keeps each slot's role (``Recording.batch_roles``, ``run.json``'s
+``selection.batch_roles``); every reader shows the first conditional item unless told otherwise, so a map
+shown under the prompt's words is the prompt's, and figures name the item they show.
+"""
+
+from __future__ import annotations
+
+import operator
+
+__all__ = ["item_label", "item_role", "pick_item"]
+
+
+def item_role(item: int, batch_size: int, guidance: bool | None) -> str | None:
+    """What transformer batch item ``item`` is: ``"uncond"`` (the negative prompt's) or ``"cond"`` (the
+    prompt's) in a guidance batch ``[uncond..., cond...]``; `None` without guidance, or where it is unknown
+    (a bare transformer)."""
+    if not guidance or batch_size < 2 or batch_size % 2:
+        return None
+    return "uncond" if item < batch_size // 2 else "cond"
+
+
+def pick_item(source, batch: int | str | None = None) -> int:
+    """The slot of ``source``'s (a `Recording` or a `Run`) batch axis that ``batch`` names: a slot index, ``"cond"`` or ``"uncond"``
+    (the first such item under guidance), or `None`: the first conditional item, else slot 0 (no guidance,
+    or a run that does not say). So a map shown under a prompt's words is the prompt's, never the
+    negative prompt's, unless asked for.
+
+    Raises:
+        ValueError: ``"cond"``/``"uncond"`` where no such item was recorded, or another word.
+        TypeError: ``batch`` is neither an integer, a word nor `None`.
+    """
+    roles = getattr(source, "batch_roles", None)
+    if batch is None:
+        return next((i for i, r in enumerate(roles or ()) if r != "uncond"), 0)
+    if isinstance(batch, str):
+        if batch not in ("cond", "uncond"):
+            raise ValueError(f"batch={batch!r}; pass a recorded slot index, 'cond' or 'uncond'.")
+        if not roles or batch not in roles:
+            raise ValueError(
+                f"batch={batch!r}, but the recorded items are {list(roles) if roles else 'not a guidance batch'}"
+                " (batch='all' under guidance records both halves); pass a slot index."
+            )
+        return roles.index(batch)
+    if isinstance(batch, bool):
+        raise TypeError(f"batch={batch!r}: pass a slot index, 'cond', 'uncond' or None.")
+    return operator.index(batch)
+
+
+def item_label(source, batch: int | str | None = None) -> str:
+    """What slot ``batch`` (see :func:`pick_item`) of the results holds, for a figure's title: ``"batch item
+    N"``, and under guidance ``", conditional: '<prompt>'"`` or ``", unconditional: '<negative prompt>'"`` (the
+    texts from ``info`` where the recording kept them)."""
+    slot = pick_item(source, batch)
+    roles = getattr(source, "batch_roles", None) or ()
+    role = roles[slot] if 0 <= slot < len(roles) else None
+    if role is None:
+        return f"batch item {slot}"
+    name = f"batch item {slot}, {'conditional' if role == 'cond' else 'unconditional'}"
+    text = (getattr(source, "info", None) or {}).get("prompt" if role == "cond" else "negative_prompt")
+    if not isinstance(text, str):
+        return name
+    text = " ".join(text.split())
+    text = text if len(text) <= 48 else text[:47] + "…"
+    return f"{name}: {text!r}" if text else f"{name}: the empty prompt"
