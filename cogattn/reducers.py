@@ -206,36 +206,35 @@ class FrameReducer(Reducer):
     def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
         super().__init__(layout, num_heads, mean_heads, **sizes)
         self.key_groups = self._groups()  # every token is a key; queries pool by the same groups
-        self._weights: dict = {}  # (query limit, device) → each token's group and 1 / (formed queries of it)
+        self._pools: dict = {}  # (rows, query limit, device) → the groups the rows meet, their weights
 
     def _groups(self) -> KeyGroups:
-        layout = self.layout
-        return KeyGroups(torch.arange(layout.seq_len), layout.group_of_token(), layout.num_groups)
+        return KeyGroups(torch.arange(self.layout.seq_len), self.layout.group_of_token(), self.layout.num_groups)
 
     def shape(self, num_batch):
         G = self.key_groups.num_groups
         return (num_batch, self.out_heads, G, G)
 
-    def _weight(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (self.query_limit, str(device))
-        if key not in self._weights:
+    def _pool(self, r0: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The groups rows ``r0:end`` meet, and their ``(groups met, rows)`` weights in each group's mean: kept
+        per row tile, which every head and layer reuses."""
+        key = (r0, end, self.query_limit, str(device))
+        if key not in self._pools:
             group = self.key_groups.groups
             formed = group[: self.query_limit]  # a query limit leaves out rows the model never forms
             counts = torch.bincount(formed, minlength=self.key_groups.num_groups).clamp_(min=1)
-            self._weights[key] = (group.to(device), (1.0 / counts.double()).float()[group].to(device))
-        return self._weights[key]
+            met, inverse = torch.unique(group[r0:end], return_inverse=True)
+            pool = torch.zeros(len(met), end - r0).scatter_(0, inverse[None], (1.0 / counts[group[r0:end]])[None])
+            self._pools[key] = (met.to(device), pool.to(device))
+        return self._pools[key]
 
     def fold_pooled(self, out, h0, r0, pooled):
-        # The rows of each group the tile meets are averaged by a (groups met × rows) weight matrix: groups
-        # need not be runs of tokens (3-D tiles), the sum is deterministic, and no (G, G) temporary is made.
+        # A weight matrix, not slices: a 3-D tile's rows are no run of tokens; deterministic, no (G, G) temporary.
         end = r0 + pooled.shape[1] if self.query_limit is None else min(r0 + pooled.shape[1], self.query_limit)
         if end <= r0:
             return
-        group, weight = self._weight(pooled.device)
-        met, inverse = torch.unique(group[r0:end], return_inverse=True)
-        pool = torch.zeros(len(met), end - r0, dtype=pooled.dtype, device=pooled.device)
-        pool.scatter_(0, inverse[None], weight[r0:end][None].to(pooled.dtype))
-        means = pool @ pooled[:, : end - r0]  # (h, groups met, G)
+        met, pool = self._pool(r0, end, pooled.device)
+        means = pool.to(pooled.dtype) @ pooled[:, : end - r0]  # (h, groups met, G)
         if self.mean_heads:
             out[0, met] += means.sum(0) / self.num_heads
         else:
