@@ -23,10 +23,10 @@ def item_role(item: int, batch_size: int, guidance: bool | None) -> str | None:
 
 
 def pick_item(source, batch: int | str | None = None) -> int:
-    """The slot of ``source``'s (a `Recording` or a `Run`) batch axis that ``batch`` names: a slot index, ``"cond"`` or ``"uncond"``
-    (the first such item under guidance), or `None`: the first conditional item, else slot 0 (no guidance,
-    or a run that does not say). So a map shown under a prompt's words is the prompt's, never the
-    negative prompt's, unless asked for.
+    """The slot of ``source``'s batch axis (a `Recording` or a `Run`) that ``batch`` names: a slot index,
+    ``"cond"`` or ``"uncond"`` (the first such item under guidance), or `None`: the first conditional item,
+    else slot 0 (no guidance, or a run that does not say). So a map shown under a prompt's words is the
+    prompt's, never the negative prompt's, unless asked for.
 
     Raises:
         ValueError: ``"cond"``/``"uncond"`` where no such item was recorded, or another word.

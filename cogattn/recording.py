@@ -117,9 +117,7 @@ class Recording:
         """Token layout of the generation, `None` before its first transformer call."""
         return None if self.plan is None else self.plan.layout
 
-    @property
-    def info(self) -> dict:
-        return self.options.info
+    info = property(lambda self: self.options.info, doc="Facts kept with the maps (``info=``).")
 
     @property
     def head_ids(self) -> tuple[int, ...] | None:
@@ -129,6 +127,7 @@ class Recording:
 
     block_size = property(lambda self: self.options.block_size, doc="Tokens per block of the ``block`` kind.")
     topk = property(lambda self: self.options.topk, doc="How many of each row's largest probabilities ``topk`` keeps.")
+    tile_shape = property(lambda self: self.options.tile_shape, doc="Latent frames × patch rows × columns of a tile.")
 
     @property
     def queries(self) -> tuple:

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from .errors import StoreError
 from .layout import TokenLayout
 from .reducers import REDUCERS
+from .run_values import checked_layout, line_problem
 from .skips import Skips
 
 try:
@@ -133,6 +134,10 @@ class MapSource(Protocol):
         """How many of each row's largest probabilities ``topk`` asked for (the records keep min(topk, S))."""
 
     @property
+    def tile_shape(self) -> tuple[int, int, int]:
+        """Latent frames × patch rows × patch columns of a ``tile`` kind's tile."""
+
+    @property
     def queries(self) -> tuple:
         """The ``query`` kind's queries as given: token indices or ``(frame, row, col)``."""
 
@@ -184,6 +189,11 @@ class Run:
             self.meta: dict = json.loads(meta_file.read_text()) if meta_file.exists() else {}
         except (OSError, ValueError) as err:
             raise StoreError(f"{str(meta_file)!r} cannot be read ({err}); the run's metadata is lost.") from None
+        if not isinstance(self.meta, dict):
+            raise StoreError(
+                f"{str(meta_file)!r} holds {type(self.meta).__name__}, not an object; the run's metadata is lost."
+            )
+        self._layout = checked_layout(self.meta.get("layout"), meta_file)
         self._records: dict[tuple[str, int, int], RecordInfo] = {}
         self.skipped_lines: list[str] = []  # "manifest.jsonl:7: why", for every manifest line not served
         with open(self.path / MANIFEST, "rb") as f:
@@ -223,8 +233,7 @@ class Run:
 
     @property
     def layout(self) -> TokenLayout | None:
-        lay = self.meta.get("layout")
-        return TokenLayout(**lay) if lay else None
+        return self._layout  # checked when the run was opened
 
     @property
     def info(self) -> dict:
@@ -259,6 +268,18 @@ class Run:
         return list((self.meta.get("model") or {}).get("step_experts") or ["transformer"] * self.num_steps)
 
     @property
+    def windows(self) -> list[int]:
+        """Per step, its window of the pipeline call (``Recording.windows``); every step 0 in runs that do not
+        say. Raises `ValueError` where run.json's ``windows`` is not a list of window indices."""
+        windows = self.meta.get("windows", [0] * self.num_steps)
+        if not isinstance(windows, list) or not all(type(w) is int and w >= 0 for w in windows):
+            fix = "Fix or remove the field (without it every step reads as window 0)."
+            raise ValueError(
+                f"run.json's windows is {str(windows)[:80]}; it should be one window index per step. {fix}"
+            )
+        return list(windows)
+
+    @property
     def head_ids(self) -> tuple[int, ...] | None:
         """The model head of each slot of a result's head axis; `None` when heads were averaged."""
         sel = self.meta.get("selection") or {}
@@ -289,6 +310,14 @@ class Run:
     def topk(self) -> int:
         """How many of each row's largest probabilities ``topk`` asked for (the records keep min(topk, S))."""
         return int((self.meta.get("selection") or {}).get("topk", 32))
+
+    @property
+    def tile_shape(self) -> tuple[int, int, int]:
+        """Latent frames × patch rows × patch columns of a ``tile`` kind's tile."""
+        shape = (self.meta.get("selection") or {}).get("tile_shape", (4, 4, 4))
+        if not isinstance(shape, list | tuple) or len(shape) != 3 or not all(type(n) is int and n > 0 for n in shape):
+            raise StoreError(f"run.json's selection.tile_shape is {str(shape)[:40]}; it should be 3 positive ints.")
+        return tuple(shape)
 
     @property
     def queries(self) -> tuple:
@@ -336,6 +365,12 @@ class Run:
         values and indices of shape (B, H, S, k))."""
         record = self.record_info(kind, step, layer)
         file = self.path / record.file
+        root, real = self.path.resolve(), file.resolve()
+        if not real.is_relative_to(root):  # a link out of the folder: another run's record, any file
+            raise StoreError(
+                f"record file {str(file)!r} (manifest.jsonl's 'file' {record.file!r}) resolves to {str(real)!r}, "
+                f"outside the run folder {str(root)!r}; a run's records are read from inside it only."
+            )
         if index is not None:
             index = index if isinstance(index, tuple) else (index,)
             index = REDUCERS[kind].stored_index(index) if kind in REDUCERS else index
@@ -367,7 +402,7 @@ def _parse_line(raw: bytes) -> RecordInfo | str:
             str(d["kind"]),
             int(d["step"]),
             int(d["layer"]),
-            d["timestep"],
+            None if d["timestep"] is None else float(d["timestep"]),
             tuple(int(s) for s in d["shape"]),
             str(d["dtype"]),
             int(d["bytes"]),
@@ -375,7 +410,7 @@ def _parse_line(raw: bytes) -> RecordInfo | str:
         )
     except (ValueError, KeyError, TypeError) as err:
         return f"not a record line ({type(err).__name__}: {str(err)[:60]})"
-    return info
+    return line_problem(info.step, info.layer, info.shape, info.nbytes, info.file) or info
 
 
 def load(path: str | os.PathLike) -> Run:

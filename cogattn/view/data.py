@@ -6,25 +6,27 @@ tool wrote for one prompt (``maps/`` beside ``prompt.json`` and the video), or a
 time (``frame`` at a step, layer and head; a word's ``video_to_text`` or ``text_to_video`` over the video;
 a video point's row), each averaged by :func:`cogattn.analysis.aggregate`. Records are read when asked for,
 through the run's lazy reader, so a large run opens at once and the server holds one map at a time.
+
+A run folder may come from anyone, so nothing in it is trusted: the files beside the records are read by
+:mod:`cogattn.view.files` (paths inside the folder only), and a record that does not fit the layout is an
+error in its panel.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
 from matplotlib import colormaps
-from PIL import Image
 
 from ..analysis import aggregate, head_positions, locate_query, recorded, recorded_kinds, skipped_pairs
 from ..errors import NotRecordedError, StoreError
 from ..head_stats import TABLE_KINDS, head_table
 from ..masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
 from ..run import MANIFEST, Run
+from .files import PromptFiles, info
 
 __all__ = ["RunView", "colormap", "find_runs", "open_runs"]
 
@@ -90,40 +92,7 @@ class RunView:
         self.path = Path(path)
         stat = (self.path / MANIFEST).stat()
         self.run, self._manifest = Run(self.path), (stat.st_size, stat.st_mtime_ns)
-        parent = self.path.parent
-        prompt_file = parent / "prompt.json"
-        try:  # the batch tool's facts about the prompt; a damaged file costs the labels and the video only
-            self.prompt = (
-                json.loads(prompt_file.read_text()) if self.path.name == "maps" and prompt_file.exists() else {}
-            )
-        except (OSError, ValueError):
-            self.prompt = {}
-        video = self.prompt.get("video")
-        self.video = parent / video if video and (parent / video).exists() else None
-        self._count: int | None = None
-        self._why: str | None = None
-        preview = parent / "previews" / "frame.png"
-        self.thumbnail = preview if self.path.name == "maps" and preview.exists() else None
-
-    def frame_count(self) -> int:
-        """Frames of the video the page can overlay (0 without one, or for an MP4 this Python cannot decode:
-        :meth:`video_note` says why)."""
-        if self._count is None:
-            self._count, self._why = (0, None) if self.video is None else _count(self.video)
-        return self._count
-
-    def video_note(self) -> str | None:
-        """Why the video's frames cannot be overlaid with the maps, when they cannot."""
-        self.frame_count()
-        return self._why
-
-    def frame_png(self, i: int) -> bytes | None:
-        """Frame ``i`` of the video as a PNG file, decoded when asked for (the server holds no video)."""
-        if not 0 <= i < self.frame_count():
-            return None
-        out = io.BytesIO()
-        _frame(self.video, i).save(out, format="PNG")
-        return out.getvalue()
+        self.files = PromptFiles(self.path, self.run.layout)  # prompt.json, the video, the preview
 
     def refresh(self) -> None:
         """Read the manifest again where it changed: a run still being written shows its newly committed
@@ -137,9 +106,9 @@ class RunView:
         layout = self.run.layout
         if layout is None:
             return []
-        kept = self.prompt.get("tokens")
+        kept = self.files.prompt.get("tokens")
         n = layout.prompt_len
-        return [str(t) for t in kept[:n]] if kept else [f"token {i}" for i in range(n)]
+        return [str(t) for t in kept[:n]] if isinstance(kept, list) and kept else [f"token {i}" for i in range(n)]
 
     def summary(self) -> dict:
         """What the page needs first: the kinds, steps, layers and heads held, the layout, the metadata."""
@@ -147,7 +116,9 @@ class RunView:
         kinds = recorded_kinds(run)
         layout = run.layout
         skipped = run.skipped
-        checks = meta.get("checks") or []
+        checks = [c for c in meta.get("checks") or [] if isinstance(c, dict)]
+        files = self.files
+        frames = files.frame_count()  # first: a video that does not decode is dropped
         return {
             "kinds": kinds,
             "steps": {k: recorded(run, k, "step") for k in kinds},
@@ -160,18 +131,18 @@ class RunView:
             else {"frames": layout.frames, "height": layout.height, "width": layout.width},
             "groups": _group_names(layout),
             "tokens": self.tokens(),
-            "video": None if self.video is None else self.video.suffix.lstrip("."),
-            "video_frames": (frames := self.frame_count()),
-            "video_note": self.video_note(),
+            "video": None if files.video is None else files.video.suffix.lstrip("."),
+            "video_frames": frames,
+            "video_note": files.video_note(),
             "latent_of_pixel": layout.latent_of_pixel(frames) if layout is not None and frames else [],
             "status": run.status,
-            "info": run.info,
+            "info": info(run),
             "model": {k: (meta.get("model") or {}).get(k) for k in ("family", "class", "pipeline", "dtype")},
             "selection": meta.get("selection") or {},
             "checks": {
                 "count": len(checks),
                 "failed": sum(1 for c in checks if not c.get("passed", True)),
-                "largest_error": max((c.get("max_error") or 0.0 for c in checks), default=None),
+                "largest_error": max((_number(c.get("max_error")) for c in checks), default=None),
             },
             "skipped": {"by": skipped.by, "count": len(skipped.calls), "calls": sorted(list(c) for c in skipped.calls)},
             "gaps": {k: self._gaps(k) for k in kinds},
@@ -211,8 +182,10 @@ class RunView:
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
         if kind in STAT_KINDS:  # one value per token: the video's, on its grid
-            lay = self.run.layout
-            m = m[lay.grid_tokens].reshape(lay.frames, lay.height, lay.width)
+            try:
+                m = _on_grid(m, self.run.layout, kind)
+            except StoreError as err:
+                return {"error": str(err)}
         return _payload(m)
 
     def heads(self, step: int, column: str = "same_frame_mass") -> dict:
@@ -273,6 +246,8 @@ class RunView:
         ``query_frame`` (its mass to each key group). Only that row is read. ``error`` says what to record
         when none of them was."""
         lay = self.run.layout
+        if lay is None:
+            return {"error": "run.json has no layout, so a video point cannot be located."}
         try:
             token = lay.token_index(int(frame), int(row), int(col))
             kind, index, _ = locate_query(self.run, (int(frame), int(row), int(col)))
@@ -294,9 +269,10 @@ class RunView:
         try:
             layers = self.layers_at(kind, step, layer)
             m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads, row=index)
+            m = _on_grid(m, lay, kind)
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
-        return {**_payload(m[lay.grid_tokens].reshape(lay.frames, lay.height, lay.width)), "kind": kind}
+        return {**_payload(m), "kind": kind}
 
     def _topk_refusal(self, layer: int | str, head: int | str) -> str | None:
         """Why ``topk`` cannot show a point's row for this choice (a mean of k-largest lists), or `None`."""
@@ -319,9 +295,11 @@ class RunView:
             self.layers_at("topk", step, layer)  # a layer a cache skipped: its error says so
             top = self.run.get("topk", int(step), int(layer), index=(0, slice(None), token))
             slot = 0 if head == "mean" else head_positions(ids, top.values.shape[0], int(head))[0]
+            lay = self.run.layout
+            if top.indices.numel() and not 0 <= int(top.indices.min()) <= int(top.indices.max()) < lay.seq_len:
+                raise StoreError(_misfit("topk", "key indices beyond", lay))
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
-        lay = self.run.layout
         row = torch.full((lay.seq_len,), math.nan)
         row[top.indices[slot]] = top.values[slot]
         video = row[lay.grid_tokens]
@@ -347,30 +325,26 @@ class RunView:
         return {**_payload(m[None]), "kind": "query_frame", "groups": _group_names(self.run.layout), "note": note}
 
 
-def _count(path: Path) -> tuple[int, str | None]:
-    """Frames of the batch tool's video, a GIF's with pillow, an MP4's with imageio (optional), and why
-    there are none to overlay when there are none."""
-    if path.suffix == ".gif":
-        with Image.open(path) as gif:
-            return gif.n_frames, None
-    try:
-        import imageio.v3 as iio
-
-        return sum(1 for _ in iio.imiter(path)), None  # streamed: the ffmpeg plugin does not know the count
-    except Exception as err:  # the 'video' extra missing, or no plugin for MP4: the video shows, not overlaid
-        why = f"{type(err).__name__}: {err}".splitlines()[0][:160]
-        return 0, f"the maps are laid over an MP4's frames with imageio (pip install 'cogattn[video]'): {why}"
+def _misfit(kind: str, what: str, lay) -> str:
+    return (
+        f"the {kind} record holds {what} the {lay.seq_len} tokens of run.json's layout ({lay.text_len} text, "
+        f"{lay.video_len} video on the grid {lay.grid}): the run's files do not agree"
+    )
 
 
-def _frame(path: Path, i: int) -> Image.Image:
-    """Frame ``i`` of the video, alone."""
-    if path.suffix == ".gif":
-        with Image.open(path) as gif:
-            gif.seek(i)
-            return gif.convert("RGB")
-    import imageio.v3 as iio
+def _on_grid(m: torch.Tensor, lay, kind: str) -> torch.Tensor:
+    """A per-token vector ``(S,)`` as the video's ``(F, Hp, Wp)``; `StoreError` where the record's tokens are
+    not the layout's (a damaged or edited run)."""
+    if lay is None or m.dim() != 1 or m.shape[0] != lay.seq_len:
+        if lay is None:
+            raise StoreError(f"run.json has no layout, so the {kind} record cannot be laid on the video grid")
+        raise StoreError(_misfit(kind, f"{m.shape[-1] if m.dim() else 0} tokens, not", lay))
+    return m[lay.grid_tokens].reshape(lay.frames, lay.height, lay.width)
 
-    return Image.fromarray(iio.imread(path, index=i))
+
+def _number(value) -> float:
+    """A check's error as a number (0 where run.json holds something else)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _payload(m: torch.Tensor) -> dict:

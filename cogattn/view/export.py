@@ -6,6 +6,11 @@ The page's script, style and the answers it would fetch are written into the HTM
 over layers for the prompt's tokens (at most :data:`MAX_TOKENS`, at :data:`MAX_STEPS` steps), each frame pooled down to at most
 :data:`MAX_SIDE` patches on its longer side, every value to 4 significant digits. The batch tool's video goes in as a data URL. What was kept is stated on
 the page (``summary["export"]``); a video point's row needs the full map, so the export leaves it out.
+
+What the runs hold is embedded as data, never as markup: every ``<`` in it (and U+2028, U+2029) is written
+as a JSON escape, so no prompt can close or comment out the script it sits in. Only files inside a run's
+folder are embedded (:meth:`cogattn.view.files.PromptFiles.file`), and the report is never written into a run
+folder it reads.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from ..analysis import aggregate
 from ..head_stats import TABLE_KINDS
 from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
+from .files import finite, prompt_of
 
 __all__ = ["MAX_SIDE", "MAX_STEPS", "MAX_TOKENS", "export", "static_file"]
 
@@ -114,28 +120,44 @@ def export(
         side (`int`, defaults to :data:`MAX_SIDE`): patches kept on the longer side of a word map's frame.
 
     Raises:
-        ValueError: a size below 1.
+        ValueError: a size below 1, or ``out`` inside a run folder it reads.
     """
     for name, value in (("tokens", tokens), ("steps", steps), ("side", side)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: the export keeps at least 1; pass a positive whole number.")
+    out = Path(out)
+    views = open_runs(path, [])
+    for view in views.values():  # before anything is written: a report over a run's own files destroys them
+        if (where := out.resolve()).is_relative_to(folder := view.files.folder.resolve()):
+            raise ValueError(
+                f"the report {str(out)!r} would be inside the run folder {str(folder)!r} it reads (as "
+                f"{str(where)!r}); write it outside the runs."
+            )
     data = {"runs": [], "summaries": {}, "maps": {}, "files": {}}
-    for name, view in open_runs(path, []).items():
+    for name, view in views.items():
         summary, maps = _answers(view, tokens, steps, side)
-        data["runs"].append({"name": name, "prompt": view.run.info.get("prompt"), "status": view.run.status})
+        data["runs"].append({"name": name, "prompt": prompt_of(view.run), "status": view.run.status})
         data["summaries"][name] = summary
         data["maps"].update({f"{name}|{key}": value for key, value in maps.items()})
-        if view.video is not None and view.video.stat().st_size <= MAX_VIDEO:
-            mime = "image/gif" if view.video.suffix == ".gif" else "video/mp4"
-            data["files"][f"{name}/video"] = f"data:{mime};base64,{base64.b64encode(view.video.read_bytes()).decode()}"
+        video = view.files.file("video")  # after the summary: a video that does not decode is dropped there
+        if video is not None and video.stat().st_size <= MAX_VIDEO:
+            mime = "image/gif" if video.suffix == ".gif" else "video/mp4"
+            data["files"][f"{name}/video"] = f"data:{mime};base64,{base64.b64encode(video.read_bytes()).decode()}"
     page = static_file("index.html").decode()
-    embedded = json.dumps(data).replace("</", "<\\/")  # no "</script>" inside the script
+    embedded = script_json(data)
     style = f"<style>{static_file('style.css').decode()}</style>"
     script = (
         f"<script>window.COGATTN_EMBEDDED = {embedded};</script>\n<script>{static_file('app.js').decode()}</script>"
     )
     page = page.replace('<link rel="stylesheet" href="static/style.css">', style)
     page = page.replace('<script src="static/app.js"></script>', script)
-    out = Path(out)
     out.write_text(page)
     return out
+
+
+def script_json(data) -> str:
+    """``data`` as a JavaScript literal safe inside a ``<script>`` element: every ``<`` escaped (no
+    ``</script>``, ``<!--`` or ``<script`` can end or hide the element), and the line separators U+2028 and
+    U+2029 too (older parsers end a string at them); NaN and infinities as ``null``."""
+    text = json.dumps(finite(data))
+    return text.replace("<", "\\u003c").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")

@@ -15,7 +15,10 @@ the package (``static/``, no CDN) and a small JSON API that :class:`cogattn.view
     GET /file/NAME/video | /file/NAME/thumbnail             the batch tool's video and frame preview
     GET /file/NAME/frame/I                     the video's frame I, a PNG (for the maps over the video)
 
-Each request re-reads the run's manifest, so a run still being written shows what is committed.
+Each request re-reads the run's manifest, so a run still being written shows what is committed. Every
+request gets an answer: what a damaged run causes is a one-line JSON ``error`` in its panel, anything
+unexpected a 500 with a one-line JSON ``error`` (logged once on stderr); files are served only from inside
+the run's folder (:meth:`cogattn.view.files.PromptFiles.file`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 from ..errors import StoreError
 from .data import RunView, open_runs
 from .export import MAX_SIDE, MAX_STEPS, MAX_TOKENS, export, static_file
+from .files import finite, prompt_of
 
 __all__ = ["ViewServer", "main"]
 
@@ -52,6 +56,7 @@ class ViewServer:
         if isinstance(allow_hosts, str):
             raise TypeError(f"allow_hosts={allow_hosts!r}: pass a tuple of host names, e.g. ({allow_hosts!r},).")
         hosts = {*LOOPBACK, *(_hostname(h) for h in allow_hosts)}  # a name given with a port: the name
+        logged: set[str] = set()  # unexpected errors already on stderr: each once, however often asked
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):  # quiet: the URL is all the terminal needs
@@ -78,6 +83,12 @@ class ViewServer:
                     )
                 except (StoreError, OSError, ValueError) as err:  # a damaged record: that panel says so
                     status, body, kind = 200, json.dumps({"error": str(err)}).encode(), "application/json"
+                except Exception as err:  # a bug, or a run value nothing checked: an answer all the same
+                    line = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+                    if line not in logged:
+                        logged.add(line)
+                        print(f"cogattn view: GET {url.path} failed ({line})", file=sys.stderr, flush=True)
+                    status, body, kind = 500, json.dumps({"error": line}).encode(), "application/json"
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
@@ -118,20 +129,20 @@ def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, byt
         rows = [
             {
                 "name": n,
-                "prompt": v.run.info.get("prompt"),
+                "prompt": prompt_of(v.run),
                 "status": v.run.status,
-                "thumbnail": v.thumbnail is not None,
+                "thumbnail": v.files.thumbnail is not None,
             }
             for n, v in views.items()
         ]
-        return 200, json.dumps(rows).encode(), "application/json"
+        return 200, json.dumps(finite(rows)).encode(), "application/json"
     if path.startswith("/file/"):
         _, _, name, what = path.split("/", 3)
         view = views.get(name)
         if view is not None and what.startswith("frame/") and what[6:].isdigit():  # one video frame, a PNG
-            png = view.frame_png(int(what[6:]))
+            png = view.files.frame_png(int(what[6:]))
             return (200, png, _TYPES[".png"]) if png is not None else (404, b"not found", "text/plain")
-        file = None if view is None else {"video": view.video, "thumbnail": view.thumbnail}.get(what)
+        file = None if view is None else view.files.file(what)
         if file is None:
             return 404, b"not found", "text/plain"
         return 200, file.read_bytes(), _TYPES.get(file.suffix, "application/octet-stream")
@@ -155,7 +166,7 @@ def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, byt
         body = view.point(int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), *where)
     else:
         return 404, json.dumps({"error": f"no such page: {path}"}).encode(), "application/json"
-    return 200, json.dumps(body).encode(), "application/json"
+    return 200, json.dumps(finite(body)).encode(), "application/json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cogattn view: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        where = f"{args.export!r} cannot be written" if args.export else f"port {args.port} on 127.0.0.1 cannot be used"
+        where = f"port {args.port} on 127.0.0.1 cannot be used"
+        if args.export:  # the file that failed: the report's, or one of a run's
+            failed = getattr(err, "filename", None)
+            ours = failed is not None and Path(failed).resolve() == Path(args.export).resolve()
+            where = f"{args.export!r} cannot be written" if ours else f"{str(failed or 'a run file')!r} cannot be read"
         print(f"cogattn view: {where} ({err.strerror or err}).", file=sys.stderr)
         return 2
     for problem in server.problems:

@@ -382,6 +382,9 @@ async function openRun() {
       $("video-panel").hidden = false;
       $("video-note").textContent = EMBEDDED ? "" : S.video_note || "";
     }
+  } else if (S.video_note) { // a video refused (outside the folder, or damaged): the panel says why
+    $("video-panel").hidden = false;
+    $("video-note").textContent = S.video_note;
   }
   if (S.layout) point = [S.layout.frames >> 1, S.layout.height >> 1, S.layout.width >> 1]; // the middle, till a click
   restore(); // a link's view

@@ -1,0 +1,435 @@
+"""A run folder is data someone else may have written: ``cogattn view`` and ``cogattn.load`` read nothing
+outside it (absolute and ``..`` paths in ``prompt.json`` and the manifest, symlinks leaving the folder),
+check its values before using them, and put its text on the page as text. Each test builds a hostile
+copy of one batch run of the tiny default and asks the real server over HTTP on 127.0.0.1, the exported
+file's bytes, or the page in headless Chromium."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import math
+import shutil
+from pathlib import Path
+from urllib.error import HTTPError
+from urllib.request import urlopen
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from cogattn.analysis import aggregate
+from cogattn.dump import main as dump_main
+from cogattn.errors import StoreError
+from cogattn.run import load
+from cogattn.view import RunView, ViewServer, export
+from cogattn.view.data import open_runs
+from cogattn.view.server import main
+
+MARK = b"SECRET-OUTSIDE-THE-RUN"  # bytes of a file outside the run: never served, never embedded
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    """One prompt of the tiny default, as the batch tool writes it: prompt.json, video.gif, previews/, maps/."""
+    out = tmp_path_factory.mktemp("hostile") / "runs"
+    prompts = out.parent / "prompt.txt"
+    prompts.write_text("a red fox\n")
+    args = ["--set", f"save_dir={out}", "--set", f"prompts={prompts}", "--set", "capture.heads=all"]
+    args += ["--set", "capture.kinds=[frame,video_to_text,entropy]"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert dump_main(args) == 0
+    return next(p for p in out.iterdir() if p.is_dir())
+
+
+@pytest.fixture
+def folder(made, tmp_path) -> Path:
+    """A copy of the prompt's folder to damage, named ``prompt``, beside a file that must stay unread."""
+    return shutil.copytree(made, tmp_path / "prompt")
+
+
+@pytest.fixture
+def secret(folder) -> tuple[Path, bytes]:
+    """A valid GIF outside the run (the run's own video, marked), so a reader that follows a path to it
+    would decode it and serve it as the video."""
+    data = (folder / "video.gif").read_bytes() + MARK
+    path = folder.parent / "secret.gif"
+    path.write_bytes(data)
+    return path, data
+
+
+@contextlib.contextmanager
+def _served(path: Path):
+    server = ViewServer(path).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    """Status and body of a GET; a dropped connection raises."""
+    try:
+        with urlopen(url, timeout=30) as answer:
+            return answer.status, answer.read()
+    except HTTPError as err:
+        return err.code, err.read()
+
+
+def _strict_json(body: bytes):
+    """``body`` as JSON the way a browser parses it: no NaN or Infinity."""
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(body, parse_constant=refuse)
+
+
+def _set_prompt(folder: Path, **facts) -> None:
+    prompt = json.loads((folder / "prompt.json").read_text())
+    (folder / "prompt.json").write_text(json.dumps({**prompt, **facts}))
+
+
+def _embedded(report: Path) -> dict:
+    text = report.read_text()
+    return json.loads(text[text.index("COGATTN_EMBEDDED = ") + 19 : text.index(";</script>")])
+
+
+# -- paths that leave the run --------------------------------------------------------------------------------
+def test_the_export_embeds_the_run_s_own_video(folder, tmp_path):
+    """The reference for the refusals below: a video inside the prompt's folder goes into the report."""
+    report = export(folder, tmp_path / "report.html")
+    video = base64.b64encode((folder / "video.gif").read_bytes()).decode()
+    assert _embedded(report)["files"] == {"prompt/video": f"data:image/gif;base64,{video}"}
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "symlink"])
+def test_a_video_outside_the_prompt_folder_is_neither_served_nor_embedded(folder, secret, tmp_path, how):
+    path, data = secret
+    if how == "absolute":
+        _set_prompt(folder, video=str(path))
+    elif how == "dotdot":
+        _set_prompt(folder, video="../secret.gif")
+    else:  # the name is the batch tool's own; the file is a link out of the folder
+        (folder / "video.gif").unlink()
+        (folder / "video.gif").symlink_to(path)
+    view = RunView(folder / "maps")
+    summary = view.summary()
+    assert view.files.video is None and summary["video"] is None and summary["video_frames"] == 0
+    note = summary["video_note"]
+    assert "prompt.json" in note and "'video'" in note and "outside" in note and len(note.splitlines()) == 1
+    assert summary["kinds"] == ["entropy", "frame", "video_to_text"]  # the rest of the run opens
+    with _served(folder) as server:
+        for what in ("video", "frame/0"):
+            status, body = _get(f"{server.url}file/prompt/{what}")
+            assert status == 404 and MARK not in body
+        status, body = _get(f"{server.url}api/summary?run=prompt")
+        assert status == 200 and _strict_json(body)["video_note"] == note
+    report = export(folder, tmp_path / "report.html")
+    text = report.read_bytes()
+    assert _embedded(report)["files"] == {}
+    assert base64.b64encode(data) not in text and MARK not in text
+
+
+def test_a_thumbnail_that_links_out_of_the_folder_is_not_served(folder, secret):
+    path, data = secret
+    preview = folder / "previews" / "frame.png"
+    preview.unlink()
+    preview.symlink_to(path)
+    assert RunView(folder / "maps").files.thumbnail is None
+    with _served(folder) as server:
+        assert _strict_json(_get(f"{server.url}api/runs")[1])[0]["thumbnail"] is False
+        status, body = _get(f"{server.url}file/prompt/thumbnail")
+        assert status == 404 and MARK not in body
+
+
+def test_a_prompt_json_that_links_out_of_the_folder_is_not_read(folder, tmp_path):
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"video": "video.gif", "tokens": ["LEAKED"]}))
+    (folder / "prompt.json").unlink()
+    (folder / "prompt.json").symlink_to(elsewhere)
+    view = RunView(folder / "maps")
+    assert view.files.prompt == {} and "LEAKED" not in view.tokens()
+
+
+@pytest.fixture
+def outside_record(folder) -> tuple[Path, list[bytes]]:
+    """A readable record outside the run, of the first frame record's shape, every value 7."""
+    manifest = folder / "maps" / "manifest.jsonl"
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    first = json.loads(next(x for x in lines if json.loads(x)["kind"] == "frame"))
+    path = folder.parent / "other.safetensors"
+    save_file({"map": torch.full(first["shape"], 7.0)}, str(path))
+    return path, lines
+
+
+def _frame_lines(lines: list[bytes]) -> list[int]:
+    return [i for i, x in enumerate(lines) if json.loads(x)["kind"] == "frame"]
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot"])
+def test_a_manifest_line_naming_a_file_outside_the_run_is_skipped_and_reported(folder, outside_record, how):
+    path, lines = outside_record
+    i = _frame_lines(lines)[0]
+    line = json.loads(lines[i])
+    line["file"] = str(path) if how == "absolute" else "../../other.safetensors"
+    lines[i] = json.dumps(line).encode() + b"\n"
+    (folder / "maps" / "manifest.jsonl").write_bytes(b"".join(lines))
+    with pytest.warns(UserWarning, match="cannot be read and were skipped"):
+        run = load(folder / "maps")
+    key = (line["kind"], line["step"], line["layer"])
+    assert key not in run and len(run) == len(lines) - 1
+    assert len(run.skipped_lines) == 1
+    why = run.skipped_lines[0]
+    assert why.startswith(f"manifest.jsonl:{i + 1}: ") and "'file'" in why and "outside the run folder" in why
+    with _served(folder) as server:  # the viewer: that map is not recorded, the others are
+        got = _strict_json(_get(f"{server.url}api/map?kind=frame&step={key[1]}&layer={key[2]}&head=0")[1])
+        assert "error" in got and "values" not in got
+
+
+def test_a_record_file_that_links_out_of_the_run_is_not_read(folder, outside_record):
+    path, lines = outside_record
+    line = json.loads(lines[_frame_lines(lines)[0]])
+    record = folder / "maps" / line["file"]
+    record.unlink()
+    record.symlink_to(path)
+    run = load(folder / "maps")
+    with pytest.raises(StoreError, match=r"manifest\.jsonl's 'file'.*outside the run folder") as err:
+        run.get("frame", line["step"], line["layer"])
+    assert len(str(err.value).splitlines()) == 1 and str(record) in str(err.value)
+    with _served(folder) as server:
+        got = _strict_json(_get(f"{server.url}api/map?kind=frame&step={line['step']}&layer={line['layer']}&head=0")[1])
+        assert "outside the run folder" in got["error"] and "values" not in got
+    other = json.loads(lines[_frame_lines(lines)[1]])  # the rest of the run reads as before
+    assert run.get("frame", other["step"], other["layer"]).shape == tuple(other["shape"])
+
+
+def test_a_run_folder_reached_through_a_symlink_reads_as_usual(folder, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(folder / "maps")
+    run, direct = load(link), load(folder / "maps")
+    kind, step, layer = run.keys()[0]
+    assert torch.equal(run.get(kind, step, layer), direct.get(kind, step, layer))
+
+
+# -- values ---------------------------------------------------------------------------------------------------
+def _set_meta(folder: Path, change) -> None:
+    meta_file = folder / "maps" / "run.json"
+    meta = json.loads(meta_file.read_text())
+    change(meta)
+    meta_file.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("frames", -3),
+        ("frames", 0),
+        ("height", 0),
+        ("width", "4"),
+        ("width", True),
+        ("text_len", -1),
+        ("patch_size_t", 0),
+        ("history_len", -2),
+        ("temporal_compression", 0),
+        ("text_position", "middle"),
+        ("seq_len_typo", 5),
+    ],
+)
+def test_a_layout_with_a_bad_value_is_refused_naming_run_json_and_the_field(folder, field, value):
+    _set_meta(folder, lambda meta: meta["layout"].update({field: value}))
+    with pytest.raises(StoreError) as err:
+        load(folder / "maps")
+    said = str(err.value)
+    assert len(said.splitlines()) == 1 and "run.json" in said and f"layout.{field}" in said and repr(value) in said
+
+
+def test_a_layout_that_is_not_an_object_is_refused(folder):
+    _set_meta(folder, lambda meta: meta.update(layout=[1, 2, 3]))
+    with pytest.raises(StoreError, match=r"run\.json.*'layout'"):
+        load(folder / "maps")
+
+
+def test_a_bad_layout_leaves_its_run_out_of_the_viewer_with_one_line(folder, capsys):
+    _set_meta(folder, lambda meta: meta["layout"].update(frames=-3))
+    problems = []
+    with pytest.raises(FileNotFoundError):
+        open_runs(folder, problems)
+    assert len(problems) == 1 and "layout.frames" in problems[0]
+    assert main([str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layout.frames" in err[0] and "run.json" in err[0]
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [("step", -1, "step"), ("step", 10**12, "step"), ("layer", -4, "layer"), ("shape", [2, -1], "shape")],
+)
+def test_a_manifest_line_with_a_bad_number_is_skipped_and_reported(folder, field, value, why):
+    manifest = folder / "maps" / "manifest.jsonl"
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    line = json.loads(lines[0])
+    line[field] = value
+    manifest.write_bytes(json.dumps(line).encode() + b"\n" + b"".join(lines[1:]))
+    with pytest.warns(UserWarning):
+        run = load(folder / "maps")
+    assert len(run) == len(lines) - 1 and len(run.skipped_lines) == 1
+    assert run.skipped_lines[0].startswith("manifest.jsonl:1: ") and why in run.skipped_lines[0]
+    assert len(run.timesteps) == len(json.loads((folder / "maps" / "run.json").read_text())["timesteps"])
+
+
+def test_the_summary_is_json_a_browser_parses_whatever_the_run_json_holds(folder):
+    _set_meta(folder, lambda meta: meta.update(timesteps=[math.nan, math.inf, 1.0, 2.0], info={"seed": math.nan}))
+    with _served(folder) as server:
+        status, body = _get(f"{server.url}api/summary?run=prompt")
+        summary = _strict_json(body)
+        assert status == 200 and summary["timesteps"][:3] == [None, None, 1.0] and summary["info"]["seed"] is None
+
+
+def test_every_request_gets_an_answer_an_unexpected_error_a_500_logged_once(folder, monkeypatch, capsys):
+    def broken(self, step, column="same_frame_mass"):
+        raise RuntimeError("shape '[-3, 4, 4]' is invalid\nsecond line")
+
+    monkeypatch.setattr(RunView, "heads", broken)
+    with _served(folder) as server:
+        answers = [_get(f"{server.url}api/heads?run=prompt&step=0") for _ in range(2)]
+        assert _get(f"{server.url}api/runs")[0] == 200  # the server goes on answering
+    for status, body in answers:
+        error = _strict_json(body)["error"]
+        assert status == 500 and "RuntimeError" in error and "[-3, 4, 4]" in error and "\n" not in error
+    logged = [line for line in capsys.readouterr().err.splitlines() if "RuntimeError" in line]
+    assert len(logged) == 1 and "/api/heads" in logged[0]
+
+
+def test_a_record_whose_shape_does_not_fit_the_layout_answers_an_error(folder):
+    manifest = folder / "maps" / "manifest.jsonl"
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    i = next(i for i, x in enumerate(lines) if json.loads(x)["kind"] == "entropy")
+    line = json.loads(lines[i])
+    shape = [*line["shape"][:-1], line["shape"][-1] - 3]  # three tokens short of the layout's sequence
+    save_file({"map": torch.rand(shape)}, str(folder / "maps" / line["file"]))
+    lines[i] = json.dumps({**line, "shape": shape}).encode() + b"\n"
+    manifest.write_bytes(b"".join(lines))
+    with _served(folder) as server:
+        url = f"{server.url}api/map?run=prompt&kind=entropy&step={line['step']}&layer={line['layer']}&head=0"
+        status, body = _get(url)
+    error = _strict_json(body)["error"]
+    assert status == 200 and "run.json" in error and "layout" in error
+
+
+# -- a damaged video -------------------------------------------------------------------------------------------
+def test_a_damaged_video_costs_the_video_panel_only(folder, tmp_path, capsys):
+    video = folder / "video.gif"
+    video.write_bytes(video.read_bytes()[:200])  # cut short
+    view = RunView(folder / "maps")
+    run = load(folder / "maps")
+    summary = view.summary()
+    assert summary["video"] is None and summary["video_frames"] == 0 and summary["latent_of_pixel"] == []
+    assert "video.gif" in summary["video_note"] and "cannot be decoded" in summary["video_note"]
+    got = view.map("frame", 1, "mean")
+    assert torch.allclose(
+        torch.tensor(got["values"], dtype=torch.float64), aggregate(run, "frame", steps=1).flatten().double()
+    )
+    with _served(folder) as server:
+        status, body = _get(f"{server.url}api/summary?run=prompt")
+        assert status == 200 and _strict_json(body)["kinds"] == summary["kinds"]
+        assert _get(f"{server.url}file/prompt/video")[0] == 404
+    report = tmp_path / "report.html"
+    assert main([str(folder), "--export", str(report)]) == 0
+    capsys.readouterr()
+    data = _embedded(report)
+    assert data["files"] == {} and data["summaries"]["prompt"]["video_note"] == summary["video_note"]
+    assert "prompt|frame|1|mean|mean|" in data["maps"]
+
+
+def test_a_video_of_another_length_shows_without_its_overlay_and_says_why(folder):
+    frames = [Image.new("RGB", (8, 8), c) for c in ("red", "green", "blue")]  # 3 frames: no VAE makes them
+    frames[0].save(folder / "video.gif", save_all=True, append_images=frames[1:])
+    summary = RunView(folder / "maps").summary()
+    assert summary["video"] == "gif" and summary["video_frames"] == 0 and summary["latent_of_pixel"] == []
+    assert "3 frames" in summary["video_note"] or "never 3 frames" in summary["video_note"]
+
+
+@pytest.mark.parametrize("inside", ["video.gif", "maps/report.html", "previews/frame.png"])
+def test_the_export_refuses_to_write_into_a_run_folder_it_reads(folder, capsys, inside):
+    target = folder / inside
+    before = target.read_bytes() if target.exists() else None
+    assert main([str(folder), "--export", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "inside" in err[0] and str(target) in err[0]
+    assert (target.read_bytes() if target.exists() else None) == before
+
+
+def test_an_export_that_cannot_be_written_names_the_report(folder, tmp_path, capsys):
+    report = tmp_path / "a folder"
+    report.mkdir()
+    assert main([str(folder), "--export", str(report)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{str(report)!r} cannot be written" in err[0]
+
+
+# -- text on the page -----------------------------------------------------------------------------------------
+HOSTILE = '<!--<script>x</script><script>document.title="script ran"</script>'
+TOKENS = ["<!--<script>", '</script><img src=x onerror="document.title=1">', "a\u2028b\u2029c", "<!--", "]]>"]
+
+
+@pytest.fixture
+def hostile(folder) -> Path:
+    _set_prompt(folder, prompt=HOSTILE, tokens=TOKENS)
+    _set_meta(folder, lambda meta: meta.update(info={"prompt": HOSTILE, "seed": "<script>", "note": "<!--"}))
+    return folder
+
+
+def test_the_export_escapes_what_a_script_element_cannot_hold(hostile, tmp_path):
+    report = export(hostile, tmp_path / "report.html")
+    text = report.read_text()
+    script = text[text.index("COGATTN_EMBEDDED = ") : text.index(";</script>")]
+    for bad in ("<!--", "<script", "</script", "\u2028", "\u2029", "<"):
+        assert bad not in script
+    data = _embedded(report)
+    assert data["runs"][0]["prompt"] == HOSTILE and data["summaries"]["prompt"]["tokens"][:5] == TOKENS
+
+
+def _chromium_page(browser, url: str, problems: list, dialogs: list):
+    page = browser.new_page()
+    page.on("console", lambda m: problems.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto(url)
+    page.wait_for_function("Number(document.body.dataset.ready) >= 1", timeout=20000)
+    return page
+
+
+def _shows_the_text_as_text(page, run) -> None:
+    assert HOSTILE in page.inner_text("#meta")
+    options = page.eval_on_selector_all("#token option", "os => os.map(o => o.textContent)")
+    assert options[:5] == [f"{i}: {t}" for i, t in enumerate(TOKENS)]
+    assert page.evaluate("document.querySelectorAll('img:not(#video)').length") == 0  # the token's <img> is text
+    assert page.title() != "script ran"
+    values = json.loads(page.get_attribute("#frame", "data-values"))  # the script ran: a panel is drawn
+    want = aggregate(run, "frame", steps=len(run.timesteps) - 1).flatten().double()
+    assert torch.allclose(torch.tensor(values, dtype=torch.float64), want, rtol=5e-4, atol=1e-6)
+
+
+def test_hostile_text_is_text_in_the_export_and_on_the_live_page(hostile, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a test dependency")
+    from test_view import _chromium
+
+    run = load(hostile / "maps")
+    report = export(hostile, tmp_path / "report.html")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+        try:
+            problems, dialogs = [], []
+            page = _chromium_page(browser, report.as_uri(), problems, dialogs)
+            _shows_the_text_as_text(page, run)
+            assert page.evaluate("document.querySelectorAll('script').length") == 2
+            with _served(hostile) as server:
+                page = _chromium_page(browser, server.url, problems, dialogs)
+                _shows_the_text_as_text(page, run)
+        finally:
+            browser.close()
+    assert not problems and not dialogs, (problems, dialogs)
