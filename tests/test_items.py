@@ -4,6 +4,8 @@ item unless told otherwise, and the figures name the item they show."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -76,3 +78,74 @@ def test_without_guidance_the_items_have_no_role_and_the_first_is_shown(tmp_path
         generate(pipe, guidance=1.0)
     assert rec.batch_roles == (None,) and pick_item(rec) == 0 and item_label(rec) == "batch item 0"
     assert "batch item" not in _title(plot.frame_heatmap(rec))  # one item, no guidance: nothing to name
+
+
+# -- the batch tool and the viewer ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def both_items(tmp_path_factory) -> Path:
+    """One prompt of the tiny default under guidance with both items recorded (batch 'all')."""
+    from cogattn.dump import main as dump_main
+
+    out = tmp_path_factory.mktemp("items") / "runs"
+    (out.parent / "p.txt").write_text(PROMPT + "\n")
+    sets = [f"save_dir={out}", f"prompts={out.parent / 'p.txt'}", "capture.batch=all", "capture.heads=all"]
+    sets += ["capture.kinds=[frame,video_to_text,full,block,entropy]", "capture.block_size=7"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert dump_main([a for s in sets for a in ("--set", s)]) == 0
+    (folder,) = [p for p in out.iterdir() if p.is_dir()]
+    return folder
+
+
+def test_the_viewer_shows_the_conditional_item_names_it_and_switches(both_items):
+    from cogattn.view import RunView
+
+    run, view = cogattn.load(both_items / "maps"), RunView(both_items / "maps")
+    assert run.batch_roles == ("uncond", "cond")
+    summary = view.summary()
+    assert summary["item"] == 1 and [it["role"] for it in summary["items"]] == ["uncond", "cond"]
+    assert summary["items"][1]["label"] == f"batch item 1, conditional: {PROMPT!r}"
+    assert summary["items"][0]["label"] == "batch item 0, unconditional"  # no negative prompt given: no text
+    meta = json.loads((both_items / "prompt.json").read_text())
+    assert summary["negative_tokens"] == meta["negative_tokens"] != meta["tokens"]
+    fox = meta["tokens"].index("▁fox") if "▁fox" in meta["tokens"] else meta["tokens"].index("fox")
+    for item in (None, 0, 1):
+        slot = 1 if item is None else item
+        by_hand = torch.stack([run.get("video_to_text", 0, la)[slot, :, fox] for la in (0, 1)]).double().mean((0, 1))
+        got = view.map("video_to_text", 0, "mean", "mean", fox, item=item)["values"]
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), by_hand.flatten(), rtol=0, atol=1e-6)
+    point = view.point(0, 1, 0, 1, 1, 2, item=0)["values"]
+    token = run.layout.token_index(1, 1, 2)
+    row = run.get("full", 0, 1)[0, 0, token, run.layout.grid_tokens].double()
+    torch.testing.assert_close(torch.tensor(point, dtype=torch.float64), row, rtol=0, atol=1e-7)
+    assert "error" in view.map("frame", 0, "mean", item="sideways")
+
+
+def test_the_page_switches_items_and_relabels_the_words(both_items):
+    from test_view import _chromium, _page, _redrawn, _values
+
+    from cogattn.view import ViewServer
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a test dependency")
+
+    run = cogattn.load(both_items / "maps")
+    server = ViewServer(both_items).start()
+    problems: list = []
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+            page = _page(browser, server.url, problems)
+            assert page.text_content("#item-label") == f"batch item 1, conditional: {PROMPT!r}"
+            step = len(run.timesteps) - 1  # the slider opens at the last step
+            frame = torch.stack([run.get("frame", step, la)[1] for la in (0, 1)]).double().mean((0, 1))
+            torch.testing.assert_close(torch.tensor(_values(page, "frame"), dtype=torch.float64), frame.flatten())
+            words = page.eval_on_selector_all("#token option", "os => os.map(o => o.textContent)")
+            _redrawn(page, lambda: page.select_option("#item", "0"))
+            assert page.text_content("#item-label") == "batch item 0, unconditional"
+            frame = torch.stack([run.get("frame", step, la)[0] for la in (0, 1)]).double().mean((0, 1))
+            torch.testing.assert_close(torch.tensor(_values(page, "frame"), dtype=torch.float64), frame.flatten())
+            negative = page.eval_on_selector_all("#token option", "os => os.map(o => o.textContent)")
+            assert negative != words and "item=0" in page.url  # the negative prompt's tokens; a link keeps the item
+            browser.close()
+    finally:
+        server.stop()
+    assert problems == []

@@ -290,7 +290,7 @@ def test_the_summary_is_json_a_browser_parses_whatever_the_run_json_holds(folder
 
 
 def test_every_request_gets_an_answer_an_unexpected_error_a_500_logged_once(folder, monkeypatch, capsys):
-    def broken(self, step, column="same_frame_mass"):
+    def broken(self, step, column="same_frame_mass", item=None):
         raise RuntimeError("shape '[-3, 4, 4]' is invalid\nsecond line")
 
     monkeypatch.setattr(RunView, "heads", broken)

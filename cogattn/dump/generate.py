@@ -181,6 +181,8 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
     if text is not None and rec.layout is not None:
         lay = rec.layout
         meta["tokens"] = text_tokens(text, prompt.prompt, lay.prompt_len, prompt_start=lay.prompt_start)
+        if "uncond" in (rec.batch_roles or ()):  # the unconditional item's text: the negative prompt ("" unset)
+            meta["negative_tokens"] = text_tokens(text, negative or "", lay.prompt_len, prompt_start=lay.prompt_start)
     meta["video"] = _save_video(frames, folder / "video", cfg).name
     if _write_head_table(folder / "maps", folder / "heads.csv"):
         meta["head_table"] = "heads.csv"

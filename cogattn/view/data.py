@@ -24,6 +24,7 @@ from matplotlib import colormaps
 from ..analysis import aggregate, head_positions, locate_query, recorded, recorded_kinds, skipped_pairs
 from ..errors import NotRecordedError, StoreError
 from ..head_stats import TABLE_KINDS, head_table
+from ..items import item_label, pick_item
 from ..masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
 from ..run import MANIFEST, Run
 from .files import PromptFiles, info
@@ -101,12 +102,13 @@ class RunView:
         if (stat.st_size, stat.st_mtime_ns) != self._manifest:
             self.run, self._manifest = Run(self.path), (stat.st_size, stat.st_mtime_ns)
 
-    def tokens(self) -> list[str]:
-        """A label for each text token of the word kinds: the batch tool's token strings where it kept them."""
+    def tokens(self, key: str = "tokens") -> list[str]:
+        """A label for each text token of the word kinds: the batch tool's token strings where it kept them
+        (``"negative_tokens"``: the negative prompt's, the unconditional item's text)."""
         layout = self.run.layout
         if layout is None:
             return []
-        kept = self.files.prompt.get("tokens")
+        kept = self.files.prompt.get(key)
         n = layout.prompt_len
         return [str(t) for t in kept[:n]] if isinstance(kept, list) and kept else [f"token {i}" for i in range(n)]
 
@@ -150,6 +152,9 @@ class RunView:
             "head_atlas": bool(set(kinds) & set(TABLE_KINDS)),
             "head_columns": list(HEAD_COLUMNS),
             "masks": list(MASKS),
+            "items": [{"slot": i, "label": item_label(run, i), "role": role} for i, role in enumerate(_roles(run))],
+            "negative_tokens": self.tokens("negative_tokens"),
+            "item": pick_item(run),
         }
 
     def _gaps(self, kind: str) -> dict[int, list[int]]:
@@ -165,9 +170,12 @@ class RunView:
             gaps.setdefault(s, []).append(n)
         return gaps
 
-    def map(self, kind: str, step: int, layer: int | str, head: int | str = "mean", token: int | None = None) -> dict:
+    def map(
+        self, kind: str, step: int, layer: int | str, head: int | str = "mean", token: int | None = None, item=None
+    ) -> dict:
         """One map of the page: ``kind`` at ``step`` and ``layer`` (``"mean"``: over the recorded layers),
-        one head or their mean; a word kind at text token ``token`` (its map over the video).
+        one head or their mean; a word kind at text token ``token`` (its map over the video); of batch slot
+        ``item`` (`None`: the first conditional item, :func:`cogattn.items.pick_item`).
 
         Returns:
             `dict`: ``shape`` and row-major ``values`` (`None` where nothing is there), or ``error`` saying why.
@@ -178,7 +186,7 @@ class RunView:
         row = None if kind not in WORD_KINDS else int(token)  # one token's map: only its rows are read
         try:
             layers = self.layers_at(kind, step, layer)
-            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads, row=row)
+            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads, batch=item, row=row)
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
         if kind in STAT_KINDS:  # one value per token: the video's, on its grid
@@ -188,16 +196,17 @@ class RunView:
                 return {"error": str(err)}
         return _payload(m)
 
-    def heads(self, step: int, column: str = "same_frame_mass") -> dict:
-        """The head atlas at ``step``: ``column`` of :func:`cogattn.head_stats.head_table` (the first batch
-        item) and each head's label, as a layers × heads grid."""
+    def heads(self, step: int, column: str = "same_frame_mass", item=None) -> dict:
+        """The head atlas at ``step``: ``column`` of :func:`cogattn.head_stats.head_table` (of batch slot
+        ``item``, by default the first conditional item) and each head's label, as a layers × heads grid."""
         try:
             table = head_table(self.run, steps=int(step))
+            slot = pick_item(self.run, item)
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
         if column not in HEAD_COLUMNS:
             return {"error": f"column={column!r}; choose one of {list(HEAD_COLUMNS)}."}
-        table = table[table["item"] == table["item"].min()]
+        table = table[table["item"] == slot]
         layers, heads = sorted(set(table["layer"])), list(dict.fromkeys(table["head"]))
         grid = table.pivot(index="layer", columns="head", values=column).reindex(index=layers, columns=heads)
         labels = table.pivot(index="layer", columns="head", values="label").reindex(index=layers, columns=heads)
@@ -221,30 +230,30 @@ class RunView:
             self.run.record_info(kind, step, gone[0])  # a cache skipped the whole step: its error says so
         return held or "all"  # none: aggregate says what was recorded
 
-    def block(self, step: int, layer: int | str, head: int | str, mask: str = "none") -> dict:
+    def block(self, step: int, layer: int | str, head: int | str, mask: str = "none", item=None) -> dict:
         """The ``block`` map, with a block-sparse mask of :mod:`cogattn.masks` (``mask``: one of
-        :data:`MASKS`, window 1) and its recall (:func:`cogattn.masks.mask_recall`, the first batch item,
+        :data:`MASKS`, window 1) and its recall (:func:`cogattn.masks.mask_recall`, of batch slot ``item``,
         the head or every head's mean), as :func:`cogattn.plot.block_map` draws them."""
         if mask not in MASKS:
             return {"error": f"mask={mask!r}; choose one of {list(MASKS)}."}
-        payload = self.map("block", step, layer, head)
+        payload = self.map("block", step, layer, head, item=item)
         if "error" in payload or mask == "none":
             return payload
         lay, size = self.run.layout, self.run.block_size
         keep = MASKS[mask](lay, size)
         layers = self.layers_at("block", step, layer)
         table = mask_recall(self.run, keep, steps=[int(step)], layers=layers if isinstance(layers, list) else [layers])
-        table = table[table["item"] == table["item"].min()]
+        table = table[table["item"] == pick_item(self.run, item)]
         if head != "mean":
             table = table[table["head"] == int(head)]
         return {**payload, "mask": keep.flatten().tolist(), "recall": float(table["recall"].mean())}
 
-    def point(self, step: int, layer: int | str, head: int | str, frame: int, row: int, col: int) -> dict:
+    def point(self, step: int, layer: int | str, head: int | str, frame: int, row: int, col: int, item=None) -> dict:
         """Where one video point attends, from whichever kind holds its row: a recorded ``query`` at that
         point or ``full`` (its row over the video, ``frames × height × width``); else ``topk`` (its k
         largest over the video, the rest `None`; one layer, one head or a head mean recorded as such); else
-        ``query_frame`` (its mass to each key group). Only that row is read. ``error`` says what to record
-        when none of them was."""
+        ``query_frame`` (its mass to each key group); of batch slot ``item``. Only that row is read. ``error``
+        says what to record when none of them was."""
         lay = self.run.layout
         if lay is None:
             return {"error": "run.json has no layout, so a video point cannot be located."}
@@ -257,18 +266,18 @@ class RunView:
             kinds = recorded_kinds(self.run)
             refusal = self._topk_refusal(layer, head) if "topk" in kinds else None
             if "topk" in kinds and refusal is None:
-                answer = self._point_topk(step, layer, head, token)
+                answer = self._point_topk(step, layer, head, token, item)
                 if "error" not in answer or "query_frame" not in kinds:
                     return answer
             if "query_frame" in kinds:
-                return self._point_groups(step, layer, head, token)
+                return self._point_groups(step, layer, head, token, item)
             if refusal is not None:
                 return {"error": refusal}
             return {"error": f"{err} Record 'full', 'query' (queries=[(frame, row, col)]), 'topk' or 'query_frame'."}
         heads = head if head == "mean" else int(head)
         try:
             layers = self.layers_at(kind, step, layer)
-            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads, row=index)
+            m = aggregate(self.run, kind, steps=int(step), layers=layers, heads=heads, batch=item, row=index)
             m = _on_grid(m, lay, kind)
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
@@ -286,14 +295,14 @@ class RunView:
             )
         return None
 
-    def _point_topk(self, step: int, layer: int | str, head: int | str, token: int) -> dict:
+    def _point_topk(self, step: int, layer: int | str, head: int | str, token: int, item) -> dict:
         """A point's ``topk`` row over the video: its k largest probabilities where they fall, the rest `None`."""
         ids = self.run.head_ids
         try:
             if layer == "mean":  # a run holding one layer of topk: that layer (refused above otherwise)
                 layer = recorded(self.run, "topk", "layer")[0]
             self.layers_at("topk", step, layer)  # a layer a cache skipped: its error says so
-            top = self.run.get("topk", int(step), int(layer), index=(0, slice(None), token))
+            top = self.run.get("topk", int(step), int(layer), index=(pick_item(self.run, item), slice(None), token))
             slot = 0 if head == "mean" else head_positions(ids, top.values.shape[0], int(head))[0]
             lay = self.run.layout
             if top.indices.numel() and not 0 <= int(top.indices.min()) <= int(top.indices.max()) < lay.seq_len:
@@ -311,18 +320,25 @@ class RunView:
         )
         return {**_payload(video.reshape(lay.frames, lay.height, lay.width)), "kind": "topk", "note": note}
 
-    def _point_groups(self, step: int, layer: int | str, head: int | str, token: int) -> dict:
+    def _point_groups(self, step: int, layer: int | str, head: int | str, token: int, item) -> dict:
         """A point's ``query_frame`` row: its attention mass to each key group (the text's, each latent frame)."""
         heads = head if head == "mean" else int(head)
         try:
             layers = self.layers_at("query_frame", step, layer)
-            m = aggregate(self.run, "query_frame", steps=int(step), layers=layers, heads=heads, row=token)
+            m = aggregate(self.run, "query_frame", steps=int(step), layers=layers, heads=heads, batch=item, row=token)
         except (NotRecordedError, StoreError, ValueError) as err:
             return {"error": str(err)}
         note = "query_frame: this point's attention mass to each key group; record 'full' for its row per patch"
         if "topk" in recorded_kinds(self.run):
             note += " (or choose one layer and one head: its topk)"
         return {**_payload(m[None]), "kind": "query_frame", "groups": _group_names(self.run.layout), "note": note}
+
+
+def _roles(run: Run) -> list[str | None]:
+    """Each slot's role of the run's batch axis (``None`` each where the run does not say), one per slot."""
+    slots = next((r.shape[0] for r in run.records() if r.shape), 1)
+    roles = list(run.batch_roles or [])
+    return roles if len(roles) == slots else [None] * slots
 
 
 def _misfit(kind: str, what: str, lay) -> str:

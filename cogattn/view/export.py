@@ -94,7 +94,9 @@ def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tup
         for step in sorted({s for k in TABLE_KINDS for s in summary["steps"].get(k, [])}):
             for column in HEAD_COLUMNS:
                 maps[f"heads|{step}|{column}"] = _rounded(view.heads(step, column))
+    summary["items"] = [it for it in summary["items"] if it["slot"] == summary["item"]]  # the one exported
     summary["export"] = {
+        "item": summary["items"][0]["label"] if summary["items"] else "batch item 0",
         "layers": "frame: every layer and their mean; word kinds and block: the mean over layers",
         "heads": "the mean over heads",
         "tokens": len(tokens),

@@ -12,6 +12,8 @@ the package (``static/``, no CDN) and a small JSON API that :class:`cogattn.view
     GET /api/point?run=&step=&layer=&head=&frame=&row=&col= where a video point attends
     GET /api/heads?run=&step=&column=          the head atlas: a head_table column per layer and head
     GET /api/block?run=&step=&layer=&head=&mask=  the block map, a mask's kept blocks and its recall
+    (map, point, heads and block take &item=SLOT, a slot of the recorded batch; by default the first
+    conditional item under guidance)
     GET /file/NAME/video | /file/NAME/thumbnail             the batch tool's video and frame preview
     GET /file/NAME/frame/I                     the video's frame I, a PNG (for the maps over the video)
 
@@ -150,20 +152,22 @@ def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, byt
     if view is None or not path.startswith("/api/"):
         return 404, json.dumps({"error": f"no such page or run: {path}"}).encode(), "application/json"
     view.refresh()
+    item = query.get("item") or None  # a batch slot; none: the first conditional item
+    item = int(item) if item is not None and item.isdigit() else item  # "cond"/"uncond" pass as words
     if path == "/api/summary":
         body = view.summary()
     elif path == "/api/map":
         token = query.get("token")
         args = (query["kind"], int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"))
-        body = view.map(*args, None if token is None else int(token))
+        body = view.map(*args, None if token is None else int(token), item=item)
     elif path == "/api/block":
         args = (int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), query.get("mask", "none"))
-        body = view.block(*args)
+        body = view.block(*args, item=item)
     elif path == "/api/heads":
-        body = view.heads(int(query["step"]), query.get("column", "same_frame_mass"))
+        body = view.heads(int(query["step"]), query.get("column", "same_frame_mass"), item=item)
     elif path == "/api/point":
         where = (int(query[k]) for k in ("frame", "row", "col"))
-        body = view.point(int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), *where)
+        body = view.point(int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), *where, item=item)
     else:
         return 404, json.dumps({"error": f"no such page: {path}"}).encode(), "application/json"
     return 200, json.dumps(finite(body)).encode(), "application/json"

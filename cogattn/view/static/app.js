@@ -104,7 +104,7 @@ function draw(target, payload, opts = {}) {
 
 // -- the viewer --------------------------------------------------------------------------------------------
 // The controls the page's address keeps, so a link opens the same view (`?run=…&step=…&point=f,r,c`).
-const KEPT = ["step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask"];
+const KEPT = ["item", "step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask"];
 
 function restore() {
   for (const id of KEPT) {
@@ -130,7 +130,7 @@ function remember() {
 }
 
 function selection() {
-  return { run, step: steps[Number($("step").value)], layer: $("layer").value, head: $("head").value };
+  return { run, item: $("item").value, step: steps[Number($("step").value)], layer: $("layer").value, head: $("head").value };
 }
 
 // Under the step slider, a mark per step where a cache skipped layers (darker: more of them).
@@ -192,7 +192,7 @@ async function redraw() {
     jobs.push(api("/api/block", { ...sel, mask: $("mask").value }).then(drawBlock));
   }
   if (S.head_atlas) {
-    const q = { run, step: sel.step, column: $("head-column").value };
+    const q = { run, item: sel.item, step: sel.step, column: $("head-column").value };
     jobs.push(api("/api/heads", q).then(drawHeads));
   }
   if (point) jobs.push(drawPoint());
@@ -309,6 +309,15 @@ async function drawPoint() {
   $("point-note").textContent = payload.note || "";
 }
 
+// The item shown, named above the maps; the word labels are its text's: the negative prompt's tokens for the
+// unconditional item (where the batch tool kept them), the prompt's otherwise.
+function labelItem() {
+  const it = S.items.find((x) => String(x.slot) === $("item").value) || S.items[0];
+  $("item-label").textContent = it ? it.label : "";
+  const tokens = it && it.role === "uncond" ? S.negative_tokens : S.tokens;
+  [...$("token").options].forEach((o, i) => (o.textContent = `${i}: ${tokens[i] ?? ""}`));
+}
+
 function option(select, value, text) {
   const o = document.createElement("option");
   o.value = value;
@@ -358,6 +367,11 @@ async function openRun() {
   $("step").max = Math.max(0, steps.length - 1);
   $("step").value = Math.max(0, steps.length - 1);
   drawGaps(gaps, layers.length);
+  // the batch item the maps are of: under guidance the conditional one first (the server's default), and
+  // the unconditional one named as such, never shown under the prompt's words without saying so
+  for (const it of S.items) option($("item"), it.slot, it.label);
+  $("item").value = String(S.item);
+  $("item-control").hidden = S.items.length < 2;
   option($("layer"), "mean", "mean of layers");
   for (const l of layers) option($("layer"), l, S.layer_names ? `${l}: ${S.layer_names[l]}` : `${l}`);
   option($("head"), "mean", "mean of heads");
@@ -367,6 +381,7 @@ async function openRun() {
   for (const c of S.head_columns) option($("head-column"), c);
   for (const m of S.masks) option($("mask"), m);
   S.tokens.forEach((t, i) => option($("token"), i, `${i}: ${t}`));
+  labelItem();
   if (S.video_frames && !EMBEDDED && S.kinds.some((k) => k === "video_to_text" || k === "text_to_video")) {
     $("overlay-panel").hidden = false;
     $("pixel-frame").max = S.video_frames - 1;
@@ -388,9 +403,8 @@ async function openRun() {
   }
   if (S.layout) point = [S.layout.frames >> 1, S.layout.height >> 1, S.layout.width >> 1]; // the middle, till a click
   restore(); // a link's view
-  for (const id of ["step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask"]) {
-    $(id).addEventListener("input", redraw);
-  }
+  for (const id of KEPT) $(id).addEventListener("input", redraw);
+  $("item").addEventListener("input", labelItem);
   await redraw();
 }
 
