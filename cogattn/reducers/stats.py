@@ -1,0 +1,42 @@
+"""The row statistics the engine computes: ``entropy`` (per query) and ``received`` (per key)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Reducer
+
+__all__ = ["EntropyReducer", "ReceivedReducer"]
+
+
+class EntropyReducer(Reducer):
+    """``entropy``: ``(B, H, S)``, ``−Σ_j P[i, j] ln P[i, j]`` in nats for every query token."""
+
+    kind = "entropy"
+    dims = ("query token",)
+    unit = "entropy (nats)"
+    stat = "entropy"
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.layout.seq_len)
+
+    def from_rows(self, probs):
+        return -torch.special.xlogy(probs, probs).sum(-1, keepdim=True)
+
+    def fold_pooled(self, out, h0, r0, pooled):
+        self._accumulate(out[:, r0 : r0 + pooled.shape[1]], h0, pooled[..., 0])
+
+
+class ReceivedReducer(Reducer):
+    """``received``: ``(B, H, S)``, ``Σ_i P[i, j]`` over every query token for every key token (sums to S)."""
+
+    kind = "received"
+    dims = ("key token",)
+    unit = "attention received (sums to S)"
+    stat = "received"
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.layout.seq_len)
+
+    def fold_received(self, out, h0, sums):
+        self._accumulate(out, h0, sums)
