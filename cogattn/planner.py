@@ -161,7 +161,7 @@ def size_tiles(
     in_rows = method == "rows"
     # pooled sums per row (with entropy: P K, D more); with received, a column sum per head
     row_cols = sum(g.num_groups for g in groups) + D * ("entropy" in stats) if in_rows else 0
-    row_cols += sum(4 * r.k for r in reducers if r.kind == "topk")  # values, int64 indices, their float copy
+    row_cols += sum(r.row_columns(S) for r in reducers)  # what a kind holds per row while it folds a tile
     received = "received" in stats and in_rows
     mean_row = any(r.mean_rows for r in reducers)  # topk of the head-mean row: a sum of the heads' rows
     row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and in_rows else [])

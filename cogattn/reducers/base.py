@@ -71,6 +71,11 @@ class Reducer:
             return probs.index_select(-1, keys.keys.to(probs.device))
         return probs @ keys.indicator(probs.shape[-1], device=probs.device)
 
+    def row_columns(self, seq_len: int) -> int:
+        """Float32 values per head and query row this kind holds while it folds a row tile, beyond the tile
+        itself (the planner's and ``estimate``'s working set): 0 for most kinds."""
+        return 0
+
     def shape(self, num_batch: int) -> tuple[int, ...]:
         """Shape of the result for ``num_batch`` selected batch items."""
         raise NotImplementedError

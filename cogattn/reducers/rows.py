@@ -106,6 +106,9 @@ class TopKReducer(Reducer):
             )
         return (*index, slice(None))  # the stored (value, key token) axis is read whole
 
+    def row_columns(self, seq_len):
+        return 4 * self.k  # values, int64 indices, their float copy
+
     def shape(self, num_batch):
         return (num_batch, self.out_heads, self.layout.seq_len, self.k, 2)
 
