@@ -1,13 +1,15 @@
 """``cogattn view``: the server's answers against ``cogattn.analysis`` on a batch run of the tiny default,
 and the page in a real browser (headless Chromium from the system's packages, driven by Playwright): it
 loads with no console error, a step or word change redraws, a click on a video point shows that point's
-row, the numbers on the page equal the run's, and the export opens with no request leaving the file."""
+row, the numbers on the page equal the run's (each map's colour bar ends at its values' limits, the value
+under the pointer is the run's), and the export opens with no request leaving the file."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import math
 import os
 import shutil
 import socket
@@ -241,6 +243,7 @@ def test_the_page_shows_the_run_s_numbers_and_follows_steps_words_and_clicks(run
         # the README's screenshot, written where asked (COGATTN_SCREENSHOT=docs/view.png), else beside the run
         shot = Path(os.environ.get("COGATTN_SCREENSHOT") or runs.parent / "view.png")
         page.set_viewport_size({"width": 1100, "height": 560})
+        _hover(page, "word", 1, 2, 3)  # the value under the pointer, in the line under its panel
         page.screenshot(path=str(shot), full_page=True)
         # the folder: a table of its runs, searchable by prompt
         listing = _page(browser, server.url, problems)
@@ -271,6 +274,171 @@ def test_a_link_opens_the_same_view(runs, browser):
         assert _close(_values(again, "word"), aggregate(run, "text_to_video", steps=1, heads=1)[3])
     finally:
         server.stop()
+    assert not problems, problems
+
+
+# -- colour bars and the value under the pointer -------------------------------------------------------------
+def _bars(page, panel: str) -> list[dict]:
+    """Each colour bar of ``panel``: its scale, its ticks (value, label, position in percent) and its unit."""
+    return page.eval_on_selector_all(
+        f"#{panel} .colorbar",
+        """bars => bars.map(b => ({
+            scale: b.dataset.scale,
+            ticks: [...b.querySelectorAll('.tick')].map(t => [Number(t.dataset.value), t.textContent, parseFloat(t.style.left)]),
+            unit: b.querySelector('.unit').textContent,
+        }))""",
+    )
+
+
+def _check_bars(page, panel: str, log: bool, per_frame: bool = False) -> str:
+    """The bars of ``panel`` (one, or one per latent frame) end at the min and max of its ``data-values`` (the
+    positive ones on a log scale), label them, and place every tick where its value falls on that scale; a log
+    scale's ticks between are 1, 2 or 5 times a power of ten. Returns the bars' unit."""
+    values = _values(page, panel)
+    shape = json.loads(page.get_attribute(f"#{panel}", "data-shape"))
+    size = shape[-1] * shape[-2]
+    parts = [values[f * size : (f + 1) * size] for f in range(shape[0])] if per_frame else [values]
+    bars = _bars(page, panel)
+    assert len(bars) == len(parts)
+    for bar, part in zip(bars, parts, strict=True):
+        kept = [v for v in part if v is not None and (v > 0 or not log)]
+        lo, hi = min(kept), max(kept)
+        ticks = bar["ticks"]
+        assert bar["scale"] == ("log" if log else "linear") and (ticks[0][0], ticks[-1][0]) == (lo, hi)
+        assert float(ticks[0][1]) == pytest.approx(lo, rel=5e-4) and float(ticks[-1][1]) == pytest.approx(hi, rel=5e-4)
+        for value, label, left in ticks:
+            at = (math.log(value / lo) / math.log(hi / lo)) if log else (value - lo) / (hi - lo)
+            assert lo <= value <= hi and left == pytest.approx(100 * at, abs=1e-3)
+            assert float(label) == pytest.approx(value, rel=5e-3)
+        for value, _, _ in ticks[1:-1] if log else []:
+            mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+            assert min(abs(mantissa - m) for m in (1, 2, 5)) < 1e-9, value
+        if not log and not per_frame:
+            assert len(ticks) >= 3  # values between the ends
+    assert len({bar["unit"] for bar in bars}) == 1
+    return bars[0]["unit"]
+
+
+def _hover(page, panel: str, frame: int, row: int, col: int) -> tuple[str, float | None]:
+    """Moves the pointer over cell (``row``, ``col``) of ``panel``'s map ``frame``: the line under the panel,
+    and the value it holds (`None` where it says the cell is blank)."""
+    shape = json.loads(page.get_attribute(f"#{panel}", "data-shape"))
+    rows, cols = shape[-2:]
+    canvas = page.locator(f"#{panel} canvas[data-frame='{frame}']")
+    box = canvas.bounding_box()
+    x, y = box["x"] + (col + 0.5) * box["width"] / cols, box["y"] + (row + 0.5) * box["height"] / rows
+    canvas.dispatch_event("mousemove", {"clientX": x, "clientY": y, "bubbles": True})
+    readout = page.locator(f"#{panel}-panel .readout")
+    value = readout.get_attribute("data-value")
+    return readout.inner_text(), float(value) if value else None
+
+
+def _shows(text: str, where: str, want: float, exact: float | None, rel: float = 1e-6) -> None:
+    """``text`` names the cell and writes its value ``exact`` to 6 digits, and ``exact`` is ``want`` (the run's)."""
+    assert text.startswith(f"{where}: ") and float(text.split(": ")[-1]) == pytest.approx(exact, rel=5e-6), text
+    assert exact == pytest.approx(want, rel=rel)
+
+
+def test_every_map_has_a_colour_bar_with_its_limits_and_shows_the_value_under_the_pointer(runs, browser):
+    from cogattn.reducers import REDUCERS
+
+    folder = _first(runs)
+    run = load(folder / "maps")
+    lay = run.layout
+    groups = RunView(folder / "maps").summary()["groups"]
+    server = ViewServer(runs).start()
+    problems = []
+    try:
+        link = f"{server.url}?run={folder.name}&step=1&head=1&token=2&stat-kind=entropy&mask=same_frame&point=1,2,3"
+        page = _page(browser, link, problems)
+        kinds = {"frame": "frame", "word": "video_to_text", "stat": "entropy", "block": "block", "point": "full"}
+        for panel, kind in kinds.items():  # the unit is the reducer's, as on the plots' colour bars
+            assert _check_bars(page, panel, log=False) == REDUCERS[kind].unit
+        assert "mean over video queries" in _check_bars(page, "heads", log=False)
+        # the value under the pointer, named by where it is, equal to the run's
+        text, value = _hover(page, "word", 1, 2, 3)
+        want = float(aggregate(run, "video_to_text", steps=1, heads=1)[2][1, 2, 3])
+        _shows(text, "latent frame 1, patch row 2, patch column 3", want, value)
+        text, value = _hover(page, "frame", 0, 2, 0)
+        want = float(aggregate(run, "frame", steps=1, heads=1)[2, 0])
+        _shows(text, f"query group {groups[2]}, key group {groups[0]}", want, value)
+        text, value = _hover(page, "stat", 2, 1, 0)
+        want = float(aggregate(run, "entropy", steps=1, heads=1)[lay.token_index(2, 1, 0)])
+        _shows(text, "latent frame 2, patch row 1, patch column 0", want, value)
+        text, value = _hover(page, "block", 0, 1, 2)
+        _shows(text, "query block 1, key block 2", float(aggregate(run, "block", steps=1, heads=1)[1, 2]), value)
+        text, value = _hover(page, "point", 0, 2, 1)  # where point (1, 2, 3) attends: its row over the video
+        row = aggregate(run, "full", steps=1, heads=1)[lay.token_index(1, 2, 3)][lay.grid_tokens]
+        want = float(row.reshape(lay.frames, lay.height, lay.width)[0, 2, 1])
+        _shows(text, "latent frame 0, patch row 2, patch column 1", want, value)
+        table = head_table(run, steps=1).query("item == 0")
+        cell = table.query("layer == 1 and head == 0").iloc[0]
+        text, value = _hover(page, "heads", 0, 1, 0)
+        _shows(text, f"layer 1, head 0 ({cell['label']})", float(cell["same_frame_mass"]), value, rel=1e-5)
+        # a log scale: the bars end at the smallest and largest positive values, log-spaced ticks between
+        _redrawn(page, lambda: page.select_option("#scale", "log"))
+        for panel in (*kinds, "heads"):
+            _check_bars(page, panel, log=True)
+        # colours per map: a bar under each latent frame's map, at that map's own limits
+        _redrawn(page, lambda: page.select_option("#limits", "per-map"))
+        for panel in ("word", "stat", "point"):
+            _check_bars(page, panel, log=True, per_frame=True)
+        _redrawn(page, lambda: page.select_option("#scale", "linear"))
+        for panel in ("word", "stat", "point"):
+            _check_bars(page, panel, log=False, per_frame=True)
+        assert len(_bars(page, "frame")) == 1  # one map, one bar
+    finally:
+        server.stop()
+    assert not problems, problems
+
+
+def test_a_blank_cell_says_it_was_not_recorded(runs, sparse, browser):
+    lay = load(sparse).layout
+    token = lay.token_index(1, 2, 3)
+    row = load(_first(runs) / "maps").get("full", 2, 1)[0, 0, token][lay.grid_tokens]  # the same generation's
+    server = ViewServer(sparse).start()
+    problems = []
+    try:  # a point's topk row (layer 1, head 0): its k largest where they fall, the rest blank
+        page = _page(browser, f"{server.url}?step=2&layer=1&head=0&point=1,2,3", problems)
+        values = _values(page, "point")
+        hw = lay.height * lay.width
+        cell = lambda i: (i // hw, i % hw // lay.width, i % lay.width)  # noqa: E731
+        blank, kept = values.index(None), next(i for i, v in enumerate(values) if v is not None)
+        f, r, c = cell(blank)
+        assert _hover(page, "point", f, r, c) == (
+            f"latent frame {f}, patch row {r}, patch column {c}: not recorded",
+            None,
+        )
+        f, r, c = cell(kept)
+        text, value = _hover(page, "point", f, r, c)
+        _shows(text, f"latent frame {f}, patch row {r}, patch column {c}", float(row[kept]), value, rel=1e-5)
+        _check_bars(page, "point", log=False)
+    finally:
+        server.stop()
+    assert not problems, problems
+
+
+def test_the_export_shows_the_colour_bars_and_the_value_under_the_pointer(runs, browser, tmp_path):
+    from cogattn.reducers import REDUCERS
+
+    folder = _first(runs)
+    run = load(folder / "maps")
+    out = export(folder, tmp_path / "report.html")
+    problems = []
+    page = _page(browser, out.as_uri(), problems)
+    _redrawn(page, lambda: page.fill("#step", "1"))
+    assert _check_bars(page, "frame", log=False) == REDUCERS["frame"].unit
+    assert _check_bars(page, "word", log=False) == REDUCERS["video_to_text"].unit
+    text, value = _hover(page, "word", 1, 2, 0)  # token 0 over the video, as the export keeps it (4 digits)
+    want = float(aggregate(run, "video_to_text", steps=1)[0][1, 2, 0])
+    _shows(text, "latent frame 1, patch row 2, patch column 0", want, value, rel=5e-4)
+    text, value = _hover(page, "frame", 0, 1, 3)
+    groups = RunView(folder / "maps").summary()["groups"]
+    want = float(aggregate(run, "frame", steps=1)[1, 3])
+    _shows(text, f"query group {groups[1]}, key group {groups[3]}", want, value, rel=5e-4)
+    _redrawn(page, lambda: page.select_option("#scale", "log"))
+    _check_bars(page, "frame", log=True)
+    _check_bars(page, "heads", log=True)
     assert not problems, problems
 
 

@@ -26,6 +26,7 @@ from ..errors import NotRecordedError, StoreError
 from ..head_stats import TABLE_KINDS, head_table
 from ..items import item_label, pick_item
 from ..masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
+from ..reducers import REDUCERS
 from ..run import MANIFEST, Run
 from .files import PromptFiles, info
 
@@ -152,6 +153,7 @@ class RunView:
             "head_atlas": bool(set(kinds) & set(TABLE_KINDS)),
             "head_columns": list(HEAD_COLUMNS),
             "masks": list(MASKS),
+            "units": {k: REDUCERS[k].unit for k in kinds if k in REDUCERS},  # what a value is, per kind
             "items": [{"slot": i, "label": item_label(run, i), "role": role} for i, role in enumerate(_roles(run))],
             "negative_tokens": self.tokens("negative_tokens"),
             "item": pick_item(run),

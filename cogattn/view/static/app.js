@@ -65,12 +65,111 @@ function paint(canvas, values, rows, cols, range, log, cell) {
   }
 }
 
-// One map: a single 2-D panel, or one panel per latent frame of a (F, h, w) map over the video.
+// -- colour bars: the colormap with tick values and what a value is ---------------------------------------
+// The head atlas's colourings: columns of cogattn.head_stats.head_table, each a mean over the video queries.
+const HEAD_UNITS = {
+  same_frame_mass: "attention mass on the query's own latent frame (mean over video queries)",
+  text_mass: "attention mass on the text keys (mean over video queries)",
+  entropy_mean: "entropy (nats, mean over video queries)",
+  sink_share: "share of all received mass on the sink tokens",
+};
+const unitOf = (kind) => (S.units || {})[kind] || ""; // the reducers' `unit`, as on the plots' colour bars
+
+// A number as the page writes it: `digits` significant digits, exponent form outside [0.001, 10000).
+function fmt(v, digits) {
+  const a = Math.abs(v);
+  if (a === 0 || (a >= 1e-3 && a < 1e4)) return String(Number(v.toPrecision(digits)));
+  return v.toExponential(digits - 1).replace(/\.?0+e/, "e");
+}
+
+// Where a value sits along a bar of `range` (0 at its low end, 1 at its high end).
+function along(v, range, log) {
+  const [lo, hi] = log ? range.map(Math.log) : range;
+  return ((log ? Math.log(v) : v) - lo) / (hi - lo);
+}
+
+// The bar's ticks on a bar `width` pixels wide: its ends (the panel's limits, written to 4 digits) and round
+// values between (3 digits), 1-2-5 steps on a linear scale, powers of ten on a log one (with their 2× and 5×
+// where fewer than two powers fall inside), each kept only where its label clears the labels beside it.
+// Returns [value, label] pairs, lowest first.
+const TICK_CHAR = 6.5; // px a character of an 11px tick label takes, about
+function ticks(range, log, width) {
+  const [lo, hi] = range;
+  let inner = [];
+  if (log) {
+    for (const mantissas of [[1], [1, 2, 5]]) {
+      inner = [];
+      for (let e = Math.floor(Math.log10(lo)); e <= Math.ceil(Math.log10(hi)); e++) {
+        for (const m of mantissas) inner.push(Number((m * 10 ** e).toPrecision(12)));
+      }
+      inner = inner.filter((v) => v > lo && v < hi);
+      if (inner.length >= 2) break;
+    }
+  } else {
+    const raw = (hi - lo) / Math.max(2, Math.floor(width / 70));
+    const power = 10 ** Math.floor(Math.log10(raw));
+    const step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw);
+    for (let i = Math.ceil(lo / step); i * step < hi; i++) inner.push(Number((i * step).toPrecision(12)));
+  }
+  const x = (v) => width * along(v, range, log);
+  const low = [lo, fmt(lo, 4)], high = [hi, fmt(hi, 4)];
+  const gap = TICK_CHAR; // a character's space between two labels
+  let right = low[1].length * TICK_CHAR + gap; // the low end's label is left-aligned at 0
+  const limit = width - high[1].length * TICK_CHAR - gap; // the high end's is right-aligned at the bar's end
+  const kept = [];
+  for (const v of inner) {
+    const label = fmt(v, 3);
+    const half = (label.length * TICK_CHAR) / 2;
+    if (x(v) - half >= right && x(v) + half <= limit) {
+      kept.push([v, label]);
+      right = x(v) + half + gap;
+    }
+  }
+  return [low, ...kept, high];
+}
+
+// A colour bar `width` pixels wide: the colormap the maps are painted with, its ticks and the unit.
+function colorBar(range, log, unit, width) {
+  const bar = document.createElement("div");
+  bar.className = "colorbar";
+  bar.style.width = `${width}px`;
+  bar.dataset.range = JSON.stringify(range);
+  bar.dataset.scale = log ? "log" : "linear";
+  // a gradient through every colour of the map, not a canvas: a panel's canvases are its maps alone; on a log
+  // scale the colours step evenly in log(value), as `paint` steps them
+  const strip = document.createElement("div");
+  strip.className = "strip";
+  const last = S.colormap.length - 1;
+  const stops = S.colormap.map((rgb, i) => `rgb(${rgb.join(",")}) ${((100 * i) / last).toFixed(2)}%`);
+  strip.style.background = `linear-gradient(to right, ${stops.join(", ")})`;
+  const marks = document.createElement("div");
+  marks.className = "ticks";
+  const values = ticks(range, log, width);
+  values.forEach(([v, text], i) => {
+    const tick = document.createElement("span");
+    tick.className = i === 0 ? "tick low" : i === values.length - 1 ? "tick high" : "tick";
+    tick.dataset.value = String(v);
+    tick.style.left = `${100 * along(v, range, log)}%`;
+    tick.textContent = text;
+    marks.append(tick);
+  });
+  const label = document.createElement("div");
+  label.className = "unit";
+  label.textContent = unit + (log ? " · log scale" : "");
+  bar.append(strip, marks, label);
+  return bar;
+}
+
+// One map: a single 2-D panel, or one panel per latent frame of a (F, h, w) map over the video. `opts.unit`
+// labels its colour bar, `opts.where(frame, row, col)` names a cell in the line under the panel that shows the
+// value under the pointer.
 function draw(target, payload, opts = {}) {
   const box = $(target);
   const error = box.parentElement.querySelector(".error");
+  const readout = box.parentElement.querySelector(".readout");
   box.replaceChildren();
   error.textContent = payload.error || "";
+  readout.textContent = "";
   box.dataset.values = payload.error ? "" : JSON.stringify(payload.values);
   box.dataset.shape = payload.error ? "" : JSON.stringify(payload.shape);
   if (payload.error) return;
@@ -80,25 +179,42 @@ function draw(target, payload, opts = {}) {
   const [rows, cols] = shape.slice(-2);
   const size = rows * cols;
   const shared = limits(payload.values, log);
+  const oneBar = $("limits").value === "shared" || panels === 1;
   const cell = Math.max(4, Math.min(28, Math.floor(240 / Math.max(rows, cols))));
+  const where = opts.where || ((f, r, c) => `row ${r}, column ${c}`);
+  const figures = document.createElement("div");
+  figures.className = "figures";
+  box.append(figures);
   for (let f = 0; f < panels; f++) {
     const values = payload.values.slice(f * size, (f + 1) * size);
-    const range = $("limits").value === "shared" ? shared : limits(values, log);
+    const range = oneBar ? shared : limits(values, log);
     const figure = document.createElement("figure");
     const canvas = document.createElement("canvas");
     canvas.dataset.frame = f;
     paint(canvas, values, rows, cols, range, log, cell);
-    if (opts.onClick) {
-      canvas.addEventListener("click", (e) => {
-        const r = Math.floor(e.offsetY / cell), c = Math.floor(e.offsetX / cell);
-        opts.onClick(f, Math.min(r, rows - 1), Math.min(c, cols - 1));
-      });
-    }
+    const cellAt = (e) => { // the cell under the pointer, from where the canvas is on screen
+      const at = canvas.getBoundingClientRect();
+      const r = Math.floor(((e.clientY - at.top) / at.height) * rows);
+      const c = Math.floor(((e.clientX - at.left) / at.width) * cols);
+      return [Math.max(0, Math.min(r, rows - 1)), Math.max(0, Math.min(c, cols - 1))];
+    };
+    canvas.addEventListener("mousemove", (e) => {
+      const [r, c] = cellAt(e);
+      const v = values[r * cols + c];
+      readout.textContent = `${where(f, r, c)}: ${v === null ? "not recorded" : fmt(v, 6)}`;
+      readout.dataset.cell = JSON.stringify([f, r, c]);
+      readout.dataset.value = v === null ? "" : String(v);
+    });
+    canvas.addEventListener("mouseleave", () => (readout.textContent = ""));
+    if (opts.onClick) canvas.addEventListener("click", (e) => opts.onClick(f, ...cellAt(e)));
     const caption = document.createElement("figcaption");
     caption.textContent = opts.captions ? opts.captions[f] : `${range[0].toPrecision(3)} – ${range[1].toPrecision(3)}`;
     figure.append(canvas, caption);
-    box.append(figure);
+    if (!oneBar) figure.append(colorBar(range, log, opts.unit || "", Math.max(canvas.width, 120)));
+    figures.append(figure);
   }
+  const wide = panels * (cols * cell + 4); // under the row of maps it serves, as wide as that row where it can be
+  if (oneBar) box.append(colorBar(shared, log, opts.unit || "", Math.max(220, Math.min(wide, 360))));
   box.classList.toggle("clickable", Boolean(opts.onClick));
 }
 
@@ -164,7 +280,8 @@ async function redraw() {
   const jobs = [];
   if (S.kinds.includes("frame")) {
     const captions = [`groups: ${S.groups.join(" · ")}`];
-    jobs.push(api("/api/map", { ...sel, kind: "frame" }).then((p) => draw("frame", p, { captions })));
+    const where = (f, r, c) => `query group ${S.groups[r] ?? r}, key group ${S.groups[c] ?? c}`;
+    jobs.push(api("/api/map", { ...sel, kind: "frame" }).then((p) => draw("frame", p, { captions, unit: unitOf("frame"), where })));
   } else {
     draw("frame", { error: "kind 'frame' was not recorded in this run." });
   }
@@ -174,7 +291,7 @@ async function redraw() {
     const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
     jobs.push(
       api("/api/map", q).then((p) => {
-        draw("word", p, { captions, onClick: choosePoint });
+        draw("word", p, { captions, onClick: choosePoint, unit: unitOf(wordKind), where: onVideo });
         wordPayload = p;
         if (S.video_frames && !EMBEDDED) drawOverlay();
       }),
@@ -185,7 +302,8 @@ async function redraw() {
   $("stat-panel").hidden = !statKind;
   if (statKind) {
     const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
-    jobs.push(api("/api/map", { ...sel, kind: statKind }).then((p) => draw("stat", p, { captions, onClick: choosePoint })));
+    const opts = { captions, onClick: choosePoint, unit: unitOf(statKind), where: onVideo };
+    jobs.push(api("/api/map", { ...sel, kind: statKind }).then((p) => draw("stat", p, opts)));
   }
   if (S.kinds.includes("block")) {
     $("block-panel").hidden = false;
@@ -256,7 +374,8 @@ function togglePlay() {
 }
 
 function drawBlock(payload) {
-  draw("block", payload, { captions: [`${S.selection.block_size || ""} tokens a block`] });
+  const where = (f, r, c) => `query block ${r}, key block ${c}`;
+  draw("block", payload, { captions: [`${S.selection.block_size || ""} tokens a block`], unit: unitOf("block"), where });
   $("recall").textContent = payload.recall === undefined ? "" : `recall ${payload.recall.toFixed(4)} of the attention mass`;
   $("block").dataset.recall = payload.recall === undefined ? "" : String(payload.recall);
   const canvas = $("block").querySelector("canvas");
@@ -278,10 +397,16 @@ function drawHeads(payload) {
     $("head").value = String(payload.heads[c]);
     redraw();
   };
-  draw("heads", payload, { captions: [payload.column || ""], onClick: payload.error ? null : pick });
-  const canvas = $("heads").querySelector("canvas");
-  if (canvas && payload.labels) canvas.title = payload.labels.map((row, i) => `layer ${payload.layers[i]}: ${row.join(", ")}`).join("\n");
+  const where = (f, r, c) => {
+    const label = payload.labels && payload.labels[r][c];
+    return `layer ${payload.layers[r]}, head ${payload.heads[c]}` + (label ? ` (${label})` : "");
+  };
+  const unit = HEAD_UNITS[payload.column] || payload.column || "";
+  draw("heads", payload, { captions: [payload.column || ""], onClick: payload.error ? null : pick, unit, where });
 }
+
+// A cell of a map over the video, named as the plots name their axes.
+const onVideo = (f, r, c) => `latent frame ${f}, patch row ${r}, patch column ${c}`;
 
 function choosePoint(frame, row, col) {
   point = [frame, row, col];
@@ -297,7 +422,8 @@ async function drawPoint() {
   const frames = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
   const overVideo = !payload.error && payload.shape.length === 3; // a row over the video: click it to move
   const captions = payload.groups ? [`key groups: ${payload.groups.join(" · ")}`] : frames;
-  draw("point", payload, { captions, onClick: overVideo ? choosePoint : null });
+  const where = overVideo ? onVideo : (f, r, c) => (payload.groups ? `key group ${payload.groups[c]}` : `column ${c}`);
+  draw("point", payload, { captions, onClick: overVideo ? choosePoint : null, unit: unitOf(payload.kind), where });
   const canvas = overVideo && $("point").querySelector(`canvas[data-frame="${frame}"]`);
   if (canvas) { // the point itself, outlined
     const cell = canvas.width / payload.shape[2];
