@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from . import passes
 from .layout import TokenLayout
-from .reducers import Reducer
+from .reducers import REDUCERS, Reducer
 
 __all__ = [
     "OUTPUT_MAPS_TOLERANCE",
@@ -68,7 +68,7 @@ def bound(dtype: torch.dtype, made_from_output: bool) -> float:
     return (OUTPUT_MAPS_TOLERANCE if made_from_output else TOLERANCE).get(dtype, 1e-5)
 
 
-MULTI_KEY_KINDS = ("frame", "query_frame", "block")
+MULTI_KEY_KINDS = tuple(k for k, cls in REDUCERS.items() if cls.multi_key)  # frame, block, tile, query_frame
 
 
 def output_kinds(layer_output: str) -> tuple[str, ...]:

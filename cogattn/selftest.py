@@ -2,12 +2,18 @@
 
 Runs every kind with every method and every ``layer_output`` mode, on a synthetic attention layer and
 on the tiny random pipelines (CogVideoX 1.0, 1.5 and image-to-video; and every other registered family's,
-every method, and the tiny Wan under every attention backend installed, unless ``--quick``), against the naive float64 reference (:mod:`cogattn.reference`); checks that the video is bit-identical to stock where that is
+every method, and the tiny Wan under every attention backend installed), against the naive float64
+reference (:mod:`cogattn.reference`); checks that the video is bit-identical to stock where that is
 promised (the default output everywhere, the opt-in outputs on the CPU); and times capture against the
-stock layer. Prints a table and a one-line verdict with the versions, and exits 0 when every row
-passes, 1 otherwise. ``--json PATH`` writes the same report, to attach to a bug report.
+stock layer. ``--quick``: the synthetic layer, the tiny CogVideoX 1.0 under every method and output mode,
+and every other family's tiny pipelines under row tiles. A tiny pipeline that needs a package that is not
+installed (none of cogattn's dependencies) is a skipped row naming it; ``--strict`` fails it instead
+(every family runs on a plain ``pip install cogattn``, which CI checks with it). Prints a table and a
+one-line verdict with the versions, and exits 0 when every row that ran passes, 1 otherwise. ``--json
+PATH`` writes the same report, to attach to a bug report.
 
     python -m cogattn.selftest                       # cuda when available, else cpu; float32
+    python -m cogattn.selftest --quick               # every family under row tiles, in less time
     python -m cogattn.selftest --dtype bfloat16 --seq-len 4096 --json selftest.json
 
 The spot checks are off here (``verify=False``): the self-test measures the methods themselves.
@@ -43,7 +49,7 @@ __all__ = ["Row", "main", "run"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the kinds the fast methods serve (the others always take row tiles), and those the output's lse serves
-POOLED = ("frame", "video_to_text", "entropy", "received", "query_frame", "block")
+POOLED = ("frame", "video_to_text", "entropy", "received", "query_frame", "block", "tile")
 FROM_LSE = ("video_to_text", "received")  # run from the output call's lse alone: no float32 pass gives one
 
 
@@ -130,23 +136,29 @@ def versions(device: torch.device) -> dict:
     }
 
 
-def run(device: str | None = None, dtype: str = "float32", seq_len: int = 1024, quick: bool = False) -> dict:
+def run(
+    device: str | None = None, dtype: str = "float32", seq_len: int = 1024, quick: bool = False, strict: bool = False
+) -> dict:
     """The self-test as a report: ``{"rows": [...], "passed": bool, "versions": {...}, "seconds": float}``.
 
     Args:
         device (`str | None`): ``"cuda"``, ``"cpu"``, ``"cuda:1"``, ...; default cuda when available.
         dtype (`str`, defaults to ``"float32"``): the model's dtype, ``"bfloat16"`` or ``"float16"`` too.
         seq_len (`int`, defaults to 1024): about the sequence length of the synthetic layer.
-        quick (`bool`, defaults to `False`): the synthetic layer and the CogVideoX 1.0 pipeline only.
+        quick (`bool`, defaults to `False`): the synthetic layer, the CogVideoX 1.0 pipeline under every method,
+            and every other family's tiny pipelines under row tiles only.
+        strict (`bool`, defaults to `False`): a tiny pipeline that needs a package not installed fails
+            instead of being skipped.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = DTYPES[dtype]
     t0 = time.perf_counter()
     rows = layer_rows(device, dt, seq_len) + pipeline_rows(device, dt, PIPELINES[:1] if quick else PIPELINES)
+    others = [spec for spec in FAMILIES if spec.family != "cogvideox"]
+    rows += [row for spec in others for row in family_rows(spec, device, dt, quick=quick, strict=strict)]
     if not quick:
-        rows += [row for spec in FAMILIES if spec.family != "cogvideox" for row in family_rows(spec, device, dt)]
         rows += backend_rows(device, dt)
-    checked = [r for r in rows if r.passed is not None]
+    checked = [r for r in rows if r.passed is not None]  # the verdict is over what ran: a skip is no pass
     return {
         "rows": [asdict(r) for r in rows],
         "passed": bool(checked) and all(r.passed for r in checked),
@@ -168,15 +180,16 @@ def _fmt(value, width: int, spec: str = "") -> str:
 
 def table(report: dict) -> str:
     """The report as a fixed-width table, one line per row."""
+    w = max([14] + [len(r["part"]) for r in report["rows"]])  # "tiny hunyuan_video_framepack i2v" is long
     head = (
-        f"{'part':<14} {'kind':<14} {'method':<7} {'output':<7} {'max error':>10} {'tolerance':>10} "
+        f"{'part':<{w}} {'kind':<14} {'method':<7} {'output':<7} {'max error':>10} {'tolerance':>10} "
         f"{'identical':>9} {'× stock':>8}  result"
     )
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
         result = "skip" if r["passed"] is None else ("pass" if r["passed"] else "FAIL")
         cells = (
-            f"{r['part']:<14} {r['kind']:<14} {r['method']:<7} {r['output']:<7} {_fmt(r['max_error'], 10, '.2e')} "
+            f"{r['part']:<{w}} {r['kind']:<14} {r['method']:<7} {r['output']:<7} {_fmt(r['max_error'], 10, '.2e')} "
             f"{_fmt(r['tolerance'], 10, '.1e')} {_fmt(r['bit_identical'], 9)} {_fmt(r['time_x_stock'], 8, '.2f')}"
         )
         lines.append(f"{cells}  {result}{'  ' + r['note'] if r['note'] else ''}")
@@ -191,19 +204,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the model's dtype (default float32)")
     ap.add_argument("--seq-len", type=int, default=1024, help="about the synthetic layer's sequence length")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
-    ap.add_argument("--quick", action="store_true", help="the synthetic layer and one tiny pipeline only")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the synthetic layer, CogVideoX 1.0 under every method, the other families under row tiles",
+    )
+    ap.add_argument(
+        "--strict", action="store_true", help="fail, not skip, a tiny pipeline that needs a package not installed"
+    )
     args = ap.parse_args(argv)
     if args.seq_len < 16:
         ap.error(f"--seq-len {args.seq_len} is too short; use at least 16.")
     try:
-        report = run(args.device, args.dtype, args.seq_len, args.quick)
+        report = run(args.device, args.dtype, args.seq_len, args.quick, args.strict)
     except (RuntimeError, ValueError) as err:  # an unknown or absent device
         print(f"selftest: {err}", file=sys.stderr)
         return 2
     print(table(report))
     v = report["versions"]
     failed = sum(1 for r in report["rows"] if r["passed"] is False)
+    ran = sum(1 for r in report["rows"] if r["passed"] is not None)
+    skipped = len(report["rows"]) - ran
     verdict = "all checks passed" if report["passed"] else f"{failed} check(s) FAILED"
+    verdict += f" ({ran} checked, {skipped} skipped)"
     print(
         f"\ncogattn {v['cogattn']}, torch {v['torch']}, diffusers {v['diffusers']}, triton {v['triton']}, "
         f"{v['device']}, {report['dtype']}: {verdict} in {report['seconds']} s"

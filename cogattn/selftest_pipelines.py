@@ -1,12 +1,15 @@
 """The self-test's rows on the tiny pipelines: every kind, method and output mode of CogVideoX 1.0, 1.5
 and image-to-video (:func:`pipeline_rows`), and every method of every other registered family's tiny
 pipelines (:func:`family_rows`), against the naive float64 reference of the q and k (and the key and
-query counts) the processors handed over, with the video against the stock one. ``python -m
-cogattn.selftest`` (:mod:`cogattn.selftest`) runs them and reports.
+query counts) the processors handed over, with the video against the stock one. A tiny pipeline whose
+parts need a package that is not installed (none of cogattn's dependencies) is one skipped row naming it.
+``python -m cogattn.selftest`` (:mod:`cogattn.selftest`) runs them and reports.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import time
 from dataclasses import dataclass
 
@@ -19,10 +22,20 @@ from .models import FAMILIES, cogvideox
 from .recording import record
 from .reference import kind_error, naive_context, naive_kind, naive_lse, naive_probs, select
 
-__all__ = ["JOINT_KINDS", "PIPELINES", "Row", "backend_rows", "family_rows", "methods", "pipeline_rows", "timed"]
+__all__ = [
+    "JOINT_KINDS",
+    "PIPELINES",
+    "Row",
+    "backend_rows",
+    "family_rows",
+    "methods",
+    "missing_package",
+    "pipeline_rows",
+    "timed",
+]
 
 JOINT_KINDS = cogvideox.SPEC.kinds()  # the kinds of CogVideoX's joint attention
-SIZES = dict(block_size=7, topk=4)  # several blocks, the last one shorter, on the tiny pipelines
+SIZES = dict(block_size=7, topk=4, tile_shape=(2, 2, 3))  # several blocks and tiles, the last ones smaller
 
 
 @dataclass
@@ -50,6 +63,23 @@ def timed(fn, device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return result, time.perf_counter() - t0
+
+
+def missing_package(err: ImportError) -> str | None:
+    """The skip note for ``err`` where it says a package is not installed, else `None` (then it is a bug).
+
+    diffusers' placeholder classes (``ConsisIDPipeline`` without OpenCV, ...) raise an `ImportError` that
+    names the library and often its pip package; a plain ``import`` names the module.
+    """
+    text = " ".join(str(err).split())
+    library = re.search(r"requires the (.+?) library", text)
+    if library:
+        pip = re.search(r"`pip install ([^`]+)`", text)
+        return f"needs {library.group(1)}, not installed" + (f" (pip install {pip.group(1)})" if pip else "")
+    top = (err.name or "").split(".")[0]
+    if top and importlib.util.find_spec(top) is None:  # an installed module's failing import is no skip
+        return f"needs {top}, not installed"
+    return None
 
 
 def methods(device: torch.device) -> list[tuple[str, str]]:
@@ -220,17 +250,37 @@ def _item_error(rec, kind: str, step: int, layer: int, b: int, P, lse, queries: 
     return max(err, outside.abs().max().item())
 
 
-def family_rows(spec, device: torch.device, dtype: torch.dtype, backend: str | None = None) -> list[Row]:
+def _missing_row(part: str, err: ImportError, strict: bool) -> Row:
+    """The row of a tiny pipeline that could not run for a package not installed: skipped, or with
+    ``strict`` failed; ``err`` raised again where no package is missing (a bug, not an install)."""
+    if (missing := missing_package(err)) is None:
+        raise err
+    return Row(part, "all", "-", "stock", None, None, None, None, False if strict else None, missing)
+
+
+def family_rows(
+    spec,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str | None = None,
+    quick: bool = False,
+    strict: bool = False,
+) -> list[Row]:
     """Every method recording every kind of a family (all but CogVideoX, whose rows also cover the output
     modes) in a 2-step guided generation of each of its tiny pipelines: the self-attention kinds (under the
     family's key mask) and the cross-attention's, against the reference of the q and k the processors
     handed over, and the video against the stock one. ``backend``: the first tiny pipeline under that
-    attention backend (``set_attention_backend``), row tiles only."""
+    attention backend (``set_attention_backend``), row tiles only; ``quick``: row tiles only. A tiny
+    pipeline that needs a package not installed is one skipped row naming it (failed with ``strict``)."""
     self_kinds = spec.kinds("self")
     rows = []
     for task in spec.tiny_tasks[:1] if backend else spec.tiny_tasks:
-        pipe = spec.tiny_pipeline(task, dtype=dtype, num_heads=3, head_dim=16).to(device)  # Triton: D ≥ 16
         part = f"tiny {spec.family} {'i2v' if task == 'image-to-video' else 't2v'}"
+        try:
+            pipe = spec.tiny_pipeline(task, dtype=dtype, num_heads=3, head_dim=16).to(device)  # Triton: D ≥ 16
+        except ImportError as err:  # a part that needs an optional package (diffusers' placeholder classes)
+            rows.append(_missing_row(part, err, strict))
+            continue
         if backend:
             pipe.transformer.set_attention_backend(backend)
             part += f", {backend} backend"
@@ -246,8 +296,11 @@ def family_rows(spec, device: torch.device, dtype: torch.dtype, backend: str | N
         except RuntimeError as err:  # a backend with no kernel for this device or dtype
             why = str(err).strip().splitlines()[0][:120]
             return rows + [Row(part, "all", "rows", "stock", None, None, None, None, None, f"does not run here: {why}")]
+        except ImportError as err:  # a package the call itself imports
+            rows.append(_missing_row(part, err, strict))
+            continue
         stock, t_stock = timed(generate, device)
-        for method, skipped in [("rows", "")] if backend else methods(device):
+        for method, skipped in [("rows", "")] if backend or quick else methods(device):
             if skipped:
                 rows.append(Row(part, "all", method, "stock", None, None, None, None, None, skipped))
                 continue

@@ -6,11 +6,21 @@ import pytest
 import torch
 
 import cogattn.attention as attention
+import cogattn.selftest as selftest
+from cogattn.models import FAMILIES, family
 from cogattn.selftest import main
 
 
+def _cogvideox_only(monkeypatch):
+    """The quick self-test without the other families' rows, for the checks of the methods themselves (the
+    families' rows are checked in float32 once: in bfloat16 on a CPU, Mochi's alone takes 17 s)."""
+    monkeypatch.setattr(selftest, "FAMILIES", [family("cogvideox")])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys, dtype):
+def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys, monkeypatch, dtype):
+    if dtype != "float32":
+        _cogvideox_only(monkeypatch)
     assert main(["--quick", "--seq-len", "300", "--dtype", dtype, "--json", str(tmp_path / "report.json")]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "torch " in out and "diffusers " in out
@@ -25,6 +35,11 @@ def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys, dtype
     assert combos == {("rows", "stock"), ("sdpa", "stock"), ("auto", "lse"), ("auto", "joint")}
     assert all(r["bit_identical"] for r in tiny) and all(r["max_error"] <= r["tolerance"] for r in tiny)
     assert report["dtype"] == dtype
+    if dtype == "float32":  # every other family's every tiny pipeline, once, under row tiles
+        others = [r for r in rows if r["part"].startswith("tiny ") and not r["part"][5].isdigit()]
+        parts = {f"tiny {s.family} {'i2v' if t == 'image-to-video' else 't2v'}" for s in FAMILIES for t in s.tiny_tasks}
+        assert sorted(r["part"] for r in others) == sorted(parts - {"tiny cogvideox t2v", "tiny cogvideox i2v"})
+        assert all(r["method"] == "rows" and r["passed"] and r["max_error"] <= r["tolerance"] for r in others)
     # every kind is held to its documented bound: half an ulp at 1 only where made from the output call's
     # lse or sums (with "joint" the entropy pass gives video_to_text and received a float32 lse)
     half_ulp = 2**-8 if dtype == "bfloat16" else 1e-5
@@ -53,6 +68,7 @@ def test_a_wrong_method_fails_the_selftest_with_exit_1(monkeypatch, capsys, tmp_
         return (out * 1.001, lse) if corrupt == "sums" else (out, lse + 1e-3)
 
     monkeypatch.setattr(attention, "sdpa_with_lse", wrong)
+    _cogvideox_only(monkeypatch)
     assert main(["--quick", "--seq-len", "300", "--json", str(tmp_path / "r.json")]) == 1
     assert "check(s) FAILED" in capsys.readouterr().out
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
@@ -81,3 +97,76 @@ def test_the_selftest_checks_the_tiny_wan_under_every_attention_backend_installe
     ran = [r for r in rows.values() if r.passed is not None]
     assert ran and all(r.passed and r.bit_identical and r.max_error <= r.tolerance for r in ran)
     assert all(r.note.startswith("does not run here") for r in rows.values() if r.passed is None)
+
+
+def _without_opencv(monkeypatch):
+    """This environment as a plain install leaves it: no OpenCV, so diffusers' top-level
+    ``ConsisIDPipeline`` is its placeholder, which refuses to build (as it does without ``opencv-python``)."""
+    import sys
+
+    import diffusers
+    from diffusers.pipelines.consisid import pipeline_consisid
+    from diffusers.utils import dummy_torch_and_transformers_and_opencv_objects as placeholders
+    from diffusers.utils import import_utils
+
+    monkeypatch.setitem(sys.modules, "cv2", None)  # `import cv2` raises ImportError
+    monkeypatch.delattr(pipeline_consisid, "cv2", raising=False)  # what the module imported, if it could
+    monkeypatch.setattr(import_utils, "_opencv_available", False)
+    monkeypatch.setattr(diffusers, "ConsisIDPipeline", placeholders.ConsisIDPipeline)
+    with pytest.raises(ImportError, match="requires the OpenCV library"):  # the simulation is what users get
+        diffusers.ConsisIDPipeline()
+
+
+def test_the_consisid_family_runs_without_opencv(monkeypatch):
+    from cogattn.selftest_pipelines import family_rows
+
+    _without_opencv(monkeypatch)
+    (row,) = family_rows(family("consisid"), torch.device("cpu"), torch.float32, quick=True)
+    assert (row.part, row.method, row.note) == ("tiny consisid i2v", "rows", "")
+    assert row.passed and row.bit_identical and 0 <= row.max_error <= row.tolerance == 1e-5
+
+
+def test_a_family_that_needs_a_missing_package_is_one_skipped_line_and_the_verdict_counts_what_ran(
+    monkeypatch, capsys, tmp_path
+):
+    import dataclasses
+
+    import diffusers
+
+    from cogattn.selftest_pipelines import missing_package
+
+    _without_opencv(monkeypatch)
+    monkeypatch.setitem(__import__("sys").modules, "imageio", None)
+
+    def needs_opencv(task, **size):  # a pipeline diffusers gates behind OpenCV, as ConsisID's was built
+        return diffusers.ConsisIDPipeline()
+
+    def needs_imageio(task, **size):  # a part that imports an optional package
+        import imageio  # noqa: F401
+
+    fakes = [
+        dataclasses.replace(family("consisid"), tiny_pipeline=needs_opencv),
+        dataclasses.replace(family("mochi"), tiny_pipeline=needs_imageio),
+    ]
+    monkeypatch.setattr(selftest, "FAMILIES", [family("cogvideox"), *fakes])
+    report = tmp_path / "r.json"
+    assert main(["--quick", "--seq-len", "300", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("tiny ")}
+    assert lines["consisid"].split()[-8:] == "skip needs OpenCV, not installed (pip install opencv-python)".split()
+    assert lines["mochi"].split()[-5:] == "skip needs imageio, not installed".split()
+    rows = json.loads(report.read_text())["rows"]
+    ran = [r for r in rows if r["passed"] is not None]
+    skipped = [r["part"] for r in rows if r["passed"] is None and r["method"] != "triton"]  # Triton's: no CUDA
+    assert skipped == ["tiny consisid i2v", "tiny mochi t2v"]
+    assert ran and all(r["passed"] for r in ran) and {r["part"] for r in ran} >= {"tiny 1.0 t2v"}
+    assert f"all checks passed ({len(ran)} checked, {len(rows) - len(ran)} skipped)" in out
+    # --strict: a package missing fails the run, naming it
+    assert main(["--quick", "--seq-len", "300", "--strict", "--json", str(report)]) == 1
+    failed = [r for r in json.loads(report.read_text())["rows"] if r["passed"] is False]
+    assert [(r["part"], r["note"]) for r in failed] == [
+        ("tiny consisid i2v", "needs OpenCV, not installed (pip install opencv-python)"),
+        ("tiny mochi t2v", "needs imageio, not installed"),
+    ]
+    # an import that fails in an installed package is a bug, not a missing package: no skip
+    assert missing_package(ImportError("cannot import name 'Nope' from 'diffusers'", name="diffusers")) is None

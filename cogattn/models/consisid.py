@@ -63,8 +63,14 @@ def tiny_transformer(*, num_layers: int = 2, num_heads: int = 2, head_dim: int =
 
 def tiny_pipeline(task: str = "image-to-video", *, dtype: torch.dtype = torch.float32, seed: int = 0, **size):
     """A random ``ConsisIDPipeline``: the tiny CogVideoX image-to-video pipeline's parts
-    (``cogvideox.tiny_pipeline``: call it the same way, with ``image=``) and a ConsisID transformer."""
-    from diffusers import CogVideoXDPMScheduler, ConsisIDPipeline
+    (``cogvideox.tiny_pipeline``: call it the same way, with ``image=``) and a ConsisID transformer.
+
+    It runs without OpenCV (not a dependency of cogattn): the pipeline's own module imports ``cv2`` only
+    where installed and uses it only to draw face keypoints, for a transformer with ``is_kps`` (this one has
+    none). diffusers' top-level ``ConsisIDPipeline`` is a placeholder that refuses to build without OpenCV.
+    """
+    from diffusers import CogVideoXDPMScheduler
+    from diffusers.pipelines.consisid.pipeline_consisid import ConsisIDPipeline
 
     if task != "image-to-video":
         raise ValueError(f"task={task!r}; ConsisID animates an image of a face: 'image-to-video'.")

@@ -29,6 +29,9 @@ class Reducer:
     stat: ClassVar[str | None] = None  # "entropy" or "received": a row statistic the engine computes
     query_limit: int | None = None  # set by the engine per item: query rows from here on are never formed
     keep_float32: ClassVar[bool] = False  # stored in float32 whatever the storage dtype (indices)
+    multi_key: ClassVar[bool] = False  # pools every query's keys in groups of several (frame, block, tile, ...)
+    needs_value: ClassVar[bool] = False  # folds the attention's values V too (the engine sets ``value``)
+    value = None  # set by the engine per item when ``needs_value``: the values' selected heads (a HeadView)
 
     def __init__(
         self,
@@ -40,12 +43,16 @@ class Reducer:
         block_size: int = 128,
         topk: int = 32,
         tile_shape: tuple[int, int, int] = (4, 4, 4),
+        patterns: tuple = (),
+        top_p: tuple[float, ...] = (0.5, 0.9, 0.95, 0.99),
     ):
         self.layout = layout
         self.num_heads = num_heads
         self.mean_heads = mean_heads
         self.out_heads = 1 if mean_heads else num_heads
         self.block_size, self.topk, self.tile_shape = block_size, topk, tuple(tile_shape)
+        self.top_p = tuple(top_p)  # top_p's masses p
+        self.patterns = patterns  # pattern_recall's and pattern_error's (names, Pattern objects or callables)
 
     @property
     def mean_rows(self) -> bool:

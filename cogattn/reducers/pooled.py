@@ -16,6 +16,7 @@ __all__ = ["BlockReducer", "FrameReducer", "QueryFrameReducer", "TileReducer", "
 class FrameReducer(Reducer):
     """``frame``: ``(B, H, G, G)``, mean over queries in group g of ``Σ_{j in group h} P[i, j]``; rows sum to 1."""
 
+    multi_key = True
     kind = "frame"
     dims = ("query group", "key group")
     unit = "attention mass (each query row sums to 1)"
@@ -87,6 +88,7 @@ class TileReducer(FrameReducer):
 class QueryFrameReducer(Reducer):
     """``query_frame``: ``(B, H, S, G)``, ``Σ_{j in group g} P[i, j]`` for every query token; rows sum to 1."""
 
+    multi_key = True
     kind = "query_frame"
     dims = ("query token", "key group")
     unit = "attention mass (each query row sums to 1)"
