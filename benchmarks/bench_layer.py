@@ -68,10 +68,15 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=45)
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--budget", default="1GiB")
-    ap.add_argument("--cases", choices=("maps", "stats"), default="maps", help="the map kinds, or the statistics kinds")
+    ap.add_argument(
+        "--cases",
+        choices=("maps", "stats", "offset", "patterns", "ranked"),
+        default="maps",
+        help="the map kinds, the statistics kinds, offset, the pattern kinds, or top_p and frame_max (ranked)",
+    )
     ap.add_argument("--out", default=None, help="defaults to benchmarks/results/layer_cpu.md (stats_cpu.md)")
     args = ap.parse_args()
-    args.out = args.out or f"benchmarks/results/{'layer' if args.cases == 'maps' else 'stats'}_cpu.md"
+    args.out = args.out or f"benchmarks/results/{dict(maps='layer').get(args.cases, args.cases)}_cpu.md"
 
     torch.manual_seed(0)
     layout = TokenLayout(args.text, args.frames, args.height, args.width)
@@ -157,6 +162,13 @@ def main() -> None:
     ]
     if args.cases == "stats":
         cases = stats
+    if args.cases == "ranked":  # beside the row pass alone (frame by rows) and topk, which take the same rows
+        cases = [(("frame",), "rows"), (("topk",), "rows"), (("frame_max",), "rows"), (("top_p",), "rows")]
+    if args.cases == "offset":  # beside the row pass alone (frame by rows), which it shares
+        cases = [(("frame",), "rows"), (("offset",), "rows")]
+    if args.cases == "patterns":  # one pattern ("spatial"), then four; beside the row pass alone
+        cases = [(("frame",), "rows"), (("pattern_recall",), "rows"), (("pattern_error",), "rows")]
+        cases += [(("pattern_error",), "rows, 4 patterns")]
     rows = []
     for kinds, method in cases:
         if method == "joint":
@@ -169,7 +181,8 @@ def main() -> None:
                 flush=True,
             )
             continue
-        reducers = [REDUCERS[kd](layout, H, True, queries) for kd in kinds]
+        four = ("spatial", "temporal", "window:1", "sta:3,3,3") if method.endswith("4 patterns") else ("spatial",)
+        reducers = [REDUCERS[kd](layout, H, True, queries, patterns=four * kd.startswith("pattern")) for kd in kinds]
         auto = choose_method("auto", reducers, S, "cpu", D)
         given = lse if method.endswith("+lse") else None
         copies = not q.is_contiguous()  # as the recording decides: contiguous float32 q, k are not copied
@@ -179,7 +192,7 @@ def main() -> None:
         probe = RowProbe(probe_rows(layout), H) if checked else None
         memory.start()
         t0 = time.perf_counter()
-        capture(q, k, reducers, outs, plan, lse=given, probe=probe)
+        capture(q, k, reducers, outs, plan, lse=given, probe=probe, value=v[0] if "pattern_error" in kinds else None)
         if checked:
             check = Verifier(True).check_maps([(0, probe)], qb, kb, None, reducers, 0, 0, "sdpa", D**-0.5)
             assert check.passed, check

@@ -261,8 +261,9 @@ def aggregate(
 
     Args:
         source (`MapSource`): a `Recording` or a `Run`.
-        kind (`str`): any kind but ``"topk"`` (values and key indices do not average: read them with
-            ``source.get``).
+        kind (`str`): any kind but ``"topk"`` and ``"frame_max"`` (values and key indices do not average: read
+            them with ``source.get``; matches with :mod:`cogattn.tracks`). ``top_p`` averages to a mean count of
+            keys, which is meaningful.
         steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): steps to average (``"all"``:
             every recorded step of the kind), all of one expert's; an expert's name takes its steps. The
             ``(step, layer)`` a cache skipped are left out of the mean (:func:`skipped_pairs`).
@@ -286,8 +287,11 @@ def aggregate(
         TypeError: ``row`` is neither an integer nor a slice.
         NotRecordedError: the kind, a step, a layer or a head was not recorded.
     """
-    if kind == "topk":
-        raise ValueError("topk records are values and key indices, which do not average; read them with source.get.")
+    if kind in ("topk", "frame_max"):
+        raise ValueError(
+            f"{kind} records are values and key indices, which do not average; read them with source.get"
+            + (" (matches and tracks: cogattn.tracks)." if kind == "frame_max" else ".")
+        )
     step_list = choose(source, kind, "step", steps)
     check_one_expert(expert_steps(source, step_list), f"the mean of {kind!r} over steps={steps!r}")
     layer_list = choose(source, kind, "layer", layers)

@@ -167,6 +167,7 @@ class Capture:
         key_counts: torch.Tensor | None = None,
         query_counts: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> None:
         """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
         ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
@@ -174,8 +175,10 @@ class Capture:
         ``(B,)``: a key mask keeping each item's first keys (padded text at the end), their number;
         ``query_counts`` ``(B,)``: where the model forms only each item's first query rows (Mochi), their
         number; ``mask`` ``(B or 1, S, S)``: any other mask (``processor.query_key_mask``), which row tiles
-        apply, whatever the method."""
+        apply, whatever the method; ``value`` ``(B, H, S, D)``: the values, for the kinds that need them."""
         res, reducers = self.plan.resolved, self.plan.reducers
+        if value is None and self.wants_value:
+            raise RuntimeError("pattern_error needs the attention's values; this family's processor hands over none.")
         B, H, S, D = query.shape
         if (whole := self._whole(B)) is None:
             return
@@ -203,7 +206,7 @@ class Capture:
                 self.text_lengths.setdefault(slot, res.layout.text_kept(counts[b]))
         args = (query, key, items, reducers)
         outs, used, probes = engine.capture_items(
-            *args, tiles, heads, lse, sums, self.timed, rows, counts, formed, mask
+            *args, tiles, heads, lse, sums, self.timed, rows, counts, formed, mask, value if self.wants_value else None
         )
         if probes:
             what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
@@ -212,7 +215,14 @@ class Capture:
             if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
                 self.verifier.maps_failed(check, shape)
                 rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
-                outs, _, _ = engine.capture_items(*args, rows_tiles, heads, key_counts=counts, query_counts=formed)
+                outs, _, _ = engine.capture_items(
+                    *args,
+                    rows_tiles,
+                    heads,
+                    key_counts=counts,
+                    query_counts=formed,
+                    value=value if self.wants_value else None,
+                )
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "self")
 
@@ -239,6 +249,12 @@ class Capture:
         outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[context])
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "context")
+
+    @property
+    def wants_value(self) -> bool:
+        """Whether a selected kind needs the attention's values V (``pattern_error``): processors hand ``value``
+        to :meth:`capture` only then."""
+        return self.plan is not None and any(r.needs_value for r in self.plan.reducers)
 
     @property
     def checks(self) -> list[SpotCheck]:

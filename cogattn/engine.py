@@ -112,6 +112,7 @@ def capture(
     keys: int | None = None,
     queries: int | None = None,
     mask: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> str:
     """Fold exact float32 attention probabilities of one batch item into ``outs``; returns the method that
     served the key-pooled kinds (``"timed"`` made concrete).
@@ -142,11 +143,24 @@ def capture(
         mask (`torch.Tensor | None`): any other mask of this item (SkyReels-V2's block-causal one): boolean
             ``(S, S)``, `True` where a query attends a key; every kind then comes from row tiles with the
             masked scores at −inf (probability exactly 0), which needs ``plan.method == "rows"``.
+        value (`torch.Tensor | None`): the values ``(H, S, D)`` of this item, for the reducers that need them
+            (``needs_value``: ``pattern_error``), which fold row tiles with them.
     """
     S, D = q.shape[1:]
     if mask is not None and plan.method != "rows":
         raise ValueError(f"a query-key mask is applied by row tiles only (method 'rows'), not {plan.method!r}")
     keys = S if keys is None else int(keys)
+    valued = [r for r in reducers if r.needs_value]
+    if valued and value is None and valued[0].value is None:
+        raise ValueError(f"kind {valued[0].kind!r} folds the attention's values: pass value=(H, S, D) of this item.")
+    if valued and value is not None and valued[0].value is None:  # this item's values, for its whole capture
+        for red in valued:
+            red.value = passes.HeadView(value, heads)
+        try:
+            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, timed, probe, keys, queries, mask)
+        finally:
+            for red in valued:
+                red.release()
     if queries is not None and queries < S:
         for red in reducers:
             red.query_limit = int(queries)
@@ -203,12 +217,14 @@ def capture_items(
     key_counts=None,
     query_counts=None,
     mask: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ):
     """:func:`capture` for the batch ``items`` of ``query`` and ``key`` ``(B, H, S, D)`` (and of the output
     call's ``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` when given), in full float32 matmuls; with
     ``key_counts`` (per batch item of the call), each item's keys past its count are masked, and with
     ``query_counts`` its query rows past its count are never formed; ``mask`` ``(B or 1, S, S)``: any other
-    mask, boolean, `True` where a query attends a key (row tiles apply it).
+    mask, boolean, `True` where a query attends a key (row tiles apply it); ``value`` ``(B, H, S, D)``: the values,
+    for the reducers that need them.
 
     Returns:
         `tuple`: the results, one float32 ``(len(items), H_out, ...)`` tensor per reducer; the method that
@@ -234,6 +250,7 @@ def capture_items(
                 keys=None if key_counts is None else int(key_counts[b]),
                 queries=None if query_counts is None else int(query_counts[b]),
                 mask=None if mask is None else mask[b if mask.shape[0] > 1 else 0],
+                value=None if value is None else value[b],
             )
             if probe is not None:
                 probes.append((b, probe))

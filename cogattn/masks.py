@@ -29,6 +29,7 @@ import torch
 from .analysis import choose, expert_steps
 from .errors import NotRecordedError
 from .layout import TokenLayout
+from .patterns import Pattern, parse
 from .run import MapSource
 
 __all__ = [
@@ -192,21 +193,26 @@ def _check_window(value, name: str) -> None:
 # -- recall -----------------------------------------------------------------------------------------
 def mask_recall(
     source: MapSource,
-    mask: torch.Tensor,
+    mask,
     steps: str | int | Sequence[int] = "all",
     layers: str | int | Sequence[int] = "all",
+    kind: str = "block",
 ) -> pd.DataFrame:
     """The exact share of all attention mass a block mask keeps, per (step, layer, head, batch item).
 
     ``recall = Σ_m w_m Σ_n mask[m, n] · block[m, n] / S`` with ``w_m`` the query tokens of block m: 1
-    for a mask that keeps everything, the mass a block-sparse kernel with this mask would compute.
+    for a mask that keeps everything, the mass a block-sparse kernel with this mask would compute. On a
+    ``tile`` map (``kind="tile"``) the groups are the text and the 3-D tiles, ``w_m`` the tokens of group m.
 
     Args:
-        source (`MapSource`): a `Recording` or a `Run` holding kind ``block``.
-        mask (`torch.Tensor`): ``(N, N)`` bool, N = ⌈S / source.block_size⌉ (see `same_frame_mask` and
-            the other helpers).
+        source (`MapSource`): a `Recording` or a `Run` holding kind ``block`` (or ``tile``).
+        mask (`torch.Tensor | str | Pattern | Callable`): ``(N, N)`` bool, N = ⌈S / source.block_size⌉ (see
+            `same_frame_mask` and the other helpers; on ``tile``, N tile groups), or a token pattern
+            (:mod:`cogattn.patterns`: ``"spatial"``, ``"sta:3,3,3"``, ...), taken as its block or tile mask
+            (a group pair kept where any of its token pairs is; ``"sta:t,h,w"`` over the source's ``tile_shape``).
         steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): steps of ``block``.
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers of ``block``.
+        kind (`"block" | "tile"`, defaults to ``"block"``): the pooled map the mask is over.
 
     Returns:
         `pandas.DataFrame`: columns ``step, expert, layer, head, item, recall``; ``head`` is the model head, or
@@ -217,11 +223,17 @@ def mask_recall(
         ValueError: ``mask`` is not (N, N), or a record disagrees with the layout and block size.
         NotRecordedError: ``block``, or a chosen step or layer, was not recorded.
     """
-    grid = _grid(source)
+    if kind not in ("block", "tile"):
+        raise ValueError(f"kind={kind!r}; mask_recall reads a 'block' or a 'tile' map.")
+    grid = _grid(source) if kind == "block" else _TileGrid(source)
+    if isinstance(mask, (str, Pattern)) or callable(mask):  # a token pattern: its block or tile mask
+        pattern = parse(mask, tuple(getattr(source, "tile_shape", None) or (4, 4, 4)))  # "sta:"'s tiles: the run's
+        shape = grid.block_size if kind == "block" else grid.tile_shape
+        mask = (pattern.block_mask if kind == "block" else pattern.tile_mask)(source.layout, shape)
     keep = _check_mask(mask, grid).double()
     w, S = grid.sizes.double(), source.layout.seq_len
     parts = []
-    for step, layer, blk in _blocks(source, grid, steps, layers):
+    for step, layer, blk in _blocks(source, grid, steps, layers, kind):
         recall = ((blk * keep).sum(-1) * w).sum(-1) / S  # (B, H)
         parts.append(_rows(source, step, layer, recall[..., None]))
     return pd.concat(parts, ignore_index=True)
@@ -271,11 +283,25 @@ def _grid(source: MapSource) -> BlockGrid:
     return BlockGrid(source.layout, int(source.block_size))
 
 
-def _check_mask(mask, grid: BlockGrid) -> torch.Tensor:
+class _TileGrid:
+    """The groups of a ``tile`` map: the text, then the 3-D tiles of the source's ``tile_shape``."""
+
+    def __init__(self, source: MapSource):
+        if source.layout is None:
+            raise ValueError("this source has no token layout (it saw no generation); record a generation first.")
+        self.layout, self.tile_shape = source.layout, tuple(source.tile_shape)
+        groups = self.layout.tile_of_token(self.tile_shape)
+        self.num_blocks = int(groups.max()) + 1
+        self.sizes = torch.bincount(groups, minlength=self.num_blocks)
+
+
+def _check_mask(mask, grid) -> torch.Tensor:
     N = grid.num_blocks
     want = (
         f"an ({N}, {N}) bool torch tensor (N = ⌈S / block_size⌉ = ⌈{grid.layout.seq_len} / {grid.block_size}⌉ "
         "blocks), e.g. same_frame_mask(source.layout, source.block_size)"
+        if isinstance(grid, BlockGrid)
+        else f"an ({N}, {N}) bool torch tensor over the tile map's {N} groups, e.g. a pattern's tile_mask"
     )
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be {want}; got a {type(mask).__name__}.")
@@ -286,21 +312,25 @@ def _check_mask(mask, grid: BlockGrid) -> torch.Tensor:
     return mask.cpu()
 
 
-def _blocks(source: MapSource, grid: BlockGrid, steps, layers):
-    """``(step, layer, block map (B, H, N, N) float64)`` of every recorded chosen pair."""
-    step_list = choose(source, "block", "step", steps)
-    layer_list = choose(source, "block", "layer", layers)
+def _blocks(source: MapSource, grid, steps, layers, kind: str = "block"):
+    """``(step, layer, block map (B, H, N, N) float64)`` of every recorded chosen pair (``tile`` maps too)."""
+    step_list = choose(source, kind, "step", steps)
+    layer_list = choose(source, kind, "layer", layers)
     keys = set(source.keys())
-    pairs = [(s, la) for s in step_list for la in layer_list if ("block", s, la) in keys]
+    pairs = [(s, la) for s in step_list for la in layer_list if (kind, s, la) in keys]
     if not pairs:
         raise NotRecordedError(
-            f"'block' was not recorded at any chosen (step, layer): steps {step_list} × layers {layer_list}; "
+            f"{kind!r} was not recorded at any chosen (step, layer): steps {step_list} × layers {layer_list}; "
             "choose steps and layers recorded together."
         )
     N = grid.num_blocks
     for step, layer in pairs:
-        blk = source.get("block", step, layer)
+        blk = source.get(kind, step, layer)
         if blk.ndim != 4 or tuple(blk.shape[2:]) != (N, N):
+            if kind == "tile":
+                raise ValueError(
+                    f"the tile record of step {step}, layer {layer} has shape {tuple(blk.shape)}, not (B, H, {N}, {N})."
+                )
             raise ValueError(
                 f"the block record of step {step}, layer {layer} has shape {tuple(blk.shape)}, but S = "
                 f"{grid.layout.seq_len} and block_size = {grid.block_size} give (B, H, {N}, {N}); the "

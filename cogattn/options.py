@@ -23,7 +23,9 @@ import torch
 from .items import item_role
 from .layout import TokenLayout
 from .memory import parse_bytes
+from .patterns import check_option, resolve
 from .reducers import REDUCERS
+from .reducers.ranked import check_top_p
 
 __all__ = ["CaptureOptions", "Resolved", "METHODS", "LAYER_OUTPUTS", "STORAGE_DTYPES"]
 
@@ -67,8 +69,14 @@ class CaptureOptions:
             model's order from token 0; the last may be shorter).
         tile_shape (`tuple[int, int, int]`, defaults to ``(4, 4, 4)``): latent frames × patch rows × patch
             columns of each 3-D tile of the ``tile`` kind (the grid's edge tiles are smaller).
+        patterns (`str | Sequence`, defaults to ``()``): for ``pattern_recall`` and ``pattern_error``: token
+            patterns (:mod:`cogattn.patterns`): ``"spatial"``, ``"temporal"``, ``"window:w"``, ``"sta:t,h,w"``
+            (a window of tiles of ``tile_shape``), ``"radial"``, `Pattern` objects, or callables over positions.
         topk (`int`, defaults to 32): how many of each row's largest probabilities ``topk`` keeps (at
             most S).
+        top_p (`float | Sequence[float]`, defaults to ``(0.5, 0.9, 0.95, 0.99)``): the masses p, each in
+            (0, 1], for which ``top_p`` counts the fewest keys whose largest probabilities reach p; kept as a
+            tuple of floats in the order given.
         memory_budget (`int | str`, defaults to ``"1GiB"``): bound on the transient working memory of
             capture (results excluded): bytes, or a string such as ``"512MiB"``; stored as bytes.
         method (`"auto" | "rows" | "sdpa" | "triton"`, defaults to ``"auto"``): how the key-pooled kinds
@@ -118,6 +126,8 @@ class CaptureOptions:
     block_size: int = 128
     tile_shape: tuple[int, int, int] = (4, 4, 4)
     topk: int = 32
+    top_p: float | Sequence[float] = (0.5, 0.9, 0.95, 0.99)
+    patterns: str | Sequence = ()
     memory_budget: int | str = "1GiB"
     method: str = "auto"
     layer_output: str = "stock"
@@ -159,6 +169,8 @@ class CaptureOptions:
                 f"tile_shape={tile!r}; pass 3 positive ints (latent frames, patch rows, patch columns), e.g. (1, 8, 8) "
                 "for Sliding Tile Attention's spatial tiles or (4, 4, 4) for VSA's cubes."
             )
+        top_p = check_top_p(self.top_p)
+        pattern_list = check_option(self.patterns, kinds, self.tile_shape)
         for flag in ("overwrite", "verify"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}.")
@@ -174,6 +186,8 @@ class CaptureOptions:
             heads=_indices("heads", self.heads, None, ("all", "mean")),
             queries=queries,
             tile_shape=tuple(int(n) for n in self.tile_shape),
+            top_p=top_p,
+            patterns=pattern_list,
             memory_budget=parse_bytes(self.memory_budget),
             save_dir=None if self.save_dir is None else Path(self.save_dir).expanduser(),
             info=dict(self.info or {}),
@@ -232,10 +246,14 @@ class CaptureOptions:
             "block_size",
             "tile_shape",
             "topk",
+            "top_p",
             "memory_budget",
             "method",
         )
-        return {k: _jsonable(getattr(self, k)) for k in keep}
+        meta = {k: _jsonable(getattr(self, k)) for k in keep}
+        if self.patterns:  # by name: a callable's is its __name__
+            meta["patterns"] = [p if isinstance(p, str) else resolve([p])[0].name for p in self.patterns]
+        return meta
 
     # -- against the call ---------------------------------------------------------------------------
     def resolve(

@@ -352,7 +352,7 @@ def plan_capture(
     """
     num_heads, head_dim, dtype = model.num_heads, model.head_dim, model.dtype
     res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
-    sizes = dict(block_size=options.block_size, topk=options.topk, tile_shape=options.tile_shape)
+    sizes = {name: getattr(options, name) for name in ("block_size", "topk", "tile_shape", "patterns", "top_p")}
     sources = sources or {}
     reducers, context = [], []
     for k in options.kinds:

@@ -36,11 +36,17 @@ class MapSink(Protocol):
         key_counts: torch.Tensor | None = None,
         query_counts: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> None:
         """Compute the selected maps of ``layer`` from ``query`` and ``key`` ``(B, H, S, D)``; ``key_counts``
         ``(B,)``: each item's kept keys (the first ones), under a key mask; ``query_counts`` ``(B,)``: each
         item's formed query rows (the first ones), where the model never forms the others; ``mask``
-        ``(B or 1, S, S)``: any other mask, from :func:`query_key_mask`."""
+        ``(B or 1, S, S)``: any other mask, from :func:`query_key_mask`; ``value`` ``(B, H, S, D)``: the values,
+        handed over only where :attr:`wants_value` says a kind needs them (``pattern_error``)."""
+
+    @property
+    def wants_value(self) -> bool:
+        """Whether a selected kind needs the attention's values (processors then pass ``value`` to :meth:`capture`)."""
 
     def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
         """Compute the selected kinds of a cross-attention (Wan's ``attn2``) from the video queries ``query``

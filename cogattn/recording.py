@@ -300,9 +300,10 @@ class Recording:
         """:meth:`cogattn.capture.Capture.attention`."""
         return self._capture.attention(layer, query, key, value)
 
-    def capture(self, layer, query, key, lse=None, sums=None, key_counts=None, query_counts=None, mask=None) -> None:
-        """:meth:`cogattn.capture.Capture.capture`."""
-        self._capture.capture(layer, query, key, lse, sums, key_counts, query_counts, mask)
+    def capture(self, *args, **kwargs) -> None:
+        self._capture.capture(*args, **kwargs)  # cogattn.capture.Capture.capture
+
+    wants_value = property(lambda self: self._capture.wants_value, doc=":attr:`cogattn.capture.Capture.wants_value`.")
 
     def capture_context(self, layer, query, key, context) -> None:
         """:meth:`cogattn.capture.Capture.capture_context`."""

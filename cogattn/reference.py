@@ -14,7 +14,9 @@ import torch
 
 from .checks import error_units  # the units of the documented bounds: the spot checks' own
 
-__all__ = ["kind_error", "naive_context", "naive_kind", "naive_lse", "naive_probs", "select"]
+TOP_P_MARGIN = 1e-6  # how near p a row's float32 cumulative mass may come and still count as either side
+
+__all__ = ["kind_error", "naive_context", "naive_kind", "naive_lse", "naive_pattern", "naive_probs", "select"]
 
 
 def _scores(q, k, scale, key_mask):
@@ -48,12 +50,20 @@ def naive_kind(
     topk: int = 32,
     text_at_end: bool = False,
     tile_shape: tuple[int, int, int] = (4, 4, 4),
+    patterns: tuple = (),
+    v: torch.Tensor | None = None,
+    top_p: tuple[float, ...] = (0.5, 0.9, 0.95, 0.99),
 ) -> torch.Tensor:
     """One kind from full probabilities ``P`` ``(B, H, S, S)``: ``T`` text tokens before the video (after it
     with ``text_at_end``), the latent ``grid`` ``(F, Hp, Wp)``, the ``query`` kind's token indices
     ``queries``, the ``block`` kind's ``block_size``, ``topk``'s k (``topk``: ``(B, H, S, k, 2)``, values
     and key indices, as stored) and the ``tile`` kind's ``tile_shape``. Frame group 0 is the text (when there
-    is text), group ``f + 1`` frame f; tile group 0 the text, then the tiles in (t, y, x) order."""
+    is text), group ``f + 1`` frame f; tile group 0 the text, then the tiles in (t, y, x) order; ``offset``
+    bins each pair of video tokens by its offset (Δf, Δy, Δx), over the V video queries; ``pattern_recall`` and
+    ``pattern_error`` take ``patterns`` (:func:`naive_pattern`) and, for the error, the values ``v`` ``(B, H, S, D)``;
+    ``top_p`` counts, for each p of ``top_p``, the keys of a full descending sort until the float64 cumulative sum
+    reaches p (at most the keys of nonzero probability); ``frame_max`` is ``(B, H, S, G, 2)``, each frame group's
+    largest P[i, j] and its key token (−1 where the group's keys all have probability 0), as stored."""
     B, H, S, _ = P.shape
     F, Hp, Wp = grid
     V = F * Hp * Wp
@@ -71,6 +81,15 @@ def naive_kind(
     if kind == "topk":
         values, indices = P.topk(min(topk, S), dim=-1)
         return torch.stack([values, indices.to(values.dtype)], -1)
+    if kind == "top_p":  # a full sort, a float64 cumulative sum
+        mass = P.sort(-1, descending=True).values.cumsum(-1)
+        nonzero = (P > 0).sum(-1)
+        return torch.stack([torch.minimum((mass < p).sum(-1) + 1, nonzero) for p in top_p], -1).to(P.dtype)
+    if kind == "frame_max":  # the largest of each group's columns, its key token
+        tops = [P[..., a:b].max(-1) for a, b in groups]
+        values = torch.stack([top.values for top in tops], -1)
+        tokens = torch.stack([top.indices + a for top, (a, _) in zip(tops, groups)], -1)
+        return torch.stack([values, torch.where(values > 0, tokens, -1).to(P.dtype)], -1)
     if kind == "full":
         return P
     if kind == "query":
@@ -79,6 +98,31 @@ def naive_kind(
         return P[:, :, video, text].permute(0, 1, 3, 2).reshape(B, H, T, F, Hp, Wp)
     if kind == "text_to_video":
         return P[:, :, text, video].reshape(B, H, T, F, Hp, Wp)
+    if kind == "offset":  # every (video query, video key) pair, binned by its offset, over the video queries
+        f, y, x = torch.meshgrid(torch.arange(F), torch.arange(Hp), torch.arange(Wp), indexing="ij")
+        f, y, x = f.flatten(), y.flatten(), x.flatten()  # coordinates of video token v0 + n
+        bins = (
+            ((f[None, :] - f[:, None] + F - 1) * (2 * Hp - 1) + (y[None, :] - y[:, None] + Hp - 1)) * (2 * Wp - 1)
+            + x[None, :]
+            - x[:, None]
+            + Wp
+            - 1
+        )  # (query, key)
+        out = torch.zeros(B, H, (2 * F - 1) * (2 * Hp - 1) * (2 * Wp - 1), dtype=P.dtype)
+        out.index_add_(2, bins.flatten(), P[:, :, video, video].reshape(B, H, V * V))
+        return (out / V).view(B, H, 2 * F - 1, 2 * Hp - 1, 2 * Wp - 1)
+    if kind in ("pattern_recall", "pattern_error"):  # text rows and columns kept; means over the V video queries
+        keep = torch.ones(S, S, dtype=torch.bool)
+        out = torch.empty(B, H, len(patterns), dtype=P.dtype)
+        for m, spec in enumerate(patterns):
+            keep[video, video] = naive_pattern(spec, grid, tile_shape)
+            if kind == "pattern_recall":
+                out[..., m] = (P * keep)[:, :, video].sum(-1).mean(-1)
+                continue
+            kept = P * keep
+            exact, sparse = P @ v.double(), (kept @ v.double()) / kept.sum(-1, keepdim=True)
+            out[..., m] = (sparse - exact)[:, :, video].pow(2).mean(-1).mean(-1)
+        return out
     if kind == "tile":  # a tile's tokens are runs of patch rows in several frames: token lists
         t, h, w = tile_shape
         groups = [list(range(t0, t0 + T))] if T else []
@@ -102,6 +146,41 @@ def naive_kind(
                 out[:, :, g, n] = P[:, :, rows][..., cols].sum(-1).mean(-1)
         return out
     raise ValueError(kind)
+
+
+def naive_pattern(spec, grid: tuple[int, int, int], tile_shape=(4, 4, 4)) -> torch.Tensor:
+    """``(V, V)`` bool over video queries and keys in token order, from the patterns' definitions in
+    docs/design.md one pair at a time (a callable is called on the positions, as its contract says)."""
+    F, Hp, Wp = grid
+    pos = [(f, y, x) for f in range(F) for y in range(Hp) for x in range(Wp)]
+    if callable(spec):
+        f, y, x = (torch.tensor([p[a] for p in pos]) for a in range(3))
+        return torch.as_tensor(spec(f[:, None], y[:, None], x[:, None], f[None], y[None], x[None])).expand(len(pos), -1)
+    name, _, arg = spec.partition(":")
+
+    def sta_axis(q, k, w, t, n):  # the window of w tiles centred on q's tile, moved inside the n tiles
+        tiles, half = -(-n // t), w // 2
+        centre = min(max(q // t, half), tiles - 1 - half)
+        return abs(centre - k // t) <= half
+
+    def keeps(a, b):
+        (qf, qy, qx), (kf, ky, kx) = a, b
+        if name == "spatial":
+            return qf == kf
+        if name == "temporal":
+            return (qy, qx) == (ky, kx)
+        if name == "window":
+            return abs(qf - kf) <= int(arg)
+        if name == "sta":
+            return all(sta_axis(q, k, int(w), t, n) for q, k, w, t, n in zip(a, b, arg.split(","), tile_shape, grid))
+        if name == "radial":
+            d, s = abs(qf - kf), Hp * Wp
+            band = 2 ** int(math.floor(math.log2(max(d, 1))))
+            k, j = qy * Wp + qx, ky * Wp + kx
+            return (abs(k - j) + 1) * band <= s if band <= s else k == j and d % -(-band // s) == 0
+        raise ValueError(spec)
+
+    return torch.tensor([[keeps(a, b) for b in pos] for a in pos], dtype=torch.bool)
 
 
 def naive_context(P: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
@@ -130,6 +209,7 @@ def kind_error(
     queries=None,
     lse=None,
     text_at_end: bool = False,
+    mean_heads: bool = False,
     **sizes,
 ) -> float:
     """Largest error of a result ``got`` (as ``get`` returns it, ``(B, H, ...)``) against :func:`naive_kind` of
@@ -137,7 +217,28 @@ def kind_error(
     rows' ``lse`` ``(B, H, S)`` (:func:`naive_lse`), in the units of their documented bounds
     (:func:`cogattn.checks.error_units`), else relative to ``max(1, |H|)`` for ``entropy`` and absolute for
     ``received``; for ``topk`` the values, and the probabilities at the returned key tokens (equal
-    probabilities may come in either order)."""
+    probabilities may come in either order); for ``frame_max`` the values, the probabilities at the returned
+    key tokens, and 1 for a token outside its group; for ``top_p`` how many keys a count lies outside the
+    counts for p ∓ :data:`TOP_P_MARGIN` (0 inside: float32 cannot tell p from a mass that close to it).
+    ``mean_heads``: ``got`` is of ``heads="mean"``: ``P`` is then each head's (``top_p``: the mean of the
+    heads' counts), or, for ``topk`` and ``frame_max``, the head-mean row's."""
+    if kind == "top_p":
+        ps = sizes.pop("top_p", (0.5, 0.9, 0.95, 0.99))
+        lo, hi = (naive_kind(P, kind, T, grid, top_p=tuple(p + sign * TOP_P_MARGIN for p in ps)) for sign in (-1, 1))
+        if mean_heads:
+            lo, hi = lo.mean(1, keepdim=True), hi.mean(1, keepdim=True)
+        return max(0.0, (lo - got.double()).max().item(), (got.double() - hi).max().item())
+    if kind == "frame_max":
+        values, indices = got
+        ref = naive_kind(P, kind, T, grid, text_at_end=text_at_end)[..., 0]
+        at = torch.where(indices >= 0, P.gather(-1, indices.clamp(min=0)), 0.0)
+        F, Hp, Wp = grid
+        S, n = P.shape[-1], Hp * Wp
+        group = torch.arange(F).repeat_interleave(n) + (T > 0)
+        group = torch.cat([group, torch.zeros(T, dtype=torch.long)] if text_at_end else [group.new_zeros(T), group])
+        outside = (indices >= 0) & (group[indices.clamp(min=0, max=S - 1)] != torch.arange(ref.shape[-1]))
+        error = max((values.double() - ref).abs().max().item(), (at - ref).abs().max().item())
+        return max(error, float(outside.any()))
     if kind == "topk":
         values, indices = got
         ref = P.topk(values.shape[-1], dim=-1).values

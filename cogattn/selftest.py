@@ -41,7 +41,17 @@ from .models import FAMILIES
 from .planner import plan_tiles
 from .reducers import REDUCERS
 from .reference import kind_error, naive_lse, naive_probs
-from .selftest_pipelines import JOINT_KINDS, PIPELINES, Row, backend_rows, family_rows, methods, pipeline_rows, timed
+from .selftest_pipelines import (
+    JOINT_KINDS,
+    PATTERNS,
+    PIPELINES,
+    Row,
+    backend_rows,
+    family_rows,
+    methods,
+    pipeline_rows,
+    timed,
+)
 from .version import __version__
 
 __all__ = ["Row", "main", "run"]
@@ -75,15 +85,18 @@ def layer_rows(device: torch.device, dtype: torch.dtype, seq_len: int, heads: in
     _, t_stock = timed(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None]), device)  # warm
     tol = TOLERANCE.get(dtype, 1e-5)
 
+    sizes = dict(block_size=64, patterns=PATTERNS)
+    v64 = v.double().cpu()[None]  # pattern_error's reference folds the values
+
     def error(kind: str, got: torch.Tensor) -> float:
         got = REDUCERS[kind].unpack(got.cpu()[None])
-        return kind_error(got, P, kind, T, layout.grid, queries.tolist(), lse, block_size=64)
+        return kind_error(got, P, kind, T, layout.grid, queries.tolist(), lse, v=v64, **sizes)
 
     def run(kinds, method, lse=None, sums=None):
-        reducers = [REDUCERS[kd](layout, heads, False, queries, block_size=64) for kd in kinds]
+        reducers = [REDUCERS[kd](layout, heads, False, queries, **sizes) for kd in kinds]
         plan = plan_tiles(reducers, S, heads, head_dim, 2**30, method, device)
         outs = [torch.zeros(r.shape(1)[1:], device=device) for r in reducers]
-        _, seconds = timed(lambda: capture(q, k, reducers, outs, plan, lse=lse, sums=sums), device)
+        _, seconds = timed(lambda: capture(q, k, reducers, outs, plan, lse=lse, sums=sums, value=v), device)
         return outs, seconds
 
     rows = []

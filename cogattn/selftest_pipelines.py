@@ -35,7 +35,14 @@ __all__ = [
 ]
 
 JOINT_KINDS = cogvideox.SPEC.kinds()  # the kinds of CogVideoX's joint attention
-SIZES = dict(block_size=7, topk=4, tile_shape=(2, 2, 3))  # several blocks and tiles, the last ones smaller
+# several blocks and tiles, the last ones smaller; top_p's p = 1 counts every key with attention
+SIZES = dict(block_size=7, topk=4, tile_shape=(2, 2, 3), top_p=(0.5, 0.9, 0.99, 1.0))
+PATTERNS = ("spatial", "temporal", "window:1", "sta:1,1,3", "radial")  # pattern_recall's and pattern_error's
+
+
+def _sizes(kinds) -> dict:
+    """The size options of a recording of ``kinds``: the patterns only where a kind takes them."""
+    return {**SIZES, **({"patterns": PATTERNS} if {"pattern_recall", "pattern_error"} & set(kinds) else {})}
 
 
 @dataclass
@@ -135,26 +142,30 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
                 method=method,
                 layer_output=output,
                 verify=False,
+                patterns=PATTERNS,
                 **SIZES,
             )
             calls, inner = [], rec.capture
 
-            def spy(layer, query, key, lse=None, sums=None, inner=inner, rec=rec, calls=calls):
-                calls.append((rec.step, layer, query.detach().float().cpu(), key.detach().float().cpu()))
-                inner(layer, query, key, lse, sums)
+            def spy(layer, query, key, *rest, inner=inner, rec=rec, calls=calls, **named):
+                v = named.get("value")  # handed over for pattern_error
+                v = None if v is None else v.detach().float().cpu()
+                calls.append((rec.step, layer, query.detach().float().cpu(), key.detach().float().cpu(), v))
+                inner(layer, query, key, *rest, **named)
 
             rec.capture = spy
             with rec:
                 video, seconds = timed(generate, device)
             worst, limit_of_worst, passed = 0.0, TOLERANCE.get(dtype, 1e-5), True
-            for step, layer, q, k in calls:
+            for step, layer, q, k, v in calls:
                 P, lse = (x[list(rec.batch_items)] for x in (naive_probs(q, k), naive_lse(q, k)))
+                v = None if v is None else v[list(rec.batch_items)].double()
                 for kind in JOINT_KINDS:
                     limit = bound(dtype, made_from_output(kind, output, JOINT_KINDS, rec.plan.tiles.method))
                     tokens = [0, rec.layout.token_index(1, 1, 2)]
                     lay = rec.layout
                     got = rec.get(kind, step, layer)
-                    err = kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, **SIZES)
+                    err = kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, patterns=PATTERNS, v=v, **SIZES)
                     passed &= err <= limit
                     if err / limit >= worst / limit_of_worst:
                         worst, limit_of_worst = err, limit
@@ -186,7 +197,8 @@ def _spying(rec, inner, context: bool, calls: dict):
         if named.get("mask") is not None:  # the tiny calls make no query-key mask (diffusion forcing's)
             raise RuntimeError("the self-test's reference takes no query-key mask")
         counts = (rest[2] if len(rest) > 2 else None, rest[3] if len(rest) > 3 else None)
-        qk = (query.detach().float().cpu(), key.detach().float().cpu(), None if context else counts)
+        v = None if named.get("value") is None else named["value"].detach().float().cpu()  # for pattern_error
+        qk = (query.detach().float().cpu(), key.detach().float().cpu(), None if context else counts, v)
         calls.setdefault((rec.step, layer, rest[0] if context else "self"), []).append(qk)
         inner(layer, query, key, *rest, **named)
 
@@ -223,28 +235,30 @@ def _item_counts(counts, batch: int) -> list[tuple[int | None, int | None]]:
     ]
 
 
-def _item_error(rec, kind: str, step: int, layer: int, b: int, P, lse, queries: int | None) -> float:
+def _item_error(rec, kind: str, step: int, layer: int, b: int, P, lse, queries: int | None, v=None) -> float:
     """Error of item ``b``'s recorded ``kind`` against its reference ``P`` ``(1, H, S_b, S)`` (``S_b`` the
     formed query rows, whose text is as much shorter), in the units of the bounds; rows never formed
     must hold exactly 0."""
     lay = rec.layout
     got = rec.get(kind, step, layer)
-    got = type(got)(*(x[b : b + 1] for x in got)) if kind == "topk" else got[b : b + 1]
+    paired = kind in ("topk", "frame_max")  # values and key tokens, read back as a pair
+    got = type(got)(*(x[b : b + 1] for x in got)) if paired else got[b : b + 1]
     if queries is None or queries == lay.seq_len:
         tokens, end = [0, lay.token_index(1, 1, 2)], lay.text_position == "end"
-        return kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, end, **SIZES)
+        return kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, end, patterns=PATTERNS, v=v, **SIZES)
     S, n = lay.seq_len, queries  # the model attends over the first n tokens alone: so does the reference
     P, T = P[..., :n], lay.text_len - (S - n)
+    v = None if v is None else v[..., :n, :]
     tokens = [0, lay.token_index(1, 1, 2)]
-    if kind == "topk":
+    if paired:
         inside = type(got)(*(x[:, :, :n] for x in got))
         return max(
-            kind_error(inside, P, kind, T, lay.grid, tokens, lse, True, **SIZES),
+            kind_error(inside, P, kind, T, lay.grid, tokens, lse, True, patterns=PATTERNS, v=v, **SIZES),
             got.values[:, :, n:].abs().max().item(),
         )
-    want = naive_kind(P, kind, T, lay.grid, tokens, text_at_end=True, **SIZES)
+    want = naive_kind(P, kind, T, lay.grid, tokens, text_at_end=True, patterns=PATTERNS, v=v, **SIZES)
     corner = tuple(slice(0, m) for m in want.shape)
-    err = kind_error(got[corner], P, kind, T, lay.grid, tokens, lse, True, **SIZES)
+    err = kind_error(got[corner], P, kind, T, lay.grid, tokens, lse, True, patterns=PATTERNS, v=v, **SIZES)
     outside = got.clone()
     outside[corner] = 0
     return max(err, outside.abs().max().item())
@@ -305,7 +319,15 @@ def family_rows(
                 rows.append(Row(part, "all", method, "stock", None, None, None, None, None, skipped))
                 continue
             kinds = self_kinds + tuple(context)
-            rec = record(pipe, kinds=kinds, queries=[0, (1, 1, 2)], batch="all", heads="all", method=method, **SIZES)
+            rec = record(
+                pipe,
+                kinds=kinds,
+                queries=[0, (1, 1, 2)],
+                batch="all",
+                heads="all",
+                method=method,
+                **_sizes(kinds),
+            )
             calls: dict = {}  # (step, layer, source) → [(q, k, counts) of each call]: as the family calls them
             for name in ("capture", "capture_context"):
                 setattr(rec, name, _spying(rec, getattr(rec, name), name == "capture_context", calls))
@@ -314,20 +336,22 @@ def family_rows(
             limit, worst, lay = TOLERANCE.get(dtype, 1e-5), 0.0, rec.layout
             for (step, layer, source), found in calls.items():
                 found = found[::-1]  # the guidance batch [uncond..., cond...]: a step's later call first
-                q, k = torch.cat([q for q, _, _ in found]), torch.cat([k for _, k, _ in found])
+                q, k = torch.cat([q for q, _, _, _ in found]), torch.cat([k for _, k, _, _ in found])
+                v = None if any(x[3] is None for x in found) else torch.cat([x[3] for x in found]).double()
                 if source != "self":
                     P = naive_probs(q, k)
                     for kind in [c for c in context if spec.source(c) == source]:
                         ref = select(naive_context(P, lay.grid), rec.batch_items, "all")
                         worst = max(worst, (rec.get(kind, step, layer).double() - ref).abs().max().item())
                     continue
-                items = [n for qc, _, counts in found for n in _item_counts(counts, len(qc))]
+                items = [n for qc, _, counts, _ in found for n in _item_counts(counts, len(qc))]
                 for b, (keys, queries) in enumerate(items):
                     qb, kb = q[b : b + 1, :, :queries], k[b : b + 1]
                     keep = (torch.arange(k.shape[2]) < (k.shape[2] if keys is None else keys))[None]
                     P, lse = naive_probs(qb, kb, key_mask=keep), naive_lse(qb, kb, key_mask=keep)
                     for kind in self_kinds:
-                        worst = max(worst, _item_error(rec, kind, step, layer, b, P, lse, queries))
+                        vb = None if v is None else v[b : b + 1]
+                        worst = max(worst, _item_error(rec, kind, step, layer, b, P, lse, queries, vb))
             same = bool(torch.equal(video, stock))
             rows.append(
                 Row(part, "all", method, "stock", worst, limit, same, seconds / t_stock, worst <= limit and same)

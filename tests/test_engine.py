@@ -9,10 +9,28 @@ from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import SPEC as COGVIDEOX
 from cogattn.planner import plan_tiles
 from cogattn.reducers import REDUCERS
+from cogattn.reference import kind_error
 
 LAYOUTS = [TokenLayout(8, 3, 3, 5), TokenLayout(5, 2, 7, 3), TokenLayout(3, 1, 1, 1)]
 KINDS = list(COGVIDEOX.kinds())  # the kinds of a joint text + video attention
-SIZES = dict(block_size=7, topk=4, tile_shape=(2, 2, 3))  # blocks and tiles that do not divide S or the grid
+# blocks and tiles that do not divide S or the grid; masses p down to one key and up to every key
+SIZES = dict(block_size=7, topk=4, tile_shape=(2, 2, 3), top_p=(0.05, 0.5, 0.9, 0.99, 1.0))
+SIZES["patterns"] = ("spatial", "temporal", "window:1", "sta:1,3,1", "radial")  # pattern_recall, pattern_error
+
+
+def _value(q):
+    """The attention's values for ``q`` ``(H, S, D)`` (``pattern_error`` folds them), the same for a call's reference."""
+    return torch.randn(q.shape, generator=torch.Generator().manual_seed(7))
+
+
+RANKED = ("top_p", "frame_max")  # counts and key tokens: held to kind_error's rule, not a plain difference
+
+
+def _ranked_error(got, P, kind, layout, mean):
+    """``kind_error`` of one item's ``got`` (``frame_max`` with heads averaged: of the head-mean row)."""
+    rows = P.mean(1, keepdim=True) if mean and kind == "frame_max" else P
+    got = REDUCERS[kind].unpack(got[None])
+    return kind_error(got, rows, kind, layout.text_len, layout.grid, mean_heads=mean, **SIZES)
 
 
 def _run(q, k, layout, kinds, heads_mean, budget, path, queries=None):
@@ -20,7 +38,7 @@ def _run(q, k, layout, kinds, heads_mean, budget, path, queries=None):
     reducers = [REDUCERS[kd](layout, H, heads_mean, queries, **SIZES) for kd in kinds]
     plan = plan_tiles(reducers, S, H, D, budget, path, q.device)
     outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
-    capture(q, k, reducers, outs, plan)
+    capture(q, k, reducers, outs, plan, value=_value(q))
     return dict(zip(kinds, outs)), plan
 
 
@@ -36,10 +54,13 @@ def test_every_kind_matches_naive_softmax(layout, path, mean):
     P = naive_probs(q[None], k[None])
     for kind in KINDS:
         assert got[kind].dtype == torch.float32
+        if kind in RANKED:
+            assert _ranked_error(got[kind], P, kind, layout, mean) <= 1e-5, kind
+            continue
         if kind == "topk":  # of the head-mean row
             assert_topk(REDUCERS[kind].unpack(got[kind][None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
             continue
-        ref = naive_kind(P, kind, layout.text_len, layout.grid, queries.tolist(), **SIZES)[0]
+        ref = naive_kind(P, kind, layout.text_len, layout.grid, queries.tolist(), v=_value(q)[None], **SIZES)[0]
         ref = ref.mean(0, keepdim=True) if mean else ref
         assert got[kind].shape == ref.shape, kind
         assert (got[kind].double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
@@ -175,15 +196,18 @@ def test_a_query_key_mask_gives_masked_pairs_exactly_zero_in_every_kind(mean, bu
     reducers = [REDUCERS[kd](layout, H, mean, queries, **SIZES) for kd in kinds]
     plan = plan_tiles(reducers, S, H, D, budget, "rows", q.device)
     outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
-    capture(q, k, reducers, outs, plan, mask=mask)
+    capture(q, k, reducers, outs, plan, mask=mask, value=_value(q))
     scores = q[None].double() @ k[None].double().transpose(-1, -2) / D**0.5
     P = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     assert bool((P[0][:, ~mask] == 0).all())
     for kind, got in zip(kinds, outs):
+        if kind in RANKED:
+            assert _ranked_error(got, P, kind, layout, mean) <= 1e-5, kind
+            continue
         if kind == "topk":
             assert_topk(REDUCERS[kind].unpack(got[None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
             continue
-        ref = naive_kind(P, kind, 0, layout.grid, queries.tolist(), **SIZES)[0]
+        ref = naive_kind(P, kind, 0, layout.grid, queries.tolist(), v=_value(q)[None], **SIZES)[0]
         ref = ref.mean(0, keepdim=True) if mean else ref
         assert (got.double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
     full = outs[kinds.index("full")]

@@ -21,9 +21,14 @@ from reference import AttentionSpy, assert_topk, spy_probs
 
 import cogattn
 from cogattn.models import FAMILIES, cogvideox
-from cogattn.reference import naive_context, naive_kind
+from cogattn.reference import kind_error, naive_context, naive_kind
 
-SIZES = dict(block_size=7, topk=4)
+SIZES = dict(
+    block_size=7,
+    topk=4,
+    top_p=(0.5, 0.9, 0.99, 1.0),
+    patterns=("spatial", "temporal", "window:1", "radial", "sta:1,1,3"),
+)
 QUERIES = [0, (1, 1, 2)]  # a token index and a video point, on every tiny grid
 
 
@@ -395,7 +400,7 @@ def stock_reference(pipe, family, guided, monkeypatch, run=None):
     ``ref[(step, layer, "self")]`` is one ``(1, H, S_b, S_b)`` per batch item (S_b < S where the model
     drops an item's padded text, as Mochi does, attending over each item alone), ``ref[(step, layer,
     "context")]`` the cross-attention's calls in order (``(B, H, V, C)`` each), and ``ref[("mask", ...)]``
-    the ``(B, S)`` keys each item keeps. ``run``: the pipeline call, when not the case's."""
+    the ``(B, S)`` keys each item keeps, ``ref[("value", ...)]`` each item's values ``(1, H, S_b, D)``. ``run``: the pipeline call, when not the case's."""
     spec = _spec(family)
     spy = AttentionSpy(pipe, spec, monkeypatch)
     try:
@@ -408,12 +413,13 @@ def stock_reference(pipe, family, guided, monkeypatch, run=None):
     for n, seen in enumerate(spy.calls):
         step, call = divmod(n, calls)
         for (layer, role), found in seen.items():
-            probs, keeps = [], []
+            probs, keeps, values = [], [], []
             for q, k, v, mask, out in found:
                 P = spy_probs(q, k, mask)
                 err = (P @ v.double() - out.double()).abs().max().item()
                 assert err < 1e-5, (family, n, layer, role, err)  # the reference is the model's attention
                 probs.append(P)
+                values.append(v)
                 if mask is None:
                     keeps.append(torch.ones(q.shape[0], k.shape[2], dtype=torch.bool))
                 else:  # (B, S) keys each item keeps, or (B, S, S) under a query-key mask
@@ -421,27 +427,43 @@ def stock_reference(pipe, family, guided, monkeypatch, run=None):
             if role == "self":  # one P per item: a batched call's items, or a call per item
                 probs = [P[b : b + 1] for P in probs for b in range(P.shape[0])]
                 keeps = [keep[b] for keep in keeps for b in range(keep.shape[0])]
+                values = [v[b : b + 1] for v in values for b in range(v.shape[0])]
             key = (step, layer, role)
             # the results' batch is [uncond..., cond...]: a step's later (unconditional) call goes first
             if key not in ref:
-                ref[key], ref[("mask", *key)] = probs, keeps
+                ref[key], ref[("mask", *key)], ref[("value", *key)] = probs, keeps, values
             elif role == "self":
                 ref[key], ref[("mask", *key)] = probs + ref[key], keeps + ref[("mask", *key)]
+                ref[("value", *key)] = values + ref[("value", *key)]
             else:
                 ref[key] = [torch.cat([p, r]) for p, r in zip(probs, ref[key])]
     assert ref, "the spy saw no attention call: nothing would be compared"
     return video, ref
 
 
-def _item_kind(P, kind, lay, tokens, shape):
-    """The reference of ``kind`` for one item's ``P`` ``(1, H, S_b, S_b)``, in the recorded ``shape`` of
-    one item: an item attending over fewer tokens (its padded text dropped) has the layout's text
-    shortened by as many, and zeros where its rows and columns would be."""
+def _item_kind(P, kind, lay, tokens, shape, v=None):
+    """The reference of ``kind`` for one item's ``P`` ``(1, H, S_b, S_b)`` (and values ``v`` ``(1, H, S_b, D)``),
+    in the recorded ``shape`` of one item: an item attending over fewer tokens (its padded text dropped) has the
+    layout's text shortened by as many, and zeros where its rows and columns would be."""
     T = lay.text_len - (lay.seq_len - P.shape[-1])
-    want = naive_kind(P, kind, T, lay.grid, tokens, text_at_end=lay.text_position == "end", **SIZES)[0]
+    text_at_end = lay.text_position == "end"
+    want = naive_kind(P, kind, T, lay.grid, tokens, text_at_end=text_at_end, v=v, **SIZES)[0]
     full = torch.zeros(shape, dtype=want.dtype)
     full[tuple(slice(0, n) for n in want.shape)] = want
     return full
+
+
+def _ranked_error(result, items, kind, lay):
+    """``kind_error`` of ``top_p`` or ``frame_max`` over the rows each item forms (``P`` ``(1, H, S_b, S_b)``);
+    the rows it never forms must hold 0."""
+    err = 0.0
+    for b, P in enumerate(items):
+        n, T = P.shape[-1], lay.text_len - (lay.seq_len - P.shape[-1])
+        got = type(result)(*(x[b : b + 1, :, :n] for x in result)) if kind == "frame_max" else result[b : b + 1, :, :n]
+        err = max(err, kind_error(got, P, kind, T, lay.grid, text_at_end=lay.text_position == "end", **SIZES))
+        rest = (result.values if kind == "frame_max" else result)[b, :, n:]
+        err = max(err, rest.abs().max().item() if rest.numel() else 0.0)
+    return err
 
 
 def _padded(P, S):
@@ -466,7 +488,8 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, fa
     video, ref = stock_reference(pipe, family, True, monkeypatch)
     kinds = _kinds(family)
     options = dict(kinds=kinds, batch="all", heads="all", queries=QUERIES, method=method, layer_output=output)
-    with cogattn.record(pipe, **options, **SIZES) as rec:
+    sizes = {n: x for n, x in SIZES.items() if n != "patterns" or "pattern_recall" in kinds}  # none where refused
+    with cogattn.record(pipe, **options, **sizes) as rec:
         got = generate(pipe, family, True).frames
     assert torch.equal(got, video), "capture changed the video"
     assert all(c.passed for c in rec.checks) and (method == "rows" or CASES[family].query_mask or rec.checks), (
@@ -474,18 +497,23 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, fa
     )
     lay = rec.layout
     tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in QUERIES]
-    assert len(rec.timesteps) == len({key[0] for key in ref if key[0] != "mask"})  # every step recorded
+    assert len(rec.timesteps) == len({key[0] for key in ref if key[0] not in ("mask", "value")})  # every step recorded
     for step in range(len(rec.timesteps)):
         for layer in range(len(rec.layer_names)):
-            items = ref[(step, layer, "self")]
+            items, values = ref[(step, layer, "self")], ref[("value", step, layer, "self")]
             for kind in kinds:
                 result = rec.get(kind, step, layer)
                 source = spec.source(kind)
                 if kind == "topk":
                     assert_topk(result, torch.cat([_padded(P, lay.seq_len) for P in items]), 1e-5)
                     continue
+                if kind in ("top_p", "frame_max"):  # counts within p ± 1e-6; each group's largest key
+                    assert _ranked_error(result, items, kind, lay) <= 1e-5, (family, kind, step, layer)
+                    continue
                 if source == "self":
-                    want = torch.stack([_item_kind(P, kind, lay, tokens, result.shape[1:]) for P in items])
+                    want = torch.stack(
+                        [_item_kind(P, kind, lay, tokens, result.shape[1:], v) for P, v in zip(items, values)]
+                    )
                 else:
                     contexts = ref[(step, layer, "context")]
                     want = naive_context(contexts[-1] if source == "text" else contexts[0], lay.grid)

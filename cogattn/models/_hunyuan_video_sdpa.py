@@ -95,7 +95,8 @@ class HunyuanVideoAttnMapProcessorSDPA:
 
         layer = self.sink.layer_to_capture(attn)
         if layer is not None:  # (B, H, S, D), as the recording takes them; padded text keys are masked
-            self.sink.capture(layer, query, key, None, None, key_counts(attention_mask, query.shape[2]))
+            counts = key_counts(attention_mask, query.shape[2])
+            self.sink.capture(layer, query, key, None, None, counts, value=value if self.sink.wants_value else None)
 
         # 5. Attention
         hidden_states = F.scaled_dot_product_attention(

@@ -110,7 +110,7 @@ class CogVideoXAttnMapProcessor:
         else:
             hidden_states, lse, sums = fused
         if layer is not None:
-            self.sink.capture(layer, query, key, lse, sums)
+            self.sink.capture(layer, query, key, lse, sums, value=value if self.sink.wants_value else None)
 
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
 

@@ -161,7 +161,7 @@ class EasyAnimateAttnMapProcessor:
         else:
             hidden_states, lse, sums = fused
         if layer is not None:
-            self.sink.capture(layer, query, key, lse, sums)
+            self.sink.capture(layer, query, key, lse, sums, value=value if self.sink.wants_value else None)
         hidden_states = hidden_states.transpose(1, 2).flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
 

@@ -203,7 +203,8 @@ class HunyuanVideoAttnMapProcessor:
         layer = self.sink.layer_to_capture(attn)
         if layer is not None:  # (B, H, S, D), as the recording takes them; padded text keys are masked
             counts = key_counts(attention_mask, query.shape[1])
-            self.sink.capture(layer, query.transpose(1, 2), key.transpose(1, 2), None, None, counts)
+            v = value.transpose(1, 2) if self.sink.wants_value else None
+            self.sink.capture(layer, query.transpose(1, 2), key.transpose(1, 2), None, None, counts, value=v)
 
         # 5. Attention
         hidden_states = dispatch_attention_fn(

@@ -105,7 +105,9 @@ class _WholeSequence:
     def layer_to_capture(self, attn) -> int | None:
         return self.sink.layer_to_capture(attn)
 
-    def capture(self, layer, query, key, lse=None, sums=None, key_counts=None, query_counts=None) -> None:
+    wants_value = False  # the kinds that need values are refused for FramePack
+
+    def capture(self, layer, query, key, lse=None, sums=None, key_counts=None, query_counts=None, value=None) -> None:
         S, full = query.shape[2], self.sink.layout.seq_len
         if S < full:
             query, key = F.pad(query, (0, 0, 0, full - S)), F.pad(key, (0, 0, 0, full - S))
@@ -384,8 +386,17 @@ SPEC = FramepackSpec(
         "points address the window's grid) or full give a video token's attention to them.",
         "text_to_video": f"{_OFF_GRID}; query or full give a text token's whole row.",
         "tile": f"{_OFF_GRID}, so its tokens do not split into 3-D tiles; block pools runs of tokens of every token.",
+        "frame_max": f"{_OFF_GRID}, so its keys do not split into frame groups; topk gives each row's largest keys "
+        "over every token.",
+        "offset": f"{_OFF_GRID}, so they have no offset from a grid token; query or full give a video token's "
+        "whole row.",
         "video_to_image": "FramePack has no image cross-attention: its SigLIP image tokens are keys of the joint "
         "attention, the first tokens of the layout's text (query or full give them).",
+        **dict.fromkeys(
+            ("pattern_recall", "pattern_error"),
+            f"{_OFF_GRID}: a pattern over (frame, row, col) has no position for them; block with "
+            "masks.mask_recall measures a block mask over every token.",
+        ),
     },
     guidance_calls=2,
     guidance=hunyuan_video.true_cfg,

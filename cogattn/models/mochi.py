@@ -116,8 +116,9 @@ class MochiAttnMapProcessor:
         if layer is not None:  # the whole sequence; each item keeps its video and its valid text
             counts = torch.tensor([sequence_length + n for n in _valid_text(attention_mask)])
             q, k = torch.cat([query, encoder_query], dim=2), torch.cat([key, encoder_key], dim=2)
-            self.sink.capture(layer, q, k, None, None, counts, counts)
-            del q, k
+            v = torch.cat([value, encoder_value], dim=2) if self.sink.wants_value else None
+            self.sink.capture(layer, q, k, None, None, counts, counts, value=v)
+            del q, k, v
 
         batch_size, heads, _, dim = query.shape
         attn_outputs = []

@@ -189,7 +189,8 @@ class WanAttnMapProcessor:
         if layer is not None and cross:
             self.sink.capture_context(layer, q, key.transpose(1, 2), "text")
         elif layer is not None:
-            self.sink.capture(layer, q, key.transpose(1, 2), lse, sums, mask=mask)
+            v = value.transpose(1, 2) if self.sink.wants_value else None
+            self.sink.capture(layer, q, key.transpose(1, 2), lse, sums, mask=mask, value=v)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.type_as(query)
 

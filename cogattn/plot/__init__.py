@@ -28,12 +28,14 @@ Modules: :mod:`~cogattn.plot.style` (colour scales, colour bars, titles, ticks),
 and query maps on the video), :mod:`~cogattn.plot.video` (video arrays, upsampling to pixels, GIF and
 MP4 files), :mod:`~cogattn.plot.animation` (animations and notebook sliders), :mod:`~cogattn.plot.heads`
 (head atlas and decay curves from the head table), :mod:`~cogattn.plot.stats` (per-token entropy and
-received attention on the video, block maps with a mask's outline and recall).
+received attention on the video, block maps with a mask's outline and recall), :mod:`~cogattn.plot.decay`
+(the ``offset`` map per latent-frame offset, and the decay with temporal and spatial distance with its fit).
 """
 
 from __future__ import annotations
 
 from .animation import animate, explore
+from .decay import distance_decay, offset_map
 from .frames import frame_heatmap, layer_step_grid
 from .heads import LABEL_COLORS, decay_curves, head_atlas
 from .overlays import query_map, word_heatmap
@@ -45,11 +47,13 @@ __all__ = [
     "animate",
     "block_map",
     "decay_curves",
+    "distance_decay",
     "explore",
     "frame_heatmap",
     "head_atlas",
     "layer_step_grid",
     "mask_outline",
+    "offset_map",
     "query_map",
     "token_stat",
     "upsample_to_video",

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 from ..layout import KeyGroups
 from .base import Reducer
+from .offsets import OffsetReducer
+from .patterns import PatternErrorReducer, PatternRecallReducer
 from .pooled import BlockReducer, FrameReducer, QueryFrameReducer, TileReducer, VideoToTextReducer
+from .ranked import FrameMax, FrameMaxReducer, TopPReducer
 from .rows import FullReducer, QueryReducer, TextToVideoReducer, TopK, TopKReducer
 from .stats import EntropyReducer, ReceivedReducer
 
@@ -41,6 +44,12 @@ __all__ = [
     "ReceivedReducer",
     "TopK",
     "TopKReducer",
+    "OffsetReducer",
+    "PatternRecallReducer",
+    "PatternErrorReducer",
+    "TopPReducer",
+    "FrameMax",
+    "FrameMaxReducer",
     "REDUCERS",
 ]
 
@@ -59,5 +68,10 @@ REDUCERS: dict[str, type[Reducer]] = {
         BlockReducer,
         TileReducer,
         TopKReducer,
+        TopPReducer,
+        FrameMaxReducer,
+        OffsetReducer,
+        PatternRecallReducer,
+        PatternErrorReducer,
     )
 }

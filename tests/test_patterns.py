@@ -1,0 +1,198 @@
+"""Token patterns and the kinds that measure them: masks against plain definitions over positions, and
+``pattern_recall`` and ``pattern_error`` against the naive float64 reference (P from q and k, O and O_pattern
+from P and v)."""
+
+import itertools
+
+import pytest
+import torch
+from tiny_calls import generate
+
+import cogattn
+from cogattn import patterns
+from cogattn.engine import capture
+from cogattn.layout import TokenLayout
+from cogattn.masks import mask_recall
+from cogattn.models import FAMILIES
+from cogattn.models.cogvideox import tiny_pipeline
+from cogattn.planner import plan_tiles
+from cogattn.reducers import REDUCERS
+from cogattn.reference import naive_kind, naive_pattern, naive_probs
+
+LAYOUTS = [
+    TokenLayout(text_len=5, frames=5, height=3, width=4),  # text first; 5 frames: radial's bands 0..2
+    TokenLayout(text_len=0, frames=3, height=2, width=3),  # video alone (Wan)
+    TokenLayout(text_len=4, frames=2, height=3, width=3, text_position="end"),  # text last (HunyuanVideo)
+]
+TILE = (2, 2, 3)  # tiles that divide no grid: edge tiles smaller
+NAMES = ("spatial", "temporal", "window:1", "sta:1,3,1", "sta:3,1,3", "radial")
+
+
+def after_frame(qf, qy, qx, kf, ky, kx):
+    """A user's pattern: keys in the query's frame or later."""
+    return kf >= qf
+
+
+def _token_mask(layout, spec):
+    """``(S, S)`` from the reference's per-pair definition, text rows and columns kept."""
+    keep = torch.ones(layout.seq_len, layout.seq_len, dtype=torch.bool)
+    video = layout.video_tokens
+    keep[video, video] = naive_pattern(spec, layout.grid, TILE)
+    return keep
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"T{lay.text_len}-{lay.text_position}")
+@pytest.mark.parametrize("spec", [*NAMES, after_frame], ids=str)
+def test_row_masks_equal_the_definition_over_positions(layout, spec):
+    pattern, want = patterns.parse(spec, TILE), _token_mask(layout, spec)
+    S = layout.seq_len
+    for r0 in range(0, S, 7):  # row tiles that cut frames and the text
+        rows = slice(r0, min(S, r0 + 7))
+        assert torch.equal(pattern.row_mask(layout, rows), want[rows]), (spec, r0)
+    picked = torch.tensor([S - 1, 0, layout.video_start + 2])
+    assert torch.equal(pattern.row_mask(layout, picked), want[picked])
+
+
+def test_sta_and_radial_keep_what_their_definitions_say_on_hand_examples():
+    # STA along one axis of 7 tiles of 1, window 3: the window moves inside the grid at the edges.
+    line = TokenLayout(text_len=0, frames=1, height=1, width=7)
+    keep = patterns.sta((1, 1, 3), (1, 1, 1)).row_mask(line, slice(0, 7))
+    kept = {i: keep[i].nonzero().flatten().tolist() for i in (0, 3, 6)}
+    assert kept == {0: [0, 1, 2], 3: [2, 3, 4], 6: [4, 5, 6]}
+    # Radial with s = 4 tokens per frame: d ≤ 1 every pair; d = 2, 3: |k − l| ≤ 1; d = 4..7: k = l; d = 8: k = l
+    # (every 2nd frame of that band: 8 % 2 = 0); d = 9: nothing.
+    frames = TokenLayout(text_len=0, frames=10, height=2, width=2)
+    keep = patterns.radial().row_mask(frames, slice(0, 4))  # the queries of frame 0
+    per_frame = keep.view(4, 10, 4)  # (query position k, key frame, key position j)
+    k, j = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    assert per_frame[:, 1].all() and per_frame[:, 0].all()
+    assert torch.equal(per_frame[:, 2], (k - j).abs() <= 1) and torch.equal(per_frame[:, 3], (k - j).abs() <= 1)
+    for d in (4, 7, 8):
+        assert torch.equal(per_frame[:, d], k == j), d
+    assert not per_frame[:, 9].any()
+
+
+@pytest.mark.parametrize("spec", ["spatial", "sta:1,3,1", "radial", after_frame], ids=str)
+def test_block_and_tile_masks_keep_a_group_pair_where_any_token_pair_is_kept(spec):
+    layout, pattern = LAYOUTS[0], patterns.parse(spec, TILE)
+    tokens = _token_mask(layout, spec)
+    S = layout.seq_len
+    for groups, mask in (
+        (torch.arange(S) // 8, pattern.block_mask(layout, 8)),
+        (layout.tile_of_token(TILE), pattern.tile_mask(layout, TILE)),
+    ):
+        N = int(groups.max()) + 1
+        want = torch.zeros(N, N, dtype=torch.bool)
+        for i, j in itertools.product(range(S), range(S)):
+            want[groups[i], groups[j]] |= bool(tokens[i, j])
+        assert torch.equal(mask, want)
+
+
+def _capture(q, k, v, layout, kinds, mean, budget, pats, heads=None):
+    H, S, D = q.shape
+    n = H if heads is None else len(heads)
+    sizes = dict(tile_shape=TILE, patterns=pats)
+    reducers = [REDUCERS[kd](layout, n, mean, None, **sizes) for kd in kinds]
+    plan = plan_tiles(reducers, S, n, D, budget, "rows", q.device)
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    capture(q, k, reducers, outs, plan, heads=heads, value=v)
+    return outs, plan
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"T{lay.text_len}-{lay.text_position}")
+@pytest.mark.parametrize("mean", [False, True])
+@pytest.mark.parametrize("budget", [30_000, 2**30])
+def test_recall_and_error_equal_the_naive_reference(layout, mean, budget):
+    torch.manual_seed(0)
+    H, S, D = 3, layout.seq_len, 16
+    q, k, v = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2, torch.randn(H, S, D)
+    pats = (*NAMES, after_frame)
+    heads = torch.tensor([2, 0])  # a head selection in another order
+    outs, plan = _capture(q, k, v, layout, ("pattern_recall", "pattern_error"), mean, budget, pats, heads)
+    if budget < 2**20 and S > 60:
+        assert plan.row_rows < S  # several row tiles, which cut frames
+    P = naive_probs(q[None], k[None])[:, heads]
+    text_at_end = layout.text_position == "end"
+    for kind, got in zip(("pattern_recall", "pattern_error"), outs):
+        ref = naive_kind(
+            P,
+            kind,
+            layout.text_len,
+            layout.grid,
+            text_at_end=text_at_end,
+            tile_shape=TILE,
+            patterns=pats,
+            v=v[None, heads],
+        )[0]
+        ref = ref.mean(0, keepdim=True) if mean else ref
+        assert got.shape == ref.shape == (1 if mean else 2, len(pats))
+        assert (got.double() - ref).abs().max() <= 1e-5, kind
+        assert (ref - float(kind == "pattern_recall")).abs().max() > 1e-2  # the patterns drop real mass: a real check
+
+
+def test_a_pattern_that_keeps_everything_has_recall_one_and_no_error():
+    layout = LAYOUTS[0]
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, layout.seq_len, 8) for _ in range(3))
+    keep_all = patterns.Pattern("all", lambda *pos: torch.tensor(True))
+    (recall, error), _ = _capture(q, k, v, layout, ("pattern_recall", "pattern_error"), False, 2**30, (keep_all,))
+    assert torch.allclose(recall, torch.ones(2, 1), atol=1e-6) and error.abs().max() < 1e-10
+
+
+def test_bad_patterns_are_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown pattern 'diagonal'; the patterns are \['spatial', 'temporal'"):
+        cogattn.CaptureOptions(kinds=("pattern_recall",), patterns=("spatial", "diagonal"))
+    with pytest.raises(ValueError, match="unknown pattern 'window:x'"):
+        cogattn.CaptureOptions(kinds=("pattern_error",), patterns="window:x")
+    with pytest.raises(ValueError, match=r"kind 'pattern_error' needs patterns=\(...\): names from \['spatial'"):
+        REDUCERS["pattern_error"](LAYOUTS[0], 2, False)  # what the plan builds at the first call, before any block
+    with pytest.raises(ValueError, match="patterns were given but neither"):
+        cogattn.CaptureOptions(kinds=("frame",), patterns=("spatial",))
+    with pytest.raises(ValueError, match="use odd tile counts"):
+        cogattn.CaptureOptions(kinds=("pattern_recall",), patterns=("sta:2,3,3",))
+    options = cogattn.CaptureOptions(kinds=("pattern_recall",), patterns=("spatial", after_frame))
+    assert options.selection_meta()["patterns"] == ["spatial", "after_frame"]  # run.json names them
+
+
+def test_no_patterns_is_refused_at_the_first_call_before_any_block_runs_and_nothing_is_written(tmp_path):
+    pipe = tiny_pipeline()
+    ran = []
+    pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *a: ran.append(1))
+    with pytest.raises(ValueError, match="kind 'pattern_error' needs patterns"):
+        with cogattn.record(pipe, kinds=("pattern_error",), save_dir=tmp_path / "run"):
+            generate(pipe, steps=1)
+    assert not ran and not list((tmp_path / "run").glob("records/*/*"))
+
+
+def test_a_grid_with_history_tokens_refuses_patterns_before_any_block_runs():
+    framepack = next((spec for spec in FAMILIES if spec.family == "hunyuan_video_framepack"), None)
+    if framepack is not None:
+        assert "pattern_recall" not in framepack.kinds() and "pattern_error" in framepack.refused
+    history = TokenLayout(text_len=3, frames=2, height=2, width=2, history_len=4)
+    with pytest.raises(ValueError, match="off the latent grid"):
+        REDUCERS["pattern_recall"](history, 2, False, patterns=("spatial",))
+
+
+def test_mask_recall_of_a_pattern_on_block_and_tile_maps_is_the_token_mass_of_its_group_mask():
+    pipe = tiny_pipeline()
+    options = dict(kinds=("block", "tile", "full", "pattern_recall"), heads="all", batch="cond", block_size=6)
+    with cogattn.record(pipe, **options, tile_shape=(1, 2, 3), patterns=("spatial", "sta:1,3,1")) as rec:
+        generate(pipe, steps=1)
+    layout, S = rec.layout, rec.layout.seq_len
+    full = rec.get("full", 0, 1).double()  # (1, H, S, S)
+    for spec, column in (("spatial", 0), ("sta:1,3,1", 1)):
+        pattern = patterns.parse(spec, (1, 2, 3))
+        for kind, groups, mask in (
+            ("block", torch.arange(S) // 6, pattern.block_mask(layout, 6)),
+            ("tile", layout.tile_of_token((1, 2, 3)), pattern.tile_mask(layout, (1, 2, 3))),
+        ):
+            tokens = mask[groups[:, None], groups[None, :]]  # the group mask's token pairs
+            want = (full * tokens).sum((-1, -2)) / S  # (1, H)
+            got = mask_recall(rec, spec, layers=1, kind=kind)
+            assert torch.allclose(torch.tensor(got.recall.values), want[0], atol=1e-6), (spec, kind)
+        # the token pattern keeps no more than its group mask: pattern_recall (over video queries) is exact
+        exact = rec.get("pattern_recall", 0, 1)[0, :, column].double()
+        video = layout.video_tokens
+        token_keep = torch.ones(S, S, dtype=torch.bool)
+        token_keep[video, video] = naive_pattern(spec, layout.grid, (1, 2, 3))
+        assert torch.allclose(exact, (full[0][:, video] * token_keep[video]).sum((-1, -2)) / layout.video_len)

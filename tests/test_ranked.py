@@ -1,0 +1,101 @@
+"""``top_p`` and ``frame_max``: the histogram count against a full float64 sort, a tiny generation against its
+own ``full`` map, the record on disk, and what is refused."""
+
+import pytest
+import torch
+from tiny_calls import generate
+
+import cogattn
+from cogattn.analysis import aggregate
+from cogattn.layout import TokenLayout
+from cogattn.models import FAMILIES
+from cogattn.models.cogvideox import tiny_pipeline
+from cogattn.reducers import REDUCERS, FrameMax
+from cogattn.reducers.ranked import top_p_counts
+from cogattn.reference import naive_kind
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PS = (0.05, 0.5, 0.9, 0.99, 1.0)
+
+
+def _sorted_counts(x, ps, margin=0.0):
+    """Fewest entries reaching each p by a full descending sort and a float64 cumulative sum."""
+    mass = x.double().sort(-1, descending=True).values.cumsum(-1)
+    nonzero = (x > 0).sum(-1)
+    return torch.stack([torch.minimum((mass < p + margin).sum(-1) + 1, nonzero) for p in ps], -1).float()
+
+
+def _hard_rows(S):
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randn(S, generator=g) * s).softmax(-1) for s in (0.3, 1.5, 4.0, 12.0, 40.0)]
+    tied = torch.full((S,), 1.0 / S)  # every entry equal: counts from ties alone
+    lone = torch.zeros(S)
+    lone[3] = 1.0
+    tiny = torch.full((S,), 1e-12)  # most entries below the histogram's lowest octave
+    tiny[:2] = (1 - (S - 2) * 1e-12) / 2
+    masked = (torch.randn(S, generator=g) * 2).softmax(-1)
+    masked[S // 3 :] = 0
+    masked /= masked.sum()
+    return torch.stack([*rows, tied, lone, torch.zeros(S), tiny, masked])
+
+
+@pytest.mark.parametrize("S", [53, 700, 5000, 17776])
+def test_top_p_counts_equal_a_full_sort(S):
+    x = _hard_rows(S)
+    got = top_p_counts(x, PS)
+    lo, hi = _sorted_counts(x, PS, -1e-9), _sorted_counts(x, PS, 1e-9)
+    decided = lo == hi  # p not within 1e-9 of a cumulative sum: one exact answer
+    assert torch.equal(got[decided], lo[decided])
+    assert bool(((got >= lo) & (got <= hi)).all())
+    assert decided.float().mean() > 0.8
+    assert got[6, 1] == 1 and got[7].tolist() == [0.0] * len(PS)  # one key; no key
+    assert got[5, 1] == pytest.approx(round(S / 2), abs=1)  # equal entries: half of them for half the mass
+
+
+def test_tiny_generation_matches_its_own_full_map(tmp_path):
+    """frame_max and top_p of each recorded map, read back from disk, against the same run's ``full`` rows
+    (the same float32 probabilities): argmax of each frame group and a float64 sort of each row."""
+    pipe = tiny_pipeline()
+    ps = (0.5, 0.9, 0.99)
+    with cogattn.record(
+        pipe, kinds=("full", "top_p", "frame_max"), heads="all", top_p=ps, save_dir=tmp_path, steps=[1], layers=[0, 1]
+    ):
+        generate(pipe, steps=2)
+    run = cogattn.load(tmp_path)
+    lay = run.layout
+    assert run.meta["selection"]["top_p"] == list(ps)
+    for layer in (0, 1):
+        P = run.get("full", 1, layer)
+        counts = run.get("top_p", 1, layer)
+        lo, hi = _sorted_counts(P, ps, -1e-9), _sorted_counts(P, ps, 1e-9)
+        assert torch.equal(counts[lo == hi], lo[lo == hi]) and bool(((counts >= lo) & (counts <= hi)).all())
+        got = run.get("frame_max", 1, layer)
+        assert isinstance(got, FrameMax) and got.indices.dtype == torch.long
+        assert got.values.shape == (1, P.shape[1], lay.seq_len, lay.num_groups)
+        want = naive_kind(P.double(), "frame_max", lay.text_len, lay.grid)
+        assert torch.equal(got.values, want[..., 0].float()) and torch.equal(got.indices, want[..., 1].long())
+        part = run.get("frame_max", 1, layer, index=(0, 1, 5))  # one row, read alone
+        assert torch.equal(part.values, got.values[0, 1, 5]) and torch.equal(part.indices, got.indices[0, 1, 5])
+    with pytest.raises(ValueError, match="frame_max records are values and key indices"):
+        aggregate(run, "frame_max")
+    mean = aggregate(run, "top_p", steps=[1], layers=[0])  # a mean count of keys
+    assert torch.allclose(mean, run.get("top_p", 1, 0)[0].mean(0))
+
+
+@pytest.mark.parametrize("bad", [(), 0, (0.5, 0.0), 1.5, (0.9, -1), ("0.9",), True, (0.5, float("nan"))])
+def test_top_p_outside_0_1_is_refused_in_one_line(bad):
+    with pytest.raises(ValueError, match=r"^top_p=.*\(0, 1\]") as err:
+        cogattn.CaptureOptions(kinds=("top_p",), top_p=bad)
+    assert "\n" not in str(err.value)
+
+
+def test_frame_max_is_refused_off_the_grid_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="history latents"):
+        REDUCERS["frame_max"](TokenLayout(4, 2, 2, 3, history_len=5), 2, False)
+    spec = next((s for s in FAMILIES if s.family == "hunyuan_video_framepack"), None)
+    if spec is None:
+        pytest.skip("this diffusers lacks FramePack")
+    pipe = spec.tiny_pipeline(num_heads=3)
+    with pytest.raises(ValueError, match="kind 'frame_max' does not exist for hunyuan_video_framepack") as err:
+        cogattn.Recording(pipe, kinds=("frame_max",), save_dir=tmp_path / "run")
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()

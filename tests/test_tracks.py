@@ -1,0 +1,73 @@
+"""``cogattn.tracks`` against the argmax of each frame of the ``full`` map of the same tiny generation."""
+
+import pytest
+import torch
+from tiny_calls import generate
+
+import cogattn
+from cogattn.models.cogvideox import tiny_pipeline
+from cogattn.tracks import frame_matches, motion_field, track
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    pipe = tiny_pipeline()
+    out = {}
+    for heads in ("all", "mean"):
+        folder = tmp_path_factory.mktemp(heads)
+        with cogattn.record(pipe, kinds=("full", "frame_max"), heads=heads, steps=[1], layers=[1], save_dir=folder):
+            generate(pipe, steps=2)
+        out[heads] = cogattn.load(folder)
+    return out
+
+
+def _frame_rows(run, head, query):
+    """The query's ``full`` row over each latent frame, ``(F, Hp·Wp)`` (head ``None``: the head-mean row)."""
+    P = run.get("full", 1, 1)[0]
+    row = (P.mean(0) if head is None else P[head])[query]
+    lay = run.layout
+    return row[lay.grid_tokens].view(lay.frames, lay.frame_tokens)
+
+
+@pytest.mark.parametrize("heads, head", [("all", 0), ("all", 1), ("mean", "mean")])
+def test_track_is_the_argmax_of_each_frame_of_the_full_row(runs, heads, head):
+    run = runs[heads]
+    lay = run.layout
+    for point in [(0, 0, 0), (1, 2, 3), (lay.frames - 1, lay.height - 1, lay.width - 1)]:
+        t = track(run, point, step=1, layer=1, head=head)
+        rows = _frame_rows(run, None if head == "mean" else head, lay.token_index(*point))
+        best = rows.max(-1).values
+        assert t.positions.shape == (lay.frames, 2) and t.confidence.shape == (lay.frames,)
+        at = rows.gather(1, (t.positions[:, 0] * lay.width + t.positions[:, 1])[:, None])[:, 0]
+        assert torch.equal(at, best)  # the matched key holds the frame's largest probability (either of a tie)
+        assert torch.allclose(t.confidence, best, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("frames", [(0, 1), (2, 0), (1, 1)])
+def test_motion_field_is_each_patch_s_argmax_in_the_other_frame(runs, frames):
+    run = runs["all"]
+    lay = run.layout
+    a, b = frames
+    flow = motion_field(run, a, b, step=1, layer=1, head=1)
+    assert flow.shape == (lay.height, lay.width, 2) and flow.dtype == torch.long
+    for y in range(lay.height):
+        for x in range(lay.width):
+            row = _frame_rows(run, 1, lay.token_index(a, y, x))[b]
+            dy, dx = flow[y, x].tolist()
+            assert row[(y + dy) * lay.width + (x + dx)] == row.max()
+
+
+def test_matches_of_one_map_and_what_is_refused(runs):
+    lay = runs["all"].layout
+    m = frame_matches(runs["all"], 1, 1, head=1)
+    assert m.values.shape == m.indices.shape == (lay.seq_len, lay.num_groups)
+    with pytest.raises(ValueError, match="recorded per head"):
+        track(runs["all"], (0, 0, 0), 1, 1)  # the head mean's argmax is not made of the heads'
+    with pytest.raises(cogattn.NotRecordedError, match="heads='mean'"):
+        track(runs["mean"], (0, 0, 0), 1, 1, head=0)
+    with pytest.raises(ValueError, match="outside the latent grid"):
+        track(runs["mean"], (0, lay.height, 0), 1, 1)
+    with pytest.raises(ValueError, match="frame_b=99"):
+        motion_field(runs["mean"], 0, 99, 1, 1)
