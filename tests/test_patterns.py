@@ -42,7 +42,7 @@ def _token_mask(layout, spec):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"T{lay.text_len}-{lay.text_position}")
-@pytest.mark.parametrize("spec", [*NAMES, after_frame], ids=str)
+@pytest.mark.parametrize("spec", [*NAMES, after_frame], ids=lambda spec: getattr(spec, "__name__", spec))
 def test_row_masks_equal_the_definition_over_positions(layout, spec):
     pattern, want = patterns.parse(spec, TILE), _token_mask(layout, spec)
     S = layout.seq_len
@@ -72,7 +72,9 @@ def test_sta_and_radial_keep_what_their_definitions_say_on_hand_examples():
     assert not per_frame[:, 9].any()
 
 
-@pytest.mark.parametrize("spec", ["spatial", "sta:1,3,1", "radial", after_frame], ids=str)
+@pytest.mark.parametrize(
+    "spec", ["spatial", "sta:1,3,1", "radial", after_frame], ids=lambda spec: getattr(spec, "__name__", spec)
+)
 def test_block_and_tile_masks_keep_a_group_pair_where_any_token_pair_is_kept(spec):
     layout, pattern = LAYOUTS[0], patterns.parse(spec, TILE)
     tokens = _token_mask(layout, spec)
