@@ -23,7 +23,7 @@ import torch
 from .items import item_role
 from .layout import TokenLayout
 from .memory import parse_bytes
-from .patterns import check_option, resolve
+from .patterns import DEFAULT_PATTERNS, check_option, resolve
 from .reducers import REDUCERS
 from .reducers.ranked import check_top_p
 
@@ -69,7 +69,7 @@ class CaptureOptions:
             model's order from token 0; the last may be shorter).
         tile_shape (`tuple[int, int, int]`, defaults to ``(4, 4, 4)``): latent frames × patch rows × patch
             columns of each 3-D tile of the ``tile`` kind (the grid's edge tiles are smaller).
-        patterns (`str | Sequence`, defaults to ``()``): for ``pattern_recall`` and ``pattern_error``: token
+        patterns (`str | Sequence`, defaults to ``()``: spatial and temporal): for ``pattern_recall`` and ``pattern_error``: token
             patterns (:mod:`cogattn.patterns`): ``"spatial"``, ``"temporal"``, ``"window:w"``, ``"sta:t,h,w"``
             (a window of tiles of ``tile_shape``), ``"radial"``, `Pattern` objects, or callables over positions.
         topk (`int`, defaults to 32): how many of each row's largest probabilities ``topk`` keeps (at
@@ -251,8 +251,10 @@ class CaptureOptions:
             "method",
         )
         meta = {k: _jsonable(getattr(self, k)) for k in keep}
-        if self.patterns:  # by name: a callable's is its __name__
-            meta["patterns"] = [p if isinstance(p, str) else resolve([p])[0].name for p in self.patterns]
+        if {"pattern_recall", "pattern_error"} & set(self.kinds):  # by name: a callable's is its __name__
+            meta["patterns"] = [
+                p if isinstance(p, str) else resolve([p])[0].name for p in self.patterns or DEFAULT_PATTERNS
+            ]
         return meta
 
     # -- against the call ---------------------------------------------------------------------------

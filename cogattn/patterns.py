@@ -33,9 +33,22 @@ import torch
 
 from .layout import TokenLayout
 
-__all__ = ["NAMES", "Pattern", "check_option", "parse", "radial", "resolve", "spatial", "sta", "temporal", "window"]
+__all__ = [
+    "DEFAULT_PATTERNS",
+    "NAMES",
+    "Pattern",
+    "check_option",
+    "parse",
+    "radial",
+    "resolve",
+    "spatial",
+    "sta",
+    "temporal",
+    "window",
+]
 
 NAMES = ("spatial", "temporal", "window:w", "sta:t,h,w", "radial")  # the forms a pattern name takes
+DEFAULT_PATTERNS = ("spatial", "temporal")  # Sparse VideoGen's two: what pattern_recall/error take by default
 
 
 class Pattern:

@@ -139,11 +139,12 @@ def naive_kind(
                     )
     if kind in ("frame", "block", "tile"):
         groups = [g if isinstance(g, list) else list(range(*g)) for g in groups]
-        G = len(groups)
+        G, (rows_held, keys_held) = len(groups), P.shape[-2:]  # a P of fewer rows or keys: those it holds
         out = torch.empty(B, H, G, G, dtype=P.dtype)
         for g, rows in enumerate(groups):
             for n, cols in enumerate(groups):
-                out[:, :, g, n] = P[:, :, rows][..., cols].sum(-1).mean(-1)
+                rows_g, cols_n = [i for i in rows if i < rows_held], [j for j in cols if j < keys_held]
+                out[:, :, g, n] = P[:, :, rows_g][..., cols_n].sum(-1).mean(-1)
         return out
     raise ValueError(kind)
 

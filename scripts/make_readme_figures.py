@@ -38,7 +38,7 @@ def generate(model: str, prompt: str, seed: int):
         # Every statistics kind (all small here). S = 53 tokens: the default block_size of 128 would make
         # one block; 8 makes 7, the 8 text tokens exactly block 0 and each 15-token latent frame 2 to 3
         # blocks, so the block map and a same-frame mask have some structure to show.
-        stats, block_size = ("entropy", "received", "query_frame", "block", "topk"), 8
+        stats, block_size = ("entropy", "received", "query_frame", "block", "topk", "offset"), 8
     else:
         from diffusers import CogVideoXPipeline
 
@@ -53,7 +53,7 @@ def generate(model: str, prompt: str, seed: int):
         # The statistics the figures draw, S or ⌈S / 128⌉² floats per head: a few MB a record at most (the
         # head atlas then shows these 3 layers × 4 heads). Not topk or query_frame (S × k and S × G floats
         # per head), which no figure here needs.
-        stats, block_size = ("entropy", "received", "block"), 128
+        stats, block_size = ("entropy", "received", "block", "offset"), 128
     config = pipe.transformer.config
     layout = cogattn.TokenLayout.for_video(
         call["num_frames"],
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         "decay_curves.png": plot.decay_curves(rec),
         "token_stat.png": plot.token_stat(rec, "received", video, tokenizer=pipe.tokenizer),
         "block_map.png": plot.block_map(rec, same_frame_mask(rec.layout, rec.block_size)),
+        "offset_map.png": plot.offset_map(rec),
+        "distance_decay.png": plot.distance_decay(rec, by="layer"),
     }
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=args.dpi, metadata=PNG_META)

@@ -8,11 +8,14 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from cogattn.models.cogvideox import SPEC as COGVIDEOX
-from cogattn.reference import naive_kind, naive_probs, select
+from cogattn.patterns import DEFAULT_PATTERNS
+from cogattn.reference import kind_error, naive_kind, naive_probs, select
 
 __all__ = ["KINDS", "AttentionSpy", "QKSpy", "assert_matches_naive", "naive_kind", "naive_probs", "select", "spy_probs"]
 
-KINDS = COGVIDEOX.kinds()  # every kind CogVideoX makes
+# every kind CogVideoX makes but pattern_error, whose reference needs V, which QKSpy does not keep
+# (tests/test_families.py and tests/test_patterns.py hold it to the reference with V)
+KINDS = tuple(k for k in COGVIDEOX.kinds() if k != "pattern_error")
 
 
 class QKSpy:
@@ -53,7 +56,8 @@ def assert_matches_naive(rec, spy: QKSpy, batch, heads, kinds=KINDS, queries=Non
     lay = rec.layout
     assert spy.calls and all(spy.calls), "the spy saw no attention call: nothing would be compared"
     tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in queries] if queries else None
-    sizes = dict(block_size=rec.block_size, topk=rec.topk)
+    patterns = rec.options.patterns or DEFAULT_PATTERNS
+    sizes = dict(block_size=rec.block_size, topk=rec.topk, tile_shape=rec.tile_shape, patterns=patterns)
     for layer, calls in enumerate(spy.calls):
         for step, (q, k) in enumerate(calls):
             P = naive_probs(q.cpu().float(), k.cpu().float())
@@ -61,6 +65,12 @@ def assert_matches_naive(rec, spy: QKSpy, batch, heads, kinds=KINDS, queries=Non
                 got = rec.get(kind, step, layer)
                 if kind == "topk":
                     assert_topk(got, select(P, batch, heads), tol)
+                    continue
+                if kind in ("top_p", "frame_max"):  # counts; values and key tokens (cogattn.reference says how)
+                    per_head = select(P, batch, "all" if heads == "mean" and kind == "top_p" else heads)
+                    err = kind_error(got, per_head, kind, lay.text_len, lay.grid, mean_heads=heads == "mean",
+                                     top_p=rec.options.top_p)  # fmt: skip
+                    assert err <= tol, (kind, step, layer, err)
                     continue
                 ref = select(naive_kind(P, kind, lay.text_len, lay.grid, tokens, **sizes), batch, heads)
                 assert got.shape == ref.shape, (kind, got.shape, ref.shape)

@@ -3,6 +3,7 @@
 from P and v)."""
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -146,8 +147,7 @@ def test_bad_patterns_are_refused_with_the_valid_ones():
         cogattn.CaptureOptions(kinds=("pattern_recall",), patterns=("spatial", "diagonal"))
     with pytest.raises(ValueError, match="unknown pattern 'window:x'"):
         cogattn.CaptureOptions(kinds=("pattern_error",), patterns="window:x")
-    with pytest.raises(ValueError, match=r"kind 'pattern_error' needs patterns=\(...\): names from \['spatial'"):
-        REDUCERS["pattern_error"](LAYOUTS[0], 2, False)  # what the plan builds at the first call, before any block
+    assert REDUCERS["pattern_error"](LAYOUTS[0], 2, False).names == ["spatial", "temporal"]  # the default pair
     with pytest.raises(ValueError, match="patterns were given but neither"):
         cogattn.CaptureOptions(kinds=("frame",), patterns=("spatial",))
     with pytest.raises(ValueError, match="use odd tile counts"):
@@ -156,14 +156,14 @@ def test_bad_patterns_are_refused_with_the_valid_ones():
     assert options.selection_meta()["patterns"] == ["spatial", "after_frame"]  # run.json names them
 
 
-def test_no_patterns_is_refused_at_the_first_call_before_any_block_runs_and_nothing_is_written(tmp_path):
+def test_without_patterns_the_kinds_take_spatial_and_temporal_and_run_json_names_them(tmp_path):
     pipe = tiny_pipeline()
-    ran = []
-    pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *a: ran.append(1))
-    with pytest.raises(ValueError, match="kind 'pattern_error' needs patterns"):
-        with cogattn.record(pipe, kinds=("pattern_error",), save_dir=tmp_path / "run"):
-            generate(pipe, steps=1)
-    assert not ran and not list((tmp_path / "run").glob("records/*/*"))
+    with cogattn.record(pipe, kinds=("pattern_recall",), save_dir=tmp_path / "run") as rec:
+        generate(pipe, steps=1)
+    with cogattn.record(pipe, kinds=("pattern_recall",), patterns=("spatial", "temporal")) as named:
+        generate(pipe, steps=1)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["selection"]["patterns"] == ["spatial", "temporal"]
+    assert torch.equal(rec.get("pattern_recall", 0, 0), named.get("pattern_recall", 0, 0))
 
 
 def test_a_grid_with_history_tokens_refuses_patterns_before_any_block_runs():

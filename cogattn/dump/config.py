@@ -99,7 +99,8 @@ class DumpConfig:
         seed (`int`): the generator's seed; a prompt's own seed wins.
         capture (`CaptureOptions`): the ``capture:`` mapping: ``kinds``, ``layers``, ``steps`` (the
             denoising steps captured, 0-based), ``batch``, ``heads``, ``queries``, ``block_size``,
-            ``tile_shape``, ``topk``, ``memory_budget``, ``method``, ``layer_output``, ``storage_dtype``, ``verify``, documented and checked by
+            ``tile_shape``, ``topk``, ``top_p``, ``patterns``, ``memory_budget``, ``method``, ``layer_output``,
+            ``storage_dtype``, ``verify``, documented and checked by
             :class:`cogattn.CaptureOptions` (a key left out takes its default there). Its ``save_dir``,
             ``overwrite`` and ``info`` are refused: the tool sets them for each prompt.
         save_dir (`str`): output root; each prompt gets ``<save_dir>/<index>-<hash>/``.

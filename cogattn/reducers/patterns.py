@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..patterns import NAMES, resolve
+from ..patterns import DEFAULT_PATTERNS, resolve
 from .base import Reducer
 
 __all__ = ["PatternErrorReducer", "PatternRecallReducer"]
@@ -21,11 +21,7 @@ class PatternRecallReducer(Reducer):
 
     def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
         super().__init__(layout, num_heads, mean_heads, **sizes)
-        self.resolved = resolve(self.patterns, self.tile_shape)
-        if not self.resolved:
-            raise ValueError(
-                f"kind {self.kind!r} needs patterns=(...): names from {list(NAMES)}, e.g. ('spatial', 'temporal')."
-            )
+        self.resolved = resolve(self.patterns or DEFAULT_PATTERNS, self.tile_shape)
         for pattern in self.resolved:  # before any block runs: a grid without positions, a callable that fails
             pattern.row_mask(layout, slice(0, 1))
         self.rows = torch.arange(layout.seq_len)  # every row: the one row pass every row kind shares
