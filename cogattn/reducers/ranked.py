@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from .base import Reducer
+from .rows import pair_index
 
 __all__ = ["FrameMax", "FrameMaxReducer", "TopPReducer", "check_top_p", "top_p_counts"]
 
@@ -161,13 +162,7 @@ class FrameMaxReducer(Reducer):
 
     @staticmethod
     def stored_index(index):
-        axes = [i for i in index if i is not Ellipsis]
-        if len(axes) > 4:
-            raise ValueError(
-                f"index={index!r} has {len(axes)} entries, but frame_max reads as values and key indices of shape "
-                "(B, H, S, G); index at most those 4 axes and take `.values` or `.indices` of the result."
-            )
-        return (*index, slice(None))  # the stored (value, key token) axis is read whole
+        return pair_index(index, "frame_max", "(B, H, S, G)")
 
     def row_columns(self, seq_len):
         return 4 * self.layout.num_groups  # values and int64 indices per group

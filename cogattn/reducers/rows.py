@@ -8,7 +8,7 @@ import torch
 
 from .base import Reducer
 
-__all__ = ["FullReducer", "QueryReducer", "TextToVideoReducer", "TopK", "TopKReducer"]
+__all__ = ["FullReducer", "QueryReducer", "TextToVideoReducer", "TopK", "TopKReducer", "pair_index"]
 
 
 class FullReducer(Reducer):
@@ -73,6 +73,18 @@ class TopK(NamedTuple):
     indices: torch.Tensor
 
 
+def pair_index(index: tuple, kind: str, shape: str, example: str = "") -> tuple:
+    """The index of a stored (..., 2) record of values and key tokens that reads ``index`` of what ``get``
+    returns (``topk``, ``frame_max``): the (value, key token) axis is read whole."""
+    axes = [i for i in index if i is not Ellipsis]
+    if len(axes) > 4:
+        raise ValueError(
+            f"index={index!r} has {len(axes)} entries, but {kind} reads as values and key indices of shape {shape}; "
+            f"index at most those 4 axes{example} and take `.values` or `.indices` of the result."
+        )
+    return (*index, slice(None))
+
+
 class TopKReducer(Reducer):
     """``topk``: the k largest ``P[i, j]`` of every query row and their key tokens, stored as ``(B, H, S, k, 2)``
     float32 (values, indices: exact below 2²⁴ tokens) and read back as a :class:`TopK`. With heads averaged,
@@ -97,14 +109,7 @@ class TopKReducer(Reducer):
 
     @staticmethod
     def stored_index(index):
-        axes = [i for i in index if i is not Ellipsis]
-        if len(axes) > 4:
-            raise ValueError(
-                f"index={index!r} has {len(axes)} entries, but topk reads as values and key indices of shape "
-                "(B, H, S, k); index at most those 4 axes (index=(b, h, i, 0): row i's largest) and take `.values` "
-                "or `.indices` of the result."
-            )
-        return (*index, slice(None))  # the stored (value, key token) axis is read whole
+        return pair_index(index, "topk", "(B, H, S, k)", " (index=(b, h, i, 0): row i's largest)")
 
     def row_columns(self, seq_len):
         return 4 * self.k  # values, int64 indices, their float copy
