@@ -5,13 +5,15 @@ Builds a ``HunyuanVideoTransformer3DModel`` of one dual-stream block from the re
 128, 3D RoPE (16, 56, 56), patch 2, random weights) with as many of its 24 heads as the time allows
 (``--heads``; the cost is per head), and calls it on random latents: 129 frames at 720×1280 (33 latent
 frames × 45 × 80 patches: S = 118,800 video tokens + 256 text tokens, of which ``--valid`` are kept by
-the key mask, as a prompt shorter than 256 tokens leaves them), float32 on the CPU. It times the stock
-attention module (projections, RoPE, masked SDPA, output projections) and, under ``cogattn.record``
-with ``frame`` and ``video_to_text``, what capture adds (the processor's ``capture`` call) and its peak
-extra memory (Linux ``VmHWM``, reset at each capture); the block's output must stay bit-identical. The
-second case, more frames (``--frames-b``: 50 latent frames, S = 180,000 + 256), measures the same.
+the key mask, as a prompt shorter than 256 tokens leaves them), float32 on the CPU (or ``--device cuda``).
+It times the stock attention module (projections, RoPE, masked SDPA, output projections) and, under
+``cogattn.record`` with ``--kinds`` (``frame`` and ``video_to_text`` unless told), what capture adds (the
+processor's ``capture`` call) and its peak extra memory (Linux ``VmHWM``, reset at each capture; on CUDA the
+allocator's peak); the block's output must stay bit-identical. The second case, more frames
+(``--frames-b``: 50 latent frames, S = 180,000 + 256; 0 leaves it out), measures the same.
 
     python benchmarks/bench_hunyuan.py                      # real shapes (about 10 minutes on 2 cores)
+    python benchmarks/bench_hunyuan.py --kinds tile,top_p --frames-b 0 --out benchmarks/results/hunyuan_sparse_cpu.md
     python benchmarks/bench_hunyuan.py --frames 3 --frames-b 4 --height 6 --width 8   # quick look
 """
 
@@ -52,12 +54,18 @@ def block(heads: int) -> HunyuanVideoTransformer3DModel:
 
 
 def timed(module, times: list) -> None:
-    module.register_forward_pre_hook(lambda m, a: times.append(-time.perf_counter()))
-    module.register_forward_hook(lambda m, a, o: times.__setitem__(-1, times[-1] + time.perf_counter()))
+    def now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    module.register_forward_pre_hook(lambda m, a: times.append(-now()))
+    module.register_forward_hook(lambda m, a, o: times.__setitem__(-1, times[-1] + now()))
 
 
-def case(transformer, frames: int, height: int, width: int, valid: int, budget: str, memory: PeakMemory) -> dict:
-    """Stock, then captured: the times, peak and plan of one call on ``frames`` × ``height`` × ``width`` patches."""
+def case(transformer, frames: int, height: int, width: int, valid: int, memory: PeakMemory, **options) -> dict:
+    """Stock, then captured with ``options`` (``cogattn.record``'s): the times, peak and plan of one call on
+    ``frames`` × ``height`` × ``width`` patches."""
     g = torch.Generator().manual_seed(0)
     call = dict(
         hidden_states=torch.randn(1, 16, frames, 2 * height, 2 * width, generator=g),
@@ -68,13 +76,15 @@ def case(transformer, frames: int, height: int, width: int, valid: int, budget: 
         guidance=torch.tensor([6000.0]),
         return_dict=False,
     )
+    device = transformer.device
+    call = {name: value.to(device) if torch.is_tensor(value) else value for name, value in call.items()}
     times: list = []
     timed(transformer.transformer_blocks[0].attn, times)
     with torch.no_grad():
         reference = transformer(**call)[0]
     t_stock = times[-1]
     print(f"S = {frames * height * width:,} + {TEXT}: stock attention {t_stock:.1f} s", flush=True)
-    rec = cogattn.record(transformer, kinds=("frame", "video_to_text"), memory_budget=budget, batch=[0])
+    rec = cogattn.record(transformer, batch=[0], **options)
     spent = [0.0, 0]
     rec.capture = memory.measured(rec.capture, spent)
     with rec, torch.no_grad():
@@ -93,7 +103,7 @@ def case(transformer, frames: int, height: int, width: int, valid: int, budget: 
         method=rec.plan.tiles.method,
         identical=torch.equal(out, reference),
         full=full,
-        checks=all(c.passed for c in rec.checks) and bool(rec.checks),
+        checks=all(c.passed for c in rec.checks) if rec.checks else None,  # row tiles are not spot-checked
     )
 
 
@@ -107,25 +117,39 @@ def main() -> None:
     ap.add_argument("--heads-b", type=int, default=1, help="heads of 128 in the second case")
     ap.add_argument("--valid", type=int, default=200, help="text tokens the key mask keeps, of 256")
     ap.add_argument("--budget", default="1GiB")
-    ap.add_argument("--out", default="benchmarks/results/hunyuan_cpu.md")
+    ap.add_argument("--kinds", default="frame,video_to_text", help="comma-separated kinds to record")
+    ap.add_argument("--tile-shape", default="1,8,8", help="tile_shape of the tile kind: t,h,w")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (peaks from the allocator)")
+    ap.add_argument("--out", default=None, help="defaults to benchmarks/results/hunyuan_cpu.md (_cuda.md)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    memory = PeakMemory("cpu")
-    budget = cogattn.CaptureOptions(memory_budget=args.budget).memory_budget
+    device = torch.device(args.device)
+    where = "cuda" if device.type == "cuda" else "cpu"
+    args.out = args.out or f"benchmarks/results/hunyuan_{where}.md"
+    memory = PeakMemory(where)
+    kinds = tuple(args.kinds.split(","))
+    options = dict(kinds=kinds, memory_budget=args.budget)
+    if "tile" in kinds:
+        options["tile_shape"] = tuple(int(n) for n in args.tile_shape.split(","))
+    budget = cogattn.CaptureOptions(**options).memory_budget
     with torch.no_grad():  # warm up kernels on a small call
-        case(block(1), 1, 2, 2, 4, args.budget, memory)
+        case(block(1).to(device), 1, 2, 2, 4, memory, **options)
     results = [
-        (args.heads, case(block(args.heads), args.frames, args.height, args.width, args.valid, args.budget, memory)),
-        (
-            args.heads_b,
-            case(block(args.heads_b), args.frames_b, args.height, args.width, args.valid, args.budget, memory),
-        ),
+        (heads, case(block(heads).to(device), frames, args.height, args.width, args.valid, memory, **options))
+        for heads, frames in ((args.heads, args.frames), (args.heads_b, args.frames_b))
+        if heads and frames
     ]
+    tiles = f" (tile_shape = {options['tile_shape']})" if "tile" in kinds else ""
+    if device.type == "cuda":
+        machine = f"CUDA ({torch.cuda.get_device_name(device)}, TF32 off)"
+    else:
+        machine = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     lines = [
-        f"One HunyuanVideo dual-stream block (heads of 128, 3D RoPE (16, 56, 56), random weights), float32, CPU "
-        f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}; "
-        f"kinds `frame` + `video_to_text`, memory_budget = {args.budget} ({budget:,} bytes), heads = mean; "
+        f"One HunyuanVideo dual-stream block (heads of 128, 3D RoPE (16, 56, 56), random weights), float32, {machine}, "
+        f"torch {torch.__version__}; kinds {' + '.join(f'`{k}`' for k in kinds)}"
+        f"{tiles}, "
+        f"memory_budget = {args.budget} ({budget:,} bytes), heads = mean; "
         f"{args.valid} of the 256 text tokens kept by the key mask.",
         "",
         "Stock: the block's attention module (projections, RoPE, the masked SDPA, output projections). Capture: "
@@ -139,10 +163,11 @@ def main() -> None:
         "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | --- | --- |",
     ]
     for heads, r in results:
+        check = {True: "passed", False: "NO", None: "— (rows)"}[r["checks"]]
         lines.append(
             f"| {r['S']:,} | {'×'.join(map(str, r['grid']))} | {heads} | {r['stock']:.1f} | {r['capture']:.1f} | "
             f"{r['capture'] / r['stock']:.2f} | {r['method']} | {r['peak'] / MiB:.0f} | {r['planned'] / MiB:.0f} | "
-            f"{'yes' if r['peak'] <= budget else 'NO'} | {r['full'] / 2**30:.0f} | {'passed' if r['checks'] else 'NO'} | "
+            f"{'yes' if r['peak'] <= budget else 'NO'} | {r['full'] / 2**30:.0f} | {check} | "
             f"{'yes' if r['identical'] else 'NO'} |"
         )
     write_table(lines, args.out)

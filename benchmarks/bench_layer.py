@@ -1,7 +1,7 @@
 """One CogVideoX attention layer at real shape: stock time vs exact capture of each kind, per method.
 
 Builds the attention of a CogVideoX-2b block (30 heads × 64, sincos positions, so no RoPE) with random
-weights and random inputs at 49 frames × 480×720 (S = 226 + 13·30·45 = 17,776), float32 on the CPU,
+weights and random inputs at 49 frames × 480×720 (S = 226 + 13·30·45 = 17,776), float32 on the CPU (or ``--device cuda``),
 then times the stock layer (projections + fused SDPA + output projection) and, on the same q and k,
 cogattn's capture of each kind with the ``sdpa`` and ``rows`` methods, and ``layer_output="joint"``, where
 the cost is the joint output call's time over the stock SDPA call's plus the capture that remains. Peak extra memory is the rise of
@@ -23,7 +23,7 @@ from diffusers.models.attention_processor import Attention, CogVideoXAttnProcess
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 from report import write_table
 
-from cogattn.attention import attention_joint, attention_with_lse
+from cogattn.attention import attention_joint, attention_with_lse, sdpa_with_lse
 from cogattn.checks import RowProbe, Verifier, probe_rows
 from cogattn.engine import capture, multi_key_indicator
 from cogattn.layout import TokenLayout
@@ -70,47 +70,58 @@ def main() -> None:
     ap.add_argument("--budget", default="1GiB")
     ap.add_argument(
         "--cases",
-        choices=("maps", "stats", "offset", "patterns", "ranked"),
+        choices=("maps", "stats", "offset", "patterns", "ranked", "sparse"),
         default="maps",
-        help="the map kinds, the statistics kinds, offset, the pattern kinds, or top_p and frame_max (ranked)",
+        help="the map kinds, the statistics kinds, offset, the pattern kinds, top_p and frame_max (ranked), or "
+        "the sparse-attention kinds side by side (tile, frame_max, offset, top_p, pattern_recall, pattern_error)",
     )
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (times synchronised, peaks from the allocator)")
     ap.add_argument("--out", default=None, help="defaults to benchmarks/results/layer_cpu.md (stats_cpu.md)")
     args = ap.parse_args()
-    args.out = args.out or f"benchmarks/results/{dict(maps='layer').get(args.cases, args.cases)}_cpu.md"
+    device = torch.device(args.device)
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    args.out = args.out or f"benchmarks/results/{dict(maps='layer').get(args.cases, args.cases)}_{kind}.md"
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     torch.manual_seed(0)
     layout = TokenLayout(args.text, args.frames, args.height, args.width)
     S, H, D = layout.seq_len, args.heads, args.head_dim
     budget = parse_bytes(args.budget)
-    attn = build_layer(H, D)
-    text = torch.randn(1, args.text, H * D)
-    video = torch.randn(1, layout.video_len, H * D)
-    queries = torch.linspace(layout.text_len, S - 1, args.queries).long()
+    attn = build_layer(H, D).to(device)
+    text = torch.randn(1, args.text, H * D, device=device)
+    video = torch.randn(1, layout.video_len, H * D, device=device)
+    queries = torch.linspace(layout.text_len, S - 1, args.queries).long().to(device)
 
     with torch.no_grad():
         attn(video[:, :64], encoder_hidden_states=text[:, :8])  # warm up kernels
         stock = []
         for _ in range(2):
-            t0 = time.perf_counter()
+            t0 = now()
             attn(video, encoder_hidden_states=text)
-            stock.append(time.perf_counter() - t0)
+            stock.append(now() - t0)
         t_stock = min(stock)
         q, k = project_qk(attn, text, video)
         v = torch.randn_like(q)
         t_sdpa, lse = float("inf"), None
         for _ in range(2):
-            t0 = time.perf_counter()
+            t0 = now()
             # the output kernel with its log-sum-exp (what layer_output="lse" uses; the same kernel as SDPA on CPU)
             _, lse = attention_with_lse(q, k, v)
-            t_sdpa = min(t_sdpa, time.perf_counter() - t0)
-    memory = PeakMemory("cpu")
+            t_sdpa = min(t_sdpa, now() - t0)
+        if lse is None:  # CUDA float32: the stock call has no log-sum-exp; the memory-efficient kernel's
+            _, lse = sdpa_with_lse(q, k, v, D**-0.5)
+    memory = PeakMemory(kind)
 
     def joint(kinds):
         """layer_output="joint": the widened output call over the stock one, then the capture that remains."""
         reducers = [REDUCERS[kd](layout, H, True, queries) for kd in kinds]
         indicator = multi_key_indicator(reducers, S)
-        plan = plan_tiles(reducers, S, H, D, budget, "joint", "cpu", not qb[0].is_contiguous())
-        outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+        plan = plan_tiles(reducers, S, H, D, budget, "joint", kind, not qb[0].is_contiguous())
+        outs = [torch.zeros(r.shape(1)[1:], device=device) for r in reducers]
         with torch.no_grad():
             memory.start()
             torch.nn.functional.scaled_dot_product_attention(qb, kb, v)
@@ -118,13 +129,13 @@ def main() -> None:
             best = float("inf")
             for _ in range(2):
                 memory.start()
-                t0 = time.perf_counter()
+                t0 = now()
                 _, j_lse, sums = attention_joint(qb, kb, v, indicator)
-                t_call = time.perf_counter() - t0
+                t_call = now() - t0
                 outs = [o.zero_() for o in outs]
-                t0 = time.perf_counter()
+                t0 = now()
                 capture(qb[0], kb[0], reducers, outs, plan, lse=j_lse[0], sums=sums[0])
-                best = min(best, t_call - t_sdpa + time.perf_counter() - t0)
+                best = min(best, t_call - t_sdpa + now() - t0)
                 peak = memory.stop() - stock_peak
                 del j_lse, sums
         return reducers, plan, best, peak
@@ -169,6 +180,11 @@ def main() -> None:
     if args.cases == "patterns":  # one pattern ("spatial"), then four; beside the row pass alone
         cases = [(("frame",), "rows"), (("pattern_recall",), "rows"), (("pattern_error",), "rows")]
         cases += [(("pattern_error",), "rows, 4 patterns")]
+    if args.cases == "sparse":  # the sparse-attention and correspondence kinds, beside frame by the fused pass
+        fused = ["sdpa", "triton"] if device.type == "cuda" else ["sdpa"]
+        cases = [((kd,), m) for kd in ("frame", "tile") for m in [*fused, "rows"]] + [(("frame_max",), "rows")]
+        cases += [(("offset",), "rows"), (("top_p",), "rows"), (("pattern_recall",), "rows")]
+        cases += [(("pattern_error",), "rows"), (("pattern_error",), "rows, 4 patterns")]
     rows = []
     for kinds, method in cases:
         if method == "joint":
@@ -182,21 +198,22 @@ def main() -> None:
             )
             continue
         four = ("spatial", "temporal", "window:1", "sta:3,3,3") if method.endswith("4 patterns") else ("spatial",)
-        reducers = [REDUCERS[kd](layout, H, True, queries, patterns=four * kd.startswith("pattern")) for kd in kinds]
-        auto = choose_method("auto", reducers, S, "cpu", D)
+        sizes = dict(patterns=four * kinds[0].startswith("pattern"), tile_shape=(1, 8, 8))
+        reducers = [REDUCERS[kd](layout, H, True, queries, **sizes) for kd in kinds]
+        auto = choose_method("auto", reducers, S, kind, D)
         given = lse if method.endswith("+lse") else None
         copies = not q.is_contiguous()  # as the recording decides: contiguous float32 q, k are not copied
-        plan = plan_tiles(reducers, S, H, D, budget, method.split("+")[0].split(",")[0], "cpu", copies)
-        outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+        plan = plan_tiles(reducers, S, H, D, budget, method.split("+")[0].split(",")[0], kind, copies)
+        outs = [torch.zeros(r.shape(1)[1:], device=device) for r in reducers]
         checked = method.endswith("checked")  # a spot check as a recording makes at a shape's first capture
         probe = RowProbe(probe_rows(layout), H) if checked else None
         memory.start()
-        t0 = time.perf_counter()
+        t0 = now()
         capture(q, k, reducers, outs, plan, lse=given, probe=probe, value=v[0] if "pattern_error" in kinds else None)
         if checked:
             check = Verifier(True).check_maps([(0, probe)], qb, kb, None, reducers, 0, 0, "sdpa", D**-0.5)
             assert check.passed, check
-        dt = time.perf_counter() - t0
+        dt = now() - t0
         peak = memory.stop()
         result = sum(r.nbytes(1) for r in reducers)
         rows.append(
@@ -209,10 +226,14 @@ def main() -> None:
         del outs
 
     naive = H * S * S * 4
+    where = (
+        f"CUDA ({torch.cuda.get_device_name(device)}, TF32 off)"
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    )
     lines = [
         f"One CogVideoX attention layer, {H} heads × {D}, S = {S:,} ({layout.text_len} text + "
-        f"{layout.frames}×{layout.height}×{layout.width} video tokens), float32, CPU "
-        f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+        f"{layout.frames}×{layout.height}×{layout.width} video tokens), float32, {where}, "
         f"torch {torch.__version__}, memory_budget = {args.budget}, heads = mean.",
         "",
         f"Stock layer (projections + fused SDPA + output projection): **{t_stock:.2f} s** "

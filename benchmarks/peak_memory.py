@@ -39,10 +39,12 @@ class PeakMemory:
     def measured(self, real, total: list):
         """``real`` wrapped: adds its time to ``total[0]`` and keeps its largest peak in ``total[1]``."""
 
-        def measured(*args):
+        def measured(*args, **kwargs):
             self.start()
             t0 = time.perf_counter()
-            real(*args)
+            real(*args, **kwargs)
+            if self.device == "cuda":
+                torch.cuda.synchronize()
             total[0] += time.perf_counter() - t0
             total[1] = max(total[1], self.stop())
 

@@ -83,3 +83,52 @@ def test_cuda_joint_output_close_to_stock_and_maps_within_bf16():
         out, _, _ = attention_joint(q, k, v, indicator)
         stock = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         assert (out.float() - stock.float()).abs().max() <= 2**-7 * stock.float().abs().max()
+
+
+SPARSE_SIZES = dict(
+    tile_shape=(2, 2, 3),
+    patterns=("spatial", "temporal", "window:1", "sta:1,3,3", "radial"),
+    top_p=(0.5, 0.9, 0.99, 1.0),
+)
+
+
+@pytest.mark.parametrize("method", ["rows", "sdpa", "triton"])
+def test_cuda_sparse_kinds_match_naive(method):
+    """The sparse-attention kinds on CUDA, every row-tile kind by rows and ``tile`` by each pooled method, equal
+    the naive float64 reference of the same q, k and v (``pattern_error``'s needs V)."""
+    from cogattn.reference import kind_error
+
+    if method == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    layout = TokenLayout(8, 3, 4, 5)
+    H, S, D = 3, layout.seq_len, 64
+    q, k, v = ((torch.randn(H, S, D) * s).to("cuda") for s in (2, 2, 1))
+    kinds = (
+        ("tile", "top_p", "frame_max", "offset", "pattern_recall", "pattern_error") if method == "rows" else ("tile",)
+    )
+    reducers = [REDUCERS[kd](layout, H, False, **SPARSE_SIZES) for kd in kinds]
+    plan = plan_tiles(reducers, S, H, D, 2**30, method, "cuda")
+    outs = [torch.zeros(r.shape(1)[1:], device="cuda") for r in reducers]
+    capture(q, k, reducers, outs, plan, value=v)
+    P = naive_probs(q[None].cpu().double(), k[None].cpu().double())
+    for kind, reducer, out in zip(kinds, reducers, outs):
+        got = reducer.unpack(out[None].cpu())
+        err = kind_error(got, P, kind, layout.text_len, layout.grid, v=v[None].cpu().double(), **SPARSE_SIZES)
+        assert err <= 1e-5, (kind, err)
+
+
+def test_cuda_sparse_kinds_in_a_generation_bit_identical():
+    """A bf16 generation on CUDA recording the sparse-attention kinds: the video equals stock, and each map the
+    naive reference of the spied q and k."""
+    from reference import QKSpy, assert_matches_naive
+
+    pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
+    stock = generate(pipe)
+    spy = QKSpy(pipe.transformer)
+    kinds = ("tile", "top_p", "frame_max", "offset", "pattern_recall")
+    with cogattn.record(pipe, kinds=kinds, batch="cond", heads="all", **SPARSE_SIZES) as rec:
+        out = generate(pipe)
+    spy.remove()
+    assert torch.equal(out, stock)
+    assert_matches_naive(rec, spy, [1], "all", kinds=kinds)

@@ -96,7 +96,7 @@ def test_engine_triton_path_under_key_counts_without_another_lse(mean, queries):
 
 def _record_tiny(**record_kw):
     """A 2-step tiny generation without and with ``cogattn.record(**record_kw)``: (stock, captured, rec, spy)."""
-    pipe = tiny_pipeline(num_heads=2)
+    pipe = tiny_pipeline(num_heads=2).to(DEVICE)
     stock = generate(pipe)
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", **record_kw) as rec:

@@ -99,3 +99,15 @@ def test_frame_max_is_refused_off_the_grid_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match="kind 'frame_max' does not exist for hunyuan_video_framepack") as err:
         cogattn.Recording(pipe, kinds=("frame_max",), save_dir=tmp_path / "run")
     assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
+def test_top_p_counts_of_many_near_uniform_rows_sort_their_bins_in_chunks_and_stay_exact():
+    """A tile of near-uniform rows puts most entries in the bins where p is crossed: they are sorted a share of
+    the tile at a time (several chunks here), with the counts of each row computed alone."""
+    x = torch.cat([_hard_rows(700)] * 6)
+    x[::3] = (torch.randn(x[::3].shape, generator=torch.Generator().manual_seed(1)) * 0.05).softmax(-1)
+    got = top_p_counts(x, PS)
+    alone = torch.cat([top_p_counts(row[None], PS) for row in x])
+    assert torch.equal(got, alone)
+    lo, hi = _sorted_counts(x, PS, -1e-9), _sorted_counts(x, PS, 1e-9)
+    assert bool(((got >= lo) & (got <= hi)).all())

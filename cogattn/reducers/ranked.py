@@ -14,6 +14,7 @@ __all__ = ["FrameMax", "FrameMaxReducer", "TopPReducer", "check_top_p", "top_p_c
 
 _ONE = 0x3F800000  # the bits of 1.0: a float32 ≥ 0 orders as its bits
 _LOW = 0x2F800000  # the bits of 2⁻³²: the histogram keeps one bin for every value below it
+_SORTED_SHARE = 16  # the crossing bins' entries are sorted in chunks of at most 1/16 of a tile's (top_p_counts)
 
 
 def _bins(seq_len: int) -> tuple[int, int]:
@@ -67,22 +68,46 @@ def top_p_counts(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
     before = (top - 1).clamp(min=0, max=nbins - 1)
     mass_before = torch.where(top > 0, above_mass.gather(1, before), 0.0)
     count_before = torch.where(top > 0, above_count.gather(1, before), 0.0).long()
-    # One pass marks the entries of every p's crossing bin (a bit per p: two p may cross in one bin).
+    # One pass marks the bins where each p is crossed (a bit per p: two p may cross in one bin).
     crossing = torch.where(reached, nbins - 1 - top, 0)
     flags = torch.zeros(n, nbins, dtype=torch.int32, device=device)
     for j in range(len(ps)):
         flags.scatter_add_(1, crossing[:, j : j + 1], (reached[:, j : j + 1] * (1 << j)).to(torch.int32))
-    marked = flags.gather(1, bins)
+    # Those bins' entries are sorted in chunks of rows holding at most 1/_SORTED_SHARE of the tile's entries (and
+    # one row more), so that a row tile of near-uniform rows, whose entries fall in a few bins, stays in its budget.
+    cap = max(S, n * S // _SORTED_SHARE)
+    cum = (count * (flags != 0)).sum(1).cumsum(0).cpu()
+    edges = torch.searchsorted(cum, torch.arange(cap, float(cum[-1]) + cap, cap, dtype=torch.float64), right=True)
+    edges = [0, *sorted({min(int(e), n) for e in edges} - {0}), n]
+    counts = torch.empty(n, len(ps), dtype=torch.float32, device=device)
+    for a, b in zip(edges[:-1], edges[1:]):
+        if b > a:
+            marked = flags[a:b].gather(1, bins[a:b])
+            _within_bins(probs[a:b], marked, mass_before[a:b], count_before[a:b], ps, counts[a:b])
     del bins
+    if not bool(reached.all()):  # rows that never reach p: their nonzero entries
+        missed = (~reached).any(1).nonzero().flatten()
+        nonzero = (probs[missed] > 0).sum(-1).float()
+        counts[missed] = torch.where(reached[missed], counts[missed], nonzero[:, None])
+    return counts
+
+
+def _within_bins(probs, marked, mass_before, count_before, ps, counts) -> None:
+    """Where inside its crossing bin each row reaches each p: the entries ``marked`` (bit j for p j) sorted by their
+    bits, largest first, and summed on from ``mass_before``; writes ``counts`` ``(n, len(ps))``."""
+    n = probs.shape[0]
+    bits = probs.view(torch.int32)
     all_rows, all_cols = marked.nonzero(as_tuple=True)
     all_flags = marked[all_rows, all_cols]
-    counts = torch.empty(n, len(ps), dtype=torch.float32, device=device)
     for j, p in enumerate(ps):
         pick = (all_flags >> j) & 1 == 1
         rows, cols = all_rows[pick], all_cols[pick]
+        del pick
         key = rows * (1 << 31) + (_ONE - bits[rows, cols])  # by row, then largest first
         order = key.argsort()
+        del key
         rows, values = rows[order], probs[rows, cols][order].double()
+        del cols, order
         in_bin = torch.bincount(rows, minlength=n)
         csum = values.cumsum(0)
         start = in_bin.cumsum(0) - in_bin  # each row's first entry in the sorted bin entries
@@ -90,11 +115,6 @@ def top_p_counts(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
         short = mass_before[rows, j] + (csum - base[rows]) < p  # the bin's entries taken before p is reached
         need = torch.minimum(torch.bincount(rows, weights=short.double(), minlength=n).long() + 1, in_bin)
         counts[:, j] = (count_before[:, j] + need).float()
-    if not bool(reached.all()):  # rows that never reach p: their nonzero entries
-        missed = (~reached).any(1).nonzero().flatten()
-        nonzero = (probs[missed] > 0).sum(-1).float()
-        counts[missed] = torch.where(reached[missed], counts[missed], nonzero[:, None])
-    return counts
 
 
 class TopPReducer(Reducer):
@@ -111,8 +131,9 @@ class TopPReducer(Reducer):
         self.rows = torch.arange(layout.seq_len)
 
     def row_columns(self, seq_len):
-        # the int64 bins, the float64 weights, the int32 marks; float64 histograms, their flips and sums
-        return 5 * seq_len + 13 * _bins(seq_len)[1]
+        # the int64 bins with the float64 weights, then with the int32 marks and the sorted share of the entries (a
+        # CUDA sort's buffers included: about 20 columns of its entries); float64 histograms, their flips and sums
+        return 6 * seq_len + 13 * _bins(seq_len)[1]
 
     def shape(self, num_batch):
         return (num_batch, self.out_heads, self.layout.seq_len, len(self.top_p))
