@@ -17,13 +17,13 @@ if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.cogattn-ready" ]; then
     # After the layer's own site-packages: the checkout, then the base environment's packages.
     printf '%s\n%s\n' "$root" "$(site "$base")" > "$(site "$venv")/_cogattn_base.pth"
     # shellcheck disable=SC2086
-    "$venv/bin/python" -m pip install -q ${PIP_EXTRA:-}
+    "$venv/bin/python" -m pip install -q --no-compile ${PIP_EXTRA:-}
   else
     "$venv/bin/python" -m pip install -q --upgrade pip 2>/dev/null || true
     # The pinned CPU build first: an unpinned torch would pull several GB of CUDA packages.
-    "$venv/bin/python" -m pip install -q "torch==2.13.0"
+    "$venv/bin/python" -m pip install -q --no-compile "torch==2.13.0"
     # shellcheck disable=SC2086
-    "$venv/bin/python" -m pip install -q -e "$root[test]" ${PIP_EXTRA:-}
+    "$venv/bin/python" -m pip install -q --no-compile -e "$root[test]" ${PIP_EXTRA:-}
   fi
   touch "$venv/.cogattn-ready"
 fi
