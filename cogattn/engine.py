@@ -281,7 +281,7 @@ def row_pass(
     gathers = [g.keys.to(q.device) if g is not None and g.single_keys else None for g in groups]
     runs = [g.runs if g is not None and gather is None else None for g, gather in zip(groups, gathers)]
     indicators = [
-        g.indicator(S, device=q.device) if g is not None and gather is None and run is None else None
+        g.indicator(S, device=q.device) if g is not None and gather is None and run is None and not g.boxes else None
         for g, gather, run in zip(groups, gathers, runs)
     ]
     wants_entropy = any(r.stat == "entropy" for r, _ in pooled)
@@ -314,8 +314,10 @@ def row_pass(
                     sums = entropy[..., None]
                 elif keys is not None:
                     sums = probs.index_select(-1, keys)
+                elif run is not None:
+                    sums = passes.run_sums(probs, run)
                 else:
-                    sums = passes.run_sums(probs, run) if run is not None else torch.matmul(probs, ind)
+                    sums = torch.matmul(probs, ind) if ind is not None else passes.box_sums(probs, red.key_groups.boxes)
                 passes.fold(red, out, h0, r0, sums, probe)
             del probs  # free this tile before the next one is allocated
 

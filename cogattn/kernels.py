@@ -18,7 +18,11 @@ import os
 
 import torch
 
-__all__ = ["available", "pooled_sums"]
+__all__ = ["MAX_COLUMNS", "available", "pooled_sums"]
+
+# Indicator columns one launch sums (a pass over QKᵀ each): a 64-key tile of 512 columns with its pipeline
+# stages needs 320 KiB of shared memory, past an H100's or H200's 227 KiB; 128 columns need a quarter of that.
+MAX_COLUMNS = 128
 
 try:
     import triton
@@ -112,6 +116,9 @@ def pooled_sums(
         raise ValueError(f"head dim {D} is not a power of two ≥ 16, which the kernel's tiles need.")
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     C = indicator.shape[1]
+    if C > MAX_COLUMNS:  # one launch a slice of columns: a wider tile of the indicator overflows shared memory
+        parts = [pooled_sums(q, k, lse, indicator[:, c : c + MAX_COLUMNS], scale) for c in range(0, C, MAX_COLUMNS)]
+        return torch.cat(parts, -1)
     Cp = max(16, 1 << (C - 1).bit_length())  # tl.dot needs power-of-two tiles of at least 16
     ind = torch.zeros(K, Cp, device=q.device, dtype=torch.float32)
     ind[:, :C] = indicator

@@ -338,11 +338,15 @@ class TokenLayout:
 
 @dataclass(frozen=True)
 class KeyGroups:
-    """Key ``keys[n]`` belongs to group ``groups[n]`` (``0 <= groups[n] < num_groups``); a key may be left out."""
+    """Key ``keys[n]`` belongs to group ``groups[n]`` (``0 <= groups[n] < num_groups``); a key may be left out.
+    ``boxes``: for the 3-D tiles of the video grid, ``(text slice, video start, grid, tile_shape)``: each group a
+    box of the grid (and the text one group), summed by reshapes (:func:`cogattn.passes.box_sums`), not through
+    an ``(S, C)`` indicator."""
 
     keys: torch.Tensor
     groups: torch.Tensor
     num_groups: int
+    boxes: tuple | None = None
 
     @property
     def single_keys(self) -> bool:

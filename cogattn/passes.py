@@ -26,6 +26,7 @@ __all__ = [
     "entropy_pass",
     "full_fp32_matmul",
     "mean_row_pass",
+    "box_sums",
     "indicator_sums",
     "received_pass",
     "run_sums",
@@ -93,6 +94,26 @@ def run_sums(probs: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
         head = probs[..., : n * size].unflatten(-1, (n, size)).sum(-1)
         return torch.cat([head, probs[..., n * size : runs[-1][1]].sum(-1, keepdim=True)], -1)
     return torch.stack([probs[..., a:b].sum(-1) for a, b in runs], -1)
+
+
+def box_sums(probs: torch.Tensor, boxes: tuple) -> torch.Tensor:
+    """Sums of ``probs`` ``(h, r, S)`` over the text, then over the 3-D tiles of the video grid in (t, y, x) order,
+    ``(h, r, 1 + N)`` (no text column without text); ``boxes`` is ``KeyGroups.boxes``. A tile's keys are a box
+    of the grid: the rows' video part, viewed as ``(F, Hp, Wp)``, is summed along x, then y, then t, in runs of
+    the tile's size (the edge run shorter): no ``(S, N)`` indicator, and after the first axis a w-th of the tile."""
+    text, v0, (F, Hp, Wp), shape = boxes
+    video = probs[..., v0 : v0 + F * Hp * Wp].unflatten(-1, (F, Hp, Wp))
+    for axis, size in zip((-1, -2, -3), reversed(shape)):
+        n = video.shape[axis]
+        whole = n - n % size
+        parts = [video.narrow(axis, 0, whole).unflatten(axis, (whole // size, size)).sum(axis)]
+        if whole < n:
+            parts.append(video.narrow(axis, whole, n - whole).sum(axis, keepdim=True))
+        video = torch.cat(parts, axis) if len(parts) > 1 else parts[0]
+    video = video.flatten(-3)
+    if text.stop == text.start:
+        return video
+    return torch.cat([probs[..., text].sum(-1, keepdim=True), video], -1)
 
 
 def entropy_pass(qf: torch.Tensor, kf: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

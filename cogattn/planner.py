@@ -161,6 +161,8 @@ def size_tiles(
     in_rows = method == "rows"
     # pooled sums per row (with entropy: P K, D more); with received, a column sum per head
     row_cols = sum(g.num_groups for g in groups) + D * ("entropy" in stats) if in_rows else 0
+    # tiles: the sums along x (a w-th of the row) and their copy with the edge tiles' (passes.box_sums)
+    row_cols += sum(2 * -(-S // g.boxes[3][2]) for g in groups if g.boxes) if in_rows else 0
     row_cols += sum(r.row_columns(S) for r in reducers)  # what a kind holds per row while it folds a tile
     received = "received" in stats and in_rows
     mean_row = any(r.mean_rows for r in reducers)  # topk of the head-mean row: a sum of the heads' rows

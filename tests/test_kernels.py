@@ -26,7 +26,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S,D,C", [(150, 16, 5), (53, 32, 21), (64, 16, 1)])
+@pytest.mark.parametrize("S,D,C", [(150, 16, 5), (53, 32, 21), (64, 16, 1), (40, 16, 300)])  # 300: 3 launches
 def test_pooled_sums_match_naive(dtype, S, D, C):
     torch.manual_seed(0)
     H = 2
@@ -117,6 +117,8 @@ def timed_on_this_device(monkeypatch):
     monkeypatch.setattr(planner, "can_time_triton", kernels.available)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts the calls of the CPU path (its output call gives the lse); "
+                    "tests/test_gpu.py times the passes on CUDA")  # fmt: skip
 @pytest.mark.parametrize("slow", ["triton", "sdpa", "broken"])
 def test_auto_times_both_passes_and_keeps_the_faster(timed_on_this_device, monkeypatch, recwarn, slow):
     import time

@@ -81,8 +81,10 @@ class TileReducer(FrameReducer):
     dims = ("query tile", "key tile")
 
     def _groups(self) -> KeyGroups:
-        group = self.layout.tile_of_token(self.tile_shape)
-        return KeyGroups(torch.arange(self.layout.seq_len), group, int(group.max()) + 1)
+        lay = self.layout
+        group = lay.tile_of_token(self.tile_shape)
+        boxes = (lay.text_tokens, lay.video_start, lay.grid, tuple(self.tile_shape))
+        return KeyGroups(torch.arange(lay.seq_len), group, int(group.max()) + 1, boxes)
 
 
 class QueryFrameReducer(Reducer):
