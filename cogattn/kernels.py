@@ -116,15 +116,14 @@ def pooled_sums(
         raise ValueError(f"head dim {D} is not a power of two ≥ 16, which the kernel's tiles need.")
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     C = indicator.shape[1]
-    if C > MAX_COLUMNS:  # one launch a slice of columns: a wider tile of the indicator overflows shared memory
-        parts = [pooled_sums(q, k, lse, indicator[:, c : c + MAX_COLUMNS], scale) for c in range(0, C, MAX_COLUMNS)]
-        return torch.cat(parts, -1)
-    Cp = max(16, 1 << (C - 1).bit_length())  # tl.dot needs power-of-two tiles of at least 16
-    ind = torch.zeros(K, Cp, device=q.device, dtype=torch.float32)
+    # tl.dot needs power-of-two tiles of at least 16; past MAX_COLUMNS, one launch a slice of that many columns
+    Cp = max(16, 1 << (C - 1).bit_length()) if C <= MAX_COLUMNS else MAX_COLUMNS
+    launches = -(-C // Cp)
+    ind = torch.zeros(K, launches * Cp, device=q.device, dtype=torch.float32)
     ind[:, :C] = indicator
     q, k = q.contiguous(), k.contiguous()
     lse = lse.float().contiguous()
-    out = torch.empty(H, S, Cp, device=q.device, dtype=torch.float32)
+    out = torch.empty(H, S, launches * Cp, device=q.device, dtype=torch.float32)
     block_m, block_n = 64, 64
     # Triton's interpreter has no bf16/fp16 matmul: there, upcast (exact) and multiply in IEEE fp32, the
     # same products the tensor cores form with fp32 accumulation.
@@ -133,7 +132,9 @@ def pooled_sums(
     # launched on the tensors' device, not the current one (a model on cuda:1 must not run on cuda:0)
     on_device = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with on_device:
-        _launch(grid, q, k, lse, ind, out, S, K, scale, D, Cp, block_m, block_n, interpreted)
+        for c in range(0, launches * Cp, Cp):  # each writes its columns of out in place
+            cols = slice(c, c + Cp)
+            _launch(grid, q, k, lse, ind[:, cols], out[..., cols], S, K, scale, D, Cp, block_m, block_n, interpreted)
     return out[..., :C]
 
 
