@@ -10,8 +10,9 @@ temporal_decay(table, by="layer")          # mass against |Δ latent frame|, ave
 temporal_decay(table[table.expert == "transformer_2"], by="layer")  # Wan 2.2 A14B: one expert's steps
 ```
 
-The numbers come from the kinds ``frame`` (or ``query_frame``), ``entropy`` and ``received``; a kind
-that was not recorded leaves its columns NaN. No plotting here.
+The numbers come from the kinds ``frame`` (or ``query_frame``), ``entropy`` and ``received``, and the keys a
+head needs for each mass p (``keys_p0.5``, ``keys_p0.9``, ...) from ``top_p``; a kind that was not recorded
+leaves its columns NaN (``top_p``'s are there only when it was recorded). No plotting here.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import pandas as pd
 import torch
 
 from .analysis import check_one_expert, expert_steps, pick, recorded, recorded_kinds, steps_of_expert
+from .density import kept_keys, top_p_values
 from .errors import NotRecordedError
 from .layout import TokenLayout
 from .run import MapSource
 
-__all__ = ["LABELS", "LabelRule", "head_table", "label_row", "temporal_decay"]
+__all__ = ["LABELS", "LabelRule", "head_table", "keys_column", "label_row", "temporal_decay"]
 
 TABLE_KINDS = ("frame", "query_frame", "entropy", "received")
 LABELS = ("text", "spatial", "temporal", "global", "unknown")  # every label LabelRule gives
@@ -109,6 +111,11 @@ def head_table(
     * ``sink_share``: share of all received mass (S in total) on the top ``sink_fraction`` of key
       tokens (``⌊sink_fraction·S⌋``, at least 1), over every query, text included;
       ``sink_tokens``: those key token indices, largest first, space separated;
+    * ``keys_p{p}`` for each recorded mass p of ``top_p`` (``keys_p0.5``, ``keys_p0.9``, ...: `keys_column`): mean
+      over video queries of the fewest keys whose largest probabilities reach p, as a share of the keys the
+      row attends over (S, or an item's kept keys where a mask leaves out its padded text: HunyuanVideo,
+      Mochi); with ``heads="mean"`` of the heads' mean count. Only where ``top_p`` was recorded;
+      ``table.attrs["top_p"]`` lists the p;
     * ``label``: ``rule.label(row)`` (see `LabelRule`; without text keys, of the row with a text mass of
       0: `label_row`).
 
@@ -126,7 +133,7 @@ def head_table(
 
     Returns:
         `pandas.DataFrame`: columns ``step, timestep, expert, layer, head, item, text_mass, same_frame_mass,
-        dt_0 … dt_{F-1}, entropy_mean, entropy_std, sink_share, sink_tokens, label``, rows sorted by
+        dt_0 … dt_{F-1}, entropy_mean, entropy_std, sink_share, keys_p* (with top_p), sink_tokens, label``, rows sorted by
         step, layer, head slot and item. ``timestep`` is the step's timestep, NaN where unknown.
 
     Raises:
@@ -140,10 +147,10 @@ def head_table(
         raise TypeError(f"rule={rule!r} has no label(row) method; pass a LabelRule or an object with one.")
     layout = _layout(source)
     held = recorded_kinds(source)
-    kinds = [k for k in TABLE_KINDS if k in held]
+    kinds = [k for k in (*TABLE_KINDS, "top_p") if k in held]
     if not kinds:
         raise NotRecordedError(
-            f"the head table needs at least one of the kinds {list(TABLE_KINDS)}; this source holds {held}. "
+            f"the head table needs at least one of the kinds {[*TABLE_KINDS, 'top_p']}; this source holds {held}. "
             "Record them, e.g. record(pipe, kinds=('frame', 'entropy', 'received'), heads='all')."
         )
     step_list = _union_choice(source, kinds, "step", steps)
@@ -151,6 +158,7 @@ def head_table(
     keys = set(source.keys())
     timesteps = list(source.timesteps or [])
     experts = {s: name for name, group in expert_steps(source, step_list).items() for s in group}
+    density = (top_p_values(source), lambda num_items: kept_keys(source, num_items))
     frames = []
     for step in step_list:
         ts = timesteps[step] if step < len(timesteps) and timesteps[step] is not None else math.nan
@@ -158,7 +166,7 @@ def head_table(
         for layer in layer_list:
             present = {k: source.get(k, step, layer) for k in kinds if (k, step, layer) in keys}
             if present:
-                frames.append(_record_rows(layout, source.head_ids, where, layer, present, sink_fraction))
+                frames.append(_record_rows(layout, source.head_ids, where, layer, present, sink_fraction, density))
     if not frames:
         raise NotRecordedError(
             f"none of {kinds} was recorded at a chosen (step, layer): steps {step_list} × layers {layer_list}; "
@@ -167,7 +175,13 @@ def head_table(
     table = pd.concat(frames, ignore_index=True)
     table["label"] = [label_row(rule, row) for row in table.to_dict("records")]
     table.attrs["batch_roles"] = list(getattr(source, "batch_roles", None) or ())  # which items are conditional
+    table.attrs["top_p"] = list(density[0] or ())
     return table
+
+
+def keys_column(p: float) -> str:
+    """The head table's column of mass ``p`` of ``top_p``: ``keys_p0.5``, ``keys_p0.99``, ``keys_p1``."""
+    return f"keys_p{float(p):g}"
 
 
 def label_row(rule, row: Mapping) -> str:
@@ -227,9 +241,11 @@ def _record_rows(
     layer: int,
     present: dict[str, torch.Tensor],
     sink_fraction: float,
+    density: tuple = (None, None),
 ) -> pd.DataFrame:
     """The rows of one (step, layer): every head slot × batch item, from the records ``present``;
-    ``where`` is the step, its timestep and its expert."""
+    ``where`` is the step, its timestep and its expert; ``density`` the source's ``top_p`` masses (`None`:
+    not recorded) and its ``kept_keys``."""
     step, timestep, expert = where
     B, H = next(iter(present.values())).shape[:2]
     for kind, t in present.items():
@@ -266,6 +282,11 @@ def _record_rows(
         sink_tokens = [[" ".join(str(int(i)) for i in top.indices[b, h]) for h in range(H)] for b in range(B)]
     else:
         columns["sink_share"] = nan
+    ps, kept = density
+    for j, p in enumerate(ps or ()):  # the share of its keys a video query needs for mass p, per head
+        counts = present["top_p"].double()[:, :, layout.video_tokens, j] if "top_p" in present else None
+        share = nan if counts is None else counts.mean(-1) / kept(B)[:, None]
+        columns[keys_column(p)] = share
     heads = ["mean"] * H if head_ids is None else [int(head_ids[h]) for h in range(H)]
     index = {
         "step": [step] * (H * B),

@@ -13,6 +13,8 @@ from cogattn.masks import BlockGrid, mask_recall, oracle_curve, same_frame_mask,
 mask = same_frame_mask(rec.layout, rec.block_size) | temporal_window_mask(rec.layout, rec.block_size, 1)
 mask_recall(rec, mask)          # step, expert, layer, head, item, recall
 oracle_curve(rec, ks=[4, 8])    # the best recall with k key blocks per query block
+keep = top_p_mask(rec.get("block", 0, 0), 0.9)  # NABLA: per query block, the fewest key blocks reaching 0.9
+mask_recall(rec, keep, steps=0, layers=0), mask_density(rec, keep)
 ```
 
 Masks are ``(N, N)`` bool tensors over blocks (never expanded to tokens); combine them with ``&`` and ``|``.
@@ -34,11 +36,13 @@ from .run import MapSource
 
 __all__ = [
     "BlockGrid",
+    "mask_density",
     "mask_recall",
     "oracle_curve",
     "same_frame_mask",
     "spatial_window_mask",
     "temporal_window_mask",
+    "top_p_mask",
 ]
 
 
@@ -190,6 +194,30 @@ def _check_window(value, name: str) -> None:
         raise ValueError(f"{name}={value!r}; use an int >= 0 (latent frames or patches).")
 
 
+def top_p_mask(pooled_map: torch.Tensor, p: float) -> torch.Tensor:
+    """NABLA's selection on a pooled map: each query group keeps the fewest key groups whose pooled mass,
+    largest first, sums to at least ``p`` (a row that never reaches p, a float sum just below 1, keeps its
+    nonzero groups; a row of zeros keeps none). The first of equal entries in a sort wins a tie.
+
+    Args:
+        pooled_map (`torch.Tensor`): a ``block`` or ``tile`` map ``(..., N, N)``, e.g. ``rec.get("block", 0, 0)``
+            ``(B, H, N, N)`` or one head's ``(N, N)``.
+        p (`float`): the mass to reach, in (0, 1].
+
+    Returns:
+        `torch.Tensor`: bool, the shape of ``pooled_map``; ``mask_recall`` and ``mask_density`` take it.
+    """
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise ValueError(f"p={p!r}; use a mass in (0, 1], e.g. 0.9.")
+    if not isinstance(pooled_map, torch.Tensor) or pooled_map.ndim < 2 or pooled_map.shape[-1] != pooled_map.shape[-2]:
+        got = tuple(pooled_map.shape) if isinstance(pooled_map, torch.Tensor) else type(pooled_map).__name__
+        raise ValueError(f"pooled_map is {got}; pass a block or tile map (..., N, N), e.g. rec.get('block', 0, 0).")
+    values, order = pooled_map.double().sort(-1, descending=True)
+    before = torch.nn.functional.pad(values.cumsum(-1)[..., :-1], (1, 0))  # the mass ahead of each in the sort
+    keep = (before < p) & (values > 0)
+    return torch.zeros_like(keep).scatter_(-1, order, keep)
+
+
 # -- recall -----------------------------------------------------------------------------------------
 def mask_recall(
     source: MapSource,
@@ -207,7 +235,8 @@ def mask_recall(
     Args:
         source (`MapSource`): a `Recording` or a `Run` holding kind ``block`` (or ``tile``).
         mask (`torch.Tensor | str | Pattern | Callable`): ``(N, N)`` bool, N = ⌈S / source.block_size⌉ (see
-            `same_frame_mask` and the other helpers; on ``tile``, N tile groups), or a token pattern
+            `same_frame_mask` and the other helpers; on ``tile``, N tile groups), one mask per batch item and
+            head ``(B, H, N, N)`` (`top_p_mask` of a record; choose its one step and layer), or a token pattern
             (:mod:`cogattn.patterns`: ``"spatial"``, ``"sta:3,3,3"``, ...), taken as its block or tile mask
             (a group pair kept where any of its token pairs is; ``"sta:t,h,w"`` over the source's ``tile_shape``).
         steps (`"all" | int | Sequence[int]`, defaults to ``"all"``): steps of ``block``.
@@ -234,9 +263,31 @@ def mask_recall(
     w, S = grid.sizes.double(), source.layout.seq_len
     parts = []
     for step, layer, blk in _blocks(source, grid, steps, layers, kind):
+        if keep.ndim == 4 and keep.shape[:2] != blk.shape[:2]:
+            raise ValueError(f"mask is {tuple(keep.shape)}; the {kind} record of step {step}, layer {layer} is "
+                             f"{tuple(blk.shape)}: pass one (N, N) mask or one per batch item and head.")
         recall = ((blk * keep).sum(-1) * w).sum(-1) / S  # (B, H)
         parts.append(_rows(source, step, layer, recall[..., None]))
     return pd.concat(parts, ignore_index=True)
+
+
+def mask_density(source: MapSource, mask: torch.Tensor, kind: str = "block") -> torch.Tensor:
+    """The share of all (query, key) token pairs a block or tile mask computes: ``Σ_m Σ_n mask[m, n]·w_m·w_n / S²``,
+    w the tokens of each group; the mean over queries of the share of key tokens kept (1 for a full mask).
+
+    Args:
+        source (`MapSource`): a `Recording` or a `Run` (its layout, ``block_size`` or ``tile_shape``).
+        mask (`torch.Tensor`): bool ``(..., N, N)``, N groups of the ``kind`` map (e.g. `top_p_mask` of a record).
+        kind (`"block" | "tile"`, defaults to ``"block"``): the groups the mask is over.
+
+    Returns:
+        `torch.Tensor`: float64, the mask's leading shape (0-d for one ``(N, N)`` mask).
+    """
+    if kind not in ("block", "tile"):
+        raise ValueError(f"kind={kind!r}; mask_density reads a 'block' or a 'tile' mask.")
+    grid = _grid(source) if kind == "block" else _TileGrid(source)
+    w = grid.sizes.double()
+    return (_check_mask(mask, grid).double() * w[:, None] * w).sum((-2, -1)) / source.layout.seq_len**2
 
 
 def oracle_curve(
@@ -307,8 +358,8 @@ def _check_mask(mask, grid) -> torch.Tensor:
         raise TypeError(f"mask must be {want}; got a {type(mask).__name__}.")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be {want}; got dtype {mask.dtype} (make one with `m > 0` or `m.bool()`).")
-    if tuple(mask.shape) != (N, N):
-        raise ValueError(f"mask must be {want}; got shape {tuple(mask.shape)}.")
+    if mask.ndim not in (2, 4) or tuple(mask.shape[-2:]) != (N, N):
+        raise ValueError(f"mask must be {want} (or one per batch item and head); got shape {tuple(mask.shape)}.")
     return mask.cpu()
 
 

@@ -49,12 +49,33 @@ def _per_expert(run, kind: str) -> dict[str, list[int]]:
     return {f"{kind}_{expert}": steps for expert, steps in groups.items()}
 
 
+def _correspondence(run, video) -> dict:
+    """``frame_max``'s previews, each of one map: the last recorded step (of each expert), the middle layer
+    recorded at it, and the head-mean row, or the first recorded head of a run recorded per head. ``track``:
+    the point at the centre of latent frame 0; ``motion``: latent frame 0 → 1 (none for a one-frame video)."""
+    lay = run.layout
+    head = "mean" if run.head_ids is None else run.head_ids[0]
+    point = (0, lay.height // 2, lay.width // 2)
+    figures = {}
+    for name, steps in _per_expert(run, "frame_max").items():
+        suffix, step = name[len("frame_max") :], steps[-1]
+        layers = sorted({layer for kind, s, layer in run.keys() if kind == "frame_max" and s == step})
+        one = dict(step=step, layer=layers[len(layers) // 2], head=head)
+        figures[f"track{suffix}"] = plot.track_figure(run, point, video, **one)
+        if lay.frames > 1:
+            figures[f"motion{suffix}"] = plot.motion_figure(run, 0, 1, video, **one)
+    return figures
+
+
 def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None = None, dpi: int = 90) -> list[Path]:
     """Write preview PNGs: one per recorded map kind (averaged over the recorded steps, layers and heads),
     ``entropy`` and ``received`` over the video, the ``block`` map, and the head atlas of the head table's
     kinds (at the last step). ``video_to_image`` (Wan 2.1 image-to-video) shows the 4 image tokens the
-    video attends to most. Under Wan 2.2 A14B's two experts each average is one expert's: ``frame_transformer.png``
-    and ``frame_transformer_2.png``, and so on.
+    video attends to most. ``frame_max`` gives ``track.png`` (the track of the centre of latent frame 0,
+    :func:`cogattn.plot.track_figure`) and ``motion.png`` (the motion field from latent frame 0 to 1,
+    :func:`cogattn.plot.motion_figure`), each of one map: the last recorded step, the middle recorded layer,
+    the head mean (or the first recorded head). Under Wan 2.2 A14B's two experts each average is one expert's:
+    ``frame_transformer.png`` and ``frame_transformer_2.png``, ``track_transformer.png``, and so on.
 
     Args:
         run_path: a run folder written by ``cogattn.record(..., save_dir=...)``.
@@ -90,6 +111,8 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
     for kind, figure in draw.items():
         if kind in kinds:
             figures.update({name: figure(steps) for name, steps in _per_expert(run, kind).items()})
+    if "frame_max" in kinds:
+        figures.update(_correspondence(run, video))
     if kinds & {"frame", "query_frame", "entropy", "received"}:  # one step: no average over steps
         figures["heads"] = plot.head_atlas(run)
     paths = []

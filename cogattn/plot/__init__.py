@@ -40,6 +40,7 @@ from .frames import frame_heatmap, layer_step_grid
 from .heads import LABEL_COLORS, decay_curves, head_atlas
 from .overlays import query_map, word_heatmap
 from .stats import block_map, mask_outline, token_stat
+from .tracks import motion_figure, track_figure
 from .video import upsample_to_video
 
 __all__ = [
@@ -53,9 +54,11 @@ __all__ = [
     "head_atlas",
     "layer_step_grid",
     "mask_outline",
+    "motion_figure",
     "offset_map",
     "query_map",
     "token_stat",
+    "track_figure",
     "upsample_to_video",
     "word_heatmap",
 ]

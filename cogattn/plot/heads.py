@@ -30,6 +30,8 @@ LABEL_COLORS = {
     "global": "#CC79A7",
     "unknown": "#BBBBBB",
 }
+# Colours of other labels (a pattern's name from cogattn.pattern_heads), given in sorted order of the labels shown.
+EXTRA_LABEL_COLORS = ("#56B4E9", "#D55E00", "#F0E442", "#882255", "#44AA99")
 CURVE_GID = "decay-curve"  # gid of every curve of decay_curves (tests find them by it)
 _COLUMN_TEXT = {
     "text_mass": "mass on the text keys",
@@ -162,7 +164,8 @@ def head_atlas(
     """A layers × heads grid of cells, one per head, coloured by its label or by a number of the head
     table: what every head of the model does at a glance.
 
-    With ``color="label"`` each cell has its label's colour (``LABEL_COLORS``, legend below); with a
+    With ``color="label"`` each cell has its label's colour (``LABEL_COLORS``; other labels, such as the pattern
+    names of :func:`cogattn.pattern_heads.pattern_table`, ``EXTRA_LABEL_COLORS``; legend below); with a
     numeric column (``"text_mass"``, ``"same_frame_mass"``, ``"dt_1"``, ``"entropy_mean"``,
     ``"sink_share"``, ...) a colour scale and bar. Over several steps the numbers are averaged, and a
     label is the rule's label of the averaged numbers. ``plot.animate(plot.head_atlas, rec, "atlas.gif")``
@@ -180,7 +183,8 @@ def head_atlas(
             unconditional item (the first conditional item, else slot 0, where the source does not say);
             `None` averages the items.
         rule (defaults to `None`): the labelling rule (:class:`cogattn.head_stats.LabelRule`), for a source and
-            for labels of averaged numbers; `None` is ``LabelRule()``.
+            for labels of averaged numbers; `None` is the table's own (``attrs["label_rule"]``: a
+            :func:`cogattn.pattern_heads.pattern_table`'s ``ErrorLabelRule``), else ``LabelRule()``.
         scale (`str`, defaults to ``"linear"``): colour scale of a numeric column, or ``"log"``.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits of a numeric
             column (``animate`` passes the range over all its frames).
@@ -220,7 +224,7 @@ def head_atlas(
     labels = np.full(grid.shape, "", dtype=object)
     relabel = len(step_list) > 1 or item is None
     if not numeric and relabel:
-        rule = LabelRule() if rule is None else rule
+        rule = table.attrs.get("label_rule", LabelRule()) if rule is None else rule  # a pattern table's own rule
     for (layer, head), row in mean.iterrows():
         r, c = layer_list.index(layer), head_list.index(head)
         if numeric:
@@ -239,17 +243,21 @@ def head_atlas(
         bar.set_label(_COLUMN_TEXT.get(color, _dt_text(color)), fontsize=8)
         bar.ax.tick_params(labelsize=7)
     else:
-        names = list(LABEL_COLORS)
-        unknown = sorted(set(labels.ravel()) - set(names) - {""})
-        if unknown:
-            raise ValueError(f"labels {unknown} have no colour; a rule's labels are {names}.")
+        extra = sorted(set(labels.ravel()) - set(LABEL_COLORS) - {""})
+        if len(extra) > len(EXTRA_LABEL_COLORS):
+            raise ValueError(
+                f"labels {extra} have no colour: beyond {list(LABEL_COLORS)} the atlas colours "
+                f"{len(EXTRA_LABEL_COLORS)} labels; choose fewer patterns, or colour by a numeric column."
+            )
+        colors = {**LABEL_COLORS, **dict(zip(extra, EXTRA_LABEL_COLORS))}
+        names = list(colors)
         codes = np.array([[names.index(v) if v else np.nan for v in row] for row in labels], dtype=float)
-        cmap = ListedColormap([LABEL_COLORS[n] for n in names])
+        cmap = ListedColormap([colors[n] for n in names])
         norm = Normalize(-0.5, len(names) - 0.5)  # code k is the centre of colour k
         im = ax.imshow(np.ma.masked_invalid(codes), cmap=cmap, norm=norm, interpolation="nearest", gid=MAP_GID)
         shown = [n for n in names if n in set(labels.ravel())]
         fig.legend(
-            handles=[Patch(facecolor=LABEL_COLORS[n], label=n) for n in shown],
+            handles=[Patch(facecolor=colors[n], label=n) for n in shown],
             loc="outside lower center",
             ncol=len(shown),
             fontsize=7,
@@ -279,6 +287,11 @@ def _numeric(table) -> list[str]:
 def _dt_text(column: str) -> str:
     if column.startswith("dt_"):
         return f"mass at frame distance |Δf| = {column[3:]}"
+    if column.startswith(("error_", "recall_")):  # a pattern table's columns
+        name = column.split("_", 1)[1]
+        return (
+            f"output error of pattern {name!r} (mean squared)" if column[0] == "e" else f"mass pattern {name!r} keeps"
+        )
     return column
 
 

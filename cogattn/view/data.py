@@ -29,6 +29,7 @@ from ..masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_
 from ..reducers import REDUCERS
 from ..run import MANIFEST, Run
 from .files import PromptFiles, info
+from .sparse import options as sparse_options
 
 __all__ = ["RunView", "colormap", "find_runs", "open_runs"]
 
@@ -153,6 +154,7 @@ class RunView:
             "head_atlas": bool(set(kinds) & set(TABLE_KINDS)),
             "head_columns": list(HEAD_COLUMNS),
             "masks": list(MASKS),
+            "sparse": sparse_options(run),  # tile_shape, top_p's masses, the patterns a tile mask outlines
             "units": {k: REDUCERS[k].unit for k in kinds if k in REDUCERS},  # what a value is, per kind
             "items": [{"slot": i, "label": item_label(run, i), "role": role} for i, role in enumerate(_roles(run))],
             "negative_tokens": self.tokens("negative_tokens"),

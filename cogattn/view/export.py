@@ -6,6 +6,10 @@ The page's script, style and the answers it would fetch are written into the HTM
 over layers for the prompt's tokens (at most :data:`MAX_TOKENS`, at :data:`MAX_STEPS` steps), each frame pooled down to at most
 :data:`MAX_SIDE` patches on its longer side, every value to 4 significant digits. The batch tool's video goes in as a data URL. What was kept is stated on
 the page (``summary["export"]``); a video point's row needs the full map, so the export leaves it out.
+The sparse-attention panels go in too: ``tile`` at the mean over layers and heads with every pattern's mask
+and recall (a map of at most :data:`MAX_TILE_GROUPS` groups a side), ``top_p``'s density and ``offset``'s decay
+at every step and layer and their mean, of the heads' mean; a point's ``frame_max`` track is one per video
+point, head and layer, so it is live only, and the page says so.
 
 What the runs hold is embedded as data, never as markup: every ``<`` in it (and U+2028, U+2029) is written
 as a JSON escape, so no prompt can close or comment out the script it sits in. Only files inside a run's
@@ -27,6 +31,7 @@ from ..analysis import aggregate
 from ..head_stats import TABLE_KINDS
 from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 from .files import finite, prompt_of
+from .sparse import decay, density, tile
 
 __all__ = ["MAX_SIDE", "MAX_STEPS", "MAX_TOKENS", "export", "static_file"]
 
@@ -34,6 +39,7 @@ MAX_TOKENS = 64  # text tokens of the word kinds kept per step
 MAX_STEPS = 10  # steps of the word kinds kept: the first, the last, and evenly between
 MAX_SIDE = 24  # patches a side kept per frame of a word map (average pooling above it)
 MAX_VIDEO = 32 * 2**20  # bytes of video embedded
+MAX_TILE_GROUPS = 256  # groups a side of a tile map kept (a larger one is left out, and the page says so)
 
 
 def static_file(name: str) -> bytes:
@@ -104,8 +110,27 @@ def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tup
         "max_side": side,
         "digits": 4,
         "points": "not kept: open the run with `cogattn view` to click video points",
+        "tracks": "not kept: a track is one per video point, layer and head; open the run with `cogattn view`",
+        "sparse": f"tile: the mean over layers and heads, maps of at most {MAX_TILE_GROUPS} groups a side; "
+        "density and decay: every layer and their mean, the mean over heads",
     }
+    maps.update(_sparse(view, summary))
     return summary, maps
+
+
+def _sparse(view: RunView, summary: dict) -> dict:
+    """The sparse-attention panels' answers, keyed as the page asks for them (:data:`MAX_TILE_GROUPS`)."""
+    maps = {}
+    for step in summary["steps"].get("tile", []):
+        large = tile(view, step, "mean", "mean").get("shape", [0])[0] > MAX_TILE_GROUPS  # before any mask is made
+        for pattern in ["none", *summary["sparse"]["patterns"]]:
+            payload = tile(view, step, "mean", "mean", pattern) if not large else {"error": summary["export"]["sparse"]}
+            maps[f"tile|{step}|mean|mean|{pattern}"] = _rounded(payload)
+    for name, answer in (("top_p", density), ("offset", decay)):
+        for step in summary["steps"].get(name, []):
+            for layer in ["mean", *summary["layers"][name]]:
+                maps[f"{name}|{step}|{layer}|mean"] = answer(view, step, layer, "mean")
+    return maps
 
 
 def export(

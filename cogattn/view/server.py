@@ -12,8 +12,12 @@ the package (``static/``, no CDN) and a small JSON API that :class:`cogattn.view
     GET /api/point?run=&step=&layer=&head=&frame=&row=&col= where a video point attends
     GET /api/heads?run=&step=&column=          the head atlas: a head_table column per layer and head
     GET /api/block?run=&step=&layer=&head=&mask=  the block map, a mask's kept blocks and its recall
-    (map, point, heads and block take &item=SLOT, a slot of the recorded batch; by default the first
-    conditional item under guidance)
+    GET /api/tile?run=&step=&layer=&head=&pattern= the tile map, a pattern's tile mask and its recall
+    GET /api/density?run=&step=&layer=&head=    top_p's share of keys a video query needs per mass p
+    GET /api/decay?run=&step=&layer=&head=      offset's mass against |Δt| and spatial distance, and the fits
+    GET /api/track?run=&step=&layer=&head=&frame=&row=&col=  a video point's frame_max track
+    (all but summary take &item=SLOT, a slot of the recorded batch; by default the first conditional item
+    under guidance; the sparse-attention panels are answered by :mod:`cogattn.view.sparse`)
     GET /file/NAME/video | /file/NAME/thumbnail             the batch tool's video and frame preview
     GET /file/NAME/frame/I                     the video's frame I, a PNG (for the maps over the video)
 
@@ -37,6 +41,7 @@ from ..errors import StoreError
 from .data import RunView, open_runs
 from .export import MAX_SIDE, MAX_STEPS, MAX_TOKENS, export, static_file
 from .files import finite, prompt_of
+from .sparse import decay, density, tile, track
 
 __all__ = ["ViewServer", "main"]
 
@@ -163,6 +168,15 @@ def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, byt
     elif path == "/api/block":
         args = (int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), query.get("mask", "none"))
         body = view.block(*args, item=item)
+    elif path in ("/api/tile", "/api/density", "/api/decay"):
+        sel = (int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"))
+        if path == "/api/tile":
+            body = tile(view, *sel, query.get("pattern", "none"), item=item)
+        else:
+            body = (density if path == "/api/density" else decay)(view, *sel, item=item)
+    elif path == "/api/track":
+        where = (int(query[k]) for k in ("frame", "row", "col"))
+        body = track(view, int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), *where, item=item)
     elif path == "/api/heads":
         body = view.heads(int(query["step"]), query.get("column", "same_frame_mass"), item=item)
     elif path == "/api/point":
