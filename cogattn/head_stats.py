@@ -283,10 +283,14 @@ def _record_rows(
     else:
         columns["sink_share"] = nan
     ps, kept = density
-    for j, p in enumerate(ps or ()):  # the share of its keys a video query needs for mass p, per head
-        counts = present["top_p"].double()[:, :, layout.video_tokens, j] if "top_p" in present else None
-        share = nan if counts is None else counts.mean(-1) / kept(B)[:, None]
-        columns[keys_column(p)] = share
+    top_p = present["top_p"].double()[:, :, layout.video_tokens] if "top_p" in present and ps else None
+    if top_p is not None and top_p.shape[-1] != len(ps):
+        raise ValueError(
+            f"the top_p record of step {step}, layer {layer} holds {top_p.shape[-1]} masses, but the source names "
+            f"{list(ps)}; the source is inconsistent."
+        )
+    for j, p in enumerate(ps or ()):  # the share of its keys a video query needs for mass p
+        columns[keys_column(p)] = nan if top_p is None else top_p[..., j].mean(-1) / kept(B)[:, None]
     heads = ["mean"] * H if head_ids is None else [int(head_ids[h]) for h in range(H)]
     index = {
         "step": [step] * (H * B),

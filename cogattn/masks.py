@@ -249,7 +249,7 @@ def mask_recall(
 
     Raises:
         TypeError: ``mask`` is not a bool tensor.
-        ValueError: ``mask`` is not (N, N), or a record disagrees with the layout and block size.
+        ValueError: ``mask`` is not (N, N) or (B, H, N, N) of the records, or a record disagrees with the layout.
         NotRecordedError: ``block``, or a chosen step or layer, was not recorded.
     """
     if kind not in ("block", "tile"):
@@ -264,8 +264,10 @@ def mask_recall(
     parts = []
     for step, layer, blk in _blocks(source, grid, steps, layers, kind):
         if keep.ndim == 4 and keep.shape[:2] != blk.shape[:2]:
-            raise ValueError(f"mask is {tuple(keep.shape)}; the {kind} record of step {step}, layer {layer} is "
-                             f"{tuple(blk.shape)}: pass one (N, N) mask or one per batch item and head.")
+            raise ValueError(
+                f"mask is {tuple(keep.shape)}; the {kind} record of step {step}, layer {layer} is "
+                f"{tuple(blk.shape)}: pass one (N, N) mask or one per batch item and head."
+            )
         recall = ((blk * keep).sum(-1) * w).sum(-1) / S  # (B, H)
         parts.append(_rows(source, step, layer, recall[..., None]))
     return pd.concat(parts, ignore_index=True)
