@@ -21,7 +21,15 @@ from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.pattern_heads import ErrorLabelRule, label_changes, pattern_table
 from cogattn.plot.heads import EXTRA_LABEL_COLORS
 
-PATTERNS = ("spatial", "temporal")
+
+def same_row(qf, qy, qx, kf, ky, kx):
+    """A user's pattern: the query's patch row in every frame, as many keys as ``spatial`` keeps (3 × 5 here), so
+    which of the two serves a head better depends on its attention, not on how many keys each keeps."""
+    return qy == ky
+
+
+PATTERNS = ("spatial", "temporal", same_row)
+NAMES = ("spatial", "temporal", "same_row")
 STEPS = 4
 OPTIONS = dict(kinds=("pattern_error", "pattern_recall"), patterns=PATTERNS, batch="all")
 
@@ -47,17 +55,18 @@ def test_error_columns_are_the_records_and_labels_their_argmin(recorded):
     assert len(table) == STEPS * layers * H * B
     assert list(table.columns) == [
         "step", "timestep", "expert", "layer", "head", "item",
-        "error_spatial", "error_temporal", "recall_spatial", "recall_temporal", "label",
+        "error_spatial", "error_temporal", "error_same_row",
+        "recall_spatial", "recall_temporal", "recall_same_row", "label",
     ]  # fmt: skip
     assert set(table["expert"]) == {"transformer"} and table.attrs["batch_roles"] == ["uncond", "cond"]
     for row in table.itertuples(index=False):
         error = run.get("pattern_error", row.step, row.layer)[row.item, _slot(run, row.head)].double()
         recall = run.get("pattern_recall", row.step, row.layer)[row.item, _slot(run, row.head)].double()
-        assert [row.error_spatial, row.error_temporal] == error.tolist()
-        assert [row.recall_spatial, row.recall_temporal] == recall.tolist()
-        assert row.label == PATTERNS[int(torch.argmin(error))]
+        assert [row.error_spatial, row.error_temporal, row.error_same_row] == error.tolist()
+        assert [row.recall_spatial, row.recall_temporal, row.recall_same_row] == recall.tolist()
+        assert row.label == NAMES[int(torch.argmin(error))]
         assert row.timestep == run.timesteps[row.step]
-    assert set(table["label"]) == set(PATTERNS)  # both labels occur: the argmin is a real check
+    assert set(table["label"]) == {"spatial", "same_row"}  # the argmin differs between heads: a real check
     # the recording in memory gives the same table as the run read back
     pd.testing.assert_frame_equal(pattern_table(rec), table)
 
@@ -72,8 +81,8 @@ def test_selections_follow_the_readers(recorded):
     assert set(mean["head"]) == {"mean"} and set(mean["item"]) == {1}
     for row in mean.itertuples(index=False):
         error = run.get("pattern_error", 3, row.layer)[1].double().mean(0)  # over the heads
-        assert [row.error_spatial, row.error_temporal] == pytest.approx(error.tolist(), rel=1e-12)
-        assert row.label == PATTERNS[int(torch.argmin(error))]
+        assert [row.error_spatial, row.error_temporal, row.error_same_row] == pytest.approx(error.tolist(), rel=1e-12)
+        assert row.label == NAMES[int(torch.argmin(error))]
 
 
 def test_a_heads_mean_run_gives_one_mean_head_and_steps_skipped_leave_no_rows(recorded):
@@ -85,7 +94,7 @@ def test_a_heads_mean_run_gives_one_mean_head_and_steps_skipped_leave_no_rows(re
     assert sorted(table["step"].unique()) == [0, 2]
     for row in table.itertuples(index=False):
         error = rec.get("pattern_error", row.step, row.layer)[row.item, 0].double()
-        assert [row.error_spatial, row.error_temporal] == error.tolist()
+        assert [row.error_spatial, row.error_temporal, row.error_same_row] == error.tolist()
     changes = label_changes(table)
     assert set(changes["steps"]) == {2}  # steps 0 and 2 are consecutive recorded steps
 
@@ -93,7 +102,7 @@ def test_a_heads_mean_run_gives_one_mean_head_and_steps_skipped_leave_no_rows(re
 def test_label_changes_equal_a_count_by_hand(recorded):
     _, _, run = recorded
     table = pattern_table(run)
-    table.loc[table.index[::3], "label"] = "temporal"  # more changes than the tiny model's labels make
+    table.loc[table.index[::3], "label"] = "temporal"  # the tiny model's heads keep their labels: add changes
     got = label_changes(table)
     assert len(got) == 2 * len(run.head_ids) * 2  # (layer, head, item)
     seen = 0
@@ -149,24 +158,22 @@ def test_a_run_without_pattern_error_is_refused_naming_the_kind(recorded):
 def test_the_head_atlas_draws_the_labels(recorded):
     _, _, run = recorded
     table = pattern_table(run)
-    names = list(plot.LABEL_COLORS)
+    colors = {**plot.LABEL_COLORS, "same_row": EXTRA_LABEL_COLORS[0]}  # a label beyond the mass-based ones
+
+    def cells(fig):
+        (im,) = [im for ax in fig.axes for im in ax.images if im.get_gid() == "attention"]
+        return im.to_rgba(im.get_array())
+
     fig = plot.head_atlas(table)  # the last step, the conditional item
-    (im,) = [im for ax in fig.axes for im in ax.images if im.get_gid() == "attention"]
+    rgba = cells(fig)
     rows = table[(table.step == STEPS - 1) & (table["item"] == 1)]
     for row in rows.itertuples(index=False):
-        assert names[int(im.get_array()[row.layer, row.head])] == row.label
+        assert tuple(rgba[row.layer, row.head]) == to_rgba(colors[row.label])
     assert sorted(t.get_text() for t in fig.legends[0].get_texts()) == sorted(rows["label"].unique())
-    # over every step: the table's rule labels the mean errors
-    im = [im for ax in plot.head_atlas(table, steps="mean").axes for im in ax.images][0]
+    # over every step the table's own rule labels the mean errors
+    rgba = cells(plot.head_atlas(table, steps="mean"))
     for (layer, head), group in table[table["item"] == 1].groupby(["layer", "head"]):
-        mean = [group["error_spatial"].mean(), group["error_temporal"].mean()]
-        assert names[int(im.get_array()[layer, head])] == PATTERNS[mean.index(min(mean))]
-    # a label beyond the mass-based ones gets a colour of its own
-    renamed = table.assign(label=table["label"].replace("spatial", "window:1"))
-    fig = plot.head_atlas(renamed)
-    (im,) = [im for ax in fig.axes for im in ax.images if im.get_gid() == "attention"]
-    for row in renamed[(renamed.step == STEPS - 1) & (renamed["item"] == 1)].itertuples(index=False):
-        want = EXTRA_LABEL_COLORS[0] if row.label == "window:1" else plot.LABEL_COLORS[row.label]
-        assert tuple(im.to_rgba(im.get_array())[row.layer, row.head]) == to_rgba(want)
+        mean = [group[f"error_{name}"].mean() for name in NAMES]
+        assert tuple(rgba[layer, head]) == to_rgba(colors[NAMES[mean.index(min(mean))]])
     bar = plot.head_atlas(table, color="error_temporal").axes[-1]
     assert "output error of pattern 'temporal'" in bar.get_ylabel()
