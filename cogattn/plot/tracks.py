@@ -136,7 +136,7 @@ def track_figure(
     nrows = -(-len(panels) // ncols)
     h, w = pixels.shape[1:3] if pixels is not None else (layout.height, layout.width)
     pw = min(2.4, 14 / ncols)
-    fig = new_figure(fig, (pw * ncols + 0.6, (pw * h / w + 0.45) * nrows + 0.9))
+    fig = new_figure(fig, (max(pw * ncols + 0.6, 8.0), (pw * h / w + 0.45) * nrows + 1.1))  # room for the title
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     outline = [patheffects.withStroke(linewidth=2, foreground="black")]
     for ax, (n, f) in zip(axes, panels):
@@ -163,10 +163,12 @@ def track_figure(
         ax.set_visible(False)
     if pixels is None:
         axes[0].set_ylabel("patch row", fontsize=7)
+        for ax in axes[: len(panels)]:
+            ax.set_xlabel("patch column", fontsize=7)
     set_title(
         fig,
         f"track of video point (frame, row, col) = {tuple(point)}: its highest-attention key in each "
-        f"{frame_unit(layout)} (size, opacity and number: that key's probability)",
+        f"{frame_unit(layout)}\n(dot size and opacity grow with that key's probability, printed beside it)",
         _detail(source, step, layer, head, batch),
     )
     return fig
@@ -254,7 +256,7 @@ def motion_figure(
     sy, sx, off = _to_axes(layout, pixels)
     h, w = pixels.shape[1:3] if pixels is not None else (layout.height, layout.width)
     pw = 5.0
-    fig = new_figure(fig, (pw + 1.8, pw * h / w + 1.1))
+    fig = new_figure(fig, (pw + 1.8, pw * h / w + 1.3))
     if style == "wheel":  # the wheel's legend beside the panel
         ax, side = fig.subplots(1, 2, width_ratios=[pw, 1.2])
     else:
@@ -291,7 +293,7 @@ def motion_figure(
     how = "arrows" if style == "arrows" else "colours (hue: direction, brightness: length)"
     set_title(
         fig,
-        f"motion from {unit} {f0} to {f1}: each patch to its highest-attention key in {unit} {f1}, as {how}",
+        f"motion from {unit} {f0} to {f1}, as {how}\neach patch to its highest-attention key in {unit} {f1}",
         _detail(source, step, layer, head, batch),
     )
     return fig
