@@ -19,6 +19,7 @@ the run lists, and a record whose shape or key tokens do not fit the layout is a
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -44,7 +45,9 @@ def options(run) -> dict:
     else: ``tile_shape``, ``top_p`` (the masses p), and ``patterns`` (the names that outline a tile mask: the
     run's ``patterns`` where it lists them, else :data:`cogattn.patterns.DEFAULT_PATTERNS`; a name the
     library does not parse, such as a callable's, is left out)."""
-    sel = run.meta.get("selection") if isinstance(run.meta.get("selection"), dict) else {}
+    sel = run.meta.get("selection")
+    if not isinstance(sel, dict):
+        return {"tile_shape": None, "top_p": None, "patterns": []}
     try:
         shape = run.tile_shape
     except StoreError:
@@ -145,7 +148,8 @@ def density(view, step: int, layer: int | str, head: int | str, item=None) -> di
 
 def decay(view, step: int, layer: int | str, head: int | str, item=None) -> dict:
     """The offset decay: mass against |Δt| (``dt``, in latent frames) and against the rounded spatial distance
-    (``ds``, in patches), and the exponential fit of each (``t_fit``, ``s_fit``: ``rate``, ``scale``, ``r2``),
+    (``ds``, in patches), the exponential fit of each (``t_fit``, ``s_fit``: ``rate``, ``scale``, ``r2``) and its
+    values at those distances (``t_fitted``, ``s_fitted``),
     of one head or the heads' mean and one layer or the layers' mean: :func:`cogattn.decay.mean_decay` by step
     over those rows of :func:`cogattn.decay.decay_table` (a mean curve, fitted again)."""
     run, lay = view.run, view.run.layout
@@ -173,8 +177,11 @@ def decay(view, step: int, layer: int | str, head: int | str, item=None) -> dict
     row = mean_decay(table, by="step").iloc[0]
     curve = lambda p: [float(row[c]) for c in row.index if c.startswith(f"{p}_") and c[3:].isdigit()]  # noqa: E731
     fit = lambda p: {k: float(row[f"{p}_{k}"]) for k in ("rate", "scale", "r2")}  # noqa: E731
-    text = float(table["text_mass"].mean())
-    return {"dt": curve("dt"), "ds": curve("ds"), "t_fit": fit("t"), "s_fit": fit("s"), "text_mass": text}
+    out = {"dt": curve("dt"), "ds": curve("ds"), "t_fit": fit("t"), "s_fit": fit("s")}
+    for axis, p in (("dt", "t"), ("ds", "s")):  # the fit at each distance, for the page to draw beside the curve
+        a, rate = out[f"{p}_fit"]["scale"], out[f"{p}_fit"]["rate"]
+        out[f"{p}_fitted"] = [a * math.exp(min(-rate * d, 700.0)) for d in range(len(out[axis]))]  # no overflow
+    return {**out, "text_mass": float(table["text_mass"].mean())}
 
 
 def track(view, step: int, layer: int | str, head: int | str, frame: int, row: int, col: int, item=None) -> dict:

@@ -23,6 +23,12 @@ function embedded(path, q) {
   if (path === "/api/point") return { error: EMBEDDED.summaries[q.run].export.points };
   if (path === "/api/block") return EMBEDDED.maps[[q.run, "block", q.step, q.layer, q.head, q.mask].join("|")] || { error: "not in this export" };
   if (path === "/api/heads") return EMBEDDED.maps[[q.run, "heads", q.step, q.column].join("|")] || { error: "not in this export" };
+  if (path === "/api/track") return { error: EMBEDDED.summaries[q.run].export.tracks };
+  const sparse = { "/api/tile": "tile", "/api/density": "top_p", "/api/decay": "offset" }[path];
+  if (sparse) {
+    const key = [q.run, sparse, q.step, q.layer, q.head, ...(sparse === "tile" ? [q.pattern] : [])].join("|");
+    return EMBEDDED.maps[key] || { error: `not in this export (${EMBEDDED.summaries[q.run].export.sparse})` };
+  }
   const key = [q.run, q.kind, q.step, q.layer, q.head, q.token ?? ""].join("|");
   return EMBEDDED.maps[key] || { error: `this export does not hold that map (${key}): ${JSON.stringify(EMBEDDED.summaries[q.run].export)}` };
 }
@@ -220,7 +226,7 @@ function draw(target, payload, opts = {}) {
 
 // -- the viewer --------------------------------------------------------------------------------------------
 // The controls the page's address keeps, so a link opens the same view (`?run=…&step=…&point=f,r,c`).
-const KEPT = ["item", "step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask"];
+const KEPT = ["item", "step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask", "pattern"];
 
 function restore() {
   for (const id of KEPT) {
@@ -313,7 +319,19 @@ async function redraw() {
     const q = { run, item: sel.item, step: sel.step, column: $("head-column").value };
     jobs.push(api("/api/heads", q).then(drawHeads));
   }
-  if (point) jobs.push(drawPoint());
+  if (S.kinds.includes("tile")) {
+    $("tile-panel").hidden = false;
+    jobs.push(api("/api/tile", { ...sel, pattern: $("pattern").value }).then(drawTile));
+  }
+  if (S.kinds.includes("top_p")) {
+    $("density-panel").hidden = false;
+    jobs.push(api("/api/density", sel).then(drawDensity));
+  }
+  if (S.kinds.includes("offset")) {
+    $("decay-panel").hidden = false;
+    jobs.push(api("/api/decay", sel).then(drawDecay));
+  }
+  if (point) jobs.push(drawPoint(), drawTrack());
   remember();
   await Promise.all(jobs);
   document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1);
@@ -378,7 +396,12 @@ function drawBlock(payload) {
   draw("block", payload, { captions: [`${S.selection.block_size || ""} tokens a block`], unit: unitOf("block"), where });
   $("recall").textContent = payload.recall === undefined ? "" : `recall ${payload.recall.toFixed(4)} of the attention mass`;
   $("block").dataset.recall = payload.recall === undefined ? "" : String(payload.recall);
-  const canvas = $("block").querySelector("canvas");
+  outline("block", payload);
+}
+
+// A mask's kept cells of a 2-D map, outlined on its canvas.
+function outline(target, payload) {
+  const canvas = $(target).querySelector("canvas");
   if (!canvas || !payload.mask) return;
   const [rows, cols] = payload.shape;
   const cell = canvas.width / cols;
@@ -405,16 +428,199 @@ function drawHeads(payload) {
   draw("heads", payload, { captions: [payload.column || ""], onClick: payload.error ? null : pick, unit, where });
 }
 
+// -- the sparse-attention panels: the tile map, top_p's density, offset's decay -----------------------------
+function drawTile(payload) {
+  const labels = payload.labels || [];
+  const where = (f, r, c) => `query tile ${labels[r] ?? r}, key tile ${labels[c] ?? c}`;
+  const shape = payload.tile_shape ? ` of ${payload.tile_shape.join(" × ")} (latent frames × patch rows × columns)` : "";
+  draw("tile", payload, { captions: [`tiles${shape}; group 0: text`], unit: unitOf("tile"), where });
+  const recall = payload.recall ?? null;
+  $("tile-recall").textContent = recall === null ? "" : `recall ${fmt(recall, 4)} of the attention mass`;
+  $("tile").dataset.recall = recall === null ? "" : String(recall);
+  outline("tile", payload);
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs, parent) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (parent) parent.append(e);
+  return e;
+}
+
+// A line chart of `series` ([{x, y, cls}], `cls` "line" with its points marked, or "fit"), from 0 to the largest
+// value on each axis, the ends labelled; a point's <title> holds its numbers.
+function chart(series, xlabel, ylabel, digits = 4) {
+  const W = 300, H = 190, L = 50, B = 36, T = 10, R = 14;
+  const finite = (v) => v !== null && Number.isFinite(v);
+  const xs = series.flatMap((s) => s.x).filter(finite);
+  const ys = series.filter((s) => s.cls === "line").flatMap((s) => s.y).filter(finite);
+  const x1 = Math.max(1e-12, ...xs), y1 = Math.max(1e-12, ...ys);
+  const X = (x) => L + ((W - L - R) * x) / x1, Y = (y) => H - B - ((H - B - T) * Math.min(y, 1.2 * y1)) / y1;
+  const root = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}` });
+  svg("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }, root);
+  svg("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }, root);
+  const text = (x, y, s, anchor) => (svg("text", { x, y, "text-anchor": anchor }, root).textContent = s);
+  text(L, H - B + 13, "0", "middle");
+  text(W - R, H - B + 13, fmt(x1, 3), "end");
+  text(L - 4, H - B, "0", "end");
+  text(L - 4, T + 8, fmt(y1, 3), "end");
+  text((L + W - R) / 2, H - 6, xlabel, "middle");
+  svg("text", { x: 12, y: (T + H - B) / 2, transform: `rotate(-90 12 ${(T + H - B) / 2})`, "text-anchor": "middle" }, root).textContent = ylabel;
+  for (const s of series) {
+    const at = s.x.map((x, i) => [x, s.y[i]]).filter(([x, y]) => finite(x) && finite(y));
+    svg("polyline", { class: s.cls, points: at.map(([x, y]) => `${X(x)},${Y(y)}`).join(" ") }, root);
+    if (s.cls !== "line") continue;
+    for (const [x, y] of at) {
+      const dot = svg("circle", { cx: X(x), cy: Y(y), r: 2.5, "data-x": x, "data-y": y }, root);
+      svg("title", {}, dot).textContent = `${xlabel} ${fmt(x, digits)}: ${ylabel} ${fmt(y, digits)}`;
+    }
+  }
+  return root;
+}
+
+// The panel's error line, and its numbers on the box (`data-values`) where there is no error.
+function answered(target, payload) {
+  const box = $(target);
+  box.replaceChildren();
+  box.parentElement.querySelector(".error").textContent = payload.error || "";
+  box.dataset.values = payload.error ? "" : JSON.stringify(payload);
+  return !payload.error;
+}
+
+function drawDensity(payload) {
+  const table = $("density-table");
+  table.replaceChildren();
+  if (!answered("density", payload)) return;
+  $("density").append(chart([{ x: payload.p, y: payload.share, cls: "line" }], "mass p", "share of keys"));
+  const rows = [
+    ["mass p", payload.p, 4],
+    ["share of the keys", payload.share, 4],
+    [`keys (of ${payload.keys})`, payload.counts, 4],
+  ];
+  for (const [name, values, digits] of rows) {
+    const tr = document.createElement("tr");
+    const th = document.createElement("th");
+    th.textContent = name;
+    tr.append(th);
+    for (const v of values) {
+      const td = document.createElement("td");
+      td.textContent = v === null ? "–" : fmt(v, digits);
+      tr.append(td);
+    }
+    table.append(tr);
+  }
+}
+
+function drawDecay(payload) {
+  $("decay-fit").textContent = "";
+  if (!answered("decay", payload)) return;
+  const d = (n) => Array.from({ length: n }, (_, i) => i);
+  for (const [axis, p, xlabel] of [["dt", "t", "|Δt| (latent frames)"], ["ds", "s", "spatial distance (patches)"]]) {
+    const x = d(payload[axis].length);
+    const series = [{ x, y: payload[axis], cls: "line" }, { x, y: payload[`${p}_fitted`], cls: "fit" }];
+    const figure = chart(series, xlabel, "mass");
+    figure.dataset.axis = axis;
+    $("decay").append(figure);
+  }
+  const num = (v, digits = 4) => (v === null || v === undefined ? "–" : fmt(v, digits));
+  const fit = (f, per) => `rate λ ${num(f.rate)} per ${per}, R² ${num(f.r2)}, a ${num(f.scale)}`;
+  const curve = (values) => values.map((v, i) => `${i}: ${num(v)}`).join(", ");
+  $("decay-fit").textContent =
+    `time: ${fit(payload.t_fit, "latent frame")} · space: ${fit(payload.s_fit, "patch")} · text mass ${num(payload.text_mass)}` +
+    ` · mass by |Δt| ${curve(payload.dt)} · by spatial distance ${curve(payload.ds)}`;
+}
+
 // A cell of a map over the video, named as the plots name their axes.
 const onVideo = (f, r, c) => `latent frame ${f}, patch row ${r}, patch column ${c}`;
 
 function choosePoint(frame, row, col) {
   point = [frame, row, col];
   remember();
-  drawPoint().then(() => (document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1)));
+  Promise.all([drawPoint(), drawTrack()]).then(() => (document.body.dataset.ready = String(Number(document.body.dataset.ready || 0) + 1)));
 }
 
+// -- a video point's track: its frame_max match in every latent frame, over the video's frames ----------------
+async function drawTrack() {
+  if (!S.kinds.includes("frame_max")) return;
+  $("track-panel").hidden = false;
+  const [frame, row, col] = point;
+  $("track-label").textContent = `frame ${frame}, row ${row}, column ${col}`;
+  const payload = await api("/api/track", { ...selection(), frame, row, col });
+  const box = $("track");
+  const readout = box.parentElement.querySelector(".readout");
+  box.replaceChildren();
+  readout.textContent = "";
+  box.parentElement.querySelector(".error").textContent = payload.error || "";
+  box.dataset.track = payload.error ? "" : JSON.stringify({ point: payload.point, positions: payload.positions, confidence: payload.confidence });
+  if (payload.error) return;
+  const [frames, rows, cols] = payload.grid;
+  const cell = Math.max(4, Math.min(28, Math.floor(240 / Math.max(rows, cols))));
+  const figures = document.createElement("div");
+  figures.className = "figures";
+  box.append(figures);
+  for (let f = 0; f < frames; f++) {
+    const [mr, mc] = payload.positions[f];
+    const p = payload.confidence[f];
+    const figure = document.createElement("figure");
+    const canvas = document.createElement("canvas");
+    canvas.width = cols * cell;
+    canvas.height = rows * cell;
+    canvas.dataset.frame = f;
+    canvas.dataset.match = JSON.stringify([mr, mc]);
+    canvas.dataset.confidence = String(p);
+    const pixel = payload.under[f];
+    const image = pixel !== null && S.video_frames && !EMBEDDED ? loadFrame(pixel) : null;
+    const paintTrack = () => {
+      const ctx = canvas.getContext("2d");
+      ctx.fillStyle = "#eee";
+      ctx.fillRect(0, 0, canvas.width, canvas.height);
+      if (image && image.complete && image.naturalWidth) {
+        ctx.imageSmoothingEnabled = false;
+        ctx.drawImage(image, 0, 0, canvas.width, canvas.height);
+      }
+      if (f === frame) { // the point itself
+        ctx.strokeStyle = "cyan";
+        ctx.lineWidth = Math.max(1, cell / 8);
+        ctx.strokeRect(col * cell + 1, row * cell + 1, cell - 2, cell - 2);
+      }
+      if (mr < 0) return;
+      ctx.strokeStyle = "red";
+      ctx.lineWidth = Math.max(1.5, cell / 6);
+      ctx.beginPath();
+      ctx.arc((mc + 0.5) * cell, (mr + 0.5) * cell, Math.max(3, cell * 0.4), 0, 2 * Math.PI);
+      ctx.stroke();
+    };
+    paintTrack();
+    if (image && !(image.complete && image.naturalWidth)) image.addEventListener("load", paintTrack, { once: true });
+    const cellAt = (e) => {
+      const at = canvas.getBoundingClientRect();
+      const r = Math.floor(((e.clientY - at.top) / at.height) * rows);
+      const c = Math.floor(((e.clientX - at.left) / at.width) * cols);
+      return [Math.max(0, Math.min(r, rows - 1)), Math.max(0, Math.min(c, cols - 1))];
+    };
+    canvas.addEventListener("mousemove", (e) => {
+      const [r, c] = cellAt(e);
+      const match = r === mr && c === mc ? `: the match, probability ${fmt(p, 6)}` : "";
+      readout.textContent = onVideo(f, r, c) + match;
+    });
+    canvas.addEventListener("mouseleave", () => (readout.textContent = ""));
+    canvas.addEventListener("click", (e) => choosePoint(f, ...cellAt(e)));
+    const caption = document.createElement("figcaption");
+    caption.textContent = mr < 0 ? `f${f}: no key with attention` : `f${f}: (${mr}, ${mc}) p ${fmt(p, 4)}`;
+    caption.title = pixel === null ? "" : `over pixel frame ${pixel}`;
+    figure.append(canvas, caption);
+    figures.append(figure);
+  }
+  box.classList.add("clickable");
+}
+
+const ROW_KINDS = ["full", "query", "topk", "query_frame"]; // the kinds that hold a point's row
+
 async function drawPoint() {
+  // a run with frame_max and none of these: its point clicks are for the track alone
+  $("point-panel").hidden = !S.kinds.some((k) => ROW_KINDS.includes(k)) && S.kinds.includes("frame_max");
+  if ($("point-panel").hidden) return;
   const [frame, row, col] = point;
   $("point-label").textContent = `frame ${frame}, row ${row}, column ${col}`;
   $("point").dataset.point = JSON.stringify(point);
@@ -506,6 +712,7 @@ async function openRun() {
   for (const k of ["entropy", "received"]) if (kinds.includes(k)) option($("stat-kind"), k);
   for (const c of S.head_columns) option($("head-column"), c);
   for (const m of S.masks) option($("mask"), m);
+  for (const p of ["none", ...((S.sparse && S.sparse.patterns) || [])]) option($("pattern"), p);
   S.tokens.forEach((t, i) => option($("token"), i, `${i}: ${t}`));
   labelItem();
   if (S.video_frames && !EMBEDDED && S.kinds.some((k) => k === "video_to_text" || k === "text_to_video")) {
