@@ -19,7 +19,8 @@
 # This notebook generates one video, records exact attention maps while it is generated, and draws
 # them: frame-to-frame attention, where the video attends to each word (and the reverse), where one
 # video point attends, grids over layers × steps, an animation, which heads are temporal and how much
-# of the attention a same-frame block-sparse mask would keep, interactive sliders, and the same on Wan.
+# of the attention a same-frame block-sparse mask would keep, a sparse-pattern study and a point's track,
+# interactive sliders, and the same on Wan.
 #
 # It runs end to end on the embedded **tiny random CogVideoX** (no download, CPU, well under two
 # minutes). Its weights are random, so the video is noise and the maps carry no meaning; the shapes,
@@ -37,8 +38,11 @@ from IPython.display import Image, display
 import cogattn
 from cogattn import models, plot
 from cogattn.analysis import aggregate
+from cogattn.density import top_p_density
 from cogattn.head_stats import head_table
 from cogattn.masks import mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
+from cogattn.pattern_heads import label_changes, pattern_table
+from cogattn.tracks import track
 from cogattn.words import word_positions
 
 # %%
@@ -295,6 +299,84 @@ mask_recall(stats, same).groupby(["layer", "head"])["recall"].mean().sort_values
 
 # %%
 plot.block_map(stats, same, scale="log")
+
+# %% [markdown]
+# ## A sparse-pattern study, and a point's track
+#
+# What sparse-attention papers measure before writing a kernel, exactly over every query: how much of each
+# row a token pattern keeps (`pattern_recall`) and the output error it would cause (`pattern_error`,
+# Sparse VideoGen's criterion for naming a head spatial or temporal), how many keys each row needs for a mass
+# p (`top_p`: NABLA's and XAttention's criterion), the map over 3-D tiles (`tile`: the unit of Sliding
+# Tile Attention and VSA), the mass by offset in time and space (`offset`: Radial Attention's decay); and
+# what tracking papers read out of attention: every query's highest-attention key in each latent frame
+# (`frame_max`: DiffTrack's matching, DiTFlow's motion). A real model records a few steps and layers here,
+# and four heads (`frame_max` and `top_p` are S × G and S × 3 floats per head).
+
+# %%
+with cogattn.record(
+    pipe,
+    kinds=("pattern_recall", "pattern_error", "top_p", "tile", "offset", "frame_max"),
+    steps="all" if TINY else [0, 25, 49],
+    layers="all" if TINY else layers[:3],
+    batch="cond",
+    heads="all" if TINY else [0, 1, 2, 3],
+    patterns=("spatial", "temporal", "window:1"),
+    top_p=(0.5, 0.9, 0.99),
+    tile_shape=(1, 2, 3) if TINY else (1, 8, 8),
+) as sparse:
+    sparse_video = pipe(
+        prompt=PROMPT, generator=torch.Generator(device).manual_seed(SEED), output_type="pt", **call
+    ).frames[0]
+
+# %% [markdown]
+# Each head labelled by the pattern of lowest output error, at every step, and how often that label changes
+# between steps (Sparse VideoGen's users report it does). The tiny model's near-uniform heads favour the
+# pattern that keeps the most keys.
+
+# %%
+labels = pattern_table(sparse)
+print(labels[["step", "layer", "head", "error_spatial", "error_temporal", "error_window:1", "label"]].round(4))
+label_changes(labels)
+
+# %%
+plot.head_atlas(labels)
+
+# %% [markdown]
+# Density: the keys a video query needs for each mass p, as a share of the row, per layer; and what NABLA's
+# selection on the tile map (each query tile keeps the fewest key tiles reaching p) keeps and computes,
+# against the density the token rows themselves need.
+
+# %%
+plot.density_curves(sparse, by="layer")
+
+# %%
+top_p_density(sparse, 0.9, kind="tile").groupby("layer")[["recall", "density", "token_density"]].mean()
+
+# %% [markdown]
+# Decay over time and space from `offset`, with Radial Attention's exponential fit per layer.
+
+# %%
+plot.distance_decay(sparse, by="layer")
+
+# %% [markdown]
+# The track of the video point followed above, read from `frame_max` at the last recorded step of the
+# middle recorded layer (a track is one map: one step, layer and head), then the motion field from latent
+# frame 0 to 1 (DiTFlow's attention motion flow) as arrows and as a colour wheel.
+
+# %%
+last_step = max(s for kind, s, _ in sparse.keys() if kind == "frame_max")
+track_layers = sorted({layer for kind, s, layer in sparse.keys() if kind == "frame_max" and s == last_step})
+mid = track_layers[len(track_layers) // 2]
+point = track(sparse, QUERY, step=last_step, layer=mid, head=0)
+print("matched (row, col) per latent frame:", point.positions.tolist())
+print("their probabilities:", [round(c, 4) for c in point.confidence.tolist()])
+plot.track_figure(sparse, QUERY, sparse_video, step=last_step, layer=mid, head=0)
+
+# %%
+plot.motion_figure(sparse, 0, 1, sparse_video, step=last_step, layer=mid, head=0)
+
+# %%
+plot.motion_figure(sparse, 0, 1, sparse_video, step=last_step, layer=mid, head=0, style="wheel")
 
 # %% [markdown]
 # ## Wan

@@ -38,7 +38,8 @@ def generate(model: str, prompt: str, seed: int):
         # Every statistics kind (all small here). S = 53 tokens: the default block_size of 128 would make
         # one block; 8 makes 7, the 8 text tokens exactly block 0 and each 15-token latent frame 2 to 3
         # blocks, so the block map and a same-frame mask have some structure to show.
-        stats, block_size = ("entropy", "received", "query_frame", "block", "topk", "offset"), 8
+        stats = ("entropy", "received", "query_frame", "block", "topk", "offset", "top_p", "frame_max")
+        block_size = 8
     else:
         from diffusers import CogVideoXPipeline
 
@@ -52,8 +53,8 @@ def generate(model: str, prompt: str, seed: int):
         steps, layers, heads = [0, 25, 49], [0, n // 2, n - 1], [0, 1, 2, 3]
         # The statistics the figures draw, S or ⌈S / 128⌉² floats per head: a few MB a record at most (the
         # head atlas then shows these 3 layers × 4 heads). Not topk or query_frame (S × k and S × G floats
-        # per head), which no figure here needs.
-        stats, block_size = ("entropy", "received", "block", "offset"), 128
+        # per head), which no figure here needs; top_p and frame_max are S × 4 and S × 2G floats per head.
+        stats, block_size = ("entropy", "received", "block", "offset", "top_p", "frame_max"), 128
     config = pipe.transformer.config
     layout = cogattn.TokenLayout.for_video(
         call["num_frames"],
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     rec, video, pipe, query = generate(args.model, args.prompt, args.seed)
     words = args.words.split(",")
     last = max(s for kind, s, _ in rec.keys() if kind == "frame")
+    recorded = sorted({layer for kind, s, layer in rec.keys() if kind == "frame_max" and s == last})
+    mid = recorded[len(recorded) // 2]  # a track is one map: one step, layer and head
     figures = {
         "frame_heatmap.png": plot.frame_heatmap(rec),
         "frame_heads.png": plot.frame_heatmap(rec, heads="all", steps=last, scale="log"),
@@ -120,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         "block_map.png": plot.block_map(rec, same_frame_mask(rec.layout, rec.block_size)),
         "offset_map.png": plot.offset_map(rec),
         "distance_decay.png": plot.distance_decay(rec, by="layer"),
+        "density_curves.png": plot.density_curves(rec, by="layer"),
+        "track.png": plot.track_figure(rec, query, video, step=last, layer=mid, head=0),
+        "motion.png": plot.motion_figure(rec, 0, 1, video, step=last, layer=mid, head=0),
     }
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=args.dpi, metadata=PNG_META)

@@ -55,9 +55,10 @@ def test_notebook_runs_end_to_end_on_the_tiny_default(tmp_path, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     figures = [o for o in outputs[:-1] if "image/png" in o.get("data", {})]
-    # frame map, per head, two grids, two word maps, query map, atlas, decay, block map; Wan's frame and word
-    # maps; HunyuanVideo's word map
-    assert len(figures) == 10 + 2 * wan + hunyuan
+    # frame map, per head, two grids, two word maps, query map, atlas, decay, block map; the sparse study's
+    # label atlas, density curves, distance decay, track and two motion fields; Wan's frame and word maps;
+    # HunyuanVideo's word map
+    assert len(figures) == 16 + 2 * wan + hunyuan
     assert any("image/gif" in o.get("data", {}) for o in outputs)
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "latent grid (F, Hp, Wp) = (3, 3, 5); following the video point (1, 1, 2)" in text

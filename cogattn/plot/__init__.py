@@ -29,13 +29,16 @@ and query maps on the video), :mod:`~cogattn.plot.video` (video arrays, upsampli
 MP4 files), :mod:`~cogattn.plot.animation` (animations and notebook sliders), :mod:`~cogattn.plot.heads`
 (head atlas and decay curves from the head table), :mod:`~cogattn.plot.stats` (per-token entropy and
 received attention on the video, block maps with a mask's outline and recall), :mod:`~cogattn.plot.decay`
-(the ``offset`` map per latent-frame offset, and the decay with temporal and spatial distance with its fit).
+(the ``offset`` map per latent-frame offset, and the decay with temporal and spatial distance with its fit),
+:mod:`~cogattn.plot.density` (keys needed against mass p, from ``top_p``), :mod:`~cogattn.plot.tracks` (a
+point's track on the video and the motion field between two frames, from ``frame_max``).
 """
 
 from __future__ import annotations
 
 from .animation import animate, explore
 from .decay import distance_decay, offset_map
+from .density import density_curves
 from .frames import frame_heatmap, layer_step_grid
 from .heads import LABEL_COLORS, decay_curves, head_atlas
 from .overlays import query_map, word_heatmap
@@ -48,6 +51,7 @@ __all__ = [
     "animate",
     "block_map",
     "decay_curves",
+    "density_curves",
     "distance_decay",
     "explore",
     "frame_heatmap",
