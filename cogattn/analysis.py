@@ -136,6 +136,23 @@ def expert_steps(source: MapSource, steps: Sequence[int] | None = None) -> dict[
     return groups
 
 
+def recorded_maps(source: MapSource, kind: str, steps="all", layers="all"):
+    """``(step, timestep, expert, layer)`` of each record of ``kind`` at the chosen steps and layers (selectors as
+    :func:`choose` takes them), in step then layer order, with the pairs a cache skipped left out; a timestep
+    the source does not know is NaN. Returns ``(maps, steps, layers)``, the lists chosen."""
+    step_list, layer_list = choose(source, kind, "step", steps), choose(source, kind, "layer", layers)
+    experts = {s: name for name, group in expert_steps(source, step_list).items() for s in group}
+    timesteps, keys = list(source.timesteps or []), set(source.keys())
+    maps = [
+        (step, float(timesteps[step]) if step < len(timesteps) and timesteps[step] is not None else float("nan"),
+         experts[step], layer)
+        for step in step_list
+        for layer in layer_list
+        if (kind, step, layer) in keys
+    ]  # fmt: skip
+    return maps, step_list, layer_list
+
+
 def steps_of_expert(source: MapSource, have: list[int], name: str, of: str) -> list[int]:
     """The steps among ``have`` that the expert ``name`` ran (a steps selector naming an expert).
 

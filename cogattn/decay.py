@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .analysis import check_one_expert, choose, expert_steps
+from .analysis import check_one_expert, recorded_maps
 from .errors import NotRecordedError
 from .head_stats import expert_steps_of
 from .layout import TokenLayout
@@ -152,36 +152,30 @@ def decay_table(
     layout = source.layout
     if layout is None:
         raise ValueError("this source has no token layout (it saw no generation); record a generation first.")
-    step_list, layer_list = choose(source, KIND, "step", steps), choose(source, KIND, "layer", layers)
-    experts = {s: name for name, group in expert_steps(source, step_list).items() for s in group}
-    timesteps, keys = list(source.timesteps or []), set(source.keys())
+    maps, step_list, layer_list = recorded_maps(source, KIND, steps, layers)
     t_keys, s_keys = keys_at_distance(layout) if per_key else (None, None)
     frames = []
-    for step in step_list:
-        ts = timesteps[step] if step < len(timesteps) and timesteps[step] is not None else math.nan
-        for layer in layer_list:
-            if (KIND, step, layer) not in keys:  # skipped by a cache at this step
-                continue
-            offset = source.get(KIND, step, layer)  # (B, H, 2F-1, 2Hp-1, 2Wp-1)
-            B, H = offset.shape[:2]
-            temporal, spatial = offset_curves(offset, layout)
-            text = 1.0 - offset.double().sum((-3, -2, -1)) if layout.text_len else torch.full((B, H), math.nan)
-            if per_key:  # a bin no key pair falls in (none on these grids) would be NaN, never a division by 0
-                temporal, spatial = temporal / t_keys, spatial / s_keys.where(s_keys > 0, math.nan)
-            heads = ["mean"] * H if source.head_ids is None else [int(source.head_ids[h]) for h in range(H)]
-            rows = {  # (head slot, item) order: a (B, H, ...) tensor read as (H, B, ...)
-                "step": step,
-                "timestep": float(ts),
-                "expert": experts[step],
-                "layer": layer,
-                "head": [heads[h] for h in range(H) for _ in range(B)],
-                "item": [b for _ in range(H) for b in range(B)],
-                "text_mass": text.double().transpose(0, 1).reshape(-1).tolist(),
-            }
-            for name, curve in (("dt", temporal), ("ds", spatial)):
-                flat = curve.transpose(0, 1).reshape(H * B, -1)
-                rows.update({f"{name}_{d}": flat[:, d].tolist() for d in range(flat.shape[1])})
-            frames.append(pd.DataFrame(rows))
+    for step, ts, expert, layer in maps:
+        offset = source.get(KIND, step, layer)  # (B, H, 2F-1, 2Hp-1, 2Wp-1)
+        B, H = offset.shape[:2]
+        temporal, spatial = offset_curves(offset, layout)
+        text = 1.0 - offset.double().sum((-3, -2, -1)) if layout.text_len else torch.full((B, H), math.nan)
+        if per_key:  # a bin no key pair falls in (none on these grids) would be NaN, never a division by 0
+            temporal, spatial = temporal / t_keys, spatial / s_keys.where(s_keys > 0, math.nan)
+        heads = ["mean"] * H if source.head_ids is None else [int(source.head_ids[h]) for h in range(H)]
+        rows = {  # (head slot, item) order: a (B, H, ...) tensor read as (H, B, ...)
+            "step": step,
+            "timestep": ts,
+            "expert": expert,
+            "layer": layer,
+            "head": [heads[h] for h in range(H) for _ in range(B)],
+            "item": [b for _ in range(H) for b in range(B)],
+            "text_mass": text.double().transpose(0, 1).reshape(-1).tolist(),
+        }
+        for name, curve in (("dt", temporal), ("ds", spatial)):
+            flat = curve.transpose(0, 1).reshape(H * B, -1)
+            rows.update({f"{name}_{d}": flat[:, d].tolist() for d in range(flat.shape[1])})
+        frames.append(pd.DataFrame(rows))
     if not frames:
         raise NotRecordedError(
             f"no 'offset' record at a chosen (step, layer): steps {step_list} × layers {layer_list} were skipped."

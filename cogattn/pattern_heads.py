@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from .analysis import choose, expert_steps, head_positions, recorded_kinds
+from .analysis import head_positions, recorded_kinds, recorded_maps
 from .errors import NotRecordedError, StoreError
 from .items import pick_item
 from .run import MapSource
@@ -138,20 +138,14 @@ def pattern_table(
         raise ValueError(
             f"the patterns {names} share a name; give each Pattern its own name to tell its columns apart."
         )
-    step_list, layer_list = choose(source, ERROR, "step", steps), choose(source, ERROR, "layer", layers)
-    experts = {s: name for name, group in expert_steps(source, step_list).items() for s in group}
-    timesteps, keys = list(source.timesteps or []), set(source.keys())
+    maps, step_list, layer_list = recorded_maps(source, ERROR, steps, layers)
+    keys = set(source.keys())
     frames = []
-    for step in step_list:
-        ts = timesteps[step] if step < len(timesteps) and timesteps[step] is not None else math.nan
-        for layer in layer_list:
-            if (ERROR, step, layer) not in keys:  # skipped by a cache at this step
-                continue
-            values = {"error": source.get(ERROR, step, layer)}
-            if (RECALL, step, layer) in keys:
-                values["recall"] = source.get(RECALL, step, layer)
-            where = (step, float(ts), experts[step], layer)
-            frames.append(_record_rows(source, names, where, values, heads, batch, RECALL in held))
+    for step, ts, expert, layer in maps:
+        values = {"error": source.get(ERROR, step, layer)}
+        if (RECALL, step, layer) in keys:
+            values["recall"] = source.get(RECALL, step, layer)
+        frames.append(_record_rows(source, names, (step, ts, expert, layer), values, heads, batch, RECALL in held))
     if not frames:
         raise NotRecordedError(
             f"no {ERROR!r} record at a chosen (step, layer): steps {step_list} × layers {layer_list} were skipped."

@@ -7,13 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib import colormaps
-from matplotlib.cm import ScalarMappable
-from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure
 
 from ..head_stats import expert_steps_of
-from .heads import _detail, _items, _table_and_steps
+from .heads import _detail, _items, _table_and_steps, draw_curves
 from .style import new_figure, set_title
 
 __all__ = ["DENSITY_GID", "density_curves"]
@@ -71,17 +68,7 @@ def density_curves(
     expert_of = {s: e for e, group in expert_steps_of(table).items() for s in group} if experts else {}
     fig = new_figure(fig, (6.4, 4.0))
     ax = fig.subplots()
-    cmap = ListedColormap(colormaps["viridis"](np.linspace(0, 0.9, max(2, len(curves)))))
-    for k, (key, row) in enumerate(zip(curves.index.tolist(), curves.to_numpy(dtype=float))):
-        name = f"{by} {key}" if key != "mean" else "mean over heads"
-        name += f" · {expert_of[key]}" if by == "step" and key in expert_of else ""
-        ax.plot(ps, row, marker="o", markersize=3, color=cmap(k), label=name, gid=DENSITY_GID)
-    if len(curves) <= 12:
-        ax.legend(fontsize=7, ncol=2 if len(curves) > 6 else 1)
-    else:
-        numbers = [k for k in curves.index.tolist() if not isinstance(k, str)]
-        bar = fig.colorbar(ScalarMappable(norm=Normalize(min(numbers), max(numbers)), cmap=cmap), ax=ax, shrink=0.8)
-        bar.set_label(by, fontsize=8)
+    draw_curves(ax, ps, curves.index.tolist(), curves.to_numpy(dtype=float), by, expert_of, DENSITY_GID)
     ax.set_yscale(scale)
     if scale == "linear":
         ax.set_ylim(0, None)

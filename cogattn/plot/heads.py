@@ -350,17 +350,7 @@ def decay_curves(
         values = values / _frames_at_distance(F)
     fig = new_figure(fig, (6.4, 4.0))
     ax = fig.subplots()
-    cmap = ListedColormap(colormaps["viridis"](np.linspace(0, 0.9, max(2, len(curves)))))
-    for k, (key, row) in enumerate(zip(curves.index.tolist(), values)):
-        name = f"{by} {key}" if key != "mean" else "mean over heads"
-        name += f" · {expert_of[key]}" if by == "step" and key in expert_of else ""
-        ax.plot(d, row, marker="o", markersize=3, color=cmap(k), label=name, gid=CURVE_GID)
-    if len(curves) <= 12:
-        ax.legend(fontsize=7, ncol=2 if len(curves) > 6 else 1)
-    else:
-        numbers = [k for k in curves.index.tolist() if not isinstance(k, str)]
-        bar = fig.colorbar(ScalarMappable(norm=Normalize(min(numbers), max(numbers)), cmap=cmap), ax=ax, shrink=0.8)
-        bar.set_label(by, fontsize=8)
+    draw_curves(ax, d, curves.index.tolist(), values, by, expert_of, CURVE_GID)
     ax.set_yscale(scale)
     ax.set_xticks(d)
     unit = frame_unit(source.layout) if source is not None and source.layout is not None else "latent frame"
@@ -375,6 +365,22 @@ def decay_curves(
         _detail(source, step_list, experts, layer_list if by != "layer" else None, item, each=by == "step"),
     )
     return fig
+
+
+def draw_curves(ax, x, keys: list, values, by: str, expert_of: dict, gid: str) -> None:
+    """One line of ``values[k]`` against ``x`` per key (a head, layer or step, named by ``by``; a step's expert
+    from ``expert_of``), coloured along viridis: a legend for up to 12 lines, else a colour bar over the keys."""
+    cmap = ListedColormap(colormaps["viridis"](np.linspace(0, 0.9, max(2, len(keys)))))
+    for k, (key, row) in enumerate(zip(keys, values)):
+        name = f"{by} {key}" if key != "mean" else "mean over heads"
+        name += f" · {expert_of[key]}" if by == "step" and key in expert_of else ""
+        ax.plot(x, row, marker="o", markersize=3, color=cmap(k), label=name, gid=gid)
+    if len(keys) <= 12:
+        ax.legend(fontsize=7, ncol=2 if len(keys) > 6 else 1)
+    else:
+        numbers = [k for k in keys if not isinstance(k, str)]
+        norm = Normalize(min(numbers), max(numbers))
+        ax.figure.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.8).set_label(by, fontsize=8)
 
 
 def _frames_at_distance(F: int) -> np.ndarray:
