@@ -622,9 +622,12 @@ def test_the_selftest_checks_the_family_and_catches_a_wrong_map(family, monkeypa
         pytest.skip(f"this diffusers lacks {family}")
     from cogattn import engine, selftest
 
-    rows = selftest.family_rows(_spec(family), torch.device("cpu"), torch.float32)
+    # every method for a family with a cross-attention and one with per-item key counts; the others under row
+    # tiles (each family's every method is test_every_kind_matches_the_reference_of_the_attentions_own_inputs's)
+    every = family in ("wan", "mochi")
+    rows = selftest.family_rows(_spec(family), torch.device("cpu"), torch.float32, quick=not every)
     checked = [r for r in rows if r.passed is not None]
-    assert len(checked) >= 2 and all(r.passed and r.bit_identical for r in checked), rows
+    assert len(checked) >= (2 if every else 1) and all(r.passed and r.bit_identical for r in checked), rows
     real = engine.capture_items
 
     def wrong(*args, **kwargs):

@@ -169,7 +169,7 @@ def test_sigkill_at_several_moments_leaves_a_readable_run(tmp_path):
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
     }
-    for i, wait_lines in enumerate([0, 1, 7, 40]):
+    for i, wait_lines in enumerate([0, 1, 40]):
         out = tmp_path / f"run{i}"
         proc = subprocess.Popen([sys.executable, str(child), str(out)], stdout=subprocess.PIPE, env=env)
         assert proc.stdout.readline().strip() == b"started"

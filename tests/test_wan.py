@@ -354,13 +354,14 @@ def test_context_kinds_with_a_broadcast_text_batch(pipes):
 
 
 def test_the_selftest_checks_wan_and_catches_a_wrong_map(monkeypatch):
-    """``python -m cogattn.selftest`` (not ``--quick``) records every Wan kind with every method against the
-    reference; a cross-attention map off by 1e-3 fails it."""
+    """``python -m cogattn.selftest`` records every Wan kind against the reference; a cross-attention map off by
+    1e-3 fails it."""
     from cogattn import context, selftest
 
-    rows = selftest.family_rows(cogattn.models.wan.SPEC, torch.device("cpu"), torch.float32)
+    # every method: tests/test_families.py's self-test test for "wan"; here, row tiles and a corrupted context pass
+    rows = selftest.family_rows(cogattn.models.wan.SPEC, torch.device("cpu"), torch.float32, quick=True)
     checked = [r for r in rows if r.passed is not None]
-    assert len(checked) >= 4 and all(r.passed and r.bit_identical for r in checked), rows
+    assert checked and all(r.passed and r.bit_identical for r in checked), rows
     real = context.context_pass
     monkeypatch.setattr(cogattn.capture, "context_pass", lambda *a: [o + 1e-3 for o in real(*a)])
     rows = selftest.family_rows(cogattn.models.wan.SPEC, torch.device("cpu"), torch.float32, quick=True)
