@@ -10,8 +10,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..head_stats import expert_steps_of
-from .heads import _detail, _items, _table_and_steps, draw_curves
-from .style import new_figure, set_title
+from .heads import _items, _table_and_steps, draw_curves, title_curves
+from .style import new_figure
 
 __all__ = ["DENSITY_GID", "density_curves"]
 
@@ -75,12 +75,5 @@ def density_curves(
     ax.set_xticks(ps, [f"{p:g}" for p in ps], fontsize=7)
     ax.set_xlabel("mass p reached (share of each row's attention)", fontsize=8)
     ax.set_ylabel("keys needed, share of the row's keys", fontsize=8)
-    ax.grid(alpha=0.3)
-    layer_list = sorted(table["layer"].unique().tolist())
-    mean = {"head": "mean over layers", "layer": "mean over heads", "step": "mean over layers and heads"}[by]
-    set_title(
-        fig,
-        f"keys a video query needs to reach mass p, one curve per {by} ({mean})",
-        _detail(source, step_list, experts, layer_list if by != "layer" else None, item, each=by == "step"),
-    )
+    title_curves(fig, ax, "keys a video query needs to reach mass p", table, by, source, step_list, experts, item)
     return fig

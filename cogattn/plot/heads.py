@@ -356,15 +356,21 @@ def decay_curves(
     unit = frame_unit(source.layout) if source is not None and source.layout is not None else "latent frame"
     ax.set_xlabel(f"{unit} distance |Δf| between query and key", fontsize=8)
     ax.set_ylabel("mass per key frame" if per_frame else "attention mass", fontsize=8)
+    title_curves(fig, ax, f"attention mass against {unit} distance", table, by, source, step_list, experts, item)
+    return fig
+
+
+def title_curves(fig, ax, what: str, table, by: str, source, step_list, experts, item) -> None:
+    """A grid on ``ax`` and the title of a figure of curves per ``by``: what they show, what each averages,
+    and the steps, layers and batch item behind them."""
     ax.grid(alpha=0.3)
     layer_list = sorted(table["layer"].unique().tolist())
     averaged = {"head": "mean over layers", "layer": "mean over heads", "step": "mean over layers and heads"}[by]
     set_title(
         fig,
-        f"attention mass against {unit} distance, one curve per {by} ({averaged})",
+        f"{what}, one curve per {by} ({averaged})",
         _detail(source, step_list, experts, layer_list if by != "layer" else None, item, each=by == "step"),
     )
-    return fig
 
 
 def draw_curves(ax, x, keys: list, values, by: str, expert_of: dict, gid: str) -> None:

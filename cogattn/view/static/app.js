@@ -17,6 +17,15 @@ async function api(path, query = {}) {
   return response.json();
 }
 
+// The (row, column) of a rows × cols grid drawn on canvas under the pointer event e, from where the canvas is
+// on screen, clamped to the grid.
+function cellUnder(canvas, e, rows, cols) {
+  const at = canvas.getBoundingClientRect();
+  const r = Math.floor(((e.clientY - at.top) / at.height) * rows);
+  const c = Math.floor(((e.clientX - at.left) / at.width) * cols);
+  return [Math.max(0, Math.min(r, rows - 1)), Math.max(0, Math.min(c, cols - 1))];
+}
+
 function embedded(path, q) {
   if (path === "/api/runs") return EMBEDDED.runs;
   if (path === "/api/summary") return EMBEDDED.summaries[q.run];
@@ -198,12 +207,7 @@ function draw(target, payload, opts = {}) {
     const canvas = document.createElement("canvas");
     canvas.dataset.frame = f;
     paint(canvas, values, rows, cols, range, log, cell);
-    const cellAt = (e) => { // the cell under the pointer, from where the canvas is on screen
-      const at = canvas.getBoundingClientRect();
-      const r = Math.floor(((e.clientY - at.top) / at.height) * rows);
-      const c = Math.floor(((e.clientX - at.left) / at.width) * cols);
-      return [Math.max(0, Math.min(r, rows - 1)), Math.max(0, Math.min(c, cols - 1))];
-    };
+    const cellAt = (e) => cellUnder(canvas, e, rows, cols);
     canvas.addEventListener("mousemove", (e) => {
       const [r, c] = cellAt(e);
       const v = values[r * cols + c];
@@ -593,12 +597,7 @@ async function drawTrack() {
     };
     paintTrack();
     if (image && !(image.complete && image.naturalWidth)) image.addEventListener("load", paintTrack, { once: true });
-    const cellAt = (e) => {
-      const at = canvas.getBoundingClientRect();
-      const r = Math.floor(((e.clientY - at.top) / at.height) * rows);
-      const c = Math.floor(((e.clientX - at.left) / at.width) * cols);
-      return [Math.max(0, Math.min(r, rows - 1)), Math.max(0, Math.min(c, cols - 1))];
-    };
+    const cellAt = (e) => cellUnder(canvas, e, rows, cols);
     canvas.addEventListener("mousemove", (e) => {
       const [r, c] = cellAt(e);
       const match = r === mr && c === mc ? `: the match, probability ${fmt(p, 6)}` : "";
