@@ -77,14 +77,12 @@ class PatternErrorReducer(PatternRecallReducer):
     needs_value = True
 
     def row_columns(self, seq_len):
-        return super().row_columns(seq_len) + 2 * 129  # O and O_pattern of a row with its sum: 2 (D + 1), D ≤ 128
+        return super().row_columns(seq_len) + 2 * 128  # O and O_pattern of a row: 2 D, D at most 128
 
     def _values(self, h0: int, h: int) -> torch.Tensor:
-        # The row pass runs every row tile of a head chunk before the next chunk: one float32 copy per chunk, V
-        # with a column of ones, so that one product gives a masked row's output and its kept mass.
+        # The row pass runs every row tile of a head chunk before the next chunk: one float32 copy per chunk.
         if getattr(self, "_v_chunk", (None,))[0] != (id(self.value), h0, h):
-            v = self.value.chunk(h0, h0 + h)
-            self._v_chunk = ((id(self.value), h0, h), torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1))
+            self._v_chunk = ((id(self.value), h0, h), self.value.chunk(h0, h0 + h))
         return self._v_chunk[1]
 
     def fold_rows(self, out, h0, r0, probs):
@@ -92,12 +90,13 @@ class PatternErrorReducer(PatternRecallReducer):
         if start >= end:
             return
         part, V = probs[:, start - r0 : end - r0], self.layout.frames * self.layout.frame_tokens
-        values = self._values(h0, probs.shape[0])  # (h, S, D + 1)
-        output = torch.bmm(part, values)[..., :-1]  # O = P·V, (h, r, D)
+        values = self._values(h0, probs.shape[0])  # (h, S, D)
+        output = torch.bmm(part, values)  # O = P·V, (h, r, D)
         kept = torch.empty_like(part)  # one buffer for every pattern's P·mask
         for m, mask in enumerate(self._row_masks(start, end, probs.device)):
-            sparse = torch.bmm(torch.mul(part, mask, out=kept), values)  # (P·mask)·V and Σ_j P·mask
-            error = (sparse[..., :-1] / sparse[..., -1:]).sub_(output).square_().mean(-1)  # (h, r)
+            torch.mul(part, mask, out=kept)
+            sparse = torch.bmm(kept, values).div_(kept.sum(-1, keepdim=True))
+            error = sparse.sub_(output).square_().mean(-1)  # (h, r)
             self._accumulate(out[:, m], h0, error.sum(-1) / V)
 
     def release(self) -> None:
