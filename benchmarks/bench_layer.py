@@ -23,13 +23,13 @@ from diffusers.models.attention_processor import Attention, CogVideoXAttnProcess
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 from report import write_table
 
-from cogattn.attention import attention_joint, attention_with_lse, sdpa_with_lse
-from cogattn.checks import RowProbe, Verifier, probe_rows
-from cogattn.engine import capture, multi_key_indicator
+from cogattn.exact.attention import attention_joint, attention_with_lse, sdpa_with_lse
+from cogattn.exact.checks import RowProbe, Verifier, probe_rows
+from cogattn.exact.engine import capture, multi_key_indicator
+from cogattn.exact.planner import choose_method, plan_tiles
+from cogattn.exact.reducers import REDUCERS
 from cogattn.layout import TokenLayout
 from cogattn.options import parse_bytes
-from cogattn.planner import choose_method, plan_tiles
-from cogattn.reducers import REDUCERS
 
 MiB = 2**20
 

@@ -25,7 +25,7 @@ from diffusers import CogVideoXPipeline, CogVideoXTransformer3DModel
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 
 import cogattn
-from cogattn import kernels
+from cogattn.exact import kernels
 
 CONFIGS = {
     "CogVideoX-2b": dict(num_layers=30, num_attention_heads=30),

@@ -23,7 +23,7 @@ import torch
 
 import cogattn
 from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
-from cogattn.store import RunWriter, prepare_folder
+from cogattn.runs.store import RunWriter, prepare_folder
 
 MB = 1e6
 

@@ -32,8 +32,8 @@ from report import write_table
 import cogattn
 from cogattn.analysis import aggregate
 from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
-from cogattn.run import MANIFEST, META
-from cogattn.store import RunWriter
+from cogattn.runs.run import MANIFEST, META
+from cogattn.runs.store import RunWriter
 from cogattn.view.data import RunView
 from cogattn.view.export import export
 

@@ -13,16 +13,16 @@ option), :func:`load` and :class:`Run` (runs on disk), :func:`estimate` (costs b
 Figures are in :mod:`cogattn.plot`, the numbers behind them in :mod:`cogattn.analysis`.
 """
 
-from .context import VideoToImageReducer  # noqa: F401  (registers the video_to_image kind)
 from .errors import NotRecordedError, StoreError
 from .estimate import Estimate, estimate
+from .exact.context import VideoToImageReducer  # noqa: F401  (registers the video_to_image kind)
+from .exact.reducers import REDUCERS
 from .layout import TokenLayout
 from .models import wan as _wan
 from .models.cogvideox import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
 from .options import CaptureOptions
-from .recording import Recording, record
-from .reducers import REDUCERS
-from .run import Run, load
+from .recorder.recording import Recording, record
+from .runs.run import Run, load
 from .version import __version__
 
 KINDS = tuple(REDUCERS)  # every kind; a family refuses those it has no attention for (cogattn.models)

@@ -3,7 +3,7 @@
 ``estimate`` needs only the transformer's config (read from a local folder, the hub cache, or the
 table of the released shapes in :mod:`cogattn.models`), never its weights, so ``dump_maps.py
 --dry-run`` can answer on a laptop for a model it has not downloaded. It plans with the same
-:func:`cogattn.planner.plan_capture` a recording runs.
+:func:`cogattn.exact.planner.plan_capture` a recording runs.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .exact.planner import CapturePlan, ModelShape, TilePlan, plan_capture
 from .layout import TokenLayout
 from .models import spec_for_config, transformer_config
 from .options import CaptureOptions
-from .planner import CapturePlan, ModelShape, TilePlan, plan_capture
 
 __all__ = ["Estimate", "estimate"]
 

@@ -340,7 +340,7 @@ class TokenLayout:
 class KeyGroups:
     """Key ``keys[n]`` belongs to group ``groups[n]`` (``0 <= groups[n] < num_groups``); a key may be left out.
     ``boxes``: for the 3-D tiles of the video grid, ``(text slice, video start, grid, tile_shape)``: each group a
-    box of the grid (and the text one group), summed by reshapes (:func:`cogattn.passes.box_sums`), not through
+    box of the grid (and the text one group), summed by reshapes (:func:`cogattn.exact.passes.box_sums`), not through
     an ``(S, C)`` indicator."""
 
     keys: torch.Tensor

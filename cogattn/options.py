@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from .exact.memory import parse_bytes
+from .exact.patterns import DEFAULT_PATTERNS, check_option, resolve
+from .exact.reducers import REDUCERS
+from .exact.reducers.ranked import check_top_p
 from .items import item_role
 from .layout import TokenLayout
-from .memory import parse_bytes
-from .patterns import DEFAULT_PATTERNS, check_option, resolve
-from .reducers import REDUCERS
-from .reducers.ranked import check_top_p
 
 __all__ = ["CaptureOptions", "Resolved", "METHODS", "LAYER_OUTPUTS", "STORAGE_DTYPES"]
 
@@ -70,7 +70,7 @@ class CaptureOptions:
         tile_shape (`tuple[int, int, int]`, defaults to ``(4, 4, 4)``): latent frames × patch rows × patch
             columns of each 3-D tile of the ``tile`` kind (the grid's edge tiles are smaller).
         patterns (`str | Sequence`, defaults to ``()``: spatial and temporal): for ``pattern_recall`` and ``pattern_error``: token
-            patterns (:mod:`cogattn.patterns`): ``"spatial"``, ``"temporal"``, ``"window:w"``, ``"sta:t,h,w"``
+            patterns (:mod:`cogattn.exact.patterns`): ``"spatial"``, ``"temporal"``, ``"window:w"``, ``"sta:t,h,w"``
             (a window of tiles of ``tile_shape``), ``"radial"``, `Pattern` objects, or callables over positions.
         topk (`int`, defaults to 32): how many of each row's largest probabilities ``topk`` keeps (at
             most S).
@@ -113,7 +113,7 @@ class CaptureOptions:
         info (`dict | None`): JSON-able facts to keep with the run (prompt, seed, ...).
         verify (`bool`, defaults to `True`): spot-check the fast methods against exact float32 rows at the
             first capture of each shape (and 1% of the later ones), and fall back to exact row tiles (or the
-            stock output call) where they disagree; see :mod:`cogattn.checks`. The checks are listed in
+            stock output call) where they disagree; see :mod:`cogattn.exact.checks`. The checks are listed in
             ``Recording.checks`` and the run's metadata.
     """
 

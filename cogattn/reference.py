@@ -3,7 +3,7 @@ taken from it by plain indexing (the definitions in docs/design.md).
 
 It forms the full S × S probabilities, so it is for small sequences only: the tests, and
 ``python -m cogattn.selftest``. It shares no code with the engine or the reducers (it takes only the
-units of the bounds from :mod:`cogattn.checks`).
+units of the bounds from :mod:`cogattn.exact.checks`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .checks import error_units  # the units of the documented bounds: the spot checks' own
+from .exact.checks import error_units  # the units of the documented bounds: the spot checks' own
 
 TOP_P_MARGIN = 1e-6  # how near p a row's float32 cumulative mass may come and still count as either side
 
@@ -36,7 +36,7 @@ def naive_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, ke
 
 def naive_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, key_mask=None) -> torch.Tensor:
     """``(B, ..., S)`` float64 log-sum-exp of each row of ``q kᵀ · scale`` (the units of the bounds of
-    ``entropy`` and ``received``: :func:`cogattn.checks.error_units`), over the keys ``key_mask`` keeps."""
+    ``entropy`` and ``received``: :func:`cogattn.exact.checks.error_units`), over the keys ``key_mask`` keeps."""
     return torch.logsumexp(_scores(q, k, scale, key_mask), dim=-1)
 
 
@@ -216,7 +216,7 @@ def kind_error(
     """Largest error of a result ``got`` (as ``get`` returns it, ``(B, H, ...)``) against :func:`naive_kind` of
     ``P`` ``(B, H, S, S)``: absolute for probabilities and sums; for ``entropy`` and ``received``, given the
     rows' ``lse`` ``(B, H, S)`` (:func:`naive_lse`), in the units of their documented bounds
-    (:func:`cogattn.checks.error_units`), else relative to ``max(1, |H|)`` for ``entropy`` and absolute for
+    (:func:`cogattn.exact.checks.error_units`), else relative to ``max(1, |H|)`` for ``entropy`` and absolute for
     ``received``; for ``topk`` the values, and the probabilities at the returned key tokens (equal
     probabilities may come in either order); for ``frame_max`` the values, the probabilities at the returned
     key tokens, and 1 for a token outside its group; for ``top_p`` how many keys a count lies outside the

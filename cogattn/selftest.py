@@ -32,14 +32,14 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from . import kernels
-from .attention import attention_joint, attention_with_lse, fused_lse_supported
-from .checks import OUTPUT_RTOL, TOLERANCE, bound, made_from_output
-from .engine import capture, multi_key_indicator
+from .exact import kernels
+from .exact.attention import attention_joint, attention_with_lse, fused_lse_supported
+from .exact.checks import OUTPUT_RTOL, TOLERANCE, bound, made_from_output
+from .exact.engine import capture, multi_key_indicator
+from .exact.planner import plan_tiles
+from .exact.reducers import REDUCERS
 from .layout import TokenLayout
 from .models import FAMILIES
-from .planner import plan_tiles
-from .reducers import REDUCERS
 from .reference import kind_error, naive_lse, naive_probs
 from .selftest_pipelines import (
     JOINT_KINDS,

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import fused_lse_supported
-from .checks import TOLERANCE, bound, made_from_output
-from .kernels import available as triton_available
+from .exact.attention import fused_lse_supported
+from .exact.checks import TOLERANCE, bound, made_from_output
+from .exact.kernels import available as triton_available
 from .models import FAMILIES, cogvideox
-from .recording import record
+from .recorder.recording import record
 from .reference import kind_error, naive_context, naive_kind, naive_lse, naive_probs, select
 
 __all__ = [

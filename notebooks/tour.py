@@ -38,12 +38,12 @@ from IPython.display import Image, display
 import cogattn
 from cogattn import models, plot
 from cogattn.analysis import aggregate
-from cogattn.density import top_p_density
-from cogattn.head_stats import head_table
-from cogattn.masks import mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
-from cogattn.pattern_heads import label_changes, pattern_table
-from cogattn.tracks import track
-from cogattn.words import word_positions
+from cogattn.analysis.density import top_p_density
+from cogattn.analysis.head_stats import head_table
+from cogattn.analysis.masks import mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
+from cogattn.analysis.pattern_heads import label_changes, pattern_table
+from cogattn.analysis.tracks import track
+from cogattn.analysis.words import word_positions
 
 # %%
 MODEL = "tiny"  # or "THUDM/CogVideoX-2b", "THUDM/CogVideoX1.5-5B", or a local folder of a checkpoint
@@ -240,7 +240,7 @@ with cogattn.record(
 # puts on the text; `dt_d`, on the frames at latent-frame distance d from its own (`same_frame_mass` is
 # `dt_0`; with `text_mass` they sum to 1); the mean and spread of the row entropy (nats); the share of
 # all attention that the top 1% of key tokens receive (`sink_share`) and which they are; and a label
-# from `cogattn.head_stats.LabelRule`: `text`, `spatial` (own frame ≥ 0.5), `temporal` (adjacent frames
+# from `cogattn.analysis.head_stats.LabelRule`: `text`, `spatial` (own frame ≥ 0.5), `temporal` (adjacent frames
 # ≥ 0.5) or `global`. Pass `rule=LabelRule(...)` to change the thresholds. The tiny model's random
 # heads attend almost uniformly: all `global`.
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import cogattn  # noqa: E402
 from cogattn import plot  # noqa: E402
-from cogattn.masks import same_frame_mask  # noqa: E402
+from cogattn.analysis.masks import same_frame_mask  # noqa: E402
 
 PNG_META = {"Software": None}  # no matplotlib version in the files: regenerating changes only what changed
 

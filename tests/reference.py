@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
+from cogattn.exact.patterns import DEFAULT_PATTERNS
 from cogattn.models.cogvideox import SPEC as COGVIDEOX
-from cogattn.patterns import DEFAULT_PATTERNS
 from cogattn.reference import kind_error, naive_kind, naive_probs, select
 
 __all__ = ["KINDS", "AttentionSpy", "QKSpy", "assert_matches_naive", "naive_kind", "naive_probs", "select", "spy_probs"]

@@ -11,8 +11,8 @@ from reference import QKSpy, assert_matches_naive, naive_kind, naive_probs
 from tiny_calls import generate
 
 import cogattn
-import cogattn.attention as attention
-import cogattn.checks as checks
+import cogattn.exact.attention as attention
+import cogattn.exact.checks as checks
 from cogattn.models.cogvideox import tiny_pipeline
 
 KINDS = ("frame", "video_to_text", "query")
@@ -80,13 +80,13 @@ def test_a_wrong_fast_method_is_caught_and_nothing_wrong_is_stored(monkeypatch, 
 @pytest.mark.parametrize("mode", ["lse", "joint"])
 def test_a_wrong_output_call_falls_back_to_the_stock_one(monkeypatch, mode):
     name = "attention_with_lse" if mode == "lse" else "attention_joint_for"
-    real = getattr(cogattn.capture, name)
+    real = getattr(cogattn.recorder.capture, name)
 
     def wrong(*args):
         out, *rest = real(*args)
         return (out + 1e-2, *rest)
 
-    monkeypatch.setattr(cogattn.capture, name, wrong)
+    monkeypatch.setattr(cogattn.recorder.capture, name, wrong)
     pipe = tiny_pipeline(num_heads=3)
     stock = generate(pipe)
     with pytest.warns(UserWarning, match=rf"spot check failed: layer_output={mode} .* take the stock output call"):
@@ -119,13 +119,13 @@ def test_capture_keeps_the_users_float32_matmul_setting(setting, monkeypatch):
             torch.backends.cuda.matmul.fp32_precision = "tf32"
         before = (torch.backends.fp32_precision, *(b.fp32_precision for b in saved))
         seen = []
-        real = cogattn.engine.capture
+        real = cogattn.exact.engine.capture
 
         def spy(*args, **kwargs):
             seen.append(torch.backends.mkldnn.matmul.fp32_precision)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(cogattn.engine, "capture", spy)
+        monkeypatch.setattr(cogattn.exact.engine, "capture", spy)
         pipe = tiny_pipeline()
         with cogattn.record(pipe, kinds="frame"):
             generate(pipe, steps=1)
@@ -153,8 +153,8 @@ def test_a_kind_first_served_by_a_later_recording_is_checked(monkeypatch):
     pipe = tiny_pipeline(num_heads=3)
     rec, _, _ = _record(pipe)
     assert [c.passed for c in rec.checks] == [True]
-    real = cogattn.passes.entropy_pass
-    monkeypatch.setattr(cogattn.passes, "entropy_pass", lambda *a: (lambda e, lse: (e + 0.5, lse))(*real(*a)))
+    real = cogattn.exact.passes.entropy_pass
+    monkeypatch.setattr(cogattn.exact.passes, "entropy_pass", lambda *a: (lambda e, lse: (e + 0.5, lse))(*real(*a)))
     spy = QKSpy(pipe.transformer)
     with pytest.warns(UserWarning, match="spot check failed: sdpa"):
         with cogattn.record(pipe, kinds="entropy", heads="all", method="sdpa") as later:
@@ -166,8 +166,8 @@ def test_a_kind_first_served_by_a_later_recording_is_checked(monkeypatch):
 
 def test_the_lse_received_takes_from_another_pass_is_checked(monkeypatch):
     """``received`` alone takes its rows' lse from a pass of its own; a wrong lse there is caught."""
-    real = cogattn.passes.indicator_sums
-    monkeypatch.setattr(cogattn.passes, "indicator_sums", lambda *a: (lambda s, lse: (s, lse + 0.1))(*real(*a)))
+    real = cogattn.exact.passes.indicator_sums
+    monkeypatch.setattr(cogattn.exact.passes, "indicator_sums", lambda *a: (lambda s, lse: (s, lse + 0.1))(*real(*a)))
     pipe = tiny_pipeline(num_heads=3)
     spy = QKSpy(pipe.transformer)
     with pytest.warns(UserWarning, match="spot check failed: sdpa"):
@@ -196,11 +196,13 @@ def test_bounds_scale_with_lse_on_peaked_attention(peak):
     lse = torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * D**-0.5, -1)[0]
     assert lse.abs().max() > 0.9 * peak and P[:, T:, :T].max() > 0.4
     kinds = ("entropy", "received", "video_to_text")
-    reducers = [cogattn.reducers.REDUCERS[kind](layout, H, False) for kind in kinds]
+    reducers = [cogattn.exact.reducers.REDUCERS[kind](layout, H, False) for kind in kinds]
     video_to_text_units = checks.error_units("video_to_text", P, lse, P)[:, T:, :T].transpose(1, 2)
     for method in ("sdpa", "rows"):
-        plan = cogattn.planner.plan_tiles(reducers, S, H, D, 2**30, method, "cpu")
-        outs, _, probes = cogattn.engine.capture_items(q, k, [0], reducers, plan, probe_rows=checks.probe_rows(layout))
+        plan = cogattn.exact.planner.plan_tiles(reducers, S, H, D, 2**30, method, "cpu")
+        outs, _, probes = cogattn.exact.engine.capture_items(
+            q, k, [0], reducers, plan, probe_rows=checks.probe_rows(layout)
+        )
         for red, out in zip(reducers, outs):
             exact = naive_kind(P[None], red.kind, T, layout.grid)[0]
             if red.kind == "video_to_text":
@@ -218,9 +220,9 @@ def test_bounds_scale_with_lse_on_peaked_attention(peak):
 def test_received_from_a_16_bit_output_calls_lse_is_held_to_its_bound(monkeypatch, corrupt):
     """bf16 with ``layer_output="lse"``: ``received`` takes the output call's lse, and its check takes that lse
     too, held to half an ulp at 1 (in received's units): an lse off by 0.02 is caught, none stored."""
-    real = cogattn.capture.attention_with_lse
+    real = cogattn.recorder.capture.attention_with_lse
     monkeypatch.setattr(
-        cogattn.capture, "attention_with_lse", lambda *a: (lambda o, lse: (o, lse + corrupt))(*real(*a))
+        cogattn.recorder.capture, "attention_with_lse", lambda *a: (lambda o, lse: (o, lse + corrupt))(*real(*a))
     )
     pipe = tiny_pipeline(num_heads=3, dtype=torch.bfloat16)
     spy = QKSpy(pipe.transformer)

@@ -198,7 +198,7 @@ def test_resume_redoes_an_incomplete_prompt_and_skips_complete_ones(tmp_path, du
 
 
 def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick_run):
-    from cogattn.run import RunLock
+    from cogattn.runs.run import RunLock
 
     out = shutil.copytree(quick_run, tmp_path / "runs")
     _, second, _ = _prompt_dirs(out)
@@ -215,7 +215,7 @@ def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick
 @pytest.mark.slow
 def test_resume_after_a_killed_run(tmp_path):
     out = tmp_path / "runs"
-    sets = ["--set", f"save_dir={out}", "--set", "num_inference_steps=40", "--set", "previews=false"]
+    sets = ["--set", f"save_dir={out}", "--set", "num_inference_steps=20", "--set", "previews=false"]
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), *sets], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -242,7 +242,7 @@ def test_resume_after_a_killed_run(tmp_path):
     assert (first / "prompt.json").stat().st_mtime_ns == before  # untouched
     for d in _prompt_dirs(out):
         assert _meta(d)["complete"]
-        assert cogattn.load(d / "maps").complete and len(cogattn.load(d / "maps")) == 3 * 40 * 2
+        assert cogattn.load(d / "maps").complete and len(cogattn.load(d / "maps")) == 3 * 20 * 2
 
 
 def _write(path: Path, text: str) -> Path:
@@ -472,7 +472,7 @@ def test_ctrl_c_prints_one_line_saying_what_is_kept_and_exits_130(tmp_path, dump
 def test_the_head_table_is_saved_as_csv_next_to_the_maps(tmp_path, dump):
     import pandas as pd
 
-    from cogattn.head_stats import head_table
+    from cogattn.analysis.head_stats import head_table
 
     out = tmp_path / "runs"
     kinds = "capture.kinds=[frame,entropy,received,block]"

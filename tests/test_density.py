@@ -10,10 +10,10 @@ from tiny_calls import generate
 
 import cogattn
 from cogattn import NotRecordedError
-from cogattn.density import top_p_density
-from cogattn.head_stats import head_table, keys_column
+from cogattn.analysis.density import top_p_density
+from cogattn.analysis.head_stats import head_table, keys_column
+from cogattn.analysis.masks import mask_density, mask_recall, top_p_mask
 from cogattn.layout import TokenLayout
-from cogattn.masks import mask_density, mask_recall, top_p_mask
 from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.plot.density import DENSITY_GID, density_curves
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 from reference import assert_topk, naive_kind, naive_probs
 
-from cogattn.engine import capture
+from cogattn.exact.engine import capture
+from cogattn.exact.planner import plan_tiles
+from cogattn.exact.reducers import REDUCERS
 from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import SPEC as COGVIDEOX
-from cogattn.planner import plan_tiles
-from cogattn.reducers import REDUCERS
 from cogattn.reference import kind_error
 
 LAYOUTS = [TokenLayout(8, 3, 3, 5), TokenLayout(5, 2, 7, 3), TokenLayout(3, 1, 1, 1)]
@@ -135,7 +135,7 @@ def test_joint_call_gives_output_lse_and_pooled_sums(dtype):
     CPU), the rest the key-group sums, and its lse is every row's log-sum-exp."""
     import math
 
-    from cogattn.attention import attention_joint, joint_width
+    from cogattn.exact.attention import attention_joint, joint_width
 
     torch.manual_seed(0)
     layout = TokenLayout(5, 2, 7, 3)
@@ -159,8 +159,8 @@ def test_joint_call_gives_output_lse_and_pooled_sums(dtype):
 
 def test_run_sums_of_runs_out_of_sequence_order_match_the_indicator():
     """Groups whose runs are not in sequence order (the text group last) are summed run by run."""
+    from cogattn.exact.passes import run_sums
     from cogattn.layout import KeyGroups
-    from cogattn.passes import run_sums
 
     groups = KeyGroups(torch.arange(7), torch.tensor([0, 0, 2, 2, 1, 1, 3]), 4)
     probs = torch.arange(7.0).repeat(1, 1, 1)
@@ -169,7 +169,7 @@ def test_run_sums_of_runs_out_of_sequence_order_match_the_indicator():
 
 def test_video_to_text_holds_nothing_for_unformed_video_rows():
     """With the text first and a query limit inside the video, the video queries past it hold 0."""
-    from cogattn.reducers import REDUCERS
+    from cogattn.exact.reducers import REDUCERS
 
     layout = TokenLayout(2, 2, 2, 2)  # S = 10: text 0-1, video 2-9
     red = REDUCERS["video_to_text"](layout, 1, False)
@@ -218,7 +218,7 @@ def test_a_query_key_mask_gives_masked_pairs_exactly_zero_in_every_kind(mean, bu
 
 
 def test_the_masks_capture_takes_and_those_it_refuses():
-    from cogattn.processor import query_key_mask
+    from cogattn.recorder.processor import query_key_mask
 
     causal = torch.ones(6, 6).tril().bool()[None, None]  # (1, 1, S, S)
     assert torch.equal(query_key_mask(causal, 2, 6), causal[:, 0])

@@ -26,7 +26,7 @@ from tiny_calls import generate
 
 from cogattn import analysis, plot
 from cogattn.analysis import aggregate
-from cogattn.head_stats import head_table, temporal_decay
+from cogattn.analysis.head_stats import head_table, temporal_decay
 from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 from cogattn.plot.heads import CURVE_GID
@@ -213,7 +213,7 @@ def test_the_batch_tool_writes_experts_and_previews_per_expert(tmp_path, monkeyp
 def test_mask_recall_rows_name_their_expert(wan):
     """Block-mask recall rows say which transformer ran their step, as the head table's do, and a row's recall
     is that step's own block map, by hand."""
-    from cogattn.masks import mask_recall, oracle_curve, same_frame_mask
+    from cogattn.analysis.masks import mask_recall, oracle_curve, same_frame_mask
 
     for source in wan:
         mask = same_frame_mask(source.layout, source.block_size)

@@ -14,14 +14,14 @@ import torch
 from tiny_calls import generate
 
 import cogattn
-import cogattn.store as store
+import cogattn.runs.store as store
 from cogattn.models.cogvideox import tiny_pipeline
 
 KINDS = ("frame", "video_to_text")
 
 
 class FullDisk:
-    """Stands in for the ``os`` module inside cogattn.store: the ``nth`` call of ``name`` fails."""
+    """Stands in for the ``os`` module inside cogattn.runs.store: the ``nth`` call of ``name`` fails."""
 
     def __init__(self, name: str, nth: int):
         self.name, self.nth, self.calls, self.failed = name, nth, 0, False

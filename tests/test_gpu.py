@@ -6,11 +6,11 @@ from reference import naive_kind, naive_probs
 from tiny_calls import generate
 
 import cogattn
-from cogattn.engine import capture
+from cogattn.exact.engine import capture
+from cogattn.exact.planner import plan_tiles
+from cogattn.exact.reducers import REDUCERS
 from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.planner import plan_tiles
-from cogattn.reducers import REDUCERS
 
 pytestmark = pytest.mark.gpu
 
@@ -67,8 +67,8 @@ def test_cuda_joint_output_close_to_stock_and_maps_within_bf16():
     over steps), and the frame sums carry bf16 rounding."""
     from reference import QKSpy, assert_matches_naive
 
-    from cogattn.attention import attention_joint
-    from cogattn.engine import multi_key_indicator
+    from cogattn.exact.attention import attention_joint
+    from cogattn.exact.engine import multi_key_indicator
 
     pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
     spy = QKSpy(pipe.transformer)

@@ -9,10 +9,10 @@ from tiny_calls import generate
 
 import cogattn
 from cogattn import NotRecordedError
-from cogattn.head_stats import LabelRule, head_table, temporal_decay
+from cogattn.analysis.head_stats import LabelRule, head_table, temporal_decay
+from cogattn.exact.reducers import REDUCERS
 from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.reducers import REDUCERS
 from cogattn.reference import naive_kind
 
 NEW_KINDS = ("entropy", "received", "query_frame", "block", "topk")

@@ -87,7 +87,7 @@ def test_no_import_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
-    assert graph["cogattn.processor"] == set()  # the processor knows the recording only through its protocol
+    assert graph["cogattn.recorder.processor"] == set()  # the processor knows the recording only through its protocol
 
 
 def test_imports_inside_functions_are_of_optional_dependencies_only():

@@ -10,7 +10,7 @@ import torch
 
 import cogattn
 import cogattn.models
-from cogattn import words
+from cogattn.analysis import words
 
 hv = cogattn.models.hunyuan_video
 if hv is None or not hasattr(__import__("diffusers"), "HunyuanVideoImageToVideoPipeline"):

@@ -11,12 +11,12 @@ from reference import QKSpy, assert_matches_naive, naive_kind, naive_probs
 from tiny_calls import generate
 
 import cogattn
-from cogattn import kernels
-from cogattn.engine import capture
+from cogattn.exact import kernels
+from cogattn.exact.engine import capture
+from cogattn.exact.planner import plan_tiles
+from cogattn.exact.reducers import REDUCERS
 from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.planner import plan_tiles
-from cogattn.reducers import REDUCERS
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
@@ -112,7 +112,7 @@ def _assert_maps_match_naive(rec, spy):
 @pytest.fixture
 def timed_on_this_device(monkeypatch):
     """``auto`` as on CUDA with Triton: the first capture of a shape times the kernel against the SDPA pass."""
-    import cogattn.planner as planner
+    import cogattn.exact.planner as planner
 
     monkeypatch.setattr(planner, "can_time_triton", kernels.available)
 
@@ -123,7 +123,7 @@ def timed_on_this_device(monkeypatch):
 def test_auto_times_both_passes_and_keeps_the_faster(timed_on_this_device, monkeypatch, recwarn, slow):
     import time
 
-    import cogattn.attention as attention
+    import cogattn.exact.attention as attention
 
     real_kernel, real_sdpa = kernels.pooled_sums, attention.sdpa_with_lse
     calls = {"triton": 0, "sdpa": 0}

@@ -9,8 +9,7 @@ from tiny_calls import generate
 
 import cogattn
 from cogattn import NotRecordedError
-from cogattn.layout import TokenLayout
-from cogattn.masks import (
+from cogattn.analysis.masks import (
     BlockGrid,
     mask_recall,
     oracle_curve,
@@ -18,8 +17,9 @@ from cogattn.masks import (
     spatial_window_mask,
     temporal_window_mask,
 )
+from cogattn.exact.reducers import REDUCERS
+from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.reducers import REDUCERS
 
 LAYOUT = TokenLayout(text_len=5, frames=3, height=3, width=5)  # S = 50: blocks of 8 leave a last block of 2
 BLOCK = 8

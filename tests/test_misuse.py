@@ -18,7 +18,7 @@ from reference import QKSpy, assert_matches_naive
 from tiny_calls import generate
 
 import cogattn
-import cogattn.store as store
+import cogattn.runs.store as store
 from cogattn.models.cogvideox import tiny_pipeline
 
 
@@ -53,7 +53,7 @@ def test_the_lock_of_a_killed_writer_is_released(pipe, tmp_path):
     run_dir = tmp_path / "run"
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir):
         generate(pipe, steps=1)
-    code = "import sys, time; from cogattn.run import RunLock; lock = RunLock(sys.argv[1]); print('locked', flush=True); time.sleep(60)"
+    code = "import sys, time; from cogattn.runs.run import RunLock; lock = RunLock(sys.argv[1]); print('locked', flush=True); time.sleep(60)"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, env=env)
     try:
@@ -395,7 +395,7 @@ def test_run_json_says_how_many_steps_it_holds(pipe, tmp_path):
 
 def test_plot_mistakes_are_one_clear_line(pipe):
     from cogattn import plot
-    from cogattn.words import word_positions
+    from cogattn.analysis.words import word_positions
 
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), info={"prompt": "a red fox, running"}) as rec:
         generate(pipe, steps=1, prompt="a red fox, running")

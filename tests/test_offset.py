@@ -5,10 +5,10 @@ the ``full`` map of the same tiny generation; its figure's arrays against those 
 import pytest
 import torch
 
-from cogattn.engine import capture
+from cogattn.exact.engine import capture
+from cogattn.exact.planner import plan_tiles
+from cogattn.exact.reducers import REDUCERS
 from cogattn.layout import TokenLayout
-from cogattn.planner import plan_tiles
-from cogattn.reducers import REDUCERS
 from cogattn.reference import naive_kind, naive_probs
 
 LAYOUTS = [
@@ -87,7 +87,7 @@ def test_offset_does_not_depend_on_the_budget(budget):
 
 def test_heads_chunks_and_head_mean_on_a_budget_that_splits_heads():
     """Tiles of several heads (an accelerator's plan) fold the head mean as the mean of the per-head maps."""
-    from cogattn.planner import size_tiles
+    from cogattn.exact.planner import size_tiles
 
     torch.manual_seed(2)
     layout = TokenLayout(5, 2, 7, 3)
@@ -193,8 +193,8 @@ def _curves_by_hand(P, layout):
 def test_decay_table_against_sums_over_the_full_map(recording):
     import numpy as np
 
-    from cogattn.decay import decay_table
-    from cogattn.head_stats import head_table
+    from cogattn.analysis.decay import decay_table
+    from cogattn.analysis.head_stats import head_table
 
     rec, layout = recording, recording.layout
     table = decay_table(rec)
@@ -240,7 +240,7 @@ def test_decay_table_against_sums_over_the_full_map(recording):
 
 def test_per_key_decay_of_uniform_attention_is_flat():
     """Uniform attention over the video: the mean probability per key is 1/V at every distance, its fit a rate 0."""
-    from cogattn.decay import fit_decay, keys_at_distance, offset_curves
+    from cogattn.analysis.decay import fit_decay, keys_at_distance, offset_curves
 
     layout = TokenLayout(0, 3, 4, 5)
     V = layout.video_len
@@ -258,7 +258,7 @@ def test_per_key_decay_of_uniform_attention_is_flat():
 def test_fit_of_an_exact_exponential_and_of_too_few_points():
     import math
 
-    from cogattn.decay import fit_decay
+    from cogattn.analysis.decay import fit_decay
 
     scale, rate, r2 = fit_decay([0, 1, 2, 3], [2 * math.exp(-0.7 * d) for d in range(4)])
     assert (scale, rate, r2) == pytest.approx((2.0, 0.7, 1.0))
@@ -268,7 +268,7 @@ def test_fit_of_an_exact_exponential_and_of_too_few_points():
 def test_mean_decay_averages_the_curves_then_fits(recording):
     import numpy as np
 
-    from cogattn.decay import decay_table, fit_decay, mean_decay
+    from cogattn.analysis.decay import decay_table, fit_decay, mean_decay
 
     table = decay_table(recording)
     by_layer = mean_decay(table, by="layer")
@@ -312,7 +312,7 @@ def test_distance_decay_draws_the_mean_curves_and_their_fits(recording):
     import numpy as np
 
     from cogattn import plot
-    from cogattn.decay import decay_table, mean_decay
+    from cogattn.analysis.decay import decay_table, mean_decay
     from cogattn.plot.decay import FIT_GID, POINTS_GID
 
     table = decay_table(recording)

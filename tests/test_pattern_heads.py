@@ -16,9 +16,9 @@ from tiny_calls import generate
 
 import cogattn
 from cogattn import plot
+from cogattn.analysis.pattern_heads import ErrorLabelRule, label_changes, pattern_table
 from cogattn.errors import NotRecordedError
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.pattern_heads import ErrorLabelRule, label_changes, pattern_table
 from cogattn.plot.heads import EXTRA_LABEL_COLORS
 
 

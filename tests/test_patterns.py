@@ -10,14 +10,14 @@ import torch
 from tiny_calls import generate
 
 import cogattn
-from cogattn import patterns
-from cogattn.engine import capture
+from cogattn.analysis.masks import mask_recall
+from cogattn.exact import patterns
+from cogattn.exact.engine import capture
+from cogattn.exact.planner import plan_tiles
+from cogattn.exact.reducers import REDUCERS
 from cogattn.layout import TokenLayout
-from cogattn.masks import mask_recall
 from cogattn.models import FAMILIES
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.planner import plan_tiles
-from cogattn.reducers import REDUCERS
 from cogattn.reference import naive_kind, naive_pattern, naive_probs
 
 LAYOUTS = [

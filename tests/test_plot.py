@@ -13,7 +13,8 @@ from matplotlib.colors import LogNorm
 from PIL import Image
 
 import cogattn
-from cogattn import NotRecordedError, analysis, plot, words
+from cogattn import NotRecordedError, analysis, plot
+from cogattn.analysis import words
 from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 from cogattn.plot import animation as plot_animation

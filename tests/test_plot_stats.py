@@ -67,14 +67,14 @@ def heat(ax):
 
 
 def table(source):
-    from cogattn.head_stats import head_table
+    from cogattn.analysis.head_stats import head_table
 
     return head_table(source)
 
 
 # -- head atlas ------------------------------------------------------------------------------------
 def test_head_atlas_cells_are_the_labels_of_the_head_table(tiny):
-    from cogattn.head_stats import LabelRule, head_table
+    from cogattn.analysis.head_stats import LabelRule, head_table
 
     _, rec, _ = tiny
     last = head_table(rec, steps=1)
@@ -100,7 +100,7 @@ def test_head_atlas_cells_are_the_labels_of_the_head_table(tiny):
 
 
 def test_head_atlas_numbers_and_step_mean(tiny):
-    from cogattn.head_stats import LabelRule
+    from cogattn.analysis.head_stats import LabelRule
 
     _, rec, _ = tiny
     full = table(rec)
@@ -155,7 +155,7 @@ def test_animate_head_atlas_one_frame_per_step_with_shared_limits(tiny, tmp_path
 
 # -- decay with frame distance ---------------------------------------------------------------------
 def test_decay_curves_per_layer_and_head(tiny):
-    from cogattn.head_stats import temporal_decay
+    from cogattn.analysis.head_stats import temporal_decay
 
     _, rec, _ = tiny
     fig = plot.decay_curves(rec, by="layer")
@@ -250,7 +250,7 @@ def _cells_inside(segments, n):
 
 
 def test_block_map_data_ticks_outline_and_recall(tiny):
-    from cogattn.masks import mask_recall, same_frame_mask
+    from cogattn.analysis.masks import mask_recall, same_frame_mask
 
     _, rec, _ = tiny
     assert rec.block_size == BLOCK
@@ -318,8 +318,8 @@ def test_animate_block_map_and_token_stat(tiny, tmp_path):
 
 
 def test_heads_recorded_as_their_mean_and_kinds_not_recorded(tiny):
-    from cogattn.head_stats import head_table
-    from cogattn.masks import mask_recall, temporal_window_mask
+    from cogattn.analysis.head_stats import head_table
+    from cogattn.analysis.masks import mask_recall, temporal_window_mask
 
     pipe = tiny[0]
     with cogattn.record(pipe, kinds=("frame", "block"), steps=[0], block_size=BLOCK) as rec:
@@ -349,7 +349,7 @@ def test_heads_recorded_as_their_mean_and_kinds_not_recorded(tiny):
 
 # -- a loaded run ----------------------------------------------------------------------------------
 def test_a_loaded_run_plots_the_same(tiny, run):
-    from cogattn.masks import same_frame_mask
+    from cogattn.analysis.masks import same_frame_mask
 
     _, rec, video = tiny
     assert run.block_size == BLOCK

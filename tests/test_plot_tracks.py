@@ -1,4 +1,4 @@
-"""plot.track_figure and plot.motion_figure draw what cogattn.tracks computes, at the patch centres of the grid or
+"""plot.track_figure and plot.motion_figure draw what cogattn.analysis.tracks computes, at the patch centres of the grid or
 the video; the wheel's colours encode direction; the batch tool's previews of a frame_max run."""
 
 import json
@@ -12,10 +12,10 @@ from tiny_calls import generate
 
 import cogattn
 from cogattn import plot
+from cogattn.analysis.tracks import motion_field, track
 from cogattn.dump.previews import write_previews
 from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.plot.tracks import ARROW_GID, MATCH_GID, STILL_GID, WHEEL_GID, WHEEL_LEGEND_GID, flow_colors
-from cogattn.tracks import motion_field, track
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]

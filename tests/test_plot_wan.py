@@ -20,8 +20,8 @@ import torch
 from PIL import Image
 
 import cogattn
-from cogattn import head_stats, masks, plot, words
-from cogattn.analysis import aggregate
+from cogattn import plot
+from cogattn.analysis import aggregate, head_stats, masks, words
 from cogattn.dump.previews import write_previews
 from cogattn.models.wan import tiny_pipeline as tiny_wan_pipeline
 from cogattn.plot.stats import _group_starts

@@ -7,11 +7,11 @@ from tiny_calls import generate
 
 import cogattn
 from cogattn.analysis import aggregate
+from cogattn.exact.reducers import REDUCERS, FrameMax
+from cogattn.exact.reducers.ranked import top_p_counts
 from cogattn.layout import TokenLayout
 from cogattn.models import FAMILIES
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.reducers import REDUCERS, FrameMax
-from cogattn.reducers.ranked import top_p_counts
 from cogattn.reference import naive_kind
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -166,7 +166,7 @@ def test_opt_in_outputs_keep_cpu_output_identical_and_maps_exact(output, dtype, 
     video_to_text needs no attention pass of its own. "joint": one call on values widened with the frame
     indicator gives the output, the lse and the frame sums, and capture runs no attention pass at all.
     On the CPU both keep the video bit-identical."""
-    import cogattn.attention as attention
+    import cogattn.exact.attention as attention
 
     pipe = tiny_pipeline(dtype=dtype, num_heads=3)
     stock = generate(pipe, videos=2, width=112)

@@ -10,11 +10,11 @@ from safetensors import safe_open
 from tiny_calls import generate
 
 import cogattn
-import cogattn.attention as attention
-import cogattn.checks as checks
-import cogattn.passes as passes
+import cogattn.exact.attention as attention
+import cogattn.exact.checks as checks
+import cogattn.exact.passes as passes
+from cogattn.exact.reducers import TopK
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.reducers import TopK
 
 STATS = ("entropy", "received", "query_frame", "block", "topk")
 SIZES = dict(block_size=7, topk=5)
@@ -76,7 +76,7 @@ CHOICES = [  # (kinds, sizes, on a CPU, on CUDA)
 
 @pytest.mark.parametrize("kinds,sizes,cpu,cuda", CHOICES)
 def test_auto_takes_row_tiles_where_one_row_pass_beats_the_fused_passes(kinds, sizes, cpu, cuda, monkeypatch):
-    monkeypatch.setattr(cogattn.planner, "can_time_triton", lambda device: device.type == "cuda")
+    monkeypatch.setattr(cogattn.exact.planner, "can_time_triton", lambda device: device.type == "cuda")
     for device, method in (("cpu", cpu), ("cuda", cuda)):
         est = cogattn.estimate(
             "THUDM/CogVideoX-2b", num_frames=49, height=480, width=720, num_inference_steps=50, kinds=kinds,
@@ -158,9 +158,9 @@ def test_bad_sizes_are_refused(option, value):
 
 
 def test_cpu_row_tiles_are_cache_sized_one_head_at_a_time():
+    from cogattn.exact.planner import CPU_ROW_TILE, plan_tiles
+    from cogattn.exact.reducers import REDUCERS
     from cogattn.layout import TokenLayout
-    from cogattn.planner import CPU_ROW_TILE, plan_tiles
-    from cogattn.reducers import REDUCERS
 
     layout = TokenLayout(226, 13, 30, 45)  # CogVideoX-2b at 49 frames
     S = layout.seq_len
@@ -191,11 +191,11 @@ def test_a_wrong_received_pass_is_caught(monkeypatch):
 def test_the_entropy_check_holds_peaked_rows_of_large_logits(logit):
     """lse − scale·q·(PK) cancels numbers of the size of the largest logit: the check counts the error per
     unit of |lse|, so a correct pass on rows with logits of 60 passes, and the values stay within 1e-4."""
-    from cogattn.checks import RowProbe, Verifier, probe_rows
-    from cogattn.engine import capture
+    from cogattn.exact.checks import RowProbe, Verifier, probe_rows
+    from cogattn.exact.engine import capture
+    from cogattn.exact.planner import plan_tiles
+    from cogattn.exact.reducers import REDUCERS
     from cogattn.layout import TokenLayout
-    from cogattn.planner import plan_tiles
-    from cogattn.reducers import REDUCERS
     from cogattn.reference import naive_kind, naive_probs
 
     torch.manual_seed(0)
@@ -217,10 +217,10 @@ def test_the_entropy_check_holds_peaked_rows_of_large_logits(logit):
 def test_one_block_per_token_and_topk_of_the_mean_beside_a_pooled_kind():
     from reference import assert_topk
 
-    from cogattn.engine import capture
+    from cogattn.exact.engine import capture
+    from cogattn.exact.planner import plan_tiles
+    from cogattn.exact.reducers import REDUCERS
     from cogattn.layout import TokenLayout
-    from cogattn.planner import plan_tiles
-    from cogattn.reducers import REDUCERS
     from cogattn.reference import naive_kind, naive_probs
 
     torch.manual_seed(1)

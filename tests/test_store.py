@@ -16,9 +16,9 @@ from reference import KINDS
 from tiny_calls import generate
 
 import cogattn
-import cogattn.store as store
+import cogattn.runs.store as store
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.store import RunWriter, record_file_bytes
+from cogattn.runs.store import RunWriter, record_file_bytes
 
 QUERIES = [0, (1, 2, 4)]
 

@@ -1,12 +1,12 @@
-"""``cogattn.tracks`` against the argmax of each frame of the ``full`` map of the same tiny generation."""
+"""``cogattn.analysis.tracks`` against the argmax of each frame of the ``full`` map of the same tiny generation."""
 
 import pytest
 import torch
 from tiny_calls import generate
 
 import cogattn
+from cogattn.analysis.tracks import frame_matches, motion_field, track
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.tracks import frame_matches, motion_field, track
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from cogattn.analysis import aggregate
+from cogattn.analysis.head_stats import head_table
+from cogattn.analysis.masks import mask_recall, same_frame_mask
 from cogattn.dump import main as dump_main
-from cogattn.head_stats import head_table
-from cogattn.masks import mask_recall, same_frame_mask
-from cogattn.run import load
+from cogattn.runs.run import load
 from cogattn.view import RunView, ViewServer, export, find_runs
 from cogattn.view.server import main
 
@@ -340,7 +340,7 @@ def _shows(text: str, where: str, want: float, exact: float | None, rel: float =
 
 
 def test_every_map_has_a_colour_bar_with_its_limits_and_shows_the_value_under_the_pointer(runs, browser):
-    from cogattn.reducers import REDUCERS
+    from cogattn.exact.reducers import REDUCERS
 
     folder = _first(runs)
     run = load(folder / "maps")
@@ -419,7 +419,7 @@ def test_a_blank_cell_says_it_was_not_recorded(runs, sparse, browser):
 
 
 def test_the_export_shows_the_colour_bars_and_the_value_under_the_pointer(runs, browser, tmp_path):
-    from cogattn.reducers import REDUCERS
+    from cogattn.exact.reducers import REDUCERS
 
     folder = _first(runs)
     run = load(folder / "maps")

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from cogattn.analysis import aggregate
 from cogattn.dump import main as dump_main
 from cogattn.errors import StoreError
-from cogattn.run import load
+from cogattn.runs.run import load
 from cogattn.view import RunView, ViewServer, export
 from cogattn.view.data import open_runs
 from cogattn.view.server import main

@@ -21,12 +21,12 @@ from safetensors.torch import load_file, save_file
 from test_view import _check_bars, _close, _hover, _page, _redrawn, _shows, _values
 
 from cogattn.analysis import aggregate
-from cogattn.decay import decay_table, mean_decay
+from cogattn.analysis.decay import decay_table, mean_decay
+from cogattn.analysis.masks import mask_recall
+from cogattn.analysis.tracks import track
 from cogattn.dump import main as dump_main
-from cogattn.masks import mask_recall
-from cogattn.reducers import REDUCERS
-from cogattn.run import load
-from cogattn.tracks import track
+from cogattn.exact.reducers import REDUCERS
+from cogattn.runs.run import load
 from cogattn.view import RunView, ViewServer, export, sparse
 
 TILE = (1, 2, 2)

@@ -320,12 +320,12 @@ def test_waiting_results_are_checked_against_the_host_memory(monkeypatch):
     tiles."""
     kw = dict(num_frames=81, height=480, width=832, num_inference_steps=40, kinds=("video_to_image",), batch="all")
     model = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
-    monkeypatch.setattr(cogattn.memory, "host_available", lambda: 10**9)
+    monkeypatch.setattr(cogattn.exact.memory, "host_available", lambda: 10**9)
     plan = cogattn.estimate(model, device="cuda", **kw).plan  # no refusal: the run's host is not this one
-    args = (plan.options, cogattn.planner.ModelShape(40, 40, 128, torch.bfloat16), plan.layout)
+    args = (plan.options, cogattn.exact.planner.ModelShape(40, 40, 128, torch.bfloat16), plan.layout)
     call = dict(batch_size=2, guidance=True, num_steps=40, sources=CONTEXT, calls_per_step=2)
     with pytest.raises(ValueError, match=r"1,347,091,200 bytes of results .* exceed the 1,000,000,000 bytes of host"):
-        cogattn.planner.plan_capture(*args, device="cuda", **call)  # as a recording plans it
+        cogattn.exact.planner.plan_capture(*args, device="cuda", **call)  # as a recording plans it
     with pytest.raises(ValueError, match=r"memory_budget=1073741824 bytes cannot hold the 1,347,091,200 bytes"):
         cogattn.estimate(model, **kw)
     est = cogattn.estimate(model, memory_budget="2GiB", **kw)
@@ -356,14 +356,15 @@ def test_context_kinds_with_a_broadcast_text_batch(pipes):
 def test_the_selftest_checks_wan_and_catches_a_wrong_map(monkeypatch):
     """``python -m cogattn.selftest`` records every Wan kind against the reference; a cross-attention map off by
     1e-3 fails it."""
-    from cogattn import context, selftest
+    from cogattn import selftest
+    from cogattn.exact import context
 
     # every method: tests/test_families.py's self-test test for "wan"; here, row tiles and a corrupted context pass
     rows = selftest.family_rows(cogattn.models.wan.SPEC, torch.device("cpu"), torch.float32, quick=True)
     checked = [r for r in rows if r.passed is not None]
     assert checked and all(r.passed and r.bit_identical for r in checked), rows
     real = context.context_pass
-    monkeypatch.setattr(cogattn.capture, "context_pass", lambda *a: [o + 1e-3 for o in real(*a)])
+    monkeypatch.setattr(cogattn.recorder.capture, "context_pass", lambda *a: [o + 1e-3 for o in real(*a)])
     rows = selftest.family_rows(cogattn.models.wan.SPEC, torch.device("cpu"), torch.float32, quick=True)
     assert not any(r.passed for r in rows if r.passed is not None)
 
@@ -529,11 +530,11 @@ def test_the_cross_attention_keeps_the_memory_budget():
     for budget in (2**12, 2**16, 2**20, 2**30):
         for device in ("cpu", "cuda"):
             try:
-                h, r, peak = cogattn.memory.context_tile(12, 32760, 512, 128, budget, device)
+                h, r, peak = cogattn.exact.memory.context_tile(12, 32760, 512, 128, budget, device)
             except ValueError as err:
                 assert "is too small for one tile" in str(err) and budget < 4 * (512 + 128 + 512 * 128) * 33 // 32
                 continue
-            assert peak <= cogattn.memory.usable(budget) and h >= 1 and r >= 1
+            assert peak <= cogattn.exact.memory.usable(budget) and h >= 1 and r >= 1
     kw = dict(num_frames=9, height=32, width=48, num_inference_steps=2)
     for kind in ("frame", "video_to_text"):
         with pytest.raises(ValueError, match="memory_budget=1000 bytes is too small for one tile"):

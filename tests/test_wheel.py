@@ -24,11 +24,28 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_FILES = ("*.yaml", "prompts/*.txt", "prompts/*.jsonl", "prompts/images/*.png")  # pyproject's package-data
-ESTIMATE = """
+# One process in the fresh environment (each start imports torch and diffusers): the console script's entry point,
+# `python -m cogattn.dump --dry-run`, and the README's estimate. (.ci/run's plain stage runs `cogattn-dump` itself.)
+INSTALLED = """
+import contextlib, io, runpy, sys
+from importlib.metadata import entry_points
+
 import cogattn
+
+(script,) = [e for e in entry_points(group="console_scripts") if e.name == "cogattn-dump"]
+dry = io.StringIO()
+sys.argv = ["cogattn.dump", "--dry-run"]
+with contextlib.redirect_stdout(dry):
+    try:
+        runpy.run_module("cogattn.dump", run_name="__main__")
+    except SystemExit as exit:
+        assert not exit.code, exit.code
+print(script.value)
 print(cogattn.__file__)
 print(cogattn.estimate("THUDM/CogVideoX-5b", num_frames=49, height=480, width=720, num_inference_steps=50,
                        kinds=("frame", "video_to_text"), batch="cond", dtype="bfloat16").table())
+print("== dry run")
+print(dry.getvalue(), end="")
 """
 
 
@@ -42,9 +59,12 @@ def _setuptools_builds() -> bool:
 
 def _source_copy(dest: Path) -> Path:
     """The checkout without its environments and build outputs (builds then leave the checkout alone)."""
-    skip = shutil.ignore_patterns(
-        ".git", ".venv*", "build", "dist", "runs", "*.egg-info", "__pycache__", ".pytest_cache"
-    )
+    anywhere = shutil.ignore_patterns(".git", ".venv*", "*.egg-info", "__pycache__", ".pytest_cache")
+    top = {"build", "dist", "runs"}  # the checkout's own folders only: cogattn/runs is a package
+
+    def skip(folder, names):
+        return anywhere(folder, names) | (top & set(names) if Path(folder) == ROOT else set())
+
     return Path(shutil.copytree(ROOT, dest, ignore=skip))
 
 
@@ -96,17 +116,17 @@ def test_installed_wheel_runs_the_default_dry_run_and_the_readme_estimate(wheel,
     python, site = _fresh_venv(tmp_path / "env", wheel)
     work = tmp_path / "work"  # outside the checkout
     work.mkdir()
-    dry = _run(python.parent / "cogattn-dump", "--dry-run", cwd=work)
-    lines = dry.stdout.splitlines()
+    out = _run(python, "-c", textwrap.dedent(INSTALLED), cwd=work).stdout
+    assert (python.parent / "cogattn-dump").is_file()
+    head, dry = out.split("== dry run\n")
+    entry, where, *table = head.splitlines()
+    assert entry == "cogattn.dump:main"
+    assert Path(where) == site / "cogattn" / "__init__.py"  # the wheel's, not the checkout's
+    lines = dry.splitlines()
     assert lines[0] == f"config {site / 'cogattn' / 'dump' / 'configs' / 'tiny.yaml'}"
     assert lines[1].startswith("model tiny (text-to-video), 3 prompts, 4 steps, 9 frames at 48×80")
-    assert "predicted peak extra memory" in dry.stdout and "method sdpa" in dry.stdout
+    assert "predicted peak extra memory" in dry and "method sdpa" in dry
     assert list(work.iterdir()) == []  # a dry run writes nothing
-    module = _run(python, "-m", "cogattn.dump", "--dry-run", cwd=work)
-    assert module.stdout == dry.stdout
-    est = _run(python, "-c", textwrap.dedent(ESTIMATE), cwd=work)
-    where, *table = est.stdout.splitlines()
-    assert Path(where) == site / "cogattn" / "__init__.py"  # the wheel's, not the checkout's
     table = "\n".join(table)
     assert "layout: 226 text + 13×30×45 video tokens, S = 17,776" in table
     assert " video_to_text  (1, 1, 226, 13, 30, 45) " in table and "method sdpa" in table
@@ -122,10 +142,10 @@ def test_editable_install_maps_the_configs_folder(tmp_path):
     python, _ = _fresh_venv(tmp_path / "env", dist / name)
     work = tmp_path / "work"
     work.mkdir()
-    files = _run(python, "-c", "import importlib.resources as r; print(r.files('cogattn.dump.configs'))", cwd=work)
-    assert Path(files.stdout.strip()) == src / "configs"
-    dry = _run(python.parent / "cogattn-dump", "--dry-run", cwd=work)
-    assert dry.stdout.splitlines()[0] == f"config {src / 'configs' / 'tiny.yaml'}"
+    code = "import importlib.resources as r; print(r.files('cogattn.dump.configs')); from cogattn.dump.cli import main; main(['--dry-run'])"
+    files, dry = _run(python, "-c", code, cwd=work).stdout.splitlines()[:2]
+    assert Path(files) == src / "configs"
+    assert dry == f"config {src / 'configs' / 'tiny.yaml'}"
 
 
 def test_the_script_runs_from_a_checkout_with_nothing_installed(tmp_path):

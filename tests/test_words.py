@@ -1,5 +1,5 @@
 """Word labels name the tokens the transformer's text really holds: for the tiny pipeline of every family,
-the labels of ``cogattn.words`` (and the batch tool's ``prompt.json`` ``tokens``) are the tokens of the
+the labels of ``cogattn.analysis.words`` (and the batch tool's ``prompt.json`` ``tokens``) are the tokens of the
 ids the pipeline's own ``encode_prompt`` hands on, read back through a text encoder that returns its
 input ids as its hidden states. Where a family wraps the prompt (HunyuanVideo's LLaMA template and crop,
 EasyAnimate's Qwen2-VL chat template), the tiny pipeline gets a tokenizer built to the real one's
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cogattn.models
-from cogattn import words
+from cogattn.analysis import words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = "a red fox running in the snow"

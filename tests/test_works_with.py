@@ -194,8 +194,8 @@ def test_faster_cache_s_conditional_half_is_recorded_for_batch_cond_only(monkeyp
 def test_plots_the_head_table_and_previews_show_a_cache_s_gaps(tmp_path):
     from cogattn import plot
     from cogattn.analysis import aggregate
+    from cogattn.analysis.head_stats import head_table
     from cogattn.dump.previews import write_previews
-    from cogattn.head_stats import head_table
 
     pipe = _pipe("cogvideox")
     pipe.transformer.enable_cache(_caches("cogvideox")["FirstBlockCache"](pipe))

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from ..estimate import Estimate, estimate
-from ..store import disk_bytes
+from ..runs.store import disk_bytes
 from .config import ConfigError, DumpConfig, default_config, load_config
 from .generate import is_complete, load_pipeline, prompt_meta, run_prompt
 from .prompts import Prompt, read_prompts

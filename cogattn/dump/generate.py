@@ -1,7 +1,7 @@
 """One prompt's generation with capture: the pipeline of a config, the folder a prompt gets, its video.
 
 A prompt's folder holds ``maps/`` (a run: ``cogattn.load`` reads it), the video, ``heads.csv`` (the head
-table of :func:`cogattn.head_stats.head_table`, when a kind it reads was recorded), ``previews/*.png`` and
+table of :func:`cogattn.analysis.head_stats.head_table`, when a kind it reads was recorded), ``previews/*.png`` and
 ``prompt.json``, whose ``complete`` is set last: a folder without it is redone by a rerun.
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
+from ..analysis.head_stats import TABLE_KINDS, head_table
+from ..analysis.words import PromptFormat, text_tokens
 from ..errors import StoreError
-from ..head_stats import TABLE_KINDS, head_table
-from ..recording import record
-from ..run import LOCK, RunLock, load
-from ..words import PromptFormat, text_tokens
+from ..recorder.recording import record
+from ..runs.run import LOCK, RunLock, load
 from .config import ConfigError, DumpConfig
 from .previews import write_previews
 from .prompts import Prompt

@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 from .. import plot
-from ..analysis import aggregate, expert_steps, recorded
-from ..run import load
-from ..words import word_positions
+from ..analysis.maps import aggregate, expert_steps, recorded
+from ..analysis.words import word_positions
+from ..runs.run import load
 
 __all__ = ["write_previews"]
 

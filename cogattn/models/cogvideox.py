@@ -19,7 +19,7 @@ from diffusers import CogVideoXTransformer3DModel
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0
 
 from ..layout import TokenLayout
-from ..processor import MapSink
+from ..recorder.processor import MapSink
 from .spec import ModelSpec, Site
 from .tiny_text import TEXT_DIM, TINY_TEXT_LEN, tiny_text_encoder, tiny_tokenizer
 

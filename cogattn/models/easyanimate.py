@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import TokenLayout
-from ..processor import MapSink
+from ..recorder.processor import MapSink
 from .prompt_text import in_template, kept, tokenize
 from .spec import ModelSpec, Site, Unavailable
 from .tiny_text import TEXT_DIM, cast, tiny_tokenizer

@@ -48,7 +48,7 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 from packaging.version import Version
 
 from ..layout import TokenLayout
-from ..processor import MapSink, key_counts
+from ..recorder.processor import MapSink, key_counts
 from .spec import ModelSpec, Site, Unavailable
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.

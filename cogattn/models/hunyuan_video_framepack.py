@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import TokenLayout
-from ..processor import MapSink
+from ..recorder.processor import MapSink
 from .spec import ModelSpec, Site, Unavailable
 from .tiny_text import TEXT_DIM, cast
 

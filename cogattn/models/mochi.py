@@ -24,7 +24,7 @@ from diffusers.models.attention_processor import MochiAttnProcessor2_0
 from diffusers.models.transformers.transformer_mochi import MochiTransformer3DModel
 
 from ..layout import TokenLayout
-from ..processor import MapSink
+from ..recorder.processor import MapSink
 from .spec import ModelSpec, Site
 from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 

@@ -1,6 +1,6 @@
 """The transformer's text tokens of a prompt as a family's pipeline makes them: the tokenizer's call the
 pipelines share, a template's text with the prompt's characters in it, and the tokens a pipeline keeps. The
-families' ``prompt_text`` (``ModelSpec.prompt_text``) are built from these; :mod:`cogattn.words` reads them."""
+families' ``prompt_text`` (``ModelSpec.prompt_text``) are built from these; :mod:`cogattn.analysis.words` reads them."""
 
 from __future__ import annotations
 

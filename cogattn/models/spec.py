@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..reducers import REDUCERS  # every kind is registered once cogattn is imported
+from ..exact.reducers import REDUCERS  # every kind is registered once cogattn is imported
 
 __all__ = ["ModelSpec", "Site", "StepTime", "Unavailable"]
 

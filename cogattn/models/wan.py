@@ -20,7 +20,7 @@ import inspect
 import torch
 
 from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
-from ..processor import MapSink, query_key_mask
+from ..recorder.processor import MapSink, query_key_mask
 from .spec import ModelSpec, Site, StepTime, Unavailable
 from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 

@@ -2,16 +2,17 @@
 layers × steps, what each head does (atlas, decay with frame distance), per-token entropy and attention
 sinks on the video, block maps with sparse-attention masks, and animations.
 
-Every function takes a *source* (a :class:`cogattn.run.MapSource`): an in-memory
+Every function takes a *source* (a :class:`cogattn.runs.run.MapSource`): an in-memory
 :class:`cogattn.Recording` or a run opened with :func:`cogattn.load`, and returns a
 ``matplotlib.figure.Figure`` made without pyplot (no global backend or state): a notebook shows it when
 it is a cell's value, ``fig.savefig(path)`` saves it, and ``fig=plt.figure()`` draws into a pyplot
 figure instead. The numbers behind the figures are in :mod:`cogattn.analysis` (``aggregate``) and the
-text tokens of a prompt in :mod:`cogattn.words`; the head table in :mod:`cogattn.head_stats` and block masks
-in :mod:`cogattn.masks`.
+text tokens of a prompt in :mod:`cogattn.analysis.words`; the head table in :mod:`cogattn.analysis.head_stats` and block masks
+in :mod:`cogattn.analysis.masks`.
 
 ```python
-from cogattn import masks, plot
+from cogattn.analysis import masks
+from cogattn import plot
 plot.frame_heatmap(rec, heads="all")                                   # (G × G) per head
 plot.word_heatmap(rec, ["fox", "snow"], video, tokenizer=pipe.tokenizer, prompt=prompt)
 plot.query_map(rec, (1, 1, 2), video, scale="log")

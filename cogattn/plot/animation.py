@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..analysis import recorded, recorded_kinds
-from ..head_stats import TABLE_KINDS
-from ..run import MapSource
-from ..skips import Skipped
+from ..analysis.head_stats import TABLE_KINDS
+from ..analysis.maps import recorded, recorded_kinds
+from ..runs.run import MapSource
+from ..runs.skips import Skipped
 from .frames import frame_heatmap
 from .heads import head_atlas
 from .overlays import query_map, word_heatmap

@@ -1,6 +1,6 @@
 """Attention by relative position (kind ``offset``): the offset map as one (Δy × Δx) panel per latent-frame
 offset Δt, and the decay of the mass with temporal and spatial distance beside Radial Attention's exponential
-fit (the numbers of :mod:`cogattn.decay`)."""
+fit (the numbers of :mod:`cogattn.analysis.decay`)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..analysis import aggregate
-from ..decay import decay_table, mean_decay
+from ..analysis.decay import decay_table, mean_decay
+from ..analysis.maps import aggregate
 from ..items import pick_item
-from ..run import MapSource
+from ..runs.run import MapSource
 from .style import CMAP, MAP_GID, add_colorbars, color_norms, describe, frame_unit, new_figure, set_title, single_head
 
 __all__ = ["FIT_GID", "distance_decay", "offset_map"]
@@ -101,14 +101,14 @@ def distance_decay(
     fig: Figure | None = None,
 ) -> Figure:
     """Attention against temporal distance |Δt| (latent frames) and spatial distance (patches, rounded
-    Euclidean), one curve per head, layer or step (:func:`cogattn.decay.mean_decay`), each with its fitted
+    Euclidean), one curve per head, layer or step (:func:`cogattn.analysis.decay.mean_decay`), each with its fitted
     ``a·exp(−λ d)`` dashed and λ, R² in the legend; the mass axis is logarithmic, where the fit is a line.
 
     Args:
-        source_or_table: a `Recording` or `Run` that recorded ``offset``, or a :func:`cogattn.decay.decay_table`.
+        source_or_table: a `Recording` or `Run` that recorded ``offset``, or a :func:`cogattn.analysis.decay.decay_table`.
         by (`str`, defaults to ``"head"``): ``"head"``, ``"layer"`` or ``"step"``: one curve each, averaged over
             the rest (per head or layer: one expert's steps).
-        steps, layers: with a source, the steps and layers of its table (:func:`cogattn.decay.decay_table`).
+        steps, layers: with a source, the steps and layers of its table (:func:`cogattn.analysis.decay.decay_table`).
         batch (`int | "cond" | "uncond"`, *optional*): the batch slot drawn (the table's ``item``): by default
             the first conditional item (:func:`cogattn.items.pick_item`, from the table's ``batch_roles``).
         per_key (`bool`, defaults to `False`): with a source, the mean probability of one key at each distance.

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..head_stats import expert_steps_of
+from ..analysis.head_stats import expert_steps_of
 from .heads import _items, _table_and_steps, draw_curves, title_curves
 from .style import new_figure
 
@@ -30,7 +30,7 @@ def density_curves(
 ) -> Figure:
     """The share of keys needed against the mass p: for each recorded p of ``top_p``, the mean over video
     queries of the fewest keys whose largest probabilities reach p, as a share of the keys (the head table's
-    ``keys_p*`` columns, :func:`cogattn.head_stats.head_table`), one curve per head (averaged over layers),
+    ``keys_p*`` columns, :func:`cogattn.analysis.head_stats.head_table`), one curve per head (averaged over layers),
     layer (over heads) or step (over both).
 
     Args:

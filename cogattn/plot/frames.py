@@ -10,9 +10,9 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..analysis import aggregate, choose, expert_steps, skipped_pairs
-from ..reducers import REDUCERS
-from ..run import MapSource
+from ..analysis.maps import aggregate, choose, expert_steps, skipped_pairs
+from ..exact.reducers import REDUCERS
+from ..runs.run import MapSource
 from .style import (
     CMAP,
     MAP_GID,

@@ -1,4 +1,4 @@
-"""Figures of what each head does, from :func:`cogattn.head_stats.head_table`: an atlas of layers × heads
+"""Figures of what each head does, from :func:`cogattn.analysis.head_stats.head_table`: an atlas of layers × heads
 coloured by each head's label or by any number of the table, and the decay of attention mass with
 latent-frame distance. An average over steps keeps to one expert (Wan 2.2 A14B: ``steps="transformer"``
 or ``"transformer_2"``); the title names it."""
@@ -14,15 +14,15 @@ from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..analysis import check_one_expert
-from ..head_stats import TABLE_KINDS, LabelRule, expert_steps_of, head_table, label_row, temporal_decay
+from ..analysis.head_stats import TABLE_KINDS, LabelRule, expert_steps_of, head_table, label_row, temporal_decay
+from ..analysis.maps import check_one_expert
 from ..items import item_label, pick_item
-from ..run import MapSource
+from ..runs.run import MapSource
 from .style import CMAP, MAP_GID, color_norms, frame_unit, new_figure, set_title, span_text
 
 __all__ = ["CURVE_GID", "LABEL_COLORS", "decay_curves", "head_atlas"]
 
-# One colour per label of cogattn.head_stats.LabelRule, in its order (colour-blind-safe Okabe–Ito hues).
+# One colour per label of cogattn.analysis.head_stats.LabelRule, in its order (colour-blind-safe Okabe–Ito hues).
 LABEL_COLORS = {
     "text": "#0072B2",
     "spatial": "#E69F00",
@@ -30,7 +30,7 @@ LABEL_COLORS = {
     "global": "#CC79A7",
     "unknown": "#BBBBBB",
 }
-# Colours of other labels (a pattern's name from cogattn.pattern_heads), given in sorted order of the labels shown.
+# Colours of other labels (a pattern's name from cogattn.analysis.pattern_heads), given in sorted order of the labels shown.
 EXTRA_LABEL_COLORS = ("#56B4E9", "#D55E00", "#F0E442", "#882255", "#44AA99")
 CURVE_GID = "decay-curve"  # gid of every curve of decay_curves (tests find them by it)
 _COLUMN_TEXT = {
@@ -53,7 +53,7 @@ def _check_table(table, needs: Sequence[str]) -> None:
     missing = [c for c in needs if c not in table.columns]
     if missing:
         raise ValueError(
-            f"the table has no column(s) {missing}; pass a source or a cogattn.head_stats.head_table (its columns are "
+            f"the table has no column(s) {missing}; pass a source or a cogattn.analysis.head_stats.head_table (its columns are "
             f"step, layer, head, item, text_mass, same_frame_mass, dt_*, entropy_*, sink_*, label)."
         )
 
@@ -165,7 +165,7 @@ def head_atlas(
     table: what every head of the model does at a glance.
 
     With ``color="label"`` each cell has its label's colour (``LABEL_COLORS``; other labels, such as the pattern
-    names of :func:`cogattn.pattern_heads.pattern_table`, ``EXTRA_LABEL_COLORS``; legend below); with a
+    names of :func:`cogattn.analysis.pattern_heads.pattern_table`, ``EXTRA_LABEL_COLORS``; legend below); with a
     numeric column (``"text_mass"``, ``"same_frame_mass"``, ``"dt_1"``, ``"entropy_mean"``,
     ``"sink_share"``, ...) a colour scale and bar. Over several steps the numbers are averaged, and a
     label is the rule's label of the averaged numbers. ``plot.animate(plot.head_atlas, rec, "atlas.gif")``
@@ -173,7 +173,7 @@ def head_atlas(
 
     Args:
         source_or_table: a `Recording` or `Run` (its head table is made with
-            :func:`cogattn.head_stats.head_table`), or a head table.
+            :func:`cogattn.analysis.head_stats.head_table`), or a head table.
         color (`str`, defaults to ``"label"``): ``"label"`` or a numeric column of the head table.
         steps (`"last" | "mean" | int | Sequence[int] | str`, defaults to ``"last"``): one step (the last
             recorded by default), or the mean over every step (``"mean"``), over a list, or over one
@@ -182,9 +182,9 @@ def head_atlas(
         item (`int | "cond" | "uncond" | None`, defaults to ``"cond"``): batch slot, or the first conditional /
             unconditional item (the first conditional item, else slot 0, where the source does not say);
             `None` averages the items.
-        rule (defaults to `None`): the labelling rule (:class:`cogattn.head_stats.LabelRule`), for a source and
+        rule (defaults to `None`): the labelling rule (:class:`cogattn.analysis.head_stats.LabelRule`), for a source and
             for labels of averaged numbers; `None` is the table's own (``attrs["label_rule"]``: a
-            :func:`cogattn.pattern_heads.pattern_table`'s ``ErrorLabelRule``), else ``LabelRule()``.
+            :func:`cogattn.analysis.pattern_heads.pattern_table`'s ``ErrorLabelRule``), else ``LabelRule()``.
         scale (`str`, defaults to ``"linear"``): colour scale of a numeric column, or ``"log"``.
         limits (`"shared" | "per-map" | tuple`, defaults to ``"shared"``): colour limits of a numeric
             column (``animate`` passes the range over all its frames).
@@ -308,7 +308,7 @@ def decay_curves(
     fig: Figure | None = None,
 ) -> Figure:
     """Attention mass against latent-frame distance |Δf|: one curve per head (averaged over layers) or
-    per layer (averaged over heads), from :func:`cogattn.head_stats.temporal_decay`.
+    per layer (averaged over heads), from :func:`cogattn.analysis.head_stats.temporal_decay`.
 
     The value at d is the mean mass a video query puts on the keys of all frames at distance d from its
     own (``dt_d`` of the head table; d = 0 is its own frame). There are fewer frames at larger d (one
@@ -316,7 +316,7 @@ def decay_curves(
     mean number of key frames at distance d, under which uniform attention over the video is flat.
 
     Args:
-        source_or_table: a `Recording` or `Run`, or a head table (:func:`cogattn.head_stats.head_table`).
+        source_or_table: a `Recording` or `Run`, or a head table (:func:`cogattn.analysis.head_stats.head_table`).
         by (`str`, defaults to ``"head"``): ``"head"``, ``"layer"`` or ``"step"``: one curve each.
         steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): averaged (per head or layer:
             one expert's, e.g. ``"transformer_2"``: its steps).

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..analysis import aggregate, locate_query
+from ..analysis.maps import aggregate, locate_query
+from ..analysis.words import text_tokens, word_positions
 from ..layout import TokenLayout
-from ..run import MapSource
-from ..words import text_tokens, word_positions
+from ..runs.run import MapSource
 from .style import (
     CMAP,
     MAP_GID,

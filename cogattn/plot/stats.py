@@ -12,21 +12,12 @@ import torch
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
-from ..analysis import aggregate, choose
+from ..analysis.maps import aggregate, choose
+from ..analysis.masks import mask_recall
 from ..items import pick_item
-from ..masks import mask_recall
-from ..run import MapSource
+from ..runs.run import MapSource
 from .overlays import token_figure
-from .style import (
-    CMAP,
-    MAP_GID,
-    add_colorbars,
-    color_norms,
-    describe,
-    new_figure,
-    set_title,
-    single_head,
-)
+from .style import CMAP, MAP_GID, add_colorbars, color_norms, describe, new_figure, set_title, single_head
 
 __all__ = ["MASK_GID", "SINK_GID", "block_map", "mask_outline", "token_stat"]
 
@@ -161,7 +152,7 @@ def mask_outline(kept) -> np.ndarray:
 
 
 def _recall(source: MapSource, mask, step_list: list[int], layer_list: list[int], heads, batch) -> float:
-    """The mask's recall for the figure's selection: the mean of :func:`cogattn.masks.mask_recall`'s rows
+    """The mask's recall for the figure's selection: the mean of :func:`cogattn.analysis.masks.mask_recall`'s rows
     of batch item ``batch`` and the chosen head (all heads for ``"mean"``)."""
 
     table = mask_recall(source, mask, steps=step_list, layers=layer_list)
@@ -202,7 +193,7 @@ def block_map(
 ) -> Figure:
     """The block-to-block map (kind ``block``): how much of each query block's attention goes to each key
     block, with a block-sparse mask's kept blocks outlined and the attention mass it keeps (its recall,
-    from :func:`cogattn.masks.mask_recall`) in the title.
+    from :func:`cogattn.analysis.masks.mask_recall`) in the title.
 
     Blocks are runs of ``source.block_size`` tokens from token 0 in the model's order (text first, when
     the sequence has it: Wan's is the video alone), so a frame's tokens need not start a block: ticks
@@ -211,7 +202,7 @@ def block_map(
     Args:
         source (`MapSource`): a `Recording` or a `Run` holding kind ``block``.
         mask (`torch.Tensor | None`, defaults to `None`): an ``(N, N)`` bool tensor, `True` where the mask
-            keeps a block, e.g. ``cogattn.masks.same_frame_mask(source.layout, source.block_size)``; `None`: no
+            keeps a block, e.g. ``cogattn.analysis.masks.same_frame_mask(source.layout, source.block_size)``; `None`: no
             outline.
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged; the steps all of one
             expert's (Wan 2.2 A14B: ``steps="transformer"`` or ``"transformer_2"`` takes its steps).

@@ -12,11 +12,11 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-from ..analysis import choose, skipped_pairs
+from ..analysis.maps import choose, skipped_pairs
+from ..exact.reducers import REDUCERS
 from ..items import item_label
 from ..layout import TokenLayout
-from ..reducers import REDUCERS
-from ..run import MapSource
+from ..runs.run import MapSource
 
 __all__ = [
     "CMAP",

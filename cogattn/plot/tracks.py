@@ -1,4 +1,4 @@
-"""Correspondence on the video (kind ``frame_max``, the numbers of :mod:`cogattn.tracks`): a video point's
+"""Correspondence on the video (kind ``frame_max``, the numbers of :mod:`cogattn.analysis.tracks`): a video point's
 track drawn on the decoded frames, and the motion field between two latent frames as arrows or as the colours
 of a direction wheel.
 
@@ -16,9 +16,9 @@ from matplotlib import patheffects
 from matplotlib.colors import Normalize, hsv_to_rgb
 from matplotlib.figure import Figure
 
+from ..analysis.tracks import motion_field, track
 from ..items import item_label
-from ..run import MapSource
-from ..tracks import motion_field, track
+from ..runs.run import MapSource
 from .overlays import _video_panels
 from .style import (
     POINT_GID,
@@ -98,7 +98,7 @@ def track_figure(
     num_pixel_frames: int | None = None,
     fig: Figure | None = None,
 ) -> Figure:
-    """A video point's track (:func:`cogattn.tracks.track`) on the decoded frames: in each panel the key its
+    """A video point's track (:func:`cogattn.analysis.tracks.track`) on the decoded frames: in each panel the key its
     query attends most in that panel's latent frame, a yellow dot whose size and opacity grow with the
     key's probability (printed beside it), the whole track dashed, and the query point a cyan cross in
     its own frame.
@@ -110,7 +110,7 @@ def track_figure(
             to draw on the patch grid.
         step (`int`), layer (`int`): the map's denoising step and layer.
         head (`int | "mean"`, defaults to ``"mean"``): a recorded head, or ``"mean"`` for a run recorded with
-            ``heads="mean"`` (:func:`cogattn.tracks.frame_matches`).
+            ``heads="mean"`` (:func:`cogattn.analysis.tracks.frame_matches`).
         batch (`int | "cond" | "uncond"`, *optional*): the batch slot (:func:`cogattn.items.pick_item`).
         frames (`int | Sequence[int] | "all" | None`, defaults to `None`): pixel frames to show (latent frames
             without a video), each with the match of the latent frame covering it; `None`: one panel per
@@ -180,7 +180,7 @@ def flow_colors(flow, max_magnitude: float | None = None) -> np.ndarray:
     ``max_magnitude`` (no motion is black), saturation 1.
 
     Args:
-        flow: ``(..., 2)`` displacements ``(dy, dx)``, rows growing downwards (:func:`cogattn.tracks.motion_field`).
+        flow: ``(..., 2)`` displacements ``(dy, dx)``, rows growing downwards (:func:`cogattn.analysis.tracks.motion_field`).
         max_magnitude (`float | None`, defaults to `None`): the magnitude of full brightness; `None` takes the
             field's largest (all black when nothing moves).
 
@@ -225,7 +225,7 @@ def motion_figure(
     alpha: float = 0.7,
     fig: Figure | None = None,
 ) -> Figure:
-    """The motion field from latent frame ``f0`` to ``f1`` (:func:`cogattn.tracks.motion_field`: each patch's
+    """The motion field from latent frame ``f0`` to ``f1`` (:func:`cogattn.analysis.tracks.motion_field`: each patch's
     displacement to the key of ``f1`` its query attends most) over frame ``f0``: as arrows, or as colours of a
     direction wheel (:func:`flow_colors`) with the wheel beside it.
 

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 from matplotlib import colormaps
 
-from ..analysis import aggregate, head_positions, locate_query, recorded, recorded_kinds, skipped_pairs
+from ..analysis.head_stats import TABLE_KINDS, head_table
+from ..analysis.maps import aggregate, head_positions, locate_query, recorded, recorded_kinds, skipped_pairs
+from ..analysis.masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
 from ..errors import NotRecordedError, StoreError
-from ..head_stats import TABLE_KINDS, head_table
+from ..exact.reducers import REDUCERS
 from ..items import item_label, pick_item
-from ..masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
-from ..reducers import REDUCERS
-from ..run import MANIFEST, Run
+from ..runs.run import MANIFEST, Run
 from .files import PromptFiles, info
 from .sparse import options as sparse_options
 
@@ -201,7 +201,7 @@ class RunView:
         return _payload(m)
 
     def heads(self, step: int, column: str = "same_frame_mass", item=None) -> dict:
-        """The head atlas at ``step``: ``column`` of :func:`cogattn.head_stats.head_table` (of batch slot
+        """The head atlas at ``step``: ``column`` of :func:`cogattn.analysis.head_stats.head_table` (of batch slot
         ``item``, by default the first conditional item) and each head's label, as a layers × heads grid."""
         try:
             table = head_table(self.run, steps=int(step))
@@ -235,8 +235,8 @@ class RunView:
         return held or "all"  # none: aggregate says what was recorded
 
     def block(self, step: int, layer: int | str, head: int | str, mask: str = "none", item=None) -> dict:
-        """The ``block`` map, with a block-sparse mask of :mod:`cogattn.masks` (``mask``: one of
-        :data:`MASKS`, window 1) and its recall (:func:`cogattn.masks.mask_recall`, of batch slot ``item``,
+        """The ``block`` map, with a block-sparse mask of :mod:`cogattn.analysis.masks` (``mask``: one of
+        :data:`MASKS`, window 1) and its recall (:func:`cogattn.analysis.masks.mask_recall`, of batch slot ``item``,
         the head or every head's mean), as :func:`cogattn.plot.block_map` draws them."""
         if mask not in MASKS:
             return {"error": f"mask={mask!r}; choose one of {list(MASKS)}."}

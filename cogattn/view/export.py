@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ..analysis import aggregate
-from ..head_stats import TABLE_KINDS
+from ..analysis.head_stats import TABLE_KINDS
+from ..analysis.maps import aggregate
 from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 from .files import finite, prompt_of
 from .sparse import decay, density, tile

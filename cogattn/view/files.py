@@ -18,7 +18,7 @@ from pathlib import Path
 from PIL import Image
 
 from ..layout import TokenLayout
-from ..run import Run
+from ..runs.run import Run
 
 __all__ = ["VIDEOS", "PromptFiles", "finite", "info", "inside", "prompt_of"]
 

@@ -3,13 +3,13 @@
 Each answer is a JSON-ready dict, or ``error`` saying why, as :class:`cogattn.view.data.RunView`'s are:
 
 * :func:`tile`: the ``tile`` map at a step, layer and head, with a token pattern's tile mask
-  (:meth:`cogattn.patterns.Pattern.tile_mask`) and the recall :func:`cogattn.masks.mask_recall` gives it;
+  (:meth:`cogattn.exact.patterns.Pattern.tile_mask`) and the recall :func:`cogattn.analysis.masks.mask_recall` gives it;
 * :func:`density`: from ``top_p``, the share of the S keys a video query needs to reach each mass p (the mean
   count over the video queries, divided by S);
 * :func:`decay`: from ``offset``, the mass against |Δt| and against spatial distance and Radial Attention's
-  exponential fit of each (:func:`cogattn.decay.decay_table`, :func:`cogattn.decay.mean_decay`);
+  exponential fit of each (:func:`cogattn.analysis.decay.decay_table`, :func:`cogattn.analysis.decay.mean_decay`);
 * :func:`track`: from ``frame_max``, a video point's matched (row, col) and its probability in every latent
-  frame (:func:`cogattn.tracks.track`), with the pixel frame of the video to draw each one over.
+  frame (:func:`cogattn.analysis.tracks.track`), with the pixel frame of the video to draw each one over.
 
 run.json's options (``top_p``'s masses, the patterns, ``tile_shape``) and the records are values of a run folder
 anyone may have written: each is checked before it is used (:func:`options`), a pattern is one of the names
@@ -23,16 +23,16 @@ import math
 
 import torch
 
-from ..analysis import aggregate
-from ..decay import decay_table, mean_decay
+from ..analysis.decay import decay_table, mean_decay
+from ..analysis.maps import aggregate
+from ..analysis.masks import mask_recall
+from ..analysis.tracks import frame_matches
+from ..analysis.tracks import track as match_track
 from ..errors import NotRecordedError, StoreError
+from ..exact.patterns import DEFAULT_PATTERNS, parse
+from ..exact.reducers.ranked import check_top_p
 from ..items import pick_item
 from ..layout import TokenLayout
-from ..masks import mask_recall
-from ..patterns import DEFAULT_PATTERNS, parse
-from ..reducers.ranked import check_top_p
-from ..tracks import frame_matches
-from ..tracks import track as match_track
 
 __all__ = ["decay", "density", "options", "tile", "tile_labels", "track"]
 
@@ -43,7 +43,7 @@ _MISFIT = "the run's files do not agree"
 def options(run) -> dict:
     """The options the panels need, from run.json's selection, each `None` where run.json holds something
     else: ``tile_shape``, ``top_p`` (the masses p), and ``patterns`` (the names that outline a tile mask: the
-    run's ``patterns`` where it lists them, else :data:`cogattn.patterns.DEFAULT_PATTERNS`; a name the
+    run's ``patterns`` where it lists them, else :data:`cogattn.exact.patterns.DEFAULT_PATTERNS`; a name the
     library does not parse, such as a callable's, is left out)."""
     sel = run.meta.get("selection")
     if not isinstance(sel, dict):
@@ -85,7 +85,7 @@ def _tile_mask(layout: TokenLayout, tile_shape: tuple[int, int, int], name: str)
 
 def tile(view, step: int, layer: int | str, head: int | str, pattern: str = "none", item=None) -> dict:
     """The ``tile`` map with ``pattern``'s tile mask (one of :func:`options`' ``patterns``, or ``"none"``) and
-    its recall, :func:`cogattn.masks.mask_recall` on ``kind="tile"`` (of batch slot ``item``, the head or
+    its recall, :func:`cogattn.analysis.masks.mask_recall` on ``kind="tile"`` (of batch slot ``item``, the head or
     every head's mean, the layer or the mean of the layers held at the step)."""
     run = view.run
     allowed = options(run)["patterns"]
@@ -150,8 +150,8 @@ def decay(view, step: int, layer: int | str, head: int | str, item=None) -> dict
     """The offset decay: mass against |Δt| (``dt``, in latent frames) and against the rounded spatial distance
     (``ds``, in patches), the exponential fit of each (``t_fit``, ``s_fit``: ``rate``, ``scale``, ``r2``) and its
     values at those distances (``t_fitted``, ``s_fitted``),
-    of one head or the heads' mean and one layer or the layers' mean: :func:`cogattn.decay.mean_decay` by step
-    over those rows of :func:`cogattn.decay.decay_table` (a mean curve, fitted again)."""
+    of one head or the heads' mean and one layer or the layers' mean: :func:`cogattn.analysis.decay.mean_decay` by step
+    over those rows of :func:`cogattn.analysis.decay.decay_table` (a mean curve, fitted again)."""
     run, lay = view.run, view.run.layout
     try:
         if lay is None:
@@ -185,7 +185,7 @@ def decay(view, step: int, layer: int | str, head: int | str, item=None) -> dict
 
 
 def track(view, step: int, layer: int | str, head: int | str, frame: int, row: int, col: int, item=None) -> dict:
-    """A video point's track from ``frame_max``: :func:`cogattn.tracks.track` of one map (one layer; one head,
+    """A video point's track from ``frame_max``: :func:`cogattn.analysis.tracks.track` of one map (one layer; one head,
     or the head-mean row of a run recorded with ``heads="mean"``), and ``under``: for each latent frame, the
     pixel frame of the video drawn under it (the middle of the frames it decodes to; `None` without a video)."""
     run, lay = view.run, view.run.layout

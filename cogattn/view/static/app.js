@@ -81,7 +81,7 @@ function paint(canvas, values, rows, cols, range, log, cell) {
 }
 
 // -- colour bars: the colormap with tick values and what a value is ---------------------------------------
-// The head atlas's colourings: columns of cogattn.head_stats.head_table, each a mean over the video queries.
+// The head atlas's colourings: columns of cogattn.analysis.head_stats.head_table, each a mean over the video queries.
 const HEAD_UNITS = {
   same_frame_mass: "attention mass on the query's own latent frame (mean over video queries)",
   text_mass: "attention mass on the text keys (mean over video queries)",

@@ -1,0 +1,105 @@
+"""Kinds of a separate cross-attention (Wan's ``attn2``): video queries attending to the text or image context.
+
+A cross-attention's softmax runs over its context keys alone (512 text tokens, 257 image tokens), so
+its probabilities are small rows: :func:`context_pass` forms them exactly, in float32, in tiles of
+heads × query rows that fit the memory budget (:func:`cogattn.exact.memory.context_tile`), and folds them into the result; the full
+``(B, H, S, T)`` tensor is never held (docs/design.md, "The model seam").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .passes import full_fp32_matmul
+from .reducers import REDUCERS, Reducer
+
+__all__ = ["ContextReducer", "VideoToImageReducer", "context_pass", "CONTEXT_REDUCERS"]
+
+
+class ContextReducer(Reducer):
+    """``video_to_text`` of a cross-attention: ``(B, H, T, F, Hp, Wp)``, ``P[video query (f, y, x), text
+    key t]`` with the softmax over the text keys."""
+
+    kind = "video_to_text"
+    dims = ("text token", "latent frame", "patch row", "patch column")
+    source = "text"
+
+    @property
+    def context_len(self) -> int:
+        return self.layout.context_len
+
+    def shape(self, num_batch):
+        return (num_batch, self.out_heads, self.context_len, *self.layout.grid)
+
+    def fold_rows(self, out, h0, r0, probs):
+        """``probs`` ``(h, r, C)``: the rows of video queries ``r0 … r0 + r − 1``."""
+        flat = out.view(self.out_heads, self.context_len, self.layout.video_len)
+        self._accumulate(flat[:, :, r0 : r0 + probs.shape[1]], h0, probs.transpose(1, 2))
+
+
+class VideoToImageReducer(ContextReducer):
+    """``video_to_image``: ``(B, H, I, F, Hp, Wp)``, ``P[video query (f, y, x), image key i]`` of Wan 2.1
+    image-to-video's image cross-attention (its own softmax over the I = 257 CLIP tokens)."""
+
+    kind = "video_to_image"
+    dims = ("image token", "latent frame", "patch row", "patch column")
+    source = "image"
+
+    @property
+    def context_len(self) -> int:
+        return self.layout.image_len
+
+
+CONTEXT_REDUCERS = {cls.kind: cls for cls in (ContextReducer, VideoToImageReducer)}
+
+
+@torch.no_grad()
+def context_pass(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    items,
+    reducers: list[ContextReducer],
+    heads: torch.Tensor | None,
+    tile: tuple[int, int],
+) -> list[torch.Tensor]:
+    """Exact cross-attention probabilities ``softmax(q kᵀ / √D)`` of the batch ``items``, folded into each
+    reducer.
+
+    Args:
+        query (`torch.Tensor`): video queries ``(B, H, V, D)``.
+        key (`torch.Tensor`): context keys ``(B, H, C, D)``.
+        items: batch items of ``query`` to compute.
+        reducers (`list[ContextReducer]`): the kinds of this context.
+        heads (`torch.Tensor | None`): the selected heads, `None` for all.
+        tile (`tuple[int, int]`): heads and query rows per tile, within the memory budget
+            (:func:`cogattn.exact.memory.context_tile`, planned in :attr:`cogattn.exact.planner.CapturePlan.context_tiles`).
+
+    Returns:
+        `list[torch.Tensor]`: one float32 ``(len(items), H_out, C, F, Hp, Wp)`` result per reducer.
+    """
+    _, H, V, D = query.shape
+    n_heads = H if heads is None else len(heads)
+    scale = 1.0 / math.sqrt(D)
+    hc, rc = tile
+    outs = [torch.zeros(r.shape(len(items)), device=query.device) for r in reducers]
+    with full_fp32_matmul():
+        for i, b in enumerate(items):
+            for h0 in range(0, n_heads, hc):
+                idx = torch.arange(h0, min(h0 + hc, n_heads)) if heads is None else heads[h0 : h0 + hc]
+                idx = idx.to(query.device)
+                k = key[b].index_select(0, idx).float()
+                for r0 in range(0, V, rc):
+                    q = query[b, :, r0 : r0 + rc].index_select(0, idx).float()
+                    probs = torch.matmul(q, k.transpose(1, 2)).mul_(scale)  # softmax in place: one tile
+                    probs.sub_(probs.amax(-1, keepdim=True)).exp_()
+                    probs.div_(probs.sum(-1, keepdim=True))
+                    for red, out in zip(reducers, outs):
+                        red.fold_rows(out[i], h0, r0, probs)
+    return outs
+
+
+# Registered beside the self-attention kinds (options, the store and plots read a kind's class there);
+# `cogattn` imports this module whenever it imports the reducers.
+REDUCERS.setdefault(VideoToImageReducer.kind, VideoToImageReducer)

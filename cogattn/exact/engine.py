@@ -1,0 +1,415 @@
+"""Exact attention probabilities of one layer call, folded into reducers, within the planned tiles.
+
+:func:`capture` runs the passes a :class:`~cogattn.exact.planner.TilePlan` calls for; every pass computes
+the same numbers as the naive ``softmax(q @ k.T * scale)`` in float32:
+
+* :func:`row_pass`: tiles of ``r`` query rows × all ``S`` keys × ``h`` heads, one matmul and an
+  in-place float32 softmax. Serves every kind; key-pooled sums are a gather, sums over runs of keys
+  (frames, blocks) or ``tile @ indicator``; ``entropy`` comes with the softmax, ``received`` is a sum
+  over the tile's rows.
+* :func:`pooled_pass`, per head chunk, for the key-pooled kinds and the statistics without forming P
+  (the passes are in :mod:`cogattn.exact.passes`): ``entropy`` from one fused pass with the keys as values;
+  multi-key groups from indicator values (``Σ_{j∈group} P[i, j] = (P·V)[i, group]`` for the indicator
+  ``V``: one fused SDPA call on ``V``, which also returns every row's log-sum-exp), from cogattn's
+  Triton kernel (given the lse), or as the output call gave them (``layer_output="joint"``); then
+  single-key columns from :func:`single_key_columns`, ``exp(q·kᵀ·scale − lse)``, at a cost of
+  ``S·C·D``; then ``received`` from one fused pass with queries and keys swapped.
+
+Why each is exact is in docs/design.md. The matmuls run in full float32 (no TF32) whatever the
+script set for the model (:func:`full_fp32_matmul`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import torch
+
+from . import attention, passes
+from .checks import RowProbe
+from .passes import full_fp32_matmul
+from .planner import TilePlan, all_rows
+from .reducers import Reducer
+
+__all__ = [
+    "TimedChoice",
+    "capture",
+    "capture_items",
+    "multi_key_indicator",
+    "pooled_pass",
+    "row_pass",
+]
+
+
+class TimedChoice:
+    """Which of the ``sdpa`` and ``triton`` passes is faster for each shape, measured at its first capture.
+
+    ``chosen`` maps ``(device, dtype, S, heads, D, key groups, lse given)`` to ``"sdpa"`` or ``"triton"``;
+    a recording owns one, so its choices last as long as it does."""
+
+    def __init__(self):
+        self.chosen: dict[tuple, str] = {}
+
+    def choose(self, q: passes.HeadView, k: passes.HeadView, multi, plan: TilePlan, scale: float, lse) -> str:
+        """Time both passes on the multi-key groups (into scratch results) on first sight of a shape and
+        keep the faster; the kernel failing to build or run means ``sdpa``."""
+        D = q.shape[2]
+        if not multi or D < 16 or D & (D - 1):
+            return "sdpa"  # single-key columns are the same work on both; the kernel needs D a power of two
+        key = (
+            str(q.device),
+            q.x.dtype,
+            q.shape[1],
+            q.shape[0],
+            D,
+            tuple(r.key_groups.num_groups for r, _ in multi),
+            lse is not None,
+        )
+        if key not in self.chosen:
+
+            def run(fused: bool) -> float:
+                scratch = [(r, torch.zeros(r.shape(1)[1:], device=q.device)) for r, _ in multi]
+                _synchronize(q.device)
+                t0 = time.perf_counter()
+                pooled_pass(q, k, scratch, [], plan, scale, lse, fused=fused)
+                _synchronize(q.device)
+                return time.perf_counter() - t0
+
+            try:
+                run(True)  # compiles the kernel
+                t_triton = run(True)
+            except Exception as err:
+                warnings.warn(
+                    f"the Triton pooled-sum kernel failed ({type(err).__name__}: {err}); using method 'sdpa'.",
+                    stacklevel=2,
+                )
+                self.chosen[key] = "sdpa"
+            else:
+                self.chosen[key] = "triton" if t_triton < run(False) else "sdpa"
+        return self.chosen[key]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def capture(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    reducers: list[Reducer],
+    outs: list[torch.Tensor],
+    plan: TilePlan,
+    heads: torch.Tensor | None = None,
+    scale: float | None = None,
+    lse: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
+    timed: TimedChoice | None = None,
+    probe=None,
+    keys: int | None = None,
+    queries: int | None = None,
+    mask: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> str:
+    """Fold exact float32 attention probabilities of one batch item into ``outs``; returns the method that
+    served the key-pooled kinds (``"timed"`` made concrete).
+
+    Args:
+        q (`torch.Tensor`): queries ``(H, S, D)``, any float dtype.
+        k (`torch.Tensor`): keys ``(H, S, D)``.
+        reducers (`list[Reducer]`): what to compute.
+        outs (`list[torch.Tensor]`): one float32 result per reducer for this batch item, ``(H_out, ...)``, zeroed.
+        plan (`TilePlan`): chunk sizes from :func:`cogattn.exact.planner.size_tiles`.
+        heads (`torch.Tensor | None`): indices of the selected heads, `None` for all; chunks are
+            gathered one at a time so no copy of all selected heads is made.
+        scale (`float | None`): softmax scale, defaults to ``1/sqrt(D)`` as in SDPA.
+        lse (`torch.Tensor | None`): the rows' log-sum-exp ``(H, S)`` (all heads) when the output call
+            provides it; single-key columns then need no attention pass of their own.
+        sums (`torch.Tensor | None`): with ``lse``, the multi-key groups' sums ``(H, S, C)`` (all heads, the
+            groups of the key-pooled reducers side by side, any dtype) when the output call computed them
+            (``plan.method == "joint"``); nothing then needs an attention pass.
+        timed (`TimedChoice | None`): keeps the measured choices of ``plan.method == "timed"``.
+        probe (`cogattn.exact.checks.RowProbe | None`): keeps the key-pooled values of a few query rows as the
+            method produced them, for a spot check.
+        keys (`int | None`): with a key mask that keeps the first ``keys`` keys of this item (padded text at
+            the end of the sequence), their number: the other keys have probability exactly 0 (row tiles
+            mask their scores; the fused passes run on the kept keys alone). `None`: every key.
+        queries (`int | None`): where the model forms only the first ``queries`` query rows (Mochi drops
+            its padded text), their number: the other rows hold 0 in every kind with a query axis, add
+            nothing to ``received``, and group means (``frame``, ``block``) are over the formed rows.
+        mask (`torch.Tensor | None`): any other mask of this item (SkyReels-V2's block-causal one): boolean
+            ``(S, S)``, `True` where a query attends a key; every kind then comes from row tiles with the
+            masked scores at −inf (probability exactly 0), which needs ``plan.method == "rows"``.
+        value (`torch.Tensor | None`): the values ``(H, S, D)`` of this item, for the reducers that need them
+            (``needs_value``: ``pattern_error``), which fold row tiles with them.
+    """
+    S, D = q.shape[1:]
+    if mask is not None and plan.method != "rows":
+        raise ValueError(f"a query-key mask is applied by row tiles only (method 'rows'), not {plan.method!r}")
+    keys = S if keys is None else int(keys)
+    valued = [r for r in reducers if r.needs_value]
+    if valued and value is None and valued[0].value is None:
+        raise ValueError(f"kind {valued[0].kind!r} folds the attention's values: pass value=(H, S, D) of this item.")
+    if valued and value is not None and valued[0].value is None:  # this item's values, for its whole capture
+        for red in valued:
+            red.value = passes.HeadView(value, heads)
+        try:
+            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, timed, probe, keys, queries, mask)
+        finally:
+            for red in valued:
+                red.release()
+    if queries is not None and queries < S:
+        for red in reducers:
+            red.query_limit = int(queries)
+        try:
+            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, timed, probe, keys, mask=mask)
+        finally:
+            for red, out in zip(reducers, outs):
+                red.clear_unformed(out, red.query_limit)
+                red.query_limit = None
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    q, k = passes.HeadView(q, heads), passes.HeadView(k, heads)
+    pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None or r.stat is not None]
+    row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
+
+    every_row = [(r, o) for r, o in row_kinds if all_rows(r, S) and not r.mean_rows]
+    if every_row or (pooled and plan.method == "rows"):
+        row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale, probe, keys, mask)
+    mean_rows = [(r, o) for r, o in row_kinds if r.mean_rows]
+    if mean_rows:
+        passes.mean_row_pass(q, k, mean_rows, plan, scale, keys, mask)
+        row_kinds = [(r, o) for r, o in row_kinds if not r.mean_rows]
+    for red, out in row_kinds:
+        if not all_rows(red, S):
+            row_pass(q, k, red.rows, [(red, out)], [], plan, scale, kept=keys, mask=mask)
+    if pooled and plan.method != "rows":
+        stats = [(r, o) for r, o in pooled if r.stat is not None]
+        multi = [(r, o) for r, o in pooled if r.key_groups is not None and not r.key_groups.single_keys]
+        single = [(r, o) for r, o in pooled if r.key_groups is not None and r.key_groups.single_keys]
+        if plan.method == "joint" and (lse is None or (multi and sums is None)):
+            raise ValueError("method 'joint' needs the lse and the key-pooled sums of the output call")
+        if lse is not None and heads is not None:
+            lse = lse.index_select(0, heads.to(lse.device))
+        given = None if sums is None else passes.HeadView(sums, heads)
+        method = plan.method
+        if method == "timed":
+            method = (timed or TimedChoice()).choose(q, k, multi, plan, scale, lse)
+        fused = method == "triton"
+        pooled_pass(q, k, multi, single, plan, scale, lse, fused, given, probe, stats, keys)
+        return method
+    return plan.method
+
+
+def capture_items(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    items,
+    reducers: list[Reducer],
+    plan: TilePlan,
+    heads: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
+    timed: TimedChoice | None = None,
+    probe_rows: torch.Tensor | None = None,
+    key_counts=None,
+    query_counts=None,
+    mask: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+):
+    """:func:`capture` for the batch ``items`` of ``query`` and ``key`` ``(B, H, S, D)`` (and of the output
+    call's ``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` when given), in full float32 matmuls; with
+    ``key_counts`` (per batch item of the call), each item's keys past its count are masked, and with
+    ``query_counts`` its query rows past its count are never formed; ``mask`` ``(B or 1, S, S)``: any other
+    mask, boolean, `True` where a query attends a key (row tiles apply it); ``value`` ``(B, H, S, D)``: the values,
+    for the reducers that need them.
+
+    Returns:
+        `tuple`: the results, one float32 ``(len(items), H_out, ...)`` tensor per reducer; the method that
+        served the key-pooled kinds; and with ``probe_rows``, ``[(item, RowProbe)]`` for a spot check.
+    """
+    num_heads = query.shape[1] if heads is None else len(heads)
+    outs = [torch.zeros(r.shape(len(items)), device=query.device) for r in reducers]
+    probes, method = [], plan.method
+    with full_fp32_matmul():
+        for i, b in enumerate(items):
+            probe = None if probe_rows is None else RowProbe(probe_rows, num_heads)
+            method = capture(
+                query[b],
+                key[b],
+                reducers,
+                [o[i] for o in outs],
+                plan,
+                heads,
+                lse=None if lse is None else lse[b],
+                sums=None if sums is None else sums[b],
+                timed=timed,
+                probe=probe,
+                keys=None if key_counts is None else int(key_counts[b]),
+                queries=None if query_counts is None else int(query_counts[b]),
+                mask=None if mask is None else mask[b if mask.shape[0] > 1 else 0],
+                value=None if value is None else value[b],
+            )
+            if probe is not None:
+                probes.append((b, probe))
+    return outs, method, probes
+
+
+def row_pass(
+    q: passes.HeadView,
+    k: passes.HeadView,
+    rows,
+    row_kinds,
+    pooled,
+    plan: TilePlan,
+    scale: float,
+    probe=None,
+    kept=None,
+    mask=None,
+) -> None:
+    """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, when every row is formed,
+    into key-pooled kinds (a gather of single keys, sums over runs of keys, else a product with the
+    indicator) and the row statistics; scores of keys from ``kept`` on, and where the boolean ``mask``
+    ``(S, S)`` is `False`, are masked (−inf: probability 0)."""
+    H, S, D = q.shape
+    kept = S if kept is None else kept
+    mask = None if mask is None else mask.to(q.device)
+    n_rows = S if rows is None else len(rows)
+    groups = [r.key_groups for r, _ in pooled]
+    gathers = [g.keys.to(q.device) if g is not None and g.single_keys else None for g in groups]
+    runs = [g.runs if g is not None and gather is None else None for g, gather in zip(groups, gathers)]
+    indicators = [
+        g.indicator(S, device=q.device) if g is not None and gather is None and run is None and not g.boxes else None
+        for g, gather, run in zip(groups, gathers, runs)
+    ]
+    wants_entropy = any(r.stat == "entropy" for r, _ in pooled)
+    tile = passes.TileBuffer(plan.row_heads * min(plan.row_rows, n_rows) * S, q.device)
+    for h0 in range(0, H, plan.row_heads):
+        h1 = min(H, h0 + plan.row_heads)
+        kt = k.chunk(h0, h1).transpose(1, 2)  # (h, D, S), a transposed view: bmm reads it without a copy
+        for r0 in range(0, n_rows, plan.row_rows):
+            r1 = min(n_rows, r0 + plan.row_rows)
+            idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
+            q_rows = q.chunk(h0, h1, idx)
+            scores = torch.matmul(q_rows, kt, out=tile.take(h1 - h0, r1 - r0, S)).mul_(scale)  # (h, r, S)
+            if kept < S:
+                scores[..., kept:] = -math.inf
+            if mask is not None:  # inverted per tile: the model's (S, S) mask is not copied whole
+                scores.masked_fill_(mask[idx].logical_not(), -math.inf)
+            if wants_entropy:
+                probs, entropy = passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale)
+            else:
+                probs, entropy = passes.softmax_(scores), None
+            del scores, q_rows
+            for red, out in row_kinds:
+                red.fold_rows(out, h0, r0, probs)
+            for (red, out), keys, run, ind in zip(pooled, gathers, runs, indicators):
+                if red.stat == "received":  # over the formed rows (a query limit leaves the others out)
+                    formed = probs if red.query_limit is None else probs[:, : max(0, red.query_limit - r0)]
+                    red.fold_received(out, h0, formed.sum(1))
+                    continue
+                if red.stat == "entropy":
+                    sums = entropy[..., None]
+                elif keys is not None:
+                    sums = probs.index_select(-1, keys)
+                elif run is not None:
+                    sums = passes.run_sums(probs, run)
+                else:
+                    sums = torch.matmul(probs, ind) if ind is not None else passes.box_sums(probs, red.key_groups.boxes)
+                passes.fold(red, out, h0, r0, sums, probe)
+            del probs  # free this tile before the next one is allocated
+
+
+def multi_key_indicator(reducers: list[Reducer], S: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Indicator ``(S, ΣC)`` of the reducers' multi-key groups side by side, in reducer order (the columns
+    the SDPA pass, the Triton kernel and the joint output call compute)."""
+    groups = [r.key_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys]
+    if not groups:
+        return torch.zeros(S, 0, dtype=dtype, device=device)
+    return torch.cat([g.indicator(S, dtype, device) for g in groups], dim=1)
+
+
+def pooled_pass(
+    q: passes.HeadView,
+    k: passes.HeadView,
+    multi,
+    single,
+    plan: TilePlan,
+    scale: float,
+    given_lse: torch.Tensor | None = None,
+    fused: bool = False,
+    given_sums: passes.HeadView | None = None,
+    probe=None,
+    stats=(),
+    keys: int | None = None,
+) -> None:
+    """Key-pooled kinds and row statistics per head chunk: ``entropy`` (:func:`entropy_pass`), the multi-key
+    groups' sums (:func:`indicator_sums`, :func:`triton_sums` when ``fused``, or ``given_sums`` from the
+    output call), single-key columns (:func:`single_key_columns`), then ``received``
+    (:func:`received_pass`), the last two from the rows' lse (``given_lse`` ``(H, S)``, or a pass's). With
+    ``keys`` < S the attention passes run on the first ``keys`` keys alone (the rest are masked: 0)."""
+    H, S, D = q.shape
+    K = S if keys is None else keys
+    kept = slice(None) if K == S else slice(0, K)
+    offsets = [0]
+    for r, _ in multi:
+        offsets.append(offsets[-1] + r.key_groups.num_groups)
+    entropy = [(r, o) for r, o in stats if r.stat == "entropy"]
+    received = [(r, o) for r, o in stats if r.stat == "received"]
+    n_cols = 0 if given_sums is not None else offsets[-1]  # with no multi-key groups: a pass for the lse alone
+    n_calls = max(1, math.ceil(n_cols / D))  # the fused kernels need values of the head dim: ceil(C / D) calls
+    needs_qk = (multi and given_sums is None) or given_lse is None or bool(stats)  # attention passes run
+    indicator = None
+    if needs_qk:
+        indicator = torch.zeros(K, n_calls * D, device=q.device)  # zero values cost the same as any
+        if n_cols:
+            indicator[:, :n_cols] = multi_key_indicator([r for r, _ in multi], S, q.device)[:K]
+    for h0 in range(0, H, plan.pooled_heads):
+        h1 = min(H, h0 + plan.pooled_heads)
+        # float32 q and k of the chunk for an attention pass; without one, single keys copy only their rows
+        qf, kf = (q.chunk(h0, h1)[None], k.chunk(h0, h1, kept)[None]) if needs_qk else (None, None)
+        lse = None if given_lse is None else given_lse[None, h0:h1].float()  # the output kernel's, when given
+        lse_from_output = given_lse is not None
+        if entropy:
+            values, pass_lse = passes.entropy_pass(qf, kf, scale)
+            for red, o in entropy:
+                passes.fold(red, o, h0, 0, values[..., None], probe)
+            lse, lse_from_output = pass_lse, False  # a float32 pass's lse: more precise than a 16-bit output call's
+            del values
+        sums = None
+        if multi and given_sums is not None:
+            sums = given_sums.chunk(h0, h1)
+        elif multi and fused:
+            qm, km = q.chunk(h0, h1, dtype=None), k.chunk(h0, h1, dtype=None)  # the model's dtype
+            lse = attention.lse_only(qm[None], km[None, :, :K], scale) if lse is None else lse
+            sums = passes.triton_sums(qm, km[:, :K], lse[0], indicator[:, :n_cols], scale)  # the kept keys
+            del qm, km
+        elif multi or (lse is None and (single or received)):
+            sums, pass_lse = passes.indicator_sums(qf, kf, indicator, n_calls, scale)
+            lse, lse_from_output = pass_lse, False  # a float32 pass's, as above
+        if multi:
+            for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):
+                passes.fold(red, o, h0, 0, sums[..., c0:c1], probe)
+        del sums
+        if probe is not None:
+            probe.lse_from_output = lse_from_output
+        for red, o in single:
+            chosen = red.key_groups.keys.to(q.device)
+            valid = None if K == S else (chosen < K).float()  # masked keys' columns are 0
+            chosen = chosen if K == S else chosen.clamp(max=K - 1)
+            k_sel = kf[0][:, chosen] if needs_qk else k.chunk(h0, h1, chosen)  # (h, C, D)
+            rows = passes.query_rows(qf, q, h0, h1)
+            passes.single_key_columns(rows, k_sel, lse[0], red, o, h0, plan.pooled_rows, scale, probe, valid)
+        if received:
+            formed = slice(None) if received[0][0].query_limit is None else slice(0, received[0][0].query_limit)
+            sums = passes.received_pass(qf[0][:, formed], kf[0], lse[0][:, formed], scale)
+            if K < S:
+                sums = torch.nn.functional.pad(sums, (0, S - K))
+            for red, o in received:
+                if probe is not None:  # no per-query value: the check takes the lse this pass used
+                    probe.take(red, h0, 0, lse[0][..., None])
+                red.fold_received(o, h0, sums)
+            del sums
+        del qf, kf, lse

@@ -1,0 +1,420 @@
+"""Planning a capture before it runs: which method serves the key-pooled kinds, how large the tiles are,
+and what the records will cost.
+
+:func:`plan_capture` is the one planner: ``Recording`` calls it at the first transformer call of a
+generation, and ``cogattn.estimate`` calls it from a model config alone, so an estimate is the plan of
+the run it predicts. It resolves the options against the call, builds the reducers, chooses the
+method (:func:`choose_method`) and sizes the tiles within the memory budget (:func:`size_tiles`).
+
+The tile sizes bound the transient float32 working set; the reducers' results are not counted (they
+are what the user asked for) but are reported with the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layout import TokenLayout
+from ..options import STORAGE_DTYPES, CaptureOptions, Resolved
+from ..runs.record_file import record_file_bytes
+from . import kernels, memory
+from .attention import fused_lse_supported, joint_extra_bytes
+from .context import CONTEXT_REDUCERS
+from .memory import CPU_ROW_TILE, context_tile, too_small, usable
+from .reducers import REDUCERS, Reducer
+
+__all__ = [
+    "CapturePlan",
+    "ModelShape",
+    "TilePlan",
+    "can_time_triton",
+    "choose_method",
+    "fused_passes",
+    "plan_capture",
+    "plan_tiles",
+    "size_tiles",
+]
+
+_MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
+POOLED_METHODS = ("sdpa", "triton", "timed", "joint")  # methods that serve key-pooled kinds without row tiles
+# ``auto`` takes row tiles when the fused method needs this many passes or more: on a CPU one row pass
+# with every fold costs about two fused passes (docs/benchmarks.md); on a GPU the fused kernels keep P
+# out of memory, which row tiles write and read back, so rows win only against many passes.
+ROWS_BEAT_PASSES = {"cpu": 2, "cuda": 6}
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Chunk sizes for one layer call.
+
+    Args:
+        method (`str`): how key-pooled kinds are computed: ``"rows"``, ``"sdpa"``, ``"triton"``,
+            ``"joint"`` (the output call brings them), or ``"timed"`` (``sdpa`` or ``triton``, whichever
+            the first capture of a shape measures faster).
+        row_heads (`int`): heads per row tile.
+        row_rows (`int`): query rows per row tile.
+        pooled_heads (`int`): heads per chunk of the pooled pass (0 when no pooled pass runs).
+        pooled_rows (`int`): query rows per single-key-column tile of the pooled pass.
+        peak_bytes (`int`): predicted peak transient bytes.
+    """
+
+    method: str
+    row_heads: int
+    row_rows: int
+    pooled_heads: int
+    pooled_rows: int
+    peak_bytes: int
+
+
+def all_rows(reducer: Reducer, S: int) -> bool:
+    """Whether a reducer asks for every query row in order (then one pass over all rows serves it)."""
+    rows = reducer.rows
+    return rows is not None and len(rows) == S and bool(torch.equal(rows.cpu(), torch.arange(S)))
+
+
+def can_time_triton(device: torch.device) -> bool:
+    """Whether ``auto`` times the Triton kernel against the SDPA pass (CUDA with Triton; the interpreter on
+    the CPU is far slower than SDPA, so there ``auto`` means ``sdpa``)."""
+    return device.type == "cuda" and kernels.available(device)
+
+
+def pooled_kinds(reducers: list[Reducer]) -> list[Reducer]:
+    """The reducers a method serves: key-pooled kinds and row statistics (the others need rows)."""
+    return [r for r in reducers if r.key_groups is not None or r.stat is not None]
+
+
+def fused_passes(reducers: list[Reducer], head_dim: int, lse_given: bool = False) -> int:
+    """Fused attention passes per head chunk the ``sdpa`` method runs for ``reducers``: ``⌈C / D⌉`` for the
+    multi-key columns, one for ``entropy``, one for ``received``, and one for the lse when single keys or
+    ``received`` need it and neither another pass nor the output call (``lse_given``) gives it."""
+    pooled = pooled_kinds(reducers)
+    n_multi = sum(r.key_groups.num_groups for r in pooled if r.key_groups is not None and not r.key_groups.single_keys)
+    entropy = any(r.stat == "entropy" for r in pooled)
+    received = any(r.stat == "received" for r in pooled)
+    single = any(r.key_groups is not None and r.key_groups.single_keys for r in pooled)
+    calls = math.ceil(n_multi / head_dim)
+    lse_pass = (single or received) and not (calls or entropy or lse_given)
+    return calls + entropy + received + lse_pass
+
+
+def choose_method(
+    method: str, reducers: list[Reducer], seq_len: int, device, head_dim: int = 64, lse_given: bool = False
+) -> str:
+    """The method that serves the key-pooled kinds and statistics of ``reducers``: ``method`` as asked (one
+    of ``CaptureOptions.method``, or ``"joint"`` for ``layer_output="joint"``), with ``"auto"`` made
+    concrete: row tiles when they are formed anyway (``full``, ``topk``), when there is no fused kernel,
+    or when the fused passes would be :data:`ROWS_BEAT_PASSES` or more for the device (on a CPU one row
+    pass with every fold costs about two fused passes: docs/benchmarks.md). Raises `ValueError` when the
+    asked method cannot run on ``device``."""
+    device = torch.device(device)
+    if not pooled_kinds(reducers):
+        return "rows"  # every kind is served by row tiles
+    if method == "auto":
+        formed = any(all_rows(r, seq_len) and not r.mean_rows for r in reducers)  # head-mean rows serve no other kind
+        if formed or not fused_lse_supported(device):
+            return "rows"  # each head's rows are formed anyway (``full``, ``topk``), or there is no fused kernel
+        if fused_passes(reducers, head_dim, lse_given) >= ROWS_BEAT_PASSES.get(device.type, 6):
+            return "rows"
+        return "timed" if can_time_triton(device) else "sdpa"
+    if method == "joint" and not fused_lse_supported(device):
+        raise ValueError(f"layer_output='joint' needs a fused attention kernel with log-sum-exp; device is {device}.")
+    if method == "triton" and not kernels.available(device):
+        raise ValueError(
+            f"method='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); device is {device}, Triton "
+            f"{'is' if kernels.triton is not None else 'is not'} installed. Use method='auto'."
+        )
+    if method == "sdpa" and not fused_lse_supported(device):
+        raise ValueError(f"method='sdpa' needs a fused attention kernel with log-sum-exp; device is {device}.")
+    return method
+
+
+def size_tiles(
+    method: str,
+    reducers: list[Reducer],
+    S: int,
+    H: int,
+    D: int,
+    budget: int,
+    copies_inputs: bool = True,
+    tile_cap: int | None = None,
+) -> TilePlan:
+    """Chunk sizes for ``reducers`` on ``method`` (from :func:`choose_method`) within ``budget`` bytes;
+    raises `ValueError` when no tile fits.
+
+    Args:
+        method (`str`): the concrete method.
+        reducers (`list[Reducer]`): what one layer call computes.
+        S, H, D (`int`): sequence length, selected heads, head dim.
+        budget (`int`): bytes of transient working memory allowed.
+        copies_inputs (`bool`, defaults to `True`): whether q and k must be copied to float32 per head
+            chunk (not for contiguous float32 inputs with every head selected).
+        tile_cap (`int | None`): largest row tile of scores in bytes, one head at a time (the CPU's
+            :data:`CPU_ROW_TILE`); `None` makes tiles as large as the budget allows (GPUs).
+    """
+    budget, asked = usable(budget), budget  # less the headroom (cogattn.exact.memory)
+    pooled = pooled_kinds(reducers)
+    groups = [r.key_groups for r in pooled if r.key_groups is not None]
+    stats = {r.stat for r in pooled if r.stat is not None}
+    in_rows = method == "rows"
+    # pooled sums per row (with entropy: P K, D more); with received, a column sum per head
+    row_cols = sum(g.num_groups for g in groups) + D * ("entropy" in stats) if in_rows else 0
+    # tiles: the sums along x (a w-th of the row) and their copy with the edge tiles' (passes.box_sums)
+    row_cols += sum(2 * -(-S // g.boxes[3][2]) for g in groups if g.boxes) if in_rows else 0
+    row_cols += sum(r.row_columns(S) for r in reducers)  # what a kind holds per row while it folds a tile
+    received = "received" in stats and in_rows
+    mean_row = any(r.mean_rows for r in reducers)  # topk of the head-mean row: a sum of the heads' rows
+    row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and in_rows else [])
+    n_single = sum(g.num_groups for g in groups if g.single_keys)
+    n_multi = sum(g.num_groups for g in groups if not g.single_keys)
+
+    def row_bytes(h: int, r: int) -> int:
+        return memory.row_tile_bytes(h, r, S, D, row_cols, copies_inputs, received, mean_row * H)
+
+    def pooled_bytes(h: int, r: int) -> int:
+        return memory.pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, method == "joint", stats)
+
+    row_heads = row_rows = 0
+    if row_sets:
+        most_rows = min(max(row_sets), _MAX_ROWS)
+        if tile_cap is not None:
+            # Cache-sized tiles: one head's K stays in cache across its row tiles, and each tile is
+            # written and read back from cache, not memory (3× faster than 1 GiB tiles on a CPU).
+            row_heads = 1
+            row_rows = _largest(lambda r: row_bytes(1, r) <= budget and 4 * r * S <= tile_cap, most_rows)
+            row_rows = row_rows or _largest(lambda r: row_bytes(1, r) <= budget, 1)
+        else:
+            # All heads per tile (one pass folds the head mean) with a reasonable row count.
+            for h in range(H, 0, -1):
+                row_rows = _largest(lambda r, h=h: row_bytes(h, r) <= budget, most_rows)
+                if row_rows >= min(64, most_rows) or h == 1:
+                    row_heads = h
+                    break
+        if row_rows == 0:
+            raise too_small(asked, row_bytes(1, 1), S, D)
+    pooled_heads = pooled_rows = 0
+    if pooled and method in POOLED_METHODS:  # the Triton pass holds less than the SDPA pass
+        pooled_heads = _largest(lambda h: pooled_bytes(h, 1) <= budget, H)
+        if pooled_heads == 0:
+            raise too_small(asked, pooled_bytes(1, 1), S, D)
+        pooled_rows = _largest(lambda r: pooled_bytes(pooled_heads, r) <= budget, S) if n_single else S
+    peak = max(
+        row_bytes(row_heads, row_rows) if row_sets else 0,
+        pooled_bytes(pooled_heads, pooled_rows) if pooled_heads else 0,
+    )
+    return TilePlan(method, row_heads, row_rows, pooled_heads, pooled_rows, peak)
+
+
+def plan_tiles(
+    reducers: list[Reducer],
+    S: int,
+    H: int,
+    D: int,
+    budget: int,
+    method: str,
+    device,
+    copies_inputs: bool = True,
+    lse_given: bool = False,
+) -> TilePlan:
+    """:func:`choose_method`, then :func:`size_tiles` (``lse_given``: the output call gives every row's lse)."""
+    cap = CPU_ROW_TILE if torch.device(device).type == "cpu" else None
+    method = choose_method(method, reducers, S, device, D, lse_given)
+    return size_tiles(method, reducers, S, H, D, budget, copies_inputs, cap)
+
+
+def _largest(fits, upper: int) -> int:
+    """Largest n in [1, upper] with fits(n) (fits is monotone), or 0."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+# -- the whole capture ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CapturePlan:
+    """One generation's capture, planned: the selection made concrete, the reducers, the tiles, the records.
+
+    Args:
+        options (`CaptureOptions`): what was asked.
+        resolved (`Resolved`): batch items, heads and query tokens of this call.
+        reducers (`list[Reducer]`): one per self-attention kind, in ``options.kinds`` order.
+        tiles (`TilePlan`): the tiles for the model's dtype and head selection.
+        num_layers (`int`): blocks of the model.
+        joint_bytes (`int`): with ``layer_output="joint"``, what the widened output call holds beyond
+            the stock call (:func:`cogattn.exact.attention.joint_extra_bytes`); 0 otherwise.
+        context (`list[Reducer]`): one per cross-attention kind (Wan's ``video_to_text``, ``video_to_image``).
+        context_bytes (`int`): peak bytes of a cross-attention tile (:func:`cogattn.exact.memory.context_tile`).
+        context_tiles (`dict[str, tuple[int, int]]`): heads and query rows per cross-attention tile, by
+            context (``"text"``, ``"image"``).
+        waiting_bytes (`int`): results that wait in host memory for the step's last call (Wan under
+            guidance, a selection spanning both halves): the earlier calls' items of every captured layer
+            (:mod:`cogattn.exact.memory` says how they are bounded).
+        tile_budget (`int`): what the tiles may take: ``memory_budget``, less ``waiting_bytes`` on a CPU.
+        device_type (`str`): where capture runs (``"cpu"``: the waiting results are in the same memory).
+    """
+
+    options: CaptureOptions
+    resolved: Resolved
+    reducers: list[Reducer]
+    tiles: TilePlan
+    num_layers: int
+    joint_bytes: int = 0
+    context: tuple[Reducer, ...] = ()
+    context_bytes: int = 0
+    context_tiles: dict[str, tuple[int, int]] = field(default_factory=dict)
+    waiting_bytes: int = 0
+    tile_budget: int = 0
+    device_type: str = "cpu"
+
+    @property
+    def layout(self) -> TokenLayout:
+        return self.resolved.layout
+
+    @property
+    def layers_captured(self) -> int:
+        return self.num_layers if self.options.layers == "all" else len(self.options.layers)
+
+    def steps_captured(self, num_steps: int | None) -> int:
+        """Captured steps of a generation of ``num_steps`` (1 when unknown, as with a bare transformer)."""
+        if self.options.steps == "all":
+            return num_steps or 1
+        return len([s for s in self.options.steps if num_steps is None or s < num_steps])
+
+    def records(self, num_steps: int | None) -> list[tuple[str, tuple[int, ...], int, int]]:
+        """Per kind: ``(kind, shape, bytes of one record file in the storage dtype, records per generation)``."""
+        storage = STORAGE_DTYPES[self.options.storage_dtype]
+        count = self.layers_captured * self.steps_captured(num_steps)
+        out = []
+        for r in [*self.reducers, *self.context]:
+            shape = r.shape(len(self.resolved.batch))
+            dtype = torch.float32 if r.keep_float32 else storage
+            out.append((r.kind, shape, record_file_bytes(shape, dtype), count))
+        return out
+
+    @property
+    def result_bytes(self) -> int:
+        """The float32 results of one layer call, held while it runs."""
+        return sum(r.nbytes(len(self.resolved.batch)) for r in [*self.reducers, *self.context])
+
+    @property
+    def peak_extra_memory(self) -> int:
+        """Predicted peak memory capture adds to a generation on its device: the tile working set (or, with
+        ``layer_output="joint"``, the widened output call when it is larger) and one layer's results, and on
+        a CPU the results waiting for a step's last call (on an accelerator those are host memory)."""
+        transient = max(self.tiles.peak_bytes, self.joint_bytes, self.context_bytes)
+        return transient + self.result_bytes + self.waiting_bytes * (self.device_type == "cpu")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model facts a plan needs: its blocks, its attention heads and head dim, its dtype."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def plan_capture(
+    options: CaptureOptions,
+    model: ModelShape,
+    layout: TokenLayout,
+    *,
+    batch_size: int,
+    guidance: bool | None,
+    num_steps: int | None,
+    device,
+    sources: dict[str, str] | None = None,
+    calls_per_step: int = 1,
+    check_host: bool = True,
+) -> CapturePlan:
+    """Plan a capture for a call of ``batch_size`` items on ``layout``; raises `ValueError` for what does not fit.
+
+    Args:
+        options (`CaptureOptions`): the options (already checked against the model).
+        model (`ModelShape`): the model's attention and dtype.
+        layout (`TokenLayout`): the call's token layout.
+        batch_size (`int`): the transformer batch; ``guidance``: whether classifier-free guidance is on
+            (`None` when unknown, as with a bare transformer); ``num_steps``: steps of the generation.
+        device: where capture runs.
+        sources (`dict[str, str] | None`): kinds made by a cross-attention → ``"text"`` or ``"image"``
+            (:attr:`cogattn.models.ModelSpec.context_kinds`); the rest come from the self-attention.
+        calls_per_step (`int`, defaults to 1): transformer calls that share the ``batch_size`` items of a
+            step, the last call holding the first ``batch_size / calls_per_step`` (Wan under guidance: 2,
+            the conditional call first); the results of the earlier calls wait for the last.
+        check_host (`bool`, defaults to `True`): on an accelerator, refuse waiting results larger than the
+            host memory available now (`estimate` plans for another machine and only reports them).
+    """
+    num_heads, head_dim, dtype = model.num_heads, model.head_dim, model.dtype
+    res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
+    sizes = {name: getattr(options, name) for name in ("block_size", "topk", "tile_shape", "patterns", "top_p")}
+    sources = sources or {}
+    reducers, context = [], []
+    for k in options.kinds:
+        if k in sources:
+            red = CONTEXT_REDUCERS[k](layout, len(res.heads), res.mean_heads, **sizes)
+            if red.context_len == 0:
+                raise ValueError(
+                    f"kind {k!r} needs a {sources[k]} context, which this generation has none of"
+                    + (
+                        " (Wan 2.1 image-to-video has one; Wan 2.2 puts the image in the latents)."
+                        if k == "video_to_image"
+                        else "."
+                    )
+                )
+            context.append(red)
+        else:
+            reducers.append(REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries, **sizes))
+    copies = dtype != torch.float32 or res.heads != tuple(range(num_heads))
+    method = "joint" if options.layer_output == "joint" else options.method
+    lse = options.layer_output == "lse"
+    layers = model.num_layers if options.layers == "all" else len(options.layers)
+    waiting = memory.waiting_bytes([*reducers, *context], res.batch, batch_size, calls_per_step, layers)
+    on_host = torch.device(device).type == "cpu"
+    if check_host and not on_host:
+        memory.check_host(waiting, options.batch)
+    budget = options.memory_budget - waiting * on_host  # on a CPU the waiting results and the tiles share it
+
+    def tiles_within(budget: int):
+        tiles = TilePlan("none", 0, 0, 0, 0, 0)  # cross-attention kinds only: no self-attention pass
+        if reducers:
+            tiles = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, budget, method, device, copies, lse)
+        context_tiles, context_bytes = {}, 0
+        for r in context:
+            h, rows, peak = context_tile(len(res.heads), layout.video_len, r.context_len, head_dim, budget, device)
+            context_tiles[r.source], context_bytes = (h, rows), max(context_bytes, peak)
+        return tiles, context_tiles, context_bytes
+
+    try:
+        tiles, context_tiles, context_bytes = tiles_within(budget)
+    except ValueError as err:
+        if not (waiting and on_host):
+            raise
+        tiles_within(options.memory_budget)  # too small without the waiting results too: that refusal
+        raise memory.waiting_refusal(options.memory_budget, waiting, options.batch) from err
+    joint_bytes = 0
+    n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)
+    if options.layer_output == "joint" and n_cols:
+        elem = torch.empty((), dtype=dtype).element_size()
+        joint_bytes = joint_extra_bytes(len(res.batch), num_heads, layout.seq_len, head_dim, n_cols, elem)
+    return CapturePlan(
+        options,
+        res,
+        reducers,
+        tiles,
+        model.num_layers,
+        joint_bytes,
+        tuple(context),
+        context_bytes,
+        context_tiles,
+        waiting,
+        budget,
+        torch.device(device).type,
+    )

@@ -1,0 +1,269 @@
+"""What a captured attention call does: the :class:`cogattn.recorder.processor.MapSink` side of a recording.
+
+:class:`Capture` is the object a :class:`cogattn.Recording` holds for its processors' calls (the recording
+hands them on): whether a call is captured, the opt-in output call, and the capture of a self-attention
+(:func:`cogattn.exact.engine.capture_items`, spot-checked) or a cross-attention
+(:func:`cogattn.exact.context.context_pass`) into the store. It owns what these calls need: the plan once the
+recording has made it, the tile plans, the measured method choices, the spot checks, and the parts of a
+result that wait for a step's second call; it reads the step tracker and the transformers it is given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..exact import engine
+from ..exact.attention import attention_joint_for, attention_with_lse
+from ..exact.checks import SpotCheck, Verifier, probe_rows
+from ..exact.context import context_pass
+from ..exact.planner import CapturePlan, TilePlan, plan_tiles
+from ..runs.skips import Skips
+
+__all__ = ["Capture"]
+
+
+class Capture:
+    """The processors' side of a recording (docs/design.md, "Data flow").
+
+    Args:
+        options (`CaptureOptions`): the recording's options.
+        steps (`StepTracker`): which step and call is running.
+        roles (`dict[int, tuple[int, str]]`): ``id(module)`` → ``(layer, "self" or "context")``.
+        store: where results go (a ``MemoryStore`` or ``RunWriter``; the recording sets it once made).
+    """
+
+    def __init__(self, options, steps, roles: dict, store=None):
+        self.options, self.steps, self.roles, self.store = options, steps, roles, store
+        self.plan: CapturePlan | None = None  # set by the recording at the generation's first call
+        self.closed = False
+        self.stopped = False  # the generation went on with another video: later calls are not captured
+        self.joint_indicator: torch.Tensor | None = None
+        self.tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method, lse) of the calls seen
+        self.timed = engine.TimedChoice()
+        self.verifier = Verifier(options.verify)
+        self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
+        self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
+        self.skips = Skips()  # selected attention calls that did not run (a cache skipped them)
+        self._stored: set[tuple[int, int, str]] = set()  # (step, layer, role) of the records of the running step
+
+    @property
+    def step(self) -> int | None:
+        return self.steps.step
+
+    # -- called by the processors (cogattn.recorder.processor.MapSink) ---------------------------------------
+    def layer_to_capture(self, attn) -> int | None:
+        """Block index of ``attn`` when the current step, its layer, a kind of its attention (self or
+        cross) and an item of the current call are selected, else `None`."""
+        try:
+            layer, role = self.roles[id(attn)]
+        except KeyError:
+            raise ValueError("this processor serves an attention module outside the recorded transformer") from None
+        wanted = not self.closed and not self.stopped and self.plan is not None and self.step is not None
+        wanted = wanted and self.steps.left_out is None  # a guider's perturbed call: not the model's maps
+        wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
+        wanted = wanted and bool(self.plan.reducers if role == "self" else self.plan.context)
+        return layer if wanted and self._call_items()[0] else None
+
+    def _call_items(self, batch_size: int | None = None) -> tuple[list[int], list[int]]:
+        """The selected items of the current call, as indices of its batch and as slots of the results'
+        batch axis. The results' batch is the guidance batch ``[uncond..., cond...]``; a family whose
+        pipelines make one call per half (Wan: the conditional call first) gives each call its half.
+        ``batch_size``: the batch the attention got, where it may be the conditional half of the call's
+        (FasterCache skips the unconditional half of a ``[uncond, cond]`` batch at some steps)."""
+        B, calls = self.steps.batch_size, self.steps.calls_per_step
+        offset = B * (calls - 1 - self.steps.call)
+        slots = [i for i, b in enumerate(self.plan.resolved.batch) if offset <= b < offset + B]
+        items = [self.plan.resolved.batch[i] - offset for i in slots]
+        if batch_size is None or batch_size == B:
+            return items, slots
+        if calls == 1 and (self.steps.guidance or self.skips.by == "FasterCache") and 2 * batch_size == B:
+            self.skips.halves.add(self.step)
+            kept = [(b - batch_size, s) for b, s in zip(items, slots) if b >= batch_size]
+            return [b for b, _ in kept], [s for _, s in kept]
+        raise RuntimeError(
+            f"an attention layer got a batch of {batch_size} in a transformer call of batch {B}; cogattn follows "
+            "the pipeline's batch, or its conditional half under guidance (FasterCache), and nothing else."
+        )
+
+    def _whole(self, batch_size: int) -> tuple[list[int], list[int]] | None:
+        """The call's items and slots for an attention of batch ``batch_size``, `None` where some selected
+        item is not in it (the conditional half of a one-call step, and an unconditional item selected):
+        nothing is captured, and :meth:`end_step` lists the layer as skipped."""
+        items, slots = self._call_items(batch_size)
+        if self.steps.calls_per_step == 1 and len(slots) < len(self.plan.resolved.batch):
+            return None
+        return items, slots
+
+    def _put(self, kind: str, layer: int, out: torch.Tensor, slots: list[int], role: str) -> None:
+        """Store ``out`` (the items ``slots`` of a result of the ``role`` attention); a result split over a
+        step's calls when whole. Until then the parts wait in host memory, each its own size (Wan runs every
+        block for one call before the next call starts; :attr:`CapturePlan.waiting_bytes` counts them)."""
+        n = len(self.plan.resolved.batch)
+        if len(slots) == n:
+            self.store.put(kind, self.step, layer, self.steps.timesteps[-1], out)
+            self._stored.add((self.step, layer, role))
+            return
+        key = (kind, layer)
+        if key not in self.pending or self.pending[key][0] != self.step:
+            self.pending[key] = [self.step]
+        parts = self.pending[key]
+        parts.append((slots, out.cpu()))
+        if sum(len(s) for s, _ in parts[1:]) == n:
+            del self.pending[key]
+            whole = torch.empty((n, *out.shape[1:]))
+            for s, part in parts[1:]:
+                whole[s] = part
+            del parts
+            self.store.put(kind, self.step, layer, self.steps.timesteps[-1], whole)
+            self._stored.add((self.step, layer, role))
+
+    def end_step(self, step: int) -> None:
+        """After ``step``: list the selected ``(layer, role)`` that stored no record (a cache skipped the
+        attention, in a call that holds selected items) in :attr:`skips`, and drop parts of results that
+        wait for a call that never came."""
+        context = {r.kind for r in self.plan.context} if self.plan is not None else set()
+        for kind, layer in [key for key, parts in self.pending.items() if parts[0] == step]:
+            del self.pending[(kind, layer)]  # another of the step's calls skipped it
+            self.skips.partial.add((step, layer, "context" if kind in context else "self"))
+        if self.plan is None or self.stopped or not self.options.wants_step(step):
+            return
+        roles = {"self": bool(self.plan.reducers), "context": bool(self.plan.context)}
+        for layer, role in set(self.roles.values()):
+            if roles[role] and self.options.wants_layer(layer) and (step, layer, role) not in self._stored:
+                self.skips.calls.add((step, layer, role))
+        self._stored = {key for key in self._stored if key[0] != step}
+
+    def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """The output call of a captured layer: `None` for the stock call, else ``(output, lse, sums)``.
+
+        ``layer_output="lse"``: the flash kernel, which also returns the lse. ``"joint"``: one widened
+        fused call for the captured batch items (:func:`cogattn.exact.attention.attention_joint`), the stock
+        call for the others. Spot-checked against the stock call on a few rows (:mod:`cogattn.exact.checks`)."""
+        mode = self.options.layer_output
+        shape = (str(query.device), query.dtype, mode, tuple(query.shape[1:]))
+        if mode == "stock" or shape in self.verifier.stock_output or query.shape[0] != self.steps.batch_size:
+            return None  # the stock call; also for a batch's conditional half (FasterCache)
+        if mode == "lse" or self.joint_indicator is None:  # no multi-key kinds: the lse alone is reused
+            result = (*attention_with_lse(query, key, value), None)
+        else:
+            indicator = self.joint_indicator.to(query.device)
+            result = attention_joint_for(query, key, value, indicator, self._call_items()[0])
+        if self.verifier.due(("output", *shape)):
+            check = self.verifier.check_output(
+                result[0], query, key, value, probe_rows(self.plan.layout), self.step, layer, mode
+            )
+            if not check.passed:
+                self.verifier.output_failed(check, shape)
+                return None
+        return result
+
+    def capture(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None,
+        key_counts: torch.Tensor | None = None,
+        query_counts: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> None:
+        """Compute every selected kind for ``layer`` at the current step from ``query``, ``key``
+        ``(B, H, S, D)`` (and the output call's log-sum-exp ``(B, H, S)`` and multi-key sums
+        ``(B, H, S, C)`` when it gave them); spot-check the method that served them. ``key_counts``
+        ``(B,)``: a key mask keeping each item's first keys (padded text at the end), their number;
+        ``query_counts`` ``(B,)``: where the model forms only each item's first query rows (Mochi), their
+        number; ``mask`` ``(B or 1, S, S)``: any other mask (``processor.query_key_mask``), which row tiles
+        apply, whatever the method; ``value`` ``(B, H, S, D)``: the values, for the kinds that need them."""
+        res, reducers = self.plan.resolved, self.plan.reducers
+        if value is None and self.wants_value:
+            raise RuntimeError("pattern_error needs the attention's values; this family's processor hands over none.")
+        B, H, S, D = query.shape
+        if (whole := self._whole(B)) is None:
+            return
+        items, slots = whole
+        if S != res.layout.seq_len:
+            raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
+        # The engine copies q and k per head chunk unless they already are contiguous float32 with every head.
+        all_heads = res.heads == tuple(range(H))  # every head, in the model's order: no gather needed
+        copies = query.dtype != torch.float32 or not all_heads or not query[0].is_contiguous()
+        shape = (str(query.device), query.dtype, S, len(res.heads), D)
+        method = "rows" if shape in self.verifier.rows_only else self.plan.tiles.method
+        if method == "joint" and lse is None:  # the output call fell back to the stock one
+            method = "auto"
+        if mask is not None:  # the fused passes take no mask: row tiles apply it
+            method = "rows"
+        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None)
+        heads = None if all_heads else torch.tensor(res.heads, device=query.device)
+        kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
+        checked = tiles.method != "rows" and self.verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
+        rows = probe_rows(res.layout) if checked else None
+        counts = None if key_counts is None else [int(n) for n in key_counts]
+        formed = None if query_counts is None else [int(n) for n in query_counts]
+        for slot, b in zip(slots, items):  # each item's valid text, as the mask keeps it
+            if counts is not None and counts[b] < res.layout.seq_len:
+                self.text_lengths.setdefault(slot, res.layout.text_kept(counts[b]))
+        args = (query, key, items, reducers)
+        outs, used, probes = engine.capture_items(
+            *args, tiles, heads, lse, sums, self.timed, rows, counts, formed, mask, value if self.wants_value else None
+        )
+        if probes:
+            what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
+            scale = D**-0.5
+            check = self.verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, what, scale, counts)
+            if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
+                self.verifier.maps_failed(check, shape)
+                rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
+                outs, _, _ = engine.capture_items(
+                    *args,
+                    rows_tiles,
+                    heads,
+                    key_counts=counts,
+                    query_counts=formed,
+                    value=value if self.wants_value else None,
+                )
+        for red, out in zip(reducers, outs):
+            self._put(red.kind, layer, out, slots, "self")
+
+    def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
+        """Compute the cross-attention kinds of ``context`` (``"text"`` or ``"image"``) for ``layer`` from
+        the video queries ``query`` ``(B, H, V, D)`` and the context keys ``key`` ``(B, H, C, D)``."""
+        reducers = [r for r in self.plan.context if r.source == context]
+        if not reducers:
+            return
+        layout, res = self.plan.layout, self.plan.resolved
+        if query.shape[2] != layout.video_len or key.shape[2] != reducers[0].context_len:
+            raise RuntimeError(
+                f"the cross-attention has {query.shape[2]} queries and {key.shape[2]} {context} keys, but the "
+                f"layout {layout} of this generation says {layout.video_len} and {reducers[0].context_len}; the "
+                f"{context} kinds need the same {context} length in every call (prompt_embeds and "
+                "negative_prompt_embeds of one length)."
+            )
+        if key.shape[0] != query.shape[0]:  # a context given once for all videos, as attention broadcasts it
+            key = key.expand(query.shape[0], -1, -1, -1)
+        if (whole := self._whole(query.shape[0])) is None:
+            return
+        items, slots = whole
+        heads = None if res.heads == tuple(range(query.shape[1])) else torch.tensor(res.heads, device=query.device)
+        outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[context])
+        for red, out in zip(reducers, outs):
+            self._put(red.kind, layer, out, slots, "context")
+
+    @property
+    def wants_value(self) -> bool:
+        """Whether a selected kind needs the attention's values V (``pattern_error``): processors hand ``value``
+        to :meth:`capture` only then."""
+        return self.plan is not None and any(r.needs_value for r in self.plan.reducers)
+
+    @property
+    def checks(self) -> list[SpotCheck]:
+        """The spot checks made so far."""
+        return list(self.verifier.checks)
+
+    def _tiles_for(self, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False) -> TilePlan:
+        key = (S, D, torch.device(device).type, copies, method, lse)
+        if key not in self.tiles:
+            budget = self.plan.tile_budget  # memory_budget less the results waiting for a step's last call
+            self.tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse)
+        return self.tiles[key]

@@ -1,0 +1,420 @@
+"""Recording: follows a generation step by step and keeps the maps the options ask for.
+
+``record(pipe, ...)`` is the one-line entry point: it builds a :class:`Recording`, installs cogattn's
+processors on every attention layer, and on exit (also on an exception or KeyboardInterrupt) puts the
+original processors back and removes its hook. A forward pre-hook on the transformer (no patching of
+pipeline or block classes) tells the recording the step index, timestep, batch size and latent grid;
+the processors hand it q and k of the captured layer calls (:class:`cogattn.recorder.processor.MapSink`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+
+import diffusers
+import torch
+
+from ..errors import NotRecordedError
+from ..exact import engine
+from ..exact.checks import SpotCheck
+from ..exact.planner import CapturePlan, ModelShape, plan_capture
+from ..layout import TokenLayout
+from ..options import CaptureOptions
+from ..runs.skips import Skips, cache_in_use
+from ..runs.store import MemoryStore, RunWriter, StoreError
+from ..version import __version__
+from .capture import Capture
+from .guiders import Branches
+from .sites import Transformers, find_transformer
+from .steps import StepTracker, WeakHook
+
+__all__ = ["Recording", "record"]
+
+
+class Recording:
+    """Attention maps of one generation, keyed by ``(kind, step, layer)``.
+
+    Building a recording checks the options against the model and registers its forward pre-hook; it
+    installs no processors (see :func:`record`, or set :class:`CogVideoXAttnMapProcessor` yourself).
+    Use it as a context manager or call :meth:`close`.
+
+    Args:
+        target: a pipeline of a supported family (CogVideoX, Wan, HunyuanVideo; Wan 2.2's two experts are
+            both followed) or its transformer.
+        options (`CaptureOptions | None`): the options; keyword arguments (any field of
+            :class:`CaptureOptions`) are applied on top.
+
+    Attributes:
+        layer_names (`tuple[str, ...]`): each layer's stable name, in layer order (``layers=`` takes them):
+            ``"transformer_blocks.3.attn1"``; HunyuanVideo's single-stream blocks follow its dual-stream ones.
+    """
+
+    def __init__(self, target, options: CaptureOptions | None = None, **kwargs):
+        self.options = CaptureOptions.build(options, **kwargs)
+        self.transformer, self.pipeline, self._spec = find_transformer(target)
+        self._spec.check_kinds(self.options.kinds)
+        self._spec.check_options(self.options)
+        modules = self._spec.attention_modules(self.transformer)
+        heads = modules[0].heads
+        self._shape = ModelShape(len(modules), heads, modules[0].inner_dim // heads, self.transformer.dtype)
+        self.layer_names = self._spec.layer_names(self.transformer)
+        self.options.check_model(len(modules), heads, self.layer_names)
+        self._sources = {k: self._spec.source(k) for k in self.options.kinds}
+        if self.options.batch in ("cond", "uncond") and self.pipeline is None:
+            raise ValueError(
+                f"batch={self.options.batch!r} needs a pipeline to know whether classifier-free guidance "
+                "is on; with a bare transformer pass batch indices (under guidance the batch is "
+                "[uncond..., cond...])."
+            )
+        self._models = Transformers(self.pipeline, self.transformer, self._spec)
+        self._branches = Branches(self.pipeline, self._models.names)  # a modular pipeline's guider
+        self._steps = StepTracker(self._spec, self.pipeline, self._branches)
+        self._capture = Capture(self.options, self._steps, self._models.roles)  # the store follows
+        self._closed = False
+        self._entered = False  # used as a context manager: a second generation raises instead of closing
+        self._status = "running"
+        if self.options.save_dir is None:
+            self._store: MemoryStore | RunWriter = MemoryStore()
+        else:
+            self._store = RunWriter.create(
+                self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
+            )
+        self._capture.store = self._store
+        # The hook holds the recording weakly: a recording dropped without close() stops capturing and
+        # its hook goes away with it, instead of outliving it in the transformer.
+        self._hooks = self._models.hook(WeakHook(self._on_forward))
+        self._models.run_eager()
+        self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models, self._branches)
+
+    # -- reading (the interface `cogattn.runs.run.MapSource` shares with a loaded run) ------------------
+    def get(self, kind: str, step: int, layer: int) -> torch.Tensor:
+        """The float32 CPU result of ``kind`` at denoising step ``step`` and block ``layer`` (read back
+        from disk when recording to ``save_dir``); `NotRecordedError` if there is none, saying so where a
+        cache skipped that attention (:attr:`skipped`)."""
+        try:
+            return self._store.get(kind, step, layer)
+        except NotRecordedError as err:
+            raise self.skipped.error(kind, step, layer, self._sources.get(kind), self.options.batch, str(err)) from None
+
+    @property
+    def skipped(self) -> Skips:
+        """The selected ``(step, layer, role)`` whose attention did not run (a cache reused an earlier
+        output), and the cache found on the transformer (:class:`cogattn.runs.skips.Skips`); each step's are
+        known when the next step starts, the last step's when the recording closes."""
+        return self._capture.skips
+
+    def keys(self) -> list[tuple[str, int, int]]:
+        """Every recorded ``(kind, step, layer)``, sorted."""
+        return self._store.keys()
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys()
+
+    @property
+    def layout(self) -> TokenLayout | None:
+        """Token layout of the generation, `None` before its first transformer call."""
+        return None if self.plan is None else self.plan.layout
+
+    info = property(lambda self: self.options.info, doc="Facts kept with the maps (``info=``).")
+
+    @property
+    def head_ids(self) -> tuple[int, ...] | None:
+        """The model head of each slot of the results' head axis; `None` when heads were averaged."""
+        heads = self.options.heads
+        return None if heads == "mean" else tuple(range(self._shape.num_heads)) if heads == "all" else heads
+
+    block_size = property(lambda self: self.options.block_size, doc="Tokens per block of the ``block`` kind.")
+    topk = property(lambda self: self.options.topk, doc="How many of each row's largest probabilities ``topk`` keeps.")
+    tile_shape = property(lambda self: self.options.tile_shape, doc="Latent frames × patch rows × columns of a tile.")
+
+    @property
+    def queries(self) -> tuple:
+        """The ``query`` kind's queries as given: token indices or ``(frame, row, col)``."""
+        return tuple(self.options.queries or ())
+
+    @property
+    def batch_items(self) -> tuple[int, ...] | None:
+        """Transformer batch items of the results' batch axis, `None` before the first transformer call."""
+        return None if self.plan is None else self.plan.resolved.batch
+
+    @property
+    def batch_roles(self) -> tuple[str | None, ...] | None:
+        """Per slot of the results' batch axis, ``"cond"`` (the prompt's item) or ``"uncond"`` (the negative
+        prompt's) under classifier-free guidance, `None` without it; `None` before the first transformer call."""
+        return None if self.plan is None else self.plan.resolved.roles
+
+    @property
+    def chosen_methods(self) -> dict[tuple, str]:
+        """What ``method="auto"`` measured on CUDA with Triton: shape → ``"sdpa"`` or ``"triton"``."""
+        return dict(self._capture.timed.chosen)
+
+    # -- step tracking -----------------------------------------------------------------------------
+    @property
+    def timesteps(self) -> list[float]:
+        """Timestep value of each step so far."""
+        return self._steps.timesteps
+
+    @property
+    def step(self) -> int | None:
+        """Index of the denoising step now running (or last run), `None` before the first."""
+        return self._steps.step
+
+    family = property(lambda self: self._spec.family, doc='The model family: ``"cogvideox"``, ``"wan"``, ...')
+
+    @property
+    def experts(self) -> list[str]:
+        """Per step, the pipeline attribute of the transformer that ran it (``"transformer"``, or Wan 2.2's
+        low-noise ``"transformer_2"``); each step's layers are that transformer's blocks."""
+        return [self._models.names[i] for i in self._steps.experts]
+
+    @property
+    def windows(self) -> list[int]:
+        """Per step, its window of the pipeline call: 0 but in a long video made in windows (SkyReels-V2)."""
+        return list(self._steps.windows)
+
+    def _on_forward(self, module, args, kwargs):
+        seen = self._steps.observe(module, self._models.index[id(module)], args, kwargs)
+        if seen == "next":
+            self._capture.end_step(self._steps.step - 1)
+        elif seen == "extra":  # a guider's perturbed call: not the model's maps, left out
+            self._capture.skips.perturbed.add(self._steps.step)
+        elif seen == "first":
+            try:
+                self._start(self._steps.layout, self._steps.batch_size, self._steps.device)
+            except BaseException:
+                self._steps.forget()  # refused before any block ran: as if the call never happened
+                raise
+        elif seen == "another":
+            self._second_generation()
+        elif seen == "reshaped" and not self._capture.stopped:
+            self._capture.stopped = True  # its maps would not fit this generation's layout: none are mixed in
+            warnings.warn(self._steps.went_on(), stacklevel=4)
+
+    def _second_generation(self) -> None:
+        """A new generation began: one recording holds one generation, so it never mixes them. Inside a
+        ``with`` block that is an error; a recording left open is finished and closed, with a warning,
+        and the new generation runs as if cogattn were not there."""
+        held = self._steps.describe()
+        if self._entered:
+            raise RuntimeError(
+                f"a second generation started inside one recording (it already holds {held}); use one "
+                "`cogattn.record(...)` per pipeline call so results are never mixed."
+            )
+        self.close()
+        warnings.warn(
+            f"a second generation started while a recording was still open; the recording was closed with its "
+            f"{held}, and this generation is not recorded. Use `with cogattn.record(...)` around each pipeline call.",
+            stacklevel=4,
+        )
+
+    def _start(self, layout: TokenLayout, batch_size: int, device: torch.device) -> None:
+        """First call of the generation: plan the capture (errors before any block runs)."""
+        self._models.check_unsharded()
+        num_steps, most_steps = self._steps.step_counts()
+        plan = plan_capture(
+            self.options,
+            self._shape,
+            layout,
+            batch_size=batch_size * self._steps.calls_per_step,  # Wan's guidance batch spans two calls
+            guidance=self._steps.guidance,
+            num_steps=num_steps,
+            device=device,
+            sources=self._spec.context_kinds,
+            calls_per_step=self._steps.calls_per_step,
+        )
+        self._capture.plan = plan
+        self._capture.skips.by = next(filter(None, map(cache_in_use, self._models.modules)), None)
+        if self.options.layer_output == "joint":
+            indicator = engine.multi_key_indicator(plan.reducers, layout.seq_len, device)
+            # with no multi-key kinds there is nothing to widen the values with: the lse alone is reused
+            self._capture.joint_indicator = indicator if indicator.shape[1] else None
+        if isinstance(self._store, RunWriter):
+            self._store.check_space([(b, n) for _, _, b, n in self.plan.records(most_steps)])
+            self._store.write_meta(self._meta())
+
+    def _meta(self) -> dict:
+        """What run.json says about this recording."""
+        res = None if self.plan is None else self.plan.resolved
+        return {
+            "status": self._status,
+            "complete": self._status == "finished",
+            "steps": len(self.timesteps),
+            "layout": None if self.layout is None else dataclasses.asdict(self.layout),
+            "timesteps": self.timesteps,
+            "windows": self.windows,
+            "selection": {
+                **self.options.selection_meta(),
+                "batch_resolved": res and list(res.batch),
+                "batch_roles": res and list(res.roles),
+                "heads_resolved": res and list(res.heads),
+                "text_lengths": None if self.text_lengths is None else list(self.text_lengths),
+            },
+            "model": {
+                "family": self._spec.family,
+                "class": type(self.transformer).__name__,
+                "experts": list(self._models.names),
+                "layer_names": list(self.layer_names),
+                "step_experts": self.experts,
+                "config": dict(self.transformer.config),
+                "dtype": str(self.transformer.dtype).removeprefix("torch."),
+                "pipeline": None if self.pipeline is None else type(self.pipeline).__name__,
+            },
+            "sources": self._sources,
+            "layer_output": self.options.layer_output,
+            "storage_dtype": self.options.storage_dtype,
+            "info": self.options.info,
+            "checks": [c.asdict() for c in self._capture.verifier.checks],
+            "skipped": self.skipped.asdict(),
+            "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
+        }
+
+    # -- the processors' calls (cogattn.recorder.processor.MapSink), handed to the capture side ---------
+    @property
+    def plan(self) -> CapturePlan | None:
+        """The capture plan, made at the generation's first transformer call (`None` before)."""
+        return self._capture.plan
+
+    @property
+    def text_lengths(self) -> tuple[int, ...] | None:
+        """Per slot of the results' batch axis, its valid text tokens where a mask keeps fewer than the
+        layout's T (HunyuanVideo's and Mochi's padded prompts), from its first captured call; `None`
+        where every text token is valid (or before a capture)."""
+        lengths = self._capture.text_lengths
+        if not lengths or self.plan is None:
+            return None
+        return tuple(lengths.get(i, self.layout.text_len) for i in range(len(self.plan.resolved.batch)))
+
+    @property
+    def checks(self) -> list[SpotCheck]:
+        """The spot checks made so far (:mod:`cogattn.exact.checks`): step, layer, method, device, dtype, rows,
+        largest error against exact rows, tolerance, passed."""
+        return self._capture.checks
+
+    def layer_to_capture(self, attn) -> int | None:
+        """:meth:`cogattn.recorder.capture.Capture.layer_to_capture`."""
+        return self._capture.layer_to_capture(attn)
+
+    def attention(self, layer, query, key, value):
+        """:meth:`cogattn.recorder.capture.Capture.attention`."""
+        return self._capture.attention(layer, query, key, value)
+
+    def capture(self, *args, **kwargs) -> None:
+        self._capture.capture(*args, **kwargs)  # cogattn.recorder.capture.Capture.capture
+
+    wants_value = property(lambda self: self._capture.wants_value, doc=":attr:`.capture.Capture.wants_value`.")
+
+    def capture_context(self, layer, query, key, context) -> None:
+        """:meth:`cogattn.recorder.capture.Capture.capture_context`."""
+        self._capture.capture_context(layer, query, key, context)
+
+    # -- processors and cleanup --------------------------------------------------------------------
+    def install_processors(self) -> None:
+        """Replace the stock processors of every captured attention module (of every expert);
+        :meth:`close` restores them."""
+        self._models.install(self)
+
+    @property
+    def status(self) -> str:
+        """``"running"`` until closed; then how the generation ended: ``"finished"``, ``"interrupted"``
+        (the pipeline's interrupt flag, Ctrl-C) or ``"failed"`` (an exception)."""
+        return self._status
+
+    def close(self, status: str | None = None) -> None:
+        """Remove the hook, restore the original processors, and finish writing (idempotent).
+
+        Args:
+            status (`str | None`): how the generation ended (``"failed"``, ``"interrupted"``); by default
+                ``"finished"``, or ``"interrupted"`` when the pipeline's interrupt flag is set.
+
+        Raises `StoreError` if a record or the metadata could not be written; the committed records stay
+        readable."""
+        if self._closed:
+            return
+        self._closed = self._capture.closed = True
+        self._finalizer.detach()
+        for hook in self._hooks:
+            hook.remove()
+        self._models.restore()
+        self._branches.restore()
+        if status is None:
+            status = "interrupted" if self._steps.pipeline_attr("interrupt") else "finished"
+        self._status = status
+        if status == "finished" and self.step is not None:  # an interrupted last step is not a skipped one
+            self._capture.end_step(self.step)
+        try:
+            self._store.close(self._meta())
+        finally:
+            if isinstance(self._store, RunWriter) and self._store.committed == 0 and self._status != "finished":
+                self._store.discard()  # nothing was captured (refused at the first step, say)
+        if (why := self.skipped.unexplained()) is not None:  # a cache's skips are expected: rec.skipped lists them
+            warnings.warn(why, stacklevel=3)
+        steps = self.options.steps
+        if self._status == "finished" and steps != "all" and max(steps) >= len(self.timesteps):
+            missing = [s for s in steps if s >= len(self.timesteps)]
+            warnings.warn(
+                f"steps {missing} were selected but the generation ran {len(self.timesteps)} steps.", stacklevel=3
+            )
+
+    def __enter__(self) -> Recording:
+        if self._closed:
+            raise RuntimeError("this recording is closed; start a new one with `cogattn.record(...)`.")
+        self._entered = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        status = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed"
+        try:  # an exception is on its way out: finish what can be finished, and never mask it
+            self.close(status)
+        except StoreError as err:
+            warnings.warn(f"closing the recording after {exc_type.__name__} also failed: {err}", stacklevel=2)
+
+    def __repr__(self) -> str:
+        kinds, steps, records = list(self.options.kinds), len(self.timesteps), len(self.keys())
+        return f"Recording(kinds={kinds}, steps={steps}, records={records}, {self._status}, layout={self.layout})"
+
+
+def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording:
+    """Record exact attention maps of a pipeline or transformer of a supported family while it runs.
+
+    ```python
+    with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond") as rec:
+        pipe(prompt_embeds=..., num_inference_steps=4)
+    rec.get("frame", step=0, layer=1)  # (B, H, G, G) float32 on CPU
+    ```
+
+    Args:
+        target: a pipeline of a supported family (``cogattn.models.FAMILIES``: CogVideoX, Wan, HunyuanVideo,
+            Mochi and their relatives; Wan 2.2's two experts are both followed) or its transformer.
+        options (`CaptureOptions | None`): the options as one object; keyword arguments (any field of
+            :class:`cogattn.CaptureOptions`, which documents each) are applied on top.
+
+    Returns:
+        `Recording`: a context manager; on exit the original processors are back and the hook is gone.
+    """
+    transformer, pipeline, spec = find_transformer(target)
+    Transformers(pipeline, transformer, spec).check_install()  # refused before `save_dir` is touched
+    rec = Recording(target, options, **kwargs)
+    try:
+        rec.install_processors()
+    except BaseException:
+        rec.close("failed")  # refused after all (processors changed since the check): the run is discarded
+        raise
+    return rec
+
+
+def _abandon(hooks, store, models: Transformers, branches: Branches) -> None:
+    """A recording was garbage-collected without close(): its hooks go, a compiled transformer is
+    compiled again, a guider gets its methods back, its run is flushed (its run.json then reads "stopped")."""
+    for hook in hooks:
+        hook.remove()
+    models.restore()
+    branches.restore()
+    try:
+        store.close(None)
+    except StoreError:
+        pass

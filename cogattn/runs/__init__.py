@@ -1,0 +1,4 @@
+"""Run folders: :mod:`~cogattn.runs.store` writes them (a background writer, atomic record files, the manifest
+as commit log), :mod:`~cogattn.runs.run` reads them (``load``, ``Run``), :mod:`~cogattn.runs.run_values` checks
+their values before use, :mod:`~cogattn.runs.record_file` is one record's file, and :mod:`~cogattn.runs.skips`
+what a cache skipped."""

@@ -1,0 +1,71 @@
+"""The values of a run folder's files, checked before a reader uses them: a run folder may come from anyone.
+
+:func:`checked_layout` builds run.json's ``layout`` field by field (whole numbers, positive where a size, the
+text's position, no unknown field), refusing a bad one with a `StoreError` that names run.json and the field;
+:func:`line_problem` says why a manifest line's numbers or file cannot be a record (a step or layer out of
+range, a negative shape, a file outside the run folder), so :class:`cogattn.runs.run.Run` skips that line as it
+skips other damaged ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..errors import StoreError
+from ..layout import TokenLayout
+
+__all__ = ["MAX_INDEX", "MAX_TOKENS", "checked_layout", "line_problem"]
+
+MAX_INDEX = 2**20  # steps and layers of a manifest line: no generation has more, and a reader lists them all
+MAX_TOKENS = 2**24  # a layout's sequence: no attention is longer, and readers allocate per token
+_MIN = {"text_len": 0, "frames": 1, "height": 1, "width": 1, "patch_size": 1, "patch_size_t": 1}
+_MIN.update(context_len=0, image_len=0, temporal_compression=1, history_len=0)
+
+
+def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
+    """run.json's ``layout`` as a `TokenLayout` (`None` where there is none), each value checked first.
+
+    Raises:
+        StoreError: a value a layout cannot have, one line naming ``meta_file`` and the field.
+    """
+    if not lay:
+        return None
+
+    def refuse(what: str) -> StoreError:
+        return StoreError(f"{str(meta_file)!r}: {what}; the run's token layout cannot be used (fix or remove it).")
+
+    if not isinstance(lay, dict):
+        raise refuse(f"'layout' is {str(lay)[:60]}, not an object of layout fields")
+    fields = {f.name for f in dataclasses.fields(TokenLayout)}
+    for name, value in lay.items():
+        shown = repr(value)[:60]
+        if name not in fields:
+            raise refuse(f"layout.{name} = {shown} is not a layout field (fields: {sorted(fields)})")
+        if name == "text_position":
+            if value not in ("start", "end"):
+                raise refuse(f"layout.text_position = {shown}; the text sits at the 'start' or the 'end'")
+        elif not (type(value) is int and value >= _MIN[name]) and not (name == "patch_size_t" and value is None):
+            raise refuse(f"layout.{name} = {shown}; it is a whole number, {_MIN[name]} or more")
+    for name in ("text_len", "frames", "height", "width"):
+        if name not in lay:
+            raise refuse(f"layout.{name} is missing")
+    layout = TokenLayout(**lay)
+    if layout.text_len and layout.image_len > layout.text_len:
+        raise refuse(f"layout.image_len = {layout.image_len} is more than layout.text_len = {layout.text_len}")
+    if layout.seq_len > MAX_TOKENS:
+        raise refuse(f"layout.frames × height × width = {layout.seq_len - layout.text_len} tokens, over {MAX_TOKENS}")
+    return layout
+
+
+def line_problem(step: int, layer: int, shape: tuple[int, ...], nbytes: int, file: str) -> str | None:
+    """Why a manifest line's values cannot be a record of this run, or `None` where they can."""
+    for name, value in (("step", step), ("layer", layer)):
+        if not 0 <= value < MAX_INDEX:
+            return f"'{name}' is {value}; a record's {name} is from 0 to {MAX_INDEX - 1}"
+    if any(n < 0 for n in shape) or nbytes < 0:
+        return f"'shape' {list(shape)} or 'bytes' {nbytes} is negative"
+    path = Path(file)
+    if path.is_absolute() or ".." in path.parts or not path.parts:  # the run's files are named inside it
+        return f"'file' {file!r} is outside the run folder; a record's file is a path inside it"
+    return None
