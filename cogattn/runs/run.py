@@ -25,8 +25,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import StoreError
-from ..layout import TokenLayout
 from ..exact.reducers import REDUCERS
+from ..layout import TokenLayout
 from .run_values import checked_layout, line_problem
 from .skips import Skips
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from ..errors import NotRecordedError, StoreError
+from ..exact.reducers import REDUCERS
 from ..options import STORAGE_DTYPES
 from .record_file import record_file_bytes, write_record
-from ..exact.reducers import REDUCERS
 from .run import FORMAT, LOCK, MANIFEST, META, RECORDS, Run, RunLock, missing_message
 
 __all__ = ["MemoryStore", "RunWriter", "disk_bytes", "prepare_folder", "remove_run", "write_json_atomic"]
