@@ -133,6 +133,27 @@ def test_recall_and_error_equal_the_naive_reference(layout, mean, budget):
         assert (ref - float(kind == "pattern_recall")).abs().max() > 1e-2  # the patterns drop real mass: a real check
 
 
+def test_whole_frame_and_same_patch_patterns_form_no_mask_and_equal_their_rules_as_callables():
+    """``spatial``, ``window:w`` and ``temporal`` sum runs of keys or gather a key per frame; the same rules given as
+    callables go through masks: the numbers agree, over row tiles that cut frames (text first, last and none)."""
+    rules = {
+        "spatial": lambda qf, qy, qx, kf, ky, kx: qf == kf,
+        "window:1": lambda qf, qy, qx, kf, ky, kx: (kf - qf).abs() <= 1,
+        "temporal": lambda qf, qy, qx, kf, ky, kx: (qy == ky) & (qx == kx),
+    }
+    for layout in LAYOUTS:
+        torch.manual_seed(2)
+        q, k, v = (torch.randn(2, layout.seq_len, 8) * 2 for _ in range(3))
+        pats = (*rules, *rules.values())
+        reducer = REDUCERS["pattern_error"](layout, 2, False, patterns=pats, tile_shape=TILE)
+        masks = reducer._row_masks(layout.grid_tokens.start, layout.grid_tokens.stop, "cpu")
+        assert [m is None for m in masks] == [True] * 3 + [False] * 3
+        (recall, error), plan = _capture(q, k, v, layout, ("pattern_recall", "pattern_error"), False, 30_000, pats)
+        assert plan.row_rows < layout.seq_len
+        assert torch.allclose(recall[:, :3], recall[:, 3:], atol=1e-6, rtol=0)
+        assert torch.allclose(error[:, :3], error[:, 3:], atol=1e-7, rtol=1e-5) and error.min() > 0
+
+
 def test_a_pattern_that_keeps_everything_has_recall_one_and_no_error():
     layout = LAYOUTS[0]
     torch.manual_seed(1)

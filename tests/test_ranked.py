@@ -7,8 +7,8 @@ from tiny_calls import generate
 
 import cogattn
 from cogattn.analysis import aggregate
+from cogattn.exact import top_p
 from cogattn.exact.reducers import REDUCERS, FrameMax
-from cogattn.exact.reducers.ranked import top_p_counts
 from cogattn.layout import TokenLayout
 from cogattn.models import FAMILIES
 from cogattn.models.cogvideox import tiny_pipeline
@@ -39,10 +39,15 @@ def _hard_rows(S):
     return torch.stack([*rows, tied, lone, torch.zeros(S), tiny, masked])
 
 
+# both ways of counting, whatever the device: the histogram levels (a CPU's) and the sort of the crossing bin (a GPU's)
+WAYS = {"levels": top_p._counts_by_levels, "sort": top_p._counts_by_sort}
+
+
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("S", [53, 700, 5000, 17776])
-def test_top_p_counts_equal_a_full_sort(S):
+def test_top_p_counts_equal_a_full_sort(S, way):
     x = _hard_rows(S)
-    got = top_p_counts(x, PS)
+    got = WAYS[way](x, PS)
     lo, hi = _sorted_counts(x, PS, -1e-9), _sorted_counts(x, PS, 1e-9)
     decided = lo == hi  # p not within 1e-9 of a cumulative sum: one exact answer
     assert torch.equal(got[decided], lo[decided])
@@ -101,13 +106,14 @@ def test_frame_max_is_refused_off_the_grid_before_anything_is_written(tmp_path):
     assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
 
 
-def test_top_p_counts_of_many_near_uniform_rows_sort_their_bins_in_chunks_and_stay_exact():
-    """A tile of near-uniform rows puts most entries in the bins where p is crossed: they are sorted a share of
-    the tile at a time (several chunks here), with the counts of each row computed alone."""
+@pytest.mark.parametrize("way", WAYS)
+def test_top_p_counts_of_many_near_uniform_rows_stay_exact_and_equal_each_row_counted_alone(way):
+    """A tile of near-uniform rows puts most entries in the bins where p is crossed, which are read
+    again (by levels or in sorted chunks): the counts equal those of each row counted alone, and a full sort's."""
     x = torch.cat([_hard_rows(700)] * 6)
     x[::3] = (torch.randn(x[::3].shape, generator=torch.Generator().manual_seed(1)) * 0.05).softmax(-1)
-    got = top_p_counts(x, PS)
-    alone = torch.cat([top_p_counts(row[None], PS) for row in x])
+    got = WAYS[way](x, PS)
+    alone = torch.cat([WAYS[way](row[None], PS) for row in x])
     assert torch.equal(got, alone)
     lo, hi = _sorted_counts(x, PS, -1e-9), _sorted_counts(x, PS, 1e-9)
     assert bool(((got >= lo) & (got <= hi)).all())

@@ -66,10 +66,11 @@ CHOICES = [  # (kinds, sizes, on a CPU, on CUDA)
     (("received",), {}, "rows", "timed"),  # the lse, then the swapped pass: two
     (("received",), {"layer_output": "lse"}, "sdpa", "timed"),  # the output call's lse: one
     (("entropy", "received"), {}, "rows", "timed"),  # entropy's lse serves received: two
-    (("block",), {}, "rows", "timed"),  # 139 blocks: three indicator passes
+    (("block",), {}, "sdpa", "timed"),  # 139 blocks: runs of keys, each meeting at most 64: one pass
     (("block",), {"block_size": 2048}, "sdpa", "timed"),  # 9 blocks: one pass
-    (("entropy", "received", "query_frame", "block"), {}, "rows", "timed"),  # five
-    (("entropy", "received", "block"), {"block_size": 16}, "rows", "rows"),  # 1,111 blocks: 18 passes
+    (("entropy", "received", "query_frame", "block"), {}, "rows", "timed"),  # three
+    (("entropy", "received", "block"), {"block_size": 16}, "rows", "timed"),  # 1,111 blocks in runs of keys: three
+    (("tile",), {"tile_shape": (1, 8, 8)}, "sdpa", "timed"),  # 313 tiles, each within its frame: one pass
     (("topk",), {}, "rows", "rows"),  # every score of a row
 ]
 

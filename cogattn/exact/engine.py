@@ -361,11 +361,12 @@ def pooled_pass(
     n_cols = 0 if given_sums is not None else offsets[-1]  # with no multi-key groups: a pass for the lse alone
     n_calls = max(1, math.ceil(n_cols / D))  # the fused kernels need values of the head dim: ceil(C / D) calls
     needs_qk = (multi and given_sums is None) or given_lse is None or bool(stats)  # attention passes run
-    indicator = None
+    indicator = ranges = None
     if needs_qk:
         indicator = torch.zeros(K, n_calls * D, device=q.device)  # zero values cost the same as any
         if n_cols:
             indicator[:, :n_cols] = multi_key_indicator([r for r, _ in multi], S, q.device)[:K]
+            ranges = passes.key_ranges([r.key_groups for r, _ in multi], K, D)  # local groups: runs of keys
     for h0 in range(0, H, plan.pooled_heads):
         h1 = min(H, h0 + plan.pooled_heads)
         # float32 q and k of the chunk for an attention pass; without one, single keys copy only their rows
@@ -387,7 +388,7 @@ def pooled_pass(
             sums = passes.triton_sums(qm, km[:, :K], lse[0], indicator[:, :n_cols], scale)  # the kept keys
             del qm, km
         elif multi or (lse is None and (single or received)):
-            sums, pass_lse = passes.indicator_sums(qf, kf, indicator, n_calls, scale)
+            sums, pass_lse = passes.indicator_sums(qf, kf, indicator, n_calls, scale, ranges)
             lse, lse_from_output = pass_lse, False  # a float32 pass's, as above
         if multi:
             for (red, o), c0, c1 in zip(multi, offsets, offsets[1:]):

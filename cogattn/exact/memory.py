@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "CPU_ROW_TILE",
+    "box_columns",
     "check_host",
     "context_tile",
     "host_available",
@@ -113,9 +114,21 @@ def pooled_bytes(
     # calls), freed before the single-key tiles of r rows.
     calls = max(1, math.ceil(n_multi / D))
     held = 2 * h * S * D * copies + S * D * (calls + (calls > 1)) + h * S
-    outputs = h * S * D * (calls + 1 if calls > 1 else 1)
+    # with several calls' columns, runs of keys (passes.key_ranges) also hold float64 lse sums per row
+    outputs = h * S * D * (calls + 1) + 16 * h * S if calls > 1 else h * S * D
     single = h * r * n_single + h * D * n_single
     return _F32 * (held + max(outputs, single, *stat_phases))
+
+
+def box_columns(grid: tuple[int, int, int], shape: tuple[int, int, int]) -> int:
+    """The columns per row :func:`cogattn.exact.passes.box_sums` holds at once: its largest partial sum, twice (the whole runs' sums and
+    their copy with the edge run's), and the result with the text's."""
+    dims, largest = list(grid), 0
+    for axis, size in enumerate(shape):
+        if size > 1:
+            dims[axis] = -(-dims[axis] // size)
+            largest = max(largest, dims[0] * dims[1] * dims[2])
+    return 2 * largest + dims[0] * dims[1] * dims[2] + 1
 
 
 def context_tile(

@@ -58,10 +58,18 @@ class Pattern:
         name (`str`): its label (``"spatial"``, ``"window:2"``, a callable's ``__name__``).
         keep (`Callable`): ``(q_frame, q_row, q_col, k_frame, k_row, k_col, layout)`` → bool tensor, the video
             pairs kept; int64 positions, query ones ``(r, 1)``, key ones ``(1, V)``.
+
+    Attributes:
+        frames (`int | None`): where the pattern keeps exactly the video keys of the latent frames at most this
+            far from the query's (``spatial`` 0, ``window:w`` w): contiguous runs of keys, which
+            ``pattern_recall`` and ``pattern_error`` sum without a mask.
+        same_patch (`bool`): whether it keeps exactly the video keys of the query's patch in every frame
+            (``temporal``): one key per frame, gathered.
     """
 
-    def __init__(self, name: str, keep: Callable):
+    def __init__(self, name: str, keep: Callable, frames: int | None = None, same_patch: bool = False):
         self.name, self._keep = name, keep
+        self.frames, self.same_patch = frames, same_patch
 
     def __repr__(self) -> str:
         return f"Pattern({self.name!r})"
@@ -114,19 +122,19 @@ def _positions(layout: TokenLayout) -> tuple[torch.Tensor, ...]:
 
 def spatial() -> Pattern:
     """The same latent frame: Sparse VideoGen's spatial head."""
-    return Pattern("spatial", lambda qf, qy, qx, kf, ky, kx, layout: qf == kf)
+    return Pattern("spatial", lambda qf, qy, qx, kf, ky, kx, layout: qf == kf, frames=0)
 
 
 def temporal() -> Pattern:
     """The same patch (row, column) in any latent frame: Sparse VideoGen's temporal head."""
-    return Pattern("temporal", lambda qf, qy, qx, kf, ky, kx, layout: (qy == ky) & (qx == kx))
+    return Pattern("temporal", lambda qf, qy, qx, kf, ky, kx, layout: (qy == ky) & (qx == kx), same_patch=True)
 
 
 def window(w: int) -> Pattern:
     """Latent frames at most ``w`` apart (``window(0)`` is :func:`spatial`)."""
     _check_counts("window:w", (w,), 0)
     # comparisons of (1, S) keys with (r, 1) bounds: no (r, S) integer temporaries
-    return Pattern(f"window:{w}", lambda qf, qy, qx, kf, ky, kx, layout: (kf >= qf - w) & (kf <= qf + w))
+    return Pattern(f"window:{w}", lambda qf, qy, qx, kf, ky, kx, layout: (kf >= qf - w) & (kf <= qf + w), frames=w)
 
 
 def sta(window: Sequence[int], tile: Sequence[int]) -> Pattern:

@@ -12,7 +12,6 @@ are what the user asked for) but are reported with the plan.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from ..layout import TokenLayout
 from ..options import STORAGE_DTYPES, CaptureOptions, Resolved
 from ..runs.record_file import record_file_bytes
-from . import kernels, memory
+from . import kernels, memory, passes
 from .attention import fused_lse_supported, joint_extra_bytes
 from .context import CONTEXT_REDUCERS
 from .memory import CPU_ROW_TILE, context_tile, too_small, usable
@@ -87,15 +86,15 @@ def pooled_kinds(reducers: list[Reducer]) -> list[Reducer]:
 
 
 def fused_passes(reducers: list[Reducer], head_dim: int, lse_given: bool = False) -> int:
-    """Fused attention passes per head chunk the ``sdpa`` method runs for ``reducers``: ``⌈C / D⌉`` for the
-    multi-key columns, one for ``entropy``, one for ``received``, and one for the lse when single keys or
+    """Fused attention passes per head chunk the ``sdpa`` method runs for ``reducers``: for the multi-key columns
+    one (groups local in key order) or ``⌈C / D⌉``, one for ``entropy``, one for ``received``, and one for the lse when single keys or
     ``received`` need it and neither another pass nor the output call (``lse_given``) gives it."""
     pooled = pooled_kinds(reducers)
-    n_multi = sum(r.key_groups.num_groups for r in pooled if r.key_groups is not None and not r.key_groups.single_keys)
+    multi = [r.key_groups for r in pooled if r.key_groups is not None and not r.key_groups.single_keys]
     entropy = any(r.stat == "entropy" for r in pooled)
     received = any(r.stat == "received" for r in pooled)
     single = any(r.key_groups is not None and r.key_groups.single_keys for r in pooled)
-    calls = math.ceil(n_multi / head_dim)
+    calls = passes.key_passes(multi, head_dim)  # one for groups local in key order (frames, blocks, tiles)
     lse_pass = (single or received) and not (calls or entropy or lse_given)
     return calls + entropy + received + lse_pass
 
@@ -161,9 +160,9 @@ def size_tiles(
     in_rows = method == "rows"
     # pooled sums per row (with entropy: P K, D more); with received, a column sum per head
     row_cols = sum(g.num_groups for g in groups) + D * ("entropy" in stats) if in_rows else 0
-    # tiles: the sums along x (a w-th of the row) and their copy with the edge tiles' (passes.box_sums)
-    row_cols += sum(2 * -(-S // g.boxes[3][2]) for g in groups if g.boxes) if in_rows else 0
-    row_cols += sum(r.row_columns(S) for r in reducers)  # what a kind holds per row while it folds a tile
+    # tiles: the partial sums of passes.box_sums
+    row_cols += sum(memory.box_columns(g.boxes[2], g.boxes[3]) for g in groups if g.boxes) if in_rows else 0
+    row_cols += sum(r.row_columns(S, tile_cap is not None) for r in reducers)  # held per row while a tile folds
     received = "received" in stats and in_rows
     mean_row = any(r.mean_rows for r in reducers)  # topk of the head-mean row: a sum of the heads' rows
     row_sets = [len(r.rows) for r in reducers if r.rows is not None] + ([S] if pooled and in_rows else [])

@@ -78,9 +78,10 @@ class Reducer:
             return probs.index_select(-1, keys.keys.to(probs.device))
         return probs @ keys.indicator(probs.shape[-1], device=probs.device)
 
-    def row_columns(self, seq_len: int) -> int:
+    def row_columns(self, seq_len: int, cpu: bool = True) -> int:
         """Float32 values per head and query row this kind holds while it folds a row tile, beyond the tile
-        itself (the planner's and ``estimate``'s working set): 0 for most kinds."""
+        itself (the planner's and ``estimate``'s working set), on a CPU or a GPU (``top_p`` counts in
+        another way on each): 0 for most kinds."""
         return 0
 
     def shape(self, num_batch: int) -> tuple[int, ...]:

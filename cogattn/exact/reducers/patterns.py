@@ -35,7 +35,7 @@ class PatternRecallReducer(Reducer):
     def shape(self, num_batch):
         return (num_batch, self.out_heads, len(self.resolved))
 
-    def row_columns(self, seq_len):
+    def row_columns(self, seq_len, cpu=True):
         # the tile times one mask, and the tile's masks with two boolean temporaries (bool: a quarter of float32)
         return seq_len + (len(self.resolved) + 2) * -(-seq_len // 4)
 
@@ -48,12 +48,49 @@ class PatternRecallReducer(Reducer):
         end = min(r0 + r, grid.stop, self.layout.seq_len if self.query_limit is None else self.query_limit)
         return max(r0, grid.start), end
 
-    def _row_masks(self, start: int, end: int, device) -> list[torch.Tensor]:
-        # Each head of a CPU's row tiles meets the same rows again later; the last tile's masks are kept.
+    def _row_masks(self, start: int, end: int, device) -> list[torch.Tensor | None]:
+        # Each head of a CPU's row tiles meets the same rows again later; the last tile's masks are kept. A pattern
+        # of whole frames or of one patch per frame needs none (_structured).
         key = (start, end, str(device))
         if self._masks[0] != key:
-            self._masks = (key, [p.row_mask(self.layout, slice(start, end)).to(device) for p in self.resolved])
+            masks = [
+                None if p.frames is not None or p.same_patch else p.row_mask(self.layout, slice(start, end)).to(device)
+                for p in self.resolved
+            ]
+            self._masks = (key, masks)
         return self._masks[1]
+
+    def _structured(self, pattern, part, start: int, values=None):
+        """The kept mass ``(h, r)`` of the video query rows ``part`` ``(h, r, S)`` (the first is token ``start``)
+        and, given ``values`` ``(h, S, D)``, ``Σ_j P[i, j]·mask(i, j)·V[j]`` ``(h, r, D)``, for a pattern that keeps
+        whole latent frames around the query's (runs of keys) or its patch in every frame (a key per frame), with
+        every key off the grid (the text); no mask is formed."""
+        lay = self.layout
+        grid, FT, F = lay.grid_tokens, lay.frame_tokens, lay.frames
+        outside = [s for s in (slice(0, grid.start), slice(grid.stop, lay.seq_len)) if s.stop > s.start]
+        h, r, _ = part.shape
+        kept = part.new_zeros(h, r)
+        summed = None if values is None else part.new_zeros(h, r, values.shape[-1])
+        for keys in outside:
+            kept += part[..., keys].sum(-1)
+            if values is not None:
+                summed.baddbmm_(part[..., keys], values[:, keys])
+        video = torch.arange(start - grid.start, start - grid.start + r, device=part.device)  # (r,): grid index
+        if pattern.same_patch:
+            keys = grid.start + video[:, None] % FT + torch.arange(F, device=part.device) * FT  # (r, F)
+            taken = part.gather(-1, keys.expand(h, r, F))
+            kept += taken.sum(-1)
+            if values is not None:
+                summed += torch.einsum("hrf,hrfd->hrd", taken, values[:, keys])
+            return kept, summed
+        frame = video // FT
+        for f in range(int(frame[0]), int(frame[-1]) + 1):  # the rows of each frame are a run
+            rows = slice(int((frame < f).sum()), int((frame <= f).sum()))
+            keys = slice(grid.start + max(0, f - pattern.frames) * FT, grid.start + min(F, f + pattern.frames + 1) * FT)
+            kept[:, rows] += part[:, rows, keys].sum(-1)
+            if values is not None:
+                summed[:, rows].baddbmm_(part[:, rows, keys], values[:, keys])
+        return kept, summed
 
     def fold_rows(self, out, h0, r0, probs):
         start, end = self._video_rows(r0, probs.shape[1])
@@ -61,9 +98,11 @@ class PatternRecallReducer(Reducer):
             return
         part, V = probs[:, start - r0 : end - r0], self.layout.frames * self.layout.frame_tokens
         rows = part.transpose(0, 1)  # (r, h, S), a view
-        for m, mask in enumerate(self._row_masks(start, end, probs.device)):
-            # each row's kept mass as a product with its mask (P·mask is not formed), then summed over the rows
-            kept = torch.bmm(rows, mask.to(part.dtype).unsqueeze(-1))[..., 0].sum(0)  # (h,)
+        for m, (pattern, mask) in enumerate(zip(self.resolved, self._row_masks(start, end, probs.device))):
+            if mask is None:
+                kept = self._structured(pattern, part, start)[0].sum(-1)
+            else:  # each row's kept mass as a product with its mask (P·mask is not formed), summed over the rows
+                kept = torch.bmm(rows, mask.to(part.dtype).unsqueeze(-1))[..., 0].sum(0)  # (h,)
             self._accumulate(out[:, m], h0, kept / V)
 
 
@@ -76,8 +115,8 @@ class PatternErrorReducer(PatternRecallReducer):
     unit = "mean squared output error"
     needs_value = True
 
-    def row_columns(self, seq_len):
-        return super().row_columns(seq_len) + 2 * 128  # O and O_pattern of a row: 2 D, D at most 128
+    def row_columns(self, seq_len, cpu=True):
+        return super().row_columns(seq_len, cpu) + 2 * 128  # O and O_pattern of a row: 2 D, D at most 128
 
     def _values(self, h0: int, h: int) -> torch.Tensor:
         # The row pass runs every row tile of a head chunk before the next chunk: one float32 copy per chunk.
@@ -92,11 +131,15 @@ class PatternErrorReducer(PatternRecallReducer):
         part, V = probs[:, start - r0 : end - r0], self.layout.frames * self.layout.frame_tokens
         values = self._values(h0, probs.shape[0])  # (h, S, D)
         output = torch.bmm(part, values)  # O = P·V, (h, r, D)
-        kept = torch.empty_like(part)  # one buffer for every pattern's P·mask
-        for m, mask in enumerate(self._row_masks(start, end, probs.device)):
-            torch.mul(part, mask, out=kept)
-            sparse = torch.bmm(kept, values).div_(kept.sum(-1, keepdim=True))
-            error = sparse.sub_(output).square_().mean(-1)  # (h, r)
+        kept = None  # one buffer for every masked pattern's P·mask
+        for m, (pattern, mask) in enumerate(zip(self.resolved, self._row_masks(start, end, probs.device))):
+            if mask is None:
+                mass, summed = self._structured(pattern, part, start, values)
+            else:
+                kept = torch.empty_like(part) if kept is None else kept
+                torch.mul(part, mask, out=kept)
+                mass, summed = kept.sum(-1), torch.bmm(kept, values)
+            error = summed.div_(mass[..., None]).sub_(output).square_().mean(-1)  # (h, r)
             self._accumulate(out[:, m], h0, error.sum(-1) / V)
 
     def release(self) -> None:

@@ -7,22 +7,11 @@ from typing import NamedTuple
 
 import torch
 
+from ..top_p import top_p_columns, top_p_counts
 from .base import Reducer
 from .rows import pair_index
 
-__all__ = ["FrameMax", "FrameMaxReducer", "TopPReducer", "check_top_p", "top_p_counts"]
-
-_ONE = 0x3F800000  # the bits of 1.0: a float32 ≥ 0 orders as its bits
-_LOW = 0x2F800000  # the bits of 2⁻³²: the histogram keeps one bin for every value below it
-_SORTED_SHARE = 16  # the crossing bins' entries are sorted in chunks of at most 1/16 of a tile's (top_p_counts)
-
-
-def _bins(seq_len: int) -> tuple[int, int]:
-    """The histogram for rows of ``seq_len``: ``(shift, bins)``, bins ``2^(23 - shift)`` to an octave of values
-    (up to 16: a factor 2^(1/16) each) for the 32 octaves from 2⁻³² to 1, and one bin below them; fewer for
-    short rows, whose histogram would outweigh the row."""
-    per_octave = 1 << max(0, min(4, (seq_len // 256).bit_length() - 1))
-    return 23 - per_octave.bit_length() + 1, 32 * per_octave + 2
+__all__ = ["FrameMax", "FrameMaxReducer", "TopPReducer", "check_top_p"]
 
 
 def check_top_p(value) -> tuple[float, ...]:
@@ -41,82 +30,6 @@ def check_top_p(value) -> tuple[float, ...]:
     return tuple(float(p) for p in values)
 
 
-def top_p_counts(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
-    """For every row of ``probs`` ``(n, S)`` (float32, ≥ 0), the fewest entries whose largest values sum to at
-    least each ``p`` of ``ps``: ``(n, len(ps))`` float32 counts; a row that never reaches p (p = 1 and its
-    float32 sum just below 1, or a row of zeros) counts its nonzero entries.
-
-    Exact without sorting the row: a float32 ≥ 0 orders as its bits, so a histogram of the top bits (each
-    bin's count and float64 mass) finds the bin where the descending cumulative mass crosses p, and only
-    that bin's entries are sorted (by their bits) to find where inside it p is reached. The
-    masses are float64 sums of the float32 entries, in another order than a sort's cumulative sum: they
-    differ from it by about 1e-12, far below the entries' own float32 rounding."""
-    n, S = probs.shape
-    device = probs.device
-    shift, nbins = _bins(S)
-    bits = probs.view(torch.int32)
-    # bin 0 holds everything below 2⁻³² (only p = 1 can need it); the clamp keeps a rounded 1 + ulp in the top bin
-    bins = (((bits - _LOW) >> shift).clamp_(-1, nbins - 2) + 1).long()
-    mass = torch.zeros(n, nbins, dtype=torch.float64, device=device).scatter_add_(1, bins, probs.double())
-    ones = torch.ones(1, 1, dtype=torch.float64, device=device).expand(n, S)
-    count = torch.zeros(n, nbins, dtype=torch.float64, device=device).scatter_add_(1, bins, ones)
-    above_mass = mass.flip(-1).cumsum(-1)  # [i]: the mass of the top i + 1 bins
-    above_count = count.flip(-1).cumsum(-1)  # float64 sums of ones: exact
-    targets = torch.tensor(ps, dtype=torch.float64, device=device).expand(n, len(ps)).contiguous()
-    top = torch.searchsorted(above_mass, targets)  # (n, P): how many top bins come before p's bin
-    reached = top < nbins
-    before = (top - 1).clamp(min=0, max=nbins - 1)
-    mass_before = torch.where(top > 0, above_mass.gather(1, before), 0.0)
-    count_before = torch.where(top > 0, above_count.gather(1, before), 0.0).long()
-    # One pass marks the bins where each p is crossed (a bit per p: two p may cross in one bin).
-    crossing = torch.where(reached, nbins - 1 - top, 0)
-    flags = torch.zeros(n, nbins, dtype=torch.int32, device=device)
-    for j in range(len(ps)):
-        flags.scatter_add_(1, crossing[:, j : j + 1], (reached[:, j : j + 1] * (1 << j)).to(torch.int32))
-    # Those bins' entries are sorted in chunks of rows holding at most 1/_SORTED_SHARE of the tile's entries (and
-    # one row more), so that a row tile of near-uniform rows, whose entries fall in a few bins, stays in its budget.
-    cap = max(S, n * S // _SORTED_SHARE)
-    cum = (count * (flags != 0)).sum(1).cumsum(0).cpu()
-    edges = torch.searchsorted(cum, torch.arange(cap, float(cum[-1]) + cap, cap, dtype=torch.float64), right=True)
-    edges = [0, *sorted({min(int(e), n) for e in edges} - {0}), n]
-    counts = torch.empty(n, len(ps), dtype=torch.float32, device=device)
-    for a, b in zip(edges[:-1], edges[1:]):
-        if b > a:
-            marked = flags[a:b].gather(1, bins[a:b])
-            _within_bins(probs[a:b], marked, mass_before[a:b], count_before[a:b], ps, counts[a:b])
-    del bins
-    if not bool(reached.all()):  # rows that never reach p: their nonzero entries
-        missed = (~reached).any(1).nonzero().flatten()
-        nonzero = (probs[missed] > 0).sum(-1).float()
-        counts[missed] = torch.where(reached[missed], counts[missed], nonzero[:, None])
-    return counts
-
-
-def _within_bins(probs, marked, mass_before, count_before, ps, counts) -> None:
-    """Where inside its crossing bin each row reaches each p: the entries ``marked`` (bit j for p j) sorted by their
-    bits, largest first, and summed on from ``mass_before``; writes ``counts`` ``(n, len(ps))``."""
-    n = probs.shape[0]
-    bits = probs.view(torch.int32)
-    all_rows, all_cols = marked.nonzero(as_tuple=True)
-    all_flags = marked[all_rows, all_cols]
-    for j, p in enumerate(ps):
-        pick = (all_flags >> j) & 1 == 1
-        rows, cols = all_rows[pick], all_cols[pick]
-        del pick
-        key = rows * (1 << 31) + (_ONE - bits[rows, cols])  # by row, then largest first
-        order = key.argsort()
-        del key
-        rows, values = rows[order], probs[rows, cols][order].double()
-        del cols, order
-        in_bin = torch.bincount(rows, minlength=n)
-        csum = values.cumsum(0)
-        start = in_bin.cumsum(0) - in_bin  # each row's first entry in the sorted bin entries
-        base = torch.cat([csum.new_zeros(1), csum])[start]  # the cumulative sum before each row's first
-        short = mass_before[rows, j] + (csum - base[rows]) < p  # the bin's entries taken before p is reached
-        need = torch.minimum(torch.bincount(rows, weights=short.double(), minlength=n).long() + 1, in_bin)
-        counts[:, j] = (count_before[:, j] + need).float()
-
-
 class TopPReducer(Reducer):
     """``top_p``: ``(B, H, S, len(top_p))``, for every query token and each p of ``top_p`` the fewest keys whose
     largest probabilities sum to at least p (NABLA's and XAttention's criterion; p = 1: the keys of nonzero
@@ -130,10 +43,8 @@ class TopPReducer(Reducer):
         super().__init__(layout, num_heads, mean_heads, **sizes)
         self.rows = torch.arange(layout.seq_len)
 
-    def row_columns(self, seq_len):
-        # the int64 bins with the float64 weights, then with the int32 marks and the sorted share of the entries (a
-        # CUDA sort's buffers included: about 20 columns of its entries); float64 histograms, their flips and sums
-        return 6 * seq_len + 13 * _bins(seq_len)[1]
+    def row_columns(self, seq_len, cpu=True):
+        return top_p_columns(seq_len, cpu)
 
     def shape(self, num_batch):
         return (num_batch, self.out_heads, self.layout.seq_len, len(self.top_p))
@@ -185,7 +96,7 @@ class FrameMaxReducer(Reducer):
     def stored_index(index):
         return pair_index(index, "frame_max", "(B, H, S, G)")
 
-    def row_columns(self, seq_len):
+    def row_columns(self, seq_len, cpu=True):
         return 4 * self.layout.num_groups  # values and int64 indices per group
 
     def shape(self, num_batch):

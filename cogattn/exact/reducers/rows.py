@@ -111,7 +111,7 @@ class TopKReducer(Reducer):
     def stored_index(index):
         return pair_index(index, "topk", "(B, H, S, k)", " (index=(b, h, i, 0): row i's largest)")
 
-    def row_columns(self, seq_len):
+    def row_columns(self, seq_len, cpu=True):
         return 4 * self.k  # values, int64 indices, their float copy
 
     def shape(self, num_batch):
