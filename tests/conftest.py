@@ -12,7 +12,22 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 
+# The files that take longest, first: `pytest -n 2 --dist loadfile` hands whole files out in collection order, so
+# one of these left for last would keep one process busy while the other waits (.ci/run).
+LONGEST = (
+    "test_families",
+    "test_cli",
+    "test_selftest",
+    "test_recording",
+    "test_view",
+    "test_readme",
+    "test_works_with",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    first = {name: n for n, name in enumerate(LONGEST)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(LONGEST)))  # stable: each file's own order kept
     skip_slow = pytest.mark.skip(reason="slow: pass --runslow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -394,6 +394,20 @@ def pipes():
     return get
 
 
+@pytest.fixture(scope="module")
+def references(pipes):
+    """:func:`stock_reference` of each case's guided call, once for the methods that compare with it."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                cache[family] = stock_reference(pipes(family), family, True, monkeypatch)
+        return cache[family]
+
+    return get
+
+
 def generate(pipe, family, guided, seed=0):
     g = torch.Generator().manual_seed(seed)
     call = CASES[family].call(pipe, g, guided)
@@ -483,7 +497,7 @@ def _kinds(family):
 
 @pytest.mark.parametrize("family", list(CASES))
 @pytest.mark.parametrize("method, output", MODES)
-def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, family, method, output, monkeypatch):
+def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, references, family, method, output):
     if _spec(family) is None:
         pytest.skip(f"this diffusers lacks {family}")
     if family in ROWS_ONLY and method != "rows":
@@ -493,7 +507,7 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, fa
         with pytest.raises(ValueError, match="key mask"):
             cogattn.Recording(pipe, kinds=("entropy",), layer_output=output)
         return
-    video, ref = stock_reference(pipe, family, True, monkeypatch)
+    video, ref = references(family)
     kinds = _kinds(family)
     options = dict(kinds=kinds, batch="all", heads="all", queries=QUERIES, method=method, layer_output=output)
     sizes = {n: x for n, x in SIZES.items() if n != "patterns" or "pattern_recall" in kinds}  # none where refused
@@ -621,7 +635,9 @@ def test_layer_names_select_layers(pipes, family):
     assert rec.layer_names == names and sorted({layer for _, _, layer in rec.keys()}) == [0, len(names) - 1]
 
 
-@pytest.mark.parametrize("family", [f for f in CASES if f != "cogvideox" and not CASES[f].family])
+# a family with a cross-attention, one with per-item key counts, one with its text last; every family's quick rows
+# run in .ci/run's plain-install stage (python -m cogattn.selftest --quick --strict)
+@pytest.mark.parametrize("family", ["wan", "mochi", "hunyuan_video"])
 def test_the_selftest_checks_the_family_and_catches_a_wrong_map(family, monkeypatch):
     """``python -m cogattn.selftest`` records every kind of the family's tiny pipelines with every method
     against the reference of the q and k (and key counts) its processors handed over; a self-attention map
