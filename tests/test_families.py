@@ -362,9 +362,14 @@ CASES = {
 }
 FAMILY = {spec.family: spec for spec in FAMILIES}
 MODES = [("rows", "stock"), ("sdpa", "stock"), ("sdpa", "lse"), ("auto", "joint")]
-# Pipelines whose transformer, processors and kind of key mask another case has: their own calls under row tiles
+# Pipelines whose attention runs another case's processor class (and kind of key mask): their own calls and layouts
+# under row tiles; the other methods and the opt-in output call are that class's, which that case runs
 ROWS_ONLY = {
+    "consisid": "cogvideox",
     "lucy_edit": "wan",
+    "wan_vace": "wan",
+    "chronoedit": "wan",
+    "wan_animate": "wan",
     "skyreels_v2_diffusion_forcing": "skyreels_v2",
     "hunyuan_video_i2v_latent_concat": "hunyuan_video_i2v",
 }
