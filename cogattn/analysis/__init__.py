@@ -14,30 +14,7 @@ head_stats.head_table(rec)               # one row per step, layer, head and ite
 ```
 """
 
-from .maps import (
-    aggregate,
-    check_one_expert,
-    choose,
-    expert_steps,
-    head_positions,
-    locate_query,
-    pick,
-    recorded,
-    recorded_kinds,
-    skipped_pairs,
-    steps_of_expert,
-)
+from . import maps
+from .maps import *  # noqa: F403  (the package's names are maps's)
 
-__all__ = [
-    "aggregate",
-    "check_one_expert",
-    "choose",
-    "expert_steps",
-    "head_positions",
-    "locate_query",
-    "pick",
-    "recorded",
-    "recorded_kinds",
-    "skipped_pairs",
-    "steps_of_expert",
-]
+__all__ = maps.__all__

@@ -157,6 +157,8 @@ def key_ranges(groups, keys: int, width: int) -> list[tuple[int, int, torch.Tens
     at one key. A column meets a run where its first key is before the run's end and its last is in or after it.
     Groups that are local in key order (frames, blocks, 3-D tiles: a tile's keys lie within its frames) so cost
     :func:`indicator_sums` one pass over the keys, however many groups there are."""
+    if sum(g.num_groups for g in groups) <= width:
+        return None
     first, last = [], []
     for g in groups:
         pos, col = g.keys.cpu(), g.groups.cpu()
@@ -164,8 +166,6 @@ def key_ranges(groups, keys: int, width: int) -> list[tuple[int, int, torch.Tens
         first.append(torch.full((g.num_groups,), keys).scatter_reduce(0, col, pos, "amin"))
         last.append(torch.full((g.num_groups,), -1).scatter_reduce(0, col, pos, "amax"))
     first, last = torch.cat(first), torch.cat(last)
-    if len(first) <= width:
-        return None
     ranges, a = [], 0
     while a < keys:
         starts = first[last >= a].sort().values  # the columns met from key a on, by their first key
@@ -199,8 +199,9 @@ def indicator_sums(
     if ranges is not None:  # flash attention's running max over the runs: sums rescaled only when it rises
         sums, top, total = torch.zeros(h, S, n_calls * D, device=qf.device), None, None
         for a, b, cols in ranges:
+            cols = cols.to(qf.device)
             v = torch.zeros(b - a, D, device=qf.device)
-            v[:, : len(cols)] = indicator[a:b, cols.to(qf.device)]
+            v[:, : len(cols)] = indicator[a:b, cols]
             out, part = attention.sdpa_with_lse(qf, kf[:, :, a:b], v.expand(1, h, b - a, D), scale)
             part = part[0].double()  # (h, S)
             if top is None:
@@ -213,7 +214,7 @@ def indicator_sums(
             weight = torch.exp(part - top)
             total += weight
             scaled = out[0, ..., : len(cols)].mul_(weight.float()[..., None])  # in the kernel's output: no copy
-            sums.index_add_(-1, cols.to(qf.device), scaled)
+            sums.index_add_(-1, cols, scaled)
             del out, scaled
         sums.div_(total.float()[..., None])
         return sums, (top + total.log()).float()[None]
