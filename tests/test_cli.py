@@ -8,12 +8,12 @@ import os
 import re
 import runpy
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from PIL import Image
 
@@ -213,12 +213,15 @@ def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick
 
 
 @pytest.mark.slow
+def _quiet_main(argv) -> None:
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        main(argv)
+
+
 def test_resume_after_a_killed_run(tmp_path):
     out = tmp_path / "runs"
     sets = ["--set", f"save_dir={out}", "--set", "num_inference_steps=20", "--set", "previews=false"]
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *sets], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    proc = forked.start(_quiet_main, sets)
     deadline = time.time() + 120
     first = None
     while time.time() < deadline:
@@ -230,15 +233,15 @@ def test_resume_after_a_killed_run(tmp_path):
             first = done[0]
             break
         time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    forked.kill(proc)
     assert first is not None, "the first prompt did not complete in time"
     before = (first / "prompt.json").stat().st_mtime_ns
     second = sorted(out.iterdir())[1]
     assert not _meta(second)["complete"]
-    rerun = subprocess.run([sys.executable, str(SCRIPT), *sets], env=ENV, capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "1 prompts already complete, skipped" in rerun.stdout
+    out_text, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out_text), contextlib.redirect_stderr(err):
+        assert main(sets) == 0, err.getvalue()[-3000:]
+    assert "1 prompts already complete, skipped" in out_text.getvalue()
     assert (first / "prompt.json").stat().st_mtime_ns == before  # untouched
     for d in _prompt_dirs(out):
         assert _meta(d)["complete"]

@@ -4,14 +4,12 @@ Each test is one promise of the README's "What happens when" section."""
 
 import gc
 import json
-import os
-import signal
-import subprocess
-import sys
+import time
 import warnings
 from collections import namedtuple
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from reference import QKSpy, assert_matches_naive
@@ -49,21 +47,27 @@ def test_an_open_run_is_locked_against_a_second_recording(pipe, tmp_path):
     assert cogattn.load(run_dir).info == {"who": "second"} and len(cogattn.load(run_dir)) == 4
 
 
+def _hold_the_lock(run_dir, locked) -> None:
+    from cogattn.runs.run import RunLock
+
+    lock = RunLock(run_dir)  # noqa: F841 (held until the process is killed)
+    locked.set()
+    time.sleep(60)
+
+
 def test_the_lock_of_a_killed_writer_is_released(pipe, tmp_path):
     run_dir = tmp_path / "run"
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir):
         generate(pipe, steps=1)
-    code = "import sys, time; from cogattn.runs.run import RunLock; lock = RunLock(sys.argv[1]); print('locked', flush=True); time.sleep(60)"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, env=env)
+    locked = forked.event()
+    holder = forked.start(_hold_the_lock, run_dir, locked)
     try:
-        assert holder.stdout.readline().strip() == b"locked"
+        assert locked.wait(60)
         with pytest.raises(cogattn.StoreError, match="being written by another recording"):
             cogattn.record(pipe, save_dir=run_dir, overwrite=True)
         assert cogattn.load(run_dir).status == "finished"
     finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
+        forked.kill(holder)
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True):
         generate(pipe, steps=1)
 

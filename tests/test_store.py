@@ -3,13 +3,9 @@
 import collections
 import errno
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+import forked
 import pytest
 import torch
 from reference import KINDS
@@ -17,7 +13,7 @@ from tiny_calls import generate
 
 import cogattn
 import cogattn.runs.store as store
-from cogattn.models.cogvideox import tiny_pipeline
+from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 from cogattn.runs.store import RunWriter, record_file_bytes
 
 QUERIES = [0, (1, 2, 4)]
@@ -163,22 +159,35 @@ def test_writer_memory_is_bounded_while_the_disk_is_slow(tmp_path, monkeypatch):
         assert torch.equal(run.get("frame", step, 0), t * step)
 
 
+def _record_until_killed(out, started) -> None:
+    """A long generation recorded to disk, in a child the test kills."""
+    pipe = tiny_pipeline(num_heads=4)
+    emb = torch.randn(1, TINY_TEXT_LEN, 16)
+    with cogattn.record(pipe, kinds=("full", "frame", "video_to_text"), heads="all", save_dir=out):
+        started.set()
+        pipe(
+            prompt_embeds=emb,
+            negative_prompt_embeds=-emb,
+            num_frames=9,
+            height=96,
+            width=160,
+            num_inference_steps=200,
+            max_sequence_length=TINY_TEXT_LEN,
+            output_type="latent",
+        )
+
+
 def test_sigkill_at_several_moments_leaves_a_readable_run(tmp_path):
-    child = Path(__file__).with_name("crash_child.py")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    }
     for i, wait_lines in enumerate([0, 1, 40]):
         out = tmp_path / f"run{i}"
-        proc = subprocess.Popen([sys.executable, str(child), str(out)], stdout=subprocess.PIPE, env=env)
-        assert proc.stdout.readline().strip() == b"started"
+        started = forked.event()
+        proc = forked.start(_record_until_killed, out, started)
+        assert started.wait(60)
         deadline = time.time() + 60
         manifest = out / "manifest.jsonl"
         while time.time() < deadline and manifest.read_text().count("\n") < wait_lines:
             time.sleep(0.002)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        forked.kill(proc)
         run = cogattn.load(out)
         assert len(run) >= wait_lines and not run.complete
         for info in run.records():
