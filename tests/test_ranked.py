@@ -39,8 +39,8 @@ def _hard_rows(S):
     return torch.stack([*rows, tied, lone, torch.zeros(S), tiny, masked])
 
 
-# both ways of counting, whatever the device: the histogram levels (a CPU's) and the sort of the crossing bin (a GPU's)
-WAYS = {"levels": top_p._counts_by_levels, "sort": top_p._counts_by_sort}
+# both ways of counting, whatever the device: by chunks of rows (a CPU's) and over the whole tile (a GPU's)
+WAYS = {"chunks": top_p._counts_in_chunks, "sort": top_p._counts_by_sort}
 
 
 @pytest.mark.parametrize("way", WAYS)

@@ -1,6 +1,6 @@
 """Exact ``top_p`` counts of probability rows without sorting a row: for every row, the fewest entries whose
-largest values sum to at least each mass p (:func:`top_p_counts`, the ``top_p`` kind's computation), by histogram
-levels on a CPU and by a histogram and a sort of the crossing bin on a GPU."""
+largest values sum to at least each mass p (:func:`top_p_counts`, the ``top_p`` kind's computation): a histogram of
+each row, then a sort of the few entries in the bins where each p is crossed."""
 
 from __future__ import annotations
 
@@ -10,20 +10,20 @@ __all__ = ["top_p_columns", "top_p_counts"]
 
 _LOW = 0x2F800000  # the bits of 2⁻³²: the first histogram keeps one bin for every value below it
 _ONE = 0x3F800000  # the bits of 1.0: a float32 ≥ 0 orders as its bits
-_STEP = 6  # each refining level resolves up to 6 more bits of the crossing bins' entries (64 sub-bins)
 _SORTED_SHARE = 16  # the sort path sorts the crossing bins' entries in chunks of at most 1/16 of a tile's
-_CHUNK = 1 << 18  # entries of the tile per pass chunk (about 1 MiB of int32): its buffers stay in cache
+_CHUNK = 1 << 18  # entries of the tile per pass chunk (5 MiB of buffers, made once per call)
 
 
 def top_p_columns(seq_len: int, cpu: bool = True) -> int:
-    """The working memory of :func:`top_p_counts` per row of ``seq_len`` entries, in float32-sized columns. On a CPU,
-    the levels': int32 bin keys and boolean marks, the float64 histogram with its sums, the float64 chunk it weighs
-    (at most a row each), and the crossing bins' entries at about 12 columns each, every entry at worst
-    (near-uniform rows). On a GPU, the sort's: int64 bins, float64 weights, int32 marks and the sorted share of
-    the entries, and its float64 histograms."""
+    """The working memory of :func:`top_p_counts` per row of ``seq_len`` entries, in float32-sized columns. On a CPU:
+    a chunk's int32 and int64 bins, float64 weights and byte marks (at most a row each), the crossing bins' entries
+    with their positions, bins, bits, sort order and running sums at about 11 columns each, every entry at worst
+    (near-uniform rows), and per bin the float64 histogram, its counts, the bins' lookup and their indices. On a
+    GPU, the sort's: int64 bins, float64 weights, int32 marks and the sorted share of the entries, and its float64
+    histograms."""
     if cpu:
         shift = _level1_shift(seq_len)
-        return 15 * seq_len + 4 * ((_ONE >> shift) - (_LOW >> shift) + 2)
+        return 17 * seq_len + 7 * ((_ONE >> shift) - (_LOW >> shift) + 2)
     return 6 * seq_len + 13 * _bins(seq_len)[1]
 
 
@@ -39,15 +39,14 @@ def top_p_counts(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
     values sum to at least each ``p`` of ``ps``: ``(n, len(ps))`` float32 counts; a row that never reaches p (p = 1
     and its float32 sum just below 1, or a row of zeros) counts its nonzero entries. Exact without sorting a row: a
     float32 ≥ 0 orders as its bits, so a histogram of its top bits finds the bin where p is crossed, and only that
-    bin's entries are read again. On a CPU by histogram levels (:func:`_counts_by_levels`: 2 to 7 times faster
-    than the sort there); on a GPU, where a level's few small kernels and synchronisations cost more than a sort
-    of the bin, by sorting the bin (:func:`_counts_by_sort`: 3 times faster there)."""
+    bin's entries are read again. On a CPU by chunks of rows, into buffers made once (:func:`_counts_in_chunks`:
+    no page faults per tile); on a GPU in one go over the tile (:func:`_counts_by_sort`)."""
     if probs.device.type == "cpu":
-        return _counts_by_levels(probs, ps)
+        return _counts_in_chunks(probs, ps)
     return _counts_by_sort(probs, ps)
 
 
-def _counts_by_levels(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
+def _counts_in_chunks(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
     """For every row of ``probs`` ``(n, S)`` (float32, ≥ 0 and below 1 + 2⁻⁶), the fewest entries whose largest
     values sum to at least each ``p`` of ``ps``: ``(n, len(ps))`` float32 counts; a row that never reaches p (p = 1
     and its float32 sum just below 1, or a row of zeros) counts its nonzero entries.
@@ -55,9 +54,8 @@ def _counts_by_levels(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tenso
     Exact without sorting: a float32 ≥ 0 orders as its bits. A histogram of the top bits (up to 64 bins to an
     octave, one bin for all values below 2⁻³²) gives each bin's count and float64 mass; their cumulative sums from
     the top find, for each row and p, the bin where p is crossed, and the count and mass of every bin above it.
-    Only the crossing bins' entries are read again: a histogram of their next 6 bits inside the bin (the
-    sub-bin where the rest of p is crossed), then of the bits left, until a sub-bin holds a single float32 value
-    v; there the count is ``ceil(rest / v)``, at most the sub-bin's count. The bins' count and mass are one float64
+    Only the crossing bins' entries are read again, and sorted (:func:`_finish_by_sort`: a few percent of the
+    entries at most in near-uniform rows, far fewer in peaked ones). The bins' count and mass are one float64
     sum of ``2 + x`` per entry: its integer part is exact (counts below 2⁵²), so ``count = floor(sum / 2)`` and
     ``mass = sum − 2·count`` (a bin's mass is below 2). The mass so carries the rounding of a sum whose magnitude is
     ``2·count``: below ``count · ulp(2·count) / 2`` per bin, about 1e-13 for a bin of 1000 entries, 1e-9 for
@@ -72,25 +70,21 @@ def _counts_by_levels(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tenso
     low = (_LOW >> shift) - 1  # the key of the bin of all values below 2⁻³²
     nbins = top - low + 1
     bits = probs.view(torch.int32)
-    # Pass 1: each entry's bin, counted from the top (d = 0 holds 1.0) and offset by its row: row·nbins + d.
-    keys = torch.empty(n, S, dtype=torch.int32, device=device)
-    hist = torch.zeros(n * nbins, dtype=torch.float64, device=device)
-    two = torch.full((1, 1), 2.0, dtype=torch.float64, device=device)
-    rows = max(1, _CHUNK // S)
-    weights = torch.empty(min(rows, n), S, dtype=torch.float64, device=device)
-    offsets = (torch.arange(n, dtype=torch.int32, device=device) * nbins + top)[:, None]
+    # Pass 1: every row's histogram, by chunks of rows (row-wise scatters and gathers, which torch runs on every
+    # thread: a flat index_add_ runs on one, at twice the time per entry), keeping each entry's bin for pass 2
+    rows = max(1, min(n, _CHUNK // S))
+    keys = torch.empty(n, S, dtype=torch.int32, device=device)  # each entry's bin, counted from the top: 0 holds 1.0
+    bins = torch.empty(rows, S, dtype=torch.int64, device=device)  # a chunk's bins as an index
+    weights = torch.empty(rows, S, dtype=torch.float64, device=device)
+    hist = torch.zeros(n, nbins, dtype=torch.float64, device=device)
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        k = keys[a:b]
-        torch.bitwise_right_shift(bits[a:b], shift, out=k)
-        k.clamp_(low, top)
-        torch.sub(offsets[a:b], k, out=k)
-        w = weights[: b - a]
-        torch.add(probs[a:b], two, out=w)  # float64: 2 + x exactly (x ≥ 2⁻²⁹; below, x is lost under 2⁻⁵²)
-        hist.index_add_(0, k.view(-1), w.view(-1))
+        k = torch.bitwise_right_shift(bits[a:b], shift, out=keys[a:b]).clamp_(low, top).neg_().add_(top)
+        w = weights[: b - a].copy_(probs[a:b]).add_(2.0)  # float64: 2 + x exactly (x ≥ 2⁻²⁹; below, lost under 2⁻⁵²)
+        hist[a:b].scatter_add_(1, bins[: b - a].copy_(k), w)
     del weights
-    count = hist.view(n, nbins).div(2).floor_()
-    mass = hist.view(n, nbins).sub_(count, alpha=2)
+    count = hist.mul(0.5).floor_()
+    mass = hist.sub_(count, alpha=2)
     above_mass = mass.cumsum_(1)  # [d]: the mass of the top d + 1 bins
     above_count = count.cumsum_(1)  # float64 sums of integers: exact
     targets = torch.tensor(ps, dtype=torch.float64, device=device).expand(n, P).contiguous()
@@ -107,26 +101,25 @@ def _counts_by_levels(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tenso
     if q_row.numel():
         q_rest, q_done = rest[q_row, q_p], done[q_row, q_p]
         seg_keys, q_seg = torch.unique(q_row * nbins + cross[q_row, q_p], return_inverse=True)
-        seg_d = seg_keys % nbins
-        seg_bottom = seg_d == nbins - 1
-        # a segment's bits: [lo, lo + 2^width); the bottom bin: [0, 2^30), past every value below 2⁻³²
-        seg_lo = torch.where(seg_bottom, 0, (top - seg_d) << shift)
-        seg_width = torch.where(seg_bottom, 30, shift)
-        # Pass 2: the entries of the crossing bins (a bin-sized lookup, then their positions).
-        lut = torch.zeros(n * nbins, dtype=torch.bool, device=device)
-        lut[seg_keys] = True
-        marks = torch.empty(n * S, dtype=torch.bool, device=device)
-        torch.index_select(lut, 0, keys.view(-1), out=marks)
-        e_at = marks.nonzero().view(-1)
-        del marks, lut
+        # Pass 2: the entries of the crossing bins (a row-wise lookup of their bins), their positions and segments
+        lut = torch.zeros(n, nbins, dtype=torch.uint8, device=device)
+        lut.view(-1)[seg_keys] = 1
         seg_of = torch.zeros(n * nbins, dtype=torch.int64, device=device)
         seg_of[seg_keys] = torch.arange(seg_keys.numel(), device=device)
-        e_seg = seg_of.index_select(0, keys.view(-1).index_select(0, e_at))
-        del keys, seg_of
+        e_at, row_bin = [], []
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            k = bins[: b - a].copy_(keys[a:b])
+            at = lut[a:b].gather(1, k).view(-1).nonzero().squeeze(1)
+            row_bin.append(k.view(-1).index_select(0, at).add_(at.div(S, rounding_mode="floor").add_(a).mul_(nbins)))
+            e_at.append(at.add_(a * S))
+        del lut, bins, keys
+        e_at = torch.cat(e_at)
+        e_seg = seg_of.index_select(0, torch.cat(row_bin))
         e_bits = bits.reshape(-1).index_select(0, e_at).long()
         e_val = probs.reshape(-1).index_select(0, e_at)
-        del e_at
-        q_out = _refine(e_bits, e_val, e_seg, seg_lo, seg_width, q_seg, q_rest, q_done)
+        del e_at, seg_of, row_bin
+        q_out = _finish_by_sort(e_bits, e_val, e_seg, seg_keys.numel(), q_seg, q_rest, q_done)
         counts[q_row, q_p] = q_out.float()
     if not bool(reached.all()):  # rows that never reach p: their nonzero entries
         missed = (~reached).any(1).nonzero().flatten()
@@ -135,61 +128,20 @@ def _counts_by_levels(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tenso
     return counts
 
 
-def _refine(e_bits, e_val, e_seg, seg_lo, seg_width, q_seg, q_rest, q_done) -> torch.Tensor:
-    """Where inside its segment (a bits range ``[lo, lo + 2^width)``) each query reaches the mass ``q_rest`` it still
-    needs: histogram levels of up to 6 bits each over the segments' entries (bits ``e_bits``, values ``e_val``,
-    segment ``e_seg``), each narrowing every query to the sub-bin where it is crossed, until a sub-bin is a single
-    value. Returns each query's count: ``q_done`` plus the entries it takes."""
-    device = e_bits.device
-    K = 1 << _STEP
-    result = torch.zeros_like(q_done)
-    active = torch.arange(q_seg.numel(), device=device)
-    e_w = e_val.double().add_(2.0)  # count and mass in one float64 sum, as in the first histogram
-    while True:
-        nseg = seg_lo.numel()
-        sub_width = seg_width - seg_width.clamp(max=_STEP)
-        # sub-bins from the top of the segment: 0 holds its largest values
-        sub = (e_bits - seg_lo.index_select(0, e_seg)).bitwise_right_shift_(sub_width.index_select(0, e_seg))
-        e_key = sub.clamp_(0, K - 1).neg_().add_(e_seg * K + (K - 1))
-        hist = torch.zeros(nseg * K, dtype=torch.float64, device=device).index_add_(0, e_key, e_w)
-        hist = hist.view(nseg, K).index_select(0, q_seg)  # (queries, K)
-        count = hist.div(2).floor_()
-        mass = hist.sub_(count, alpha=2)
-        above_mass = mass.cumsum(1)
-        above_count = count.cumsum_(1)
-        j = torch.searchsorted(above_mass, q_rest[:, None])
-        # a float64 sum in another order can leave the segment a hair short of the rest: its last sub-bin with mass
-        last = (K - 1) - (mass.flip(1) > 0).int().argmax(1, keepdim=True)
-        j = torch.minimum(j, last)
-        bef = (j - 1).clamp_(min=0)
-        nonfirst = (j > 0).squeeze(1)
-        q_rest = q_rest - torch.where(nonfirst, above_mass.gather(1, bef).squeeze(1), 0.0)
-        q_done = q_done + torch.where(nonfirst, above_count.gather(1, bef).squeeze(1), 0.0)
-        j = j.squeeze(1)
-        q_sub_width = sub_width.index_select(0, q_seg)
-        final = q_sub_width == 0
-        if bool(final.any()):  # a single float32 value v: ceil(rest / v) of its entries, at most all of them
-            q_lo = seg_lo.index_select(0, q_seg) + ((K - 1 - j) << q_sub_width)
-            below = torch.where(nonfirst, above_count.gather(1, bef).squeeze(1), 0.0)
-            in_bin = count.gather(1, j[:, None]).squeeze(1) - below
-            v = q_lo[final].int().view(torch.float32).double()
-            take = torch.minimum(torch.ceil(q_rest[final] / v).clamp_(min=1), in_bin[final])
-            result[active[final]] = q_done[final] + take
-            keep = (~final).nonzero().squeeze(1)
-            if not keep.numel():
-                return result
-            active, q_rest, q_done, q_seg, j = (t.index_select(0, keep) for t in (active, q_rest, q_done, q_seg, j))
-        new_keys, q_seg = torch.unique(q_seg * K + j, return_inverse=True)
-        lut = torch.zeros(nseg * K, dtype=torch.bool, device=device)
-        lut[new_keys] = True
-        stay = lut.index_select(0, e_key).nonzero().squeeze(1)
-        e_bits, e_w = e_bits.index_select(0, stay), e_w.index_select(0, stay)
-        seg_of = torch.zeros(nseg * K, dtype=torch.int64, device=device)
-        seg_of[new_keys] = torch.arange(new_keys.numel(), device=device)
-        e_seg = seg_of.index_select(0, e_key.index_select(0, stay))
-        old = new_keys // K
-        seg_width = sub_width.index_select(0, old)
-        seg_lo = seg_lo.index_select(0, old) + ((K - 1 - new_keys % K) << seg_width)
+def _finish_by_sort(e_bits, e_val, e_seg, nseg, q_seg, q_rest, q_done) -> torch.Tensor:
+    """Where inside its crossing bin each query reaches the mass ``q_rest`` it still needs: the bins' entries (bits
+    ``e_bits``, values ``e_val``, bin ``e_seg`` of ``nseg``) sorted by bin and then largest first, one float64
+    cumulative sum, and for each query the entries of its bin ``q_seg`` whose running sum stays below its rest,
+    plus the one that reaches it (at most the bin's entries: a float64 sum in another order can leave the bin a
+    hair short). Returns each query's count: ``q_done`` plus the entries it takes."""
+    order = (e_seg << 31).add_(0x7FFFFFFF - e_bits).argsort()  # a float32 ≥ 0 orders as its bits, below 2³¹
+    csum = e_val.index_select(0, order).double().cumsum_(0)
+    in_bin = torch.bincount(e_seg, minlength=nseg)
+    start = in_bin.cumsum(0) - in_bin  # each bin's first entry in the sorted entries
+    base = torch.cat([csum.new_zeros(1), csum]).index_select(0, start)  # the running sum before it
+    q_start = start.index_select(0, q_seg)
+    short = torch.searchsorted(csum, base.index_select(0, q_seg) + q_rest) - q_start  # running sums below the rest
+    return q_done + torch.minimum(short + 1, in_bin.index_select(0, q_seg)).double()
 
 
 def _bins(seq_len: int) -> tuple[int, int]:
