@@ -12,6 +12,7 @@ and output mode it offers, within 1e-5 of the reference (entropy 1e-4), with pad
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 
 import PIL.Image
@@ -92,6 +93,63 @@ def _lucy_edit_pipeline():
     pipe = diffusers.LucyEditPipeline(transformer=transformer, **parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _with_transformer(base, pipeline: str, in_channels: int | None = None, **parts):
+    """A pipeline class of a covered family built from the tiny pipeline ``base``'s components, its transformer
+    remade with ``in_channels`` (the pipelines that concatenate a video's or an image's latents on channels)."""
+    diffusers = pytest.importorskip("diffusers")
+    if not hasattr(diffusers, pipeline):
+        pytest.skip(f"this diffusers has no {pipeline}")
+    cls = getattr(diffusers, pipeline)
+    transformer = base.transformer
+    if in_channels is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            config = {**transformer.config, "in_channels": in_channels}
+            transformer = type(transformer).from_config(config).eval()
+    names = [n for n in inspect.signature(cls.__init__).parameters if n in base.components and n != "transformer"]
+    pipe = cls(transformer=transformer, **{n: base.components[n] for n in names}, **parts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _frames(g, count=9, height=32, width=48):
+    """``count`` random PIL frames: a video to edit or to follow."""
+    shape = (height, width, 3)
+    return [
+        PIL.Image.fromarray(torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).numpy()) for _ in range(count)
+    ]
+
+
+def _cogvideox_v2v_call(pipe, g, guided):
+    """One video of 9 frames to remake (``strength`` 0.8 runs the last of the 2 steps)."""
+    call = _cogvideox_call(pipe, g, guided)
+    call.update(prompt_embeds=call["prompt_embeds"][:1], negative_prompt_embeds=call["negative_prompt_embeds"][:1])
+    del call["num_frames"]  # the video's
+    return {**call, "video": _frames(g, 9, call["height"], call["width"])}
+
+
+def _cogvideox_control_call(pipe, g, guided):
+    """One video following a control video of 9 frames (its latents enter on channels; the pipeline takes as
+    many control videos as videos)."""
+    call = _cogvideox_call(pipe, g, guided)
+    call.update(prompt_embeds=call["prompt_embeds"][:1], negative_prompt_embeds=call["negative_prompt_embeds"][:1])
+    del call["num_frames"]  # the control video's
+    return {**call, "control_video": _frames(g, 9, call["height"], call["width"])}
+
+
+def _wan_v2v_call(pipe, g, guided):
+    """One video of 9 frames to remake (``strength`` 0.8 runs the last of the 2 steps)."""
+    call = _one_video_call(pipe, g, guided)
+    del call["num_frames"]  # the video's
+    return {**call, "video": _frames(g)}
+
+
+def _hunyuan_skyreels_i2v_call(pipe, g, guided):
+    """HunyuanVideo's text-to-video call (ragged text, true guidance) with an image per video, whose latent
+    enters on channels; no image tokens in the text."""
+    return {**_hunyuan_video_call(pipe, g, guided), "image": _frames(g, 2)}
 
 
 def _one_video_call(pipe, g, guided):
@@ -247,6 +305,20 @@ CASES = {
         cogvideox.TINY_TEXT_LEN,
         released=("THUDM/CogVideoX-5b", dict(num_frames=49, height=480, width=720), 226 + 13 * 30 * 45),
     ),
+    "cogvideox_v2v": Case(
+        lambda: _with_transformer(cogvideox.tiny_pipeline(num_heads=3), "CogVideoXVideoToVideoPipeline"),
+        _cogvideox_v2v_call,
+        cogvideox.TINY_TEXT_LEN,
+        family="cogvideox",
+        videos=1,
+    ),
+    "cogvideox_fun_control": Case(
+        lambda: _with_transformer(cogvideox.tiny_pipeline(num_heads=3), "CogVideoXFunControlPipeline", 8),
+        _cogvideox_control_call,
+        cogvideox.TINY_TEXT_LEN,
+        family="cogvideox",
+        videos=1,
+    ),
     "consisid": Case(
         lambda: FAMILY["consisid"].tiny_pipeline(num_heads=3),
         _consisid_call,
@@ -261,6 +333,14 @@ CASES = {
         released=("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", dict(num_frames=81, height=480, width=832), 21 * 30 * 52),
     ),
     "lucy_edit": Case(_lucy_edit_pipeline, _lucy_edit_call, 512, skip=("video_to_image",), family="wan", videos=1),
+    "wan_v2v": Case(
+        lambda: _with_transformer(FAMILY["wan"].tiny_pipeline(num_heads=3), "WanVideoToVideoPipeline"),
+        _wan_v2v_call,
+        512,
+        skip=("video_to_image",),  # no image context
+        family="wan",
+        videos=1,
+    ),
     "wan_vace": Case(
         lambda: FAMILY["wan_vace"].tiny_pipeline(num_heads=3),
         _vace_call,
@@ -346,6 +426,14 @@ CASES = {
         ),
         family="hunyuan_video",
     ),
+    "hunyuan_skyreels_i2v": Case(  # the image's latent on channels: 2 × 4 input channels
+        lambda: _with_transformer(
+            FAMILY["hunyuan_video"].tiny_pipeline(num_heads=3), "HunyuanSkyreelsImageToVideoPipeline", 8
+        ),
+        _hunyuan_skyreels_i2v_call,
+        6,
+        family="hunyuan_video",
+    ),
     "hunyuan_video_framepack": Case(
         lambda: FAMILY["hunyuan_video_framepack"].tiny_pipeline(num_heads=3),
         _hunyuan_video_framepack_call,
@@ -365,7 +453,11 @@ MODES = [("rows", "stock"), ("sdpa", "stock"), ("sdpa", "lse"), ("auto", "joint"
 # Pipelines whose attention runs another case's processor class (and kind of key mask): their own calls and layouts
 # under row tiles; the other methods and the opt-in output call are that class's, which that case runs
 ROWS_ONLY = {
+    "cogvideox_v2v": "cogvideox",
+    "cogvideox_fun_control": "cogvideox",
     "consisid": "cogvideox",
+    "wan_v2v": "wan",
+    "hunyuan_skyreels_i2v": "hunyuan_video",
     "lucy_edit": "wan",
     "wan_vace": "wan",
     "chronoedit": "wan",
@@ -611,9 +703,10 @@ def test_refusals_and_estimates(pipes, family):
     kinds = tuple(k for k in ("frame", "entropy", "video_to_text") if k in _kinds(family))
     g = torch.Generator().manual_seed(0)
     frames = case.call(pipe, g, False)
+    video = frames.get("video") or frames.get("control_video")  # a video's pipelines take its frame count
     est = cogattn.estimate(
         pipe,
-        num_frames=frames["num_frames"],
+        num_frames=frames["num_frames"] if "num_frames" in frames else len(video),
         height=frames["height"],
         width=frames["width"],
         num_inference_steps=2,
