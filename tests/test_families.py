@@ -228,6 +228,39 @@ def _hunyuan_video_call(pipe, g, guided):
     )
 
 
+def _hunyuan_video15_call(pipe, g, guided):
+    """Context packed per item: the prompts keep 6 and 3 of 8 Qwen tokens and 13 and 0 of 16 ByT5 tokens; under
+    guidance (the guider's: two calls per step) the negatives 2 and 5, and 0 and 4; text-to-video's image tokens
+    are all padding. Image-to-video: an image per video, its 16 SigLIP tokens leading every item's context."""
+    from cogattn.models import _hunyuan_video15_tiny as tiny
+
+    def masks(length, *kept):
+        return torch.tensor([[1] * k + [0] * (length - k) for k in kept])
+
+    call = dict(
+        prompt_embeds=torch.randn(2, tiny.MLLM_LEN, 16, generator=g),
+        prompt_embeds_mask=masks(tiny.MLLM_LEN, 6, 3),
+        prompt_embeds_2=torch.randn(2, tiny.GLYPH_LEN, tiny.GLYPH_DIM, generator=g),
+        prompt_embeds_mask_2=masks(tiny.GLYPH_LEN, 13, 0),
+        num_frames=9,
+    )
+    if guided:
+        call.update(
+            negative_prompt_embeds=torch.randn(2, tiny.MLLM_LEN, 16, generator=g),
+            negative_prompt_embeds_mask=masks(tiny.MLLM_LEN, 2, 5),
+            negative_prompt_embeds_2=torch.randn(2, tiny.GLYPH_LEN, tiny.GLYPH_DIM, generator=g),
+            negative_prompt_embeds_mask_2=masks(tiny.GLYPH_LEN, 0, 4),
+        )
+    pipe.guider.guidance_scale = 6.0 if guided else 1.0
+    # its latents: diffusers' HunyuanVideo 1.5 VAE decodes one video at a time (its causal mask does not
+    # broadcast over a batch of two in 0.42)
+    call["output_type"] = "latent"
+    if "image_encoder" in pipe.components:
+        pixels = torch.randint(0, 256, (32, 48, 3), generator=g, dtype=torch.uint8).numpy()
+        return {**call, "image": PIL.Image.fromarray(pixels)}
+    return {**call, "height": 32, "width": 48}
+
+
 def _easyanimate_call(pipe, g, guided):
     """Text of 7 tokens whose masks say 5 and 3 are the prompt's: only the text encoder reads them, the
     transformer gets no mask and attends the padding as any other token (no key is masked)."""
@@ -441,6 +474,27 @@ CASES = {
         # one section at 832×480: 3,926 history + 9·52·30 window tokens, 729 image + 256 text tokens
         released=("lllyasviel/FramePackI2V_HY", dict(num_frames=33, height=832, width=480), 3926 + 14040 + 729 + 256),
     ),
+    "hunyuan_video15": Case(
+        lambda: FAMILY["hunyuan_video15"].tiny_pipeline(num_heads=3),
+        _hunyuan_video15_call,
+        40,  # 16 image + 16 ByT5 + 8 Qwen tokens, packed per item
+        released=(
+            "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
+            dict(num_frames=121, height=480, width=848),
+            31 * 30 * 53 + 1985,
+        ),
+    ),
+    "hunyuan_video15_i2v": Case(
+        lambda: FAMILY["hunyuan_video15"].tiny_pipeline("image-to-video", num_heads=3),
+        _hunyuan_video15_call,
+        40,
+        family="hunyuan_video15",
+        released=(
+            "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v",
+            dict(num_frames=121, height=480, width=848),
+            31 * 30 * 53 + 1985,
+        ),
+    ),
     "easyanimate": Case(
         lambda: FAMILY["easyanimate"].tiny_pipeline(num_heads=3),
         _easyanimate_call,
@@ -464,6 +518,7 @@ ROWS_ONLY = {
     "wan_animate": "wan",
     "skyreels_v2_diffusion_forcing": "skyreels_v2",
     "hunyuan_video_i2v_latent_concat": "hunyuan_video_i2v",
+    "hunyuan_video15_i2v": "hunyuan_video15",
 }
 
 
@@ -507,8 +562,8 @@ def references(pipes):
 
 def generate(pipe, family, guided, seed=0):
     g = torch.Generator().manual_seed(seed)
-    call = CASES[family].call(pipe, g, guided)
-    return pipe(**call, num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(seed + 1))
+    call = {"output_type": "pt", **CASES[family].call(pipe, g, guided)}  # a case may keep its latents
+    return pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(seed + 1))
 
 
 def stock_reference(pipe, family, guided, monkeypatch, run=None):
@@ -531,7 +586,7 @@ def stock_reference(pipe, family, guided, monkeypatch, run=None):
         step, call = divmod(n, calls)
         for (layer, role), found in seen.items():
             probs, keeps, values = [], [], []
-            for q, k, v, mask, out in found:
+            for q, k, v, mask, out in [item for found_call in found for item in _per_item(*found_call)]:
                 P = spy_probs(q, k, mask)
                 err = (P @ v.double() - out.double()).abs().max().item()
                 assert err < 1e-5, (family, n, layer, role, err)  # the reference is the model's attention
@@ -556,6 +611,23 @@ def stock_reference(pipe, family, guided, monkeypatch, run=None):
                 ref[key] = [torch.cat([p, r]) for p, r in zip(probs, ref[key])]
     assert ref, "the spy saw no attention call: nothing would be compared"
     return video, ref
+
+
+def _per_item(q, k, v, mask, out):
+    """A spied call whose query-key mask is ``keep ⊗ keep``, ``keep`` a prefix of each item's tokens (HunyuanVideo
+    1.5's: a padded token neither attends nor is attended), as one unmasked call per item over its kept tokens,
+    as Mochi's processor makes them; any other call as it is."""
+    if mask is None or mask.shape[-2] == 1:
+        return [(q, k, v, mask, out)]
+    keep = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # (B, S): the tokens that attend themselves
+    counts = keep.sum(-1)
+    prefix = torch.arange(keep.shape[-1]) < counts[:, None]
+    if not (torch.equal(keep, prefix) and torch.equal(mask[:, 0], keep[:, :, None] & keep[:, None, :])):
+        return [(q, k, v, mask, out)]
+    return [
+        (q[b : b + 1, :, :n], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None, out[b : b + 1, :, :n])
+        for b, n in enumerate(counts.tolist())
+    ]
 
 
 def _item_kind(P, kind, lay, tokens, shape, v=None):
@@ -707,8 +779,8 @@ def test_refusals_and_estimates(pipes, family):
     est = cogattn.estimate(
         pipe,
         num_frames=frames["num_frames"] if "num_frames" in frames else len(video),
-        height=frames["height"],
-        width=frames["width"],
+        height=frames["height"] if "height" in frames else frames["image"].height,  # an image's pipelines: its size
+        width=frames["width"] if "width" in frames else frames["image"].width,
         num_inference_steps=2,
         guidance_scale=1.0,
         text_len=case.text_len,

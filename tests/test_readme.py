@@ -40,6 +40,8 @@ def test_python_snippets_run_in_order_and_say_what_they_print(tmp_path, monkeypa
             continue  # the Wan section: Wan needs diffusers >= 0.35
         if "tiny_hunyuan_pipeline" in code and cogattn.models.hunyuan_video is None:
             continue  # the HunyuanVideo section: diffusers >= 0.33
+        if "tiny_hv15_pipeline" in code and cogattn.models.hunyuan_video15 is None:
+            continue  # the HunyuanVideo 1.5 section: diffusers >= 0.36
         exec(compile(code, f"README.md, Python block {number}", "exec"), scope)
     rec, video = scope["rec"], scope["video"]
     assert tuple(rec.get("frame", step=0, layer=1).shape) == (1, 1, 4, 4)
@@ -64,6 +66,10 @@ def test_python_snippets_run_in_order_and_say_what_they_print(tmp_path, monkeypa
         )
         assert tuple(hv.get("video_to_text", step=0, layer=3).shape) == (2, 1, 12, 3, 2, 3)
         assert hv.get("received", step=0, layer=3)[1, 0, hv.layout.text_tokens][3:].abs().max() == 0
+    if cogattn.models.hunyuan_video15 is not None:  # the HunyuanVideo 1.5 section's comment
+        hv15 = scope["hv15_rec"]
+        assert (hv15.layout.text_len, hv15.batch_roles) == (40, ("uncond", "cond"))
+        assert tuple(hv15.get("video_to_text", step=0, layer=1).shape) == (2, 1, 40, 3, 2, 3)
 
 
 @pytest.mark.parametrize("command", _commands())

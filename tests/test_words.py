@@ -101,6 +101,10 @@ def _tiny(spec):
 
 @pytest.mark.parametrize("spec", cogattn.models.FAMILIES, ids=lambda s: s.family)
 def test_labels_are_the_tokens_of_the_transformer_s_text(spec):
+    if spec.family == "hunyuan_video15":  # each item's prompt follows its own glyph tokens: refused, not mislabelled
+        with pytest.raises(ValueError, match="does not name its text tokens by word yet"):
+            words.text_tokens(spec.tiny_pipeline(), PROMPT, 40)
+        return
     pipe, seen = _tiny(spec), []
     _spy(pipe.text_encoder, seen)
     takes_length = "max_sequence_length" in inspect.signature(pipe.encode_prompt).parameters

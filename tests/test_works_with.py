@@ -625,6 +625,8 @@ def test_first_block_cache_on_every_family_diffusers_runs_it_with(family, monkey
     with cogattn.record(pipe, kinds=("full",), layers="all", steps="all", batch="all", heads="all") as rec:
         got = generate(pipe, family, True).frames
     assert torch.equal(got, video)
+    if len(rec.timesteps) < 2:  # video-to-video at strength 0.8 runs the last of the 2 steps
+        pytest.skip(f"{family}'s tiny call runs one denoising step: nothing for a cache to skip")
     ran = {(key[0], key[1]) for key in ref if key[0] != "mask" and key[2] == "self"}
     assert {(s, layer) for _, s, layer in rec.keys()} == ran
     every = {(s, layer) for s in range(len(rec.timesteps)) for layer in range(len(rec.layer_names))}
