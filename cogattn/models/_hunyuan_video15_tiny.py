@@ -10,12 +10,10 @@ of the prompt (after the chat template's ``PROMPT_CROP`` tokens): ``TEXT_LEN`` i
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
 
-from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
+from .tiny_text import TEXT_DIM, cast, tiny_siglip, tiny_text_encoder, tiny_tokenizer
 
 __all__ = [
     "GLYPH_DIM",
@@ -138,49 +136,6 @@ def _tiny_qwen(tokenizer):
     return Qwen2_5_VLTextModel(config)
 
 
-def _tiny_byt5(vocab_size: int):
-    """A random 1-layer ``T5EncoderModel`` on ByT5's byte vocabulary, ``GLYPH_DIM`` wide."""
-    from transformers import T5Config, T5EncoderModel
-
-    config = T5Config(
-        vocab_size=vocab_size,
-        d_model=GLYPH_DIM,
-        d_kv=4,
-        d_ff=16,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return T5EncoderModel(config)
-
-
-def _tiny_siglip(seed: int, dtype: torch.dtype):
-    """A random SigLIP vision tower: 16 px images in 4 px patches, ``IMAGE_LEN`` tokens of ``IMAGE_DIM``
-    channels; and its image processor (the PIL one where torchvision is absent). Mirrors
-    ``hunyuan_video_framepack._tiny_image_encoder``."""
-    import transformers
-    from transformers import SiglipVisionConfig, SiglipVisionModel
-
-    # without torchvision transformers 5 takes its PIL processor, with a warning: ask for that one
-    name = "SiglipImageProcessor" if importlib.util.find_spec("torchvision") else "SiglipImageProcessorPil"
-    processor = getattr(transformers, name, None) or transformers.SiglipImageProcessor
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        config = SiglipVisionConfig(
-            hidden_size=IMAGE_DIM,
-            intermediate_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=_SIGLIP_SIDE,
-            patch_size=_SIGLIP_SIDE // 4,
-        )
-        encoder = SiglipVisionModel(config)
-    return cast(encoder, dtype), processor(size={"height": _SIGLIP_SIDE, "width": _SIGLIP_SIDE})
-
-
 def tiny_pipeline(
     task: str = "text-to-video",
     *,
@@ -227,7 +182,6 @@ def tiny_pipeline(
             temporal_compression_ratio=4,
         )
         text_encoder = _tiny_qwen(tokenizer)
-        text_encoder_2 = _tiny_byt5(len(tokenizer_2))
     parts = dict(
         text_encoder=cast(text_encoder, dtype),
         tokenizer=tokenizer,
@@ -236,12 +190,12 @@ def tiny_pipeline(
         ),
         vae=cast(vae, dtype),
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0),
-        text_encoder_2=cast(text_encoder_2, dtype),
+        text_encoder_2=tiny_text_encoder(seed, dtype, len(tokenizer_2), GLYPH_DIM),  # ByT5's bytes
         tokenizer_2=tokenizer_2,
         guider=diffusers.ClassifierFreeGuidance(guidance_scale=6.0),
     )
     if i2v:
-        image_encoder, feature_extractor = _tiny_siglip(seed, dtype)
+        image_encoder, feature_extractor = tiny_siglip(seed, dtype, IMAGE_DIM, _SIGLIP_SIDE)
         pipe = diffusers.HunyuanVideo15ImageToVideoPipeline(
             **parts, image_encoder=image_encoder, feature_extractor=feature_extractor
         )

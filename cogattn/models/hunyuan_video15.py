@@ -159,7 +159,7 @@ class HunyuanVideo15AttnMapProcessor:
 
         layer = self.sink.layer_to_capture(attn)
         if layer is not None:  # (B, H, S, D); each item keeps its video and its valid context, queries too
-            counts = kept_counts(attention_mask, query.shape[1])
+            counts = None if attention_mask is None else kept_counts(attention_mask, query.shape[1])
             v = value.transpose(1, 2) if self.sink.wants_value else None
             self.sink.capture(layer, query.transpose(1, 2), key.transpose(1, 2), None, None, counts, counts, value=v)
 

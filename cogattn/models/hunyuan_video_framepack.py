@@ -35,7 +35,6 @@ SDPA version before diffusers 0.36) in front of a sink that pads a one-video cal
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -45,7 +44,7 @@ import torch.nn.functional as F
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink
 from .spec import ModelSpec, Site, Unavailable
-from .tiny_text import TEXT_DIM, cast
+from .tiny_text import TEXT_DIM, cast, tiny_siglip
 
 # Attention shapes of the released checkpoints (their config.json, which names the class of FramePack's own
 # code; diffusers loads it as HunyuanVideoFramepackTransformer3DModel), for plans made offline.
@@ -236,30 +235,6 @@ def tiny_transformer(
     return cast(model, dtype)
 
 
-def _tiny_image_encoder(seed: int, dtype: torch.dtype):
-    """A random SigLIP vision tower: 16 px images in 4 px patches, 16 tokens of 12 channels; and its
-    image processor."""
-    import transformers
-    from transformers import SiglipVisionConfig, SiglipVisionModel
-
-    # without torchvision transformers 5 takes its PIL processor, with a warning: ask for that one
-    name = "SiglipImageProcessor" if importlib.util.find_spec("torchvision") else "SiglipImageProcessorPil"
-    processor = getattr(transformers, name, None) or transformers.SiglipImageProcessor
-    side = 16
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        config = SiglipVisionConfig(
-            hidden_size=_TINY_IMAGE_DIM,
-            intermediate_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=side,
-            patch_size=4,
-        )
-        encoder = SiglipVisionModel(config)
-    return cast(encoder, dtype), processor(size={"height": side, "width": side})
-
-
 def tiny_pipeline(
     task: str = "image-to-video",
     *,
@@ -291,7 +266,7 @@ def tiny_pipeline(
         raise ValueError(f"task={task!r}; the tiny HunyuanVideo FramePack pipeline is image-to-video.")
     base = hunyuan_video.tiny_pipeline(dtype=dtype, seed=seed, num_layers=1, num_single_layers=1, num_heads=1)
     parts = {name: part for name, part in base.components.items() if name != "transformer"}
-    image_encoder, feature_extractor = _tiny_image_encoder(seed, dtype)
+    image_encoder, feature_extractor = tiny_siglip(seed, dtype, _TINY_IMAGE_DIM)
     transformer = tiny_transformer(
         num_layers=num_layers,
         num_single_layers=num_single_layers,

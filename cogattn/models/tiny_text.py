@@ -1,15 +1,18 @@
-"""Tiny tokenizers and text encoders the families' tiny pipelines share: built in code, no download.
+"""Tiny tokenizers and encoders the families' tiny pipelines share: built in code, no download.
 
 Each family module builds its tiny pipeline (``cogvideox.tiny_pipeline``, ``wan.tiny_pipeline``, ...) from a
 config at toy size, with these for its text: a word-level tokenizer and a 1-layer T5 encoder whose
-embeddings have ``TEXT_DIM`` channels.
+embeddings have ``TEXT_DIM`` channels; and, for the families that read an image with SigLIP (FramePack,
+HunyuanVideo 1.5), a 1-layer SigLIP vision tower (:func:`tiny_siglip`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-__all__ = ["TEXT_DIM", "TINY_TEXT_LEN", "cast", "tiny_text_encoder", "tiny_tokenizer"]
+__all__ = ["TEXT_DIM", "TINY_TEXT_LEN", "cast", "tiny_siglip", "tiny_text_encoder", "tiny_tokenizer"]
 
 TINY_TEXT_LEN = 8  # text tokens (max_sequence_length) of the tiny CogVideoX pipeline; pass it to its call
 TEXT_DIM = 16
@@ -39,13 +42,16 @@ def tiny_tokenizer():
     )
 
 
-def tiny_text_encoder(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A random 1-layer ``T5EncoderModel`` whose embeddings have the tiny transformer's text width."""
+def tiny_text_encoder(
+    seed: int = 0, dtype: torch.dtype = torch.float32, vocab_size: int | None = None, width: int = TEXT_DIM
+):
+    """A random 1-layer ``T5EncoderModel`` whose embeddings have the tiny transformer's text width (or ``width``),
+    over the tiny tokenizer's vocabulary (or ``vocab_size`` ids: ByT5's bytes)."""
     from transformers import T5Config, T5EncoderModel
 
     config = T5Config(
-        vocab_size=3 + len(_VOCAB),
-        d_model=TEXT_DIM,
+        vocab_size=vocab_size or 3 + len(_VOCAB),
+        d_model=width,
         d_kv=8,
         d_ff=32,
         num_layers=1,
@@ -59,3 +65,26 @@ def tiny_text_encoder(seed: int = 0, dtype: torch.dtype = torch.float32):
         torch.manual_seed(seed)
         model = T5EncoderModel(config)
     return model.to(dtype).eval()
+
+
+def tiny_siglip(seed: int, dtype: torch.dtype, dim: int = 12, side: int = 16):
+    """A random 1-layer SigLIP vision tower, ``side`` px images in 4 × 4 patches of ``side / 4`` px (16 tokens of
+    ``dim`` channels), and its image processor (the PIL one where torchvision is absent)."""
+    import transformers
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    # without torchvision transformers 5 takes its PIL processor, with a warning: ask for that one
+    name = "SiglipImageProcessor" if importlib.util.find_spec("torchvision") else "SiglipImageProcessorPil"
+    processor = getattr(transformers, name, None) or transformers.SiglipImageProcessor
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = SiglipVisionConfig(
+            hidden_size=dim,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=side,
+            patch_size=side // 4,
+        )
+        encoder = SiglipVisionModel(config)
+    return cast(encoder, dtype), processor(size={"height": side, "width": side})
