@@ -9,23 +9,40 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 absolute() { case "$1" in /*) echo "$1" ;; *) echo "$root/$1" ;; esac; }  # tools that record sys.executable need it
 venv="$(absolute "${VENV:-.venv}")"
 if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.cogattn-ready" ]; then
-  echo "setting up $venv ..." >&2
-  python3 -m venv "$venv"
+  # A few lines of progress here; the installer's own output (its warnings included) goes to a log, shown on failure.
+  log="$venv.setup.log"
+  : > "$log"
+  started=$SECONDS
+  echo "setting up $venv (the installer's output: $log)" >&2
+  step() {
+    local what="$1"
+    shift
+    echo "  $what ..." >&2
+    if ! "$@" >>"$log" 2>&1; then
+      echo "setting up $venv failed at: $what. The installer's output is in $log; its last lines:" >&2
+      tail -n 15 "$log" >&2
+      exit 1
+    fi
+  }
+  step "a virtual environment" python3 -m venv "$venv"
   if [ -n "${BASE_VENV:-}" ]; then
     base="$(absolute "$BASE_VENV")"
     site() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
     # After the layer's own site-packages: the checkout, then the base environment's packages.
     printf '%s\n%s\n' "$root" "$(site "$base")" > "$(site "$venv")/_cogattn_base.pth"
-    # shellcheck disable=SC2086
-    "$venv/bin/python" -m pip install -q --no-compile ${PIP_EXTRA:-}
+    if [ -n "${PIP_EXTRA:-}" ]; then
+      # shellcheck disable=SC2086
+      step "$PIP_EXTRA over $base" "$venv/bin/python" -m pip install --no-compile $PIP_EXTRA
+    fi
   else
-    "$venv/bin/python" -m pip install -q --upgrade pip 2>/dev/null || true
+    "$venv/bin/python" -m pip install -q --upgrade pip >>"$log" 2>&1 || true
     # The pinned CPU build first: an unpinned torch would pull several GB of CUDA packages.
-    "$venv/bin/python" -m pip install -q --no-compile "torch==2.13.0"
+    step "torch 2.13.0 (the CPU build)" "$venv/bin/python" -m pip install --no-compile "torch==2.13.0"
     # shellcheck disable=SC2086
-    "$venv/bin/python" -m pip install -q --no-compile -e "$root[test]" ${PIP_EXTRA:-}
+    step "cogattn and its test extra" "$venv/bin/python" -m pip install --no-compile -e "$root[test]" ${PIP_EXTRA:-}
   fi
   touch "$venv/.cogattn-ready"
+  echo "  ready in $((SECONDS - started)) s" >&2
 fi
 cd "$root"
 PATH="$venv/bin:$PATH" exec "$@"
