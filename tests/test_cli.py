@@ -212,12 +212,12 @@ def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick
     assert cogattn.load(second / "maps").keys()  # its records are untouched
 
 
-@pytest.mark.slow
 def _quiet_main(argv) -> None:
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
         main(argv)
 
 
+@pytest.mark.slow
 def test_resume_after_a_killed_run(tmp_path):
     out = tmp_path / "runs"
     sets = ["--set", f"save_dir={out}", "--set", "num_inference_steps=20", "--set", "previews=false"]

@@ -95,7 +95,7 @@ def _lucy_edit_pipeline():
     return pipe
 
 
-def _with_transformer(base, pipeline: str, in_channels: int | None = None, **parts):
+def _with_transformer(base, pipeline: str, in_channels: int | None = None):
     """A pipeline class of a covered family built from the tiny pipeline ``base``'s components, its transformer
     remade with ``in_channels`` (the pipelines that concatenate a video's or an image's latents on channels)."""
     diffusers = pytest.importorskip("diffusers")
@@ -109,7 +109,7 @@ def _with_transformer(base, pipeline: str, in_channels: int | None = None, **par
             config = {**transformer.config, "in_channels": in_channels}
             transformer = type(transformer).from_config(config).eval()
     names = [n for n in inspect.signature(cls.__init__).parameters if n in base.components and n != "transformer"]
-    pipe = cls(transformer=transformer, **{n: base.components[n] for n in names}, **parts)
+    pipe = cls(transformer=transformer, **{n: base.components[n] for n in names})
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

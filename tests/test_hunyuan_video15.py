@@ -1,5 +1,5 @@
 """HunyuanVideo 1.5's own rules: the packed context's mask read as one count per item, the layout of a call
-(image tokens only where the call carries an image), and what is refused in one line."""
+(image tokens only where the call carries an image). Its word labels' refusal is tests/test_words.py's."""
 
 import pytest
 import torch
@@ -32,11 +32,3 @@ def test_a_call_s_layout_counts_image_tokens_only_where_it_carries_an_image(imag
     assert (layout.grid, layout.text_position, batch, t) == ((3, 2, 3), "end", 2, 999.0)
     assert layout.text_len == 8 + 16 + (0 if image is None else 16)
     assert layout.image_len == (16 if image == "image" else 0)
-
-
-def test_word_labels_are_refused_rather_than_placed_on_another_item_s_tokens():
-    from cogattn.analysis import words
-
-    pipe = hv15.tiny_pipeline()
-    with pytest.raises(ValueError, match="packs each item's context as \\[image, glyph tokens"):
-        words.word_positions("fox", pipe, 'a "fox" in snow', 40)

@@ -16,9 +16,9 @@ _CHUNK = 1 << 18  # entries of the tile per pass chunk (5 MiB of buffers, made o
 
 def top_p_columns(seq_len: int, cpu: bool = True) -> int:
     """The working memory of :func:`top_p_counts` per row of ``seq_len`` entries, in float32-sized columns. On a CPU:
-    a chunk's int32 and int64 bins, float64 weights and byte marks (at most a row each), the crossing bins' entries
-    with their positions, bins, bits, sort order and running sums at about 11 columns each, every entry at worst
-    (near-uniform rows), and per bin the float64 histogram, its counts, the bins' lookup and their indices. On a
+    every entry's int32 bin, a chunk's int64 bins, float64 weights and byte marks (at most a row each), the
+    crossing bins' entries with their positions, bins, bits, sort order and running sums at about 11 columns each,
+    every entry at worst (near-uniform rows), and per bin the float64 histogram, its counts, the bins' lookup and their indices. On a
     GPU, the sort's: int64 bins, float64 weights, int32 marks and the sorted share of the entries, and its float64
     histograms."""
     if cpu:

@@ -252,12 +252,6 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
     )
 
 
-def guided(pipeline) -> bool | None:
-    """Whether the pipeline's guider runs a second (unconditional) call in this step; `None` without one."""
-    guider = getattr(pipeline, "guider", None)
-    return None if guider is None else bool(guider.num_conditions > 1)
-
-
 def prompt_text(pipeline, prompt, length, template=None, offsets=False):
     """Word labels of this family are not placed yet: each item's prompt tokens follow its own glyph tokens."""
     raise ValueError(
@@ -304,8 +298,7 @@ SPEC = ModelSpec(
         "video_to_image": "HunyuanVideo 1.5 has no image attention; its image's SigLIP tokens lead the joint "
         "attention's context (the first layout.image_len columns of video_to_text)."
     },
-    guidance_calls=2,
-    guidance=guided,
+    guidance_calls=2,  # the guider's branches, which recorder/guiders.Branches tells
     output_call=False,
     title="HunyuanVideo 1.5",
     frame_counts="9, 13, ..., 121",
