@@ -23,14 +23,18 @@ def _scores(q, k, scale, key_mask):
     q, k = q.double(), k.double()
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ k.transpose(-1, -2) * scale
-    if key_mask is not None:  # (B, S) bool: False keys take no attention
-        scores = scores.masked_fill(~key_mask.view(key_mask.shape[0], *[1] * (scores.dim() - 2), -1), -math.inf)
-    return scores
+    if key_mask is None:
+        return scores
+    shaped = key_mask.view(key_mask.shape[0], *[1] * (scores.dim() - 2), -1)
+    if key_mask.dtype == torch.bool:  # (B, S) bool: False keys take no attention
+        return scores.masked_fill(~shaped, -math.inf)
+    return scores + shaped.double()  # (B, S) float: added to the scores, as an additive attention mask
 
 
 def naive_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, key_mask=None) -> torch.Tensor:
     """``(B, ..., S, S)`` float64 ``softmax(q kᵀ · scale)``, ``scale`` defaulting to ``1/sqrt(D)``; with
-    ``key_mask`` ``(B, S)`` bool, the keys it marks `False` have probability 0 (as a boolean attention mask)."""
+    ``key_mask`` ``(B, S)`` bool, the keys it marks `False` have probability 0 (as a boolean attention mask); a float
+    ``key_mask`` is added to each row's scores (an additive mask, LTX-Video's padded text: 0 or −10000)."""
     return torch.softmax(_scores(q, k, scale, key_mask), dim=-1)
 
 
@@ -140,12 +144,15 @@ def naive_kind(
     if kind in ("frame", "block", "tile"):
         groups = [g if isinstance(g, list) else list(range(*g)) for g in groups]
         G, (rows_held, keys_held) = len(groups), P.shape[-2:]  # a P of fewer rows or keys: those it holds
-        out = torch.empty(B, H, G, G, dtype=P.dtype)
-        for g, rows in enumerate(groups):
-            for n, cols in enumerate(groups):
-                rows_g, cols_n = [i for i in rows if i < rows_held], [j for j in cols if j < keys_held]
-                out[:, :, g, n] = P[:, :, rows_g][..., cols_n].sum(-1).mean(-1)
-        return out
+        # out[g, n]: the mean over group g's rows of their sums over group n's keys, as one product with the
+        # groups' indicators (each row's weight 1/|g|; a group of no rows held: NaN, the mean of nothing)
+        mean_of = torch.zeros(G, rows_held, dtype=P.dtype)
+        in_group = torch.zeros(keys_held, G, dtype=P.dtype)
+        for g, tokens in enumerate(groups):
+            rows, cols = [i for i in tokens if i < rows_held], [j for j in tokens if j < keys_held]
+            mean_of[g, rows] = 1 / len(rows) if rows else math.nan
+            in_group[cols, g] = 1
+        return torch.einsum("gs,bhst,tn->bhgn", mean_of, P, in_group)
     raise ValueError(kind)
 
 

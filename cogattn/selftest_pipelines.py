@@ -190,15 +190,17 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
 
 
 def _spying(rec, inner, context: bool, calls: dict):
-    """``inner`` (a recording's ``capture`` or ``capture_context``), keeping each call's q, k and key counts
-    in ``calls``."""
+    """``inner`` (a recording's ``capture`` or ``capture_context``), keeping each call's q, k and key counts (a
+    cross-attention's: its key mask, added to the scores) in ``calls``."""
 
     def spy(layer, query, key, *rest, **named):
         if named.get("mask") is not None:  # the tiny calls make no query-key mask (diffusion forcing's)
             raise RuntimeError("the self-test's reference takes no query-key mask")
         counts = (rest[2] if len(rest) > 2 else None, rest[3] if len(rest) > 3 else None)
         v = None if named.get("value") is None else named["value"].detach().float().cpu()  # for pattern_error
-        qk = (query.detach().float().cpu(), key.detach().float().cpu(), None if context else counts, v)
+        bias = rest[1] if len(rest) > 1 else named.get("bias")  # a cross-attention's key mask (LTX-Video's)
+        keep = (bias.detach().cpu() if bias is not None else None) if context else counts
+        qk = (query.detach().float().cpu(), key.detach().float().cpu(), keep, v)
         calls.setdefault((rec.step, layer, rest[0] if context else "self"), []).append(qk)
         inner(layer, query, key, *rest, **named)
 
@@ -339,7 +341,9 @@ def family_rows(
                 q, k = torch.cat([q for q, _, _, _ in found]), torch.cat([k for _, k, _, _ in found])
                 v = None if any(x[3] is None for x in found) else torch.cat([x[3] for x in found]).double()
                 if source != "self":
-                    P = naive_probs(q, k)
+                    biases = [x[2] for x in found]
+                    bias = None if any(b is None for b in biases) else torch.cat(biases)
+                    P = naive_probs(q, k, key_mask=bias)
                     for kind in [c for c in context if spec.source(c) == source]:
                         ref = select(naive_context(P, lay.grid), rec.batch_items, "all")
                         worst = max(worst, (rec.get(kind, step, layer).double() - ref).abs().max().item())

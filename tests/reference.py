@@ -135,13 +135,17 @@ class AttentionSpy:
 
 def spy_probs(q, k, mask):
     """The naive float64 probabilities of one spied call: ``mask`` a key mask ``(B, 1, 1, S)`` or a query-key
-    mask ``(B, 1, S, S)`` (masked scores at −inf), as the call was given it."""
+    mask ``(B, 1, S, S)`` (masked scores at −inf), or an additive key mask ``(B, H, 1, S)``, the same for every head
+    (added to the scores), as the call was given it."""
     if mask is not None and mask.shape[-2] > 1:  # a query-key mask (diffusion forcing): masked scores at -inf
         assert mask.dtype == torch.bool and mask.shape[1] == 1, mask.shape
         scores = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
         return scores.masked_fill(~mask, float("-inf")).softmax(-1)
     key_mask = None
-    if mask is not None:
-        assert mask.dtype == torch.bool and mask.shape[1:3] == (1, 1), mask.shape  # a key mask
+    if mask is not None and mask.dtype != torch.bool:  # an additive key mask per head (LTX-Video's): one for all
+        assert mask.shape[2] == 1 and torch.equal(mask, mask[:, :1].expand_as(mask)), mask.shape
+        key_mask = mask[:, 0, 0].double()
+    elif mask is not None:
+        assert mask.shape[1:3] == (1, 1), mask.shape  # a key mask
         key_mask = mask[:, 0, 0]
     return naive_probs(q, k, key_mask=key_mask)

@@ -261,6 +261,37 @@ def _hunyuan_video15_call(pipe, g, guided):
     return {**call, "height": 32, "width": 48}
 
 
+def _ltx_video_call(pipe, g, guided):
+    """Text of 6 tokens in the cross-attention, under its key mask: the prompts keep 6 and 3, the negatives 2 and
+    5 (the padding's bias −10000); 17 frames of 64×96 are 3 × 2 × 3 latent pixels (the VAE's 8 frames, 32 pixels)."""
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    call = dict(
+        prompt_embeds=torch.randn(2, 6, 16, generator=g),
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=torch.randn(2, 6, 16, generator=g),
+        negative_prompt_attention_mask=torch.tensor([[1] * 2 + [0] * 4, [1] * 5 + [0]]),
+        guidance_scale=3.0 if guided else 1.0,
+        num_frames=17,
+        height=64,
+        width=96,
+        max_sequence_length=6,
+    )
+    if "image" in inspect.signature(pipe.__call__).parameters:  # image-to-video: an image per video
+        call["image"] = _frames(g, 2, 64, 96)
+    return call
+
+
+def _ltx_condition_call(pipe, g, guided):
+    """LTXConditionPipeline: one video conditioned on an image at frame 0 (its grid from video_coords)."""
+    from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition
+
+    call = _ltx_video_call(pipe, g, guided)
+    call.pop("image", None)
+    for name in ("prompt_embeds", "prompt_attention_mask", "negative_prompt_embeds", "negative_prompt_attention_mask"):
+        call[name] = call[name][:1]
+    return {**call, "conditions": [LTXVideoCondition(image=_frames(g, 1, 64, 96)[0], frame_index=0)]}
+
+
 def _easyanimate_call(pipe, g, guided):
     """Text of 7 tokens whose masks say 5 and 3 are the prompt's: only the text encoder reads them, the
     transformer gets no mask and attends the padding as any other token (no key is masked)."""
@@ -495,6 +526,28 @@ CASES = {
             31 * 30 * 53 + 1985,
         ),
     ),
+    "ltx_video": Case(
+        lambda: FAMILY["ltx_video"].tiny_pipeline(num_heads=3),
+        _ltx_video_call,
+        6,
+        skip=("video_to_image",),
+        released=("Lightricks/LTX-Video-0.9.7-dev", dict(num_frames=161, height=512, width=768), 21 * 16 * 24),
+    ),
+    "ltx_video_i2v": Case(
+        lambda: FAMILY["ltx_video"].tiny_pipeline("image-to-video", num_heads=3),
+        _ltx_video_call,
+        6,
+        skip=("video_to_image",),
+        family="ltx_video",
+    ),
+    "ltx_condition": Case(
+        lambda: _with_transformer(FAMILY["ltx_video"].tiny_pipeline(num_heads=3), "LTXConditionPipeline"),
+        _ltx_condition_call,
+        6,
+        skip=("video_to_image",),
+        family="ltx_video",
+        videos=1,
+    ),
     "easyanimate": Case(
         lambda: FAMILY["easyanimate"].tiny_pipeline(num_heads=3),
         _easyanimate_call,
@@ -519,6 +572,8 @@ ROWS_ONLY = {
     "skyreels_v2_diffusion_forcing": "skyreels_v2",
     "hunyuan_video_i2v_latent_concat": "hunyuan_video_i2v",
     "hunyuan_video15_i2v": "hunyuan_video15",
+    "ltx_video_i2v": "ltx_video",
+    "ltx_condition": "ltx_video",
 }
 
 

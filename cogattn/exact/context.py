@@ -26,6 +26,15 @@ class ContextReducer(Reducer):
     dims = ("text token", "latent frame", "patch row", "patch column")
     source = "text"
 
+    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
+        super().__init__(layout, num_heads, mean_heads, **sizes)
+        if layout.history_len:
+            raise ValueError(
+                f"kind {self.kind!r} places each video query at (frame, row, col), but {layout.history_len} video "
+                "tokens of this layout are off the latent grid (LTX-Video's conditions after frame 0, FramePack's "
+                "history); record it without them."
+            )
+
     @property
     def context_len(self) -> int:
         return self.layout.context_len
@@ -63,8 +72,9 @@ def context_pass(
     reducers: list[ContextReducer],
     heads: torch.Tensor | None,
     tile: tuple[int, int],
+    bias: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Exact cross-attention probabilities ``softmax(q kᵀ / √D)`` of the batch ``items``, folded into each
+    """Exact cross-attention probabilities ``softmax(q kᵀ / √D + bias)`` of the batch ``items``, folded into each
     reducer.
 
     Args:
@@ -75,6 +85,8 @@ def context_pass(
         heads (`torch.Tensor | None`): the selected heads, `None` for all.
         tile (`tuple[int, int]`): heads and query rows per tile, within the memory budget
             (:func:`cogattn.exact.memory.context_tile`, planned in :attr:`cogattn.exact.planner.CapturePlan.context_tiles`).
+        bias (`torch.Tensor | None`): float32 ``(B, C)`` added to each item's scores of its keys (a key mask:
+            LTX-Video's padded text, 0 or −10000), as the attention adds it.
 
     Returns:
         `list[torch.Tensor]`: one float32 ``(len(items), H_out, C, F, Hp, Wp)`` result per reducer.
@@ -93,6 +105,8 @@ def context_pass(
                 for r0 in range(0, V, rc):
                     q = query[b, :, r0 : r0 + rc].index_select(0, idx).float()
                     probs = torch.matmul(q, k.transpose(1, 2)).mul_(scale)  # softmax in place: one tile
+                    if bias is not None:
+                        probs.add_(bias[b])
                     probs.sub_(probs.amax(-1, keepdim=True)).exp_()
                     probs.div_(probs.sum(-1, keepdim=True))
                     for red, out in zip(reducers, outs):

@@ -226,9 +226,12 @@ class Capture:
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "self")
 
-    def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
+    def capture_context(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str, bias: torch.Tensor | None = None
+    ) -> None:
         """Compute the cross-attention kinds of ``context`` (``"text"`` or ``"image"``) for ``layer`` from
-        the video queries ``query`` ``(B, H, V, D)`` and the context keys ``key`` ``(B, H, C, D)``."""
+        the video queries ``query`` ``(B, H, V, D)`` and the context keys ``key`` ``(B, H, C, D)``, with the
+        key mask ``bias`` ``(B, C)`` added to the scores (:func:`cogattn.recorder.processor.context_bias`)."""
         reducers = [r for r in self.plan.context if r.source == context]
         if not reducers:
             return
@@ -246,7 +249,7 @@ class Capture:
             return
         items, slots = whole
         heads = None if res.heads == tuple(range(query.shape[1])) else torch.tensor(res.heads, device=query.device)
-        outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[context])
+        outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[context], bias)
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "context")
 

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["MapSink", "key_counts", "query_key_mask"]
+__all__ = ["MapSink", "context_bias", "key_counts", "query_key_mask"]
 
 
 class MapSink(Protocol):
@@ -48,9 +48,13 @@ class MapSink(Protocol):
     def wants_value(self) -> bool:
         """Whether a selected kind needs the attention's values (processors then pass ``value`` to :meth:`capture`)."""
 
-    def capture_context(self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str) -> None:
+    def capture_context(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str, bias: torch.Tensor | None = None
+    ) -> None:
         """Compute the selected kinds of a cross-attention (Wan's ``attn2``) from the video queries ``query``
-        ``(B, H, V, D)`` and the keys ``key`` ``(B, H, C, D)`` of its ``context`` (``"text"`` or ``"image"``)."""
+        ``(B, H, V, D)`` and the keys ``key`` ``(B, H, C, D)`` of its ``context`` (``"text"`` or ``"image"``);
+        ``bias`` ``(B, C)``: what the attention adds to each item's scores of its keys, where it takes a key
+        mask (LTX-Video's padded text: 0 or −10000), from :func:`context_bias`."""
 
 
 def key_counts(mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
@@ -69,6 +73,28 @@ def key_counts(mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
     if not torch.equal(keep, torch.arange(seq_len, device=mask.device) < counts[:, None]):
         raise ValueError("cogattn captures a key mask that keeps each item's first keys; this one keeps others.")
     return None if bool((counts == seq_len).all()) else counts.cpu()
+
+
+def context_bias(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """The key mask of a cross-attention call as capture takes it: float32 ``(B, C)``, what the attention adds to
+    each item's scores of its ``C = length`` keys (a boolean mask: 0 where kept, −inf where not); `None` where
+    there is none. Takes a mask ``(B, 1 or H, 1, C)`` that is the same for every head (LTX-Video's, made per head
+    by ``prepare_attention_mask``); raises `ValueError` for any other, which capture does not take."""
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[0] != batch or mask.shape[2] != 1 or mask.shape[3] != length:
+        raise ValueError(
+            f"cogattn captures a cross-attention under a key mask (B, H, 1, {length}); this call's mask is "
+            f"{tuple(mask.shape)}."
+        )
+    if not torch.equal(mask, mask[:, :1].expand_as(mask)):
+        raise ValueError(
+            "cogattn captures a cross-attention key mask that is the same for every head; this one is not."
+        )
+    first = mask[:, 0, 0]
+    if first.dtype == torch.bool:
+        return torch.zeros(first.shape, device=mask.device).masked_fill_(~first, float("-inf"))
+    return first.float()
 
 
 def query_key_mask(mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:

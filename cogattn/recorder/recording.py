@@ -305,9 +305,9 @@ class Recording:
 
     wants_value = property(lambda self: self._capture.wants_value, doc=":attr:`.capture.Capture.wants_value`.")
 
-    def capture_context(self, layer, query, key, context) -> None:
+    def capture_context(self, layer, query, key, context, bias=None) -> None:
         """:meth:`cogattn.recorder.capture.Capture.capture_context`."""
-        self._capture.capture_context(layer, query, key, context)
+        self._capture.capture_context(layer, query, key, context, bias)
 
     # -- processors and cleanup --------------------------------------------------------------------
     def install_processors(self) -> None:
