@@ -41,6 +41,7 @@ pose and face videos. The tiny pipeline's call takes the segment length as ``num
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import torch
@@ -65,7 +66,6 @@ KNOWN: dict[str, dict] = {
 }
 
 try:
-    from diffusers import WanAnimatePipeline
     from diffusers.models.transformers import transformer_wan_animate
     from diffusers.models.transformers.transformer_wan_animate import WanAnimateTransformer3DModel
 
@@ -138,14 +138,21 @@ def tiny_transformer(
     return wan.cast(model, dtype)
 
 
-class _TinyWanAnimatePipeline(WanAnimatePipeline):
+@functools.cache
+def _tiny_pipeline_class() -> type:
     """``WanAnimatePipeline`` whose call also takes the segment length as ``num_frames``, the name every other
-    pipeline gives the frames it makes (the self-test's and the batch tool's checks read it from the call)."""
+    pipeline gives the frames it makes (the self-test's and the batch tool's checks read it from the call). Made on
+    first use: importing the pipeline module at import time would import its image processor (and, without
+    torchvision, print transformers' warning) whenever cogattn is imported."""
+    from diffusers import WanAnimatePipeline
 
-    def __call__(self, *args, num_frames: int | None = None, **kwargs):
-        if num_frames is not None:
-            kwargs["segment_frame_length"] = num_frames
-        return super().__call__(*args, **kwargs)
+    class _TinyWanAnimatePipeline(WanAnimatePipeline):
+        def __call__(self, *args, num_frames: int | None = None, **kwargs):
+            if num_frames is not None:
+                kwargs["segment_frame_length"] = num_frames
+            return super().__call__(*args, **kwargs)
+
+    return _TinyWanAnimatePipeline
 
 
 def tiny_pipeline(task: str = "image-to-video", *, dtype: torch.dtype = torch.float32, seed: int = 0, **size):
@@ -158,7 +165,7 @@ def tiny_pipeline(task: str = "image-to-video", *, dtype: torch.dtype = torch.fl
     ``segment_frame_length``): 3 latent frames after the reference frame, 4 in the grid. A pose video of at
     most that many frames is one segment.
     """
-    from diffusers import UniPCMultistepScheduler
+    from diffusers import UniPCMultistepScheduler, WanAnimatePipeline
 
     if task != "image-to-video":
         raise ValueError(f"task={task!r}; Wan Animate animates a character image: 'image-to-video'.")
@@ -169,7 +176,7 @@ def tiny_pipeline(task: str = "image-to-video", *, dtype: torch.dtype = torch.fl
     parts["scheduler"] = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0
     )
-    pipe = _TinyWanAnimatePipeline(**parts)
+    pipe = _tiny_pipeline_class()(**parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
