@@ -477,12 +477,13 @@ def test_the_head_table_is_saved_as_csv_next_to_the_maps(tmp_path, dump):
 
     from cogattn.analysis.head_stats import head_table
 
-    out = tmp_path / "runs"
+    out, prompts = tmp_path / "runs", tmp_path / "one.txt"
+    prompts.write_text("a red fox running in the snow\n")  # one prompt: the table is per prompt
     kinds = "capture.kinds=[frame,entropy,received,block]"
     dump("--set", f"save_dir={out}", "--set", kinds, "--set", "capture.heads=all", "--set", "capture.block_size=16",
-         "--set", "num_inference_steps=2", check=0)  # fmt: skip
+         "--set", "num_inference_steps=2", "--set", f"prompts={prompts}", check=0)  # fmt: skip
     dirs = _prompt_dirs(out)
-    assert dirs
+    assert len(dirs) == 1
     for d in dirs:
         assert _meta(d)["head_table"] == "heads.csv"
         saved, ref = pd.read_csv(d / "heads.csv"), head_table(cogattn.load(d / "maps"))
