@@ -292,6 +292,18 @@ def _ltx_condition_call(pipe, g, guided):
     return {**call, "conditions": [LTXVideoCondition(image=_frames(g, 1, 64, 96)[0], frame_index=0)]}
 
 
+def _cosmos_call(pipe, g, guided):
+    """Two videos of 8 text tokens (no mask: the padding is attended), 3 latent frames of 2×3 patches: 9 frames
+    through Predict2's Wan VAE, 17 through Predict1's Cosmos tokenizer (8 per latent frame); video-to-world: an
+    image per video."""
+    emb = torch.randn(2, 8, 16, generator=g)
+    i2v = "image" in inspect.signature(pipe.__call__).parameters
+    predict1 = FAMILY["cosmos"].layout_for_video(pipe.transformer.config, 1, 16, 16, 1).temporal_compression == 8
+    call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, guidance_scale=7.0 if guided else 1.0)
+    call.update(num_frames=17 if predict1 else 9, height=32, width=48)
+    return {**call, "image": _frames(g, 2)} if i2v else call
+
+
 def _easyanimate_call(pipe, g, guided):
     """Text of 7 tokens whose masks say 5 and 3 are the prompt's: only the text encoder reads them, the
     transformer gets no mask and attends the padding as any other token (no key is masked)."""
@@ -548,6 +560,34 @@ CASES = {
         family="ltx_video",
         videos=1,
     ),
+    "cosmos": Case(  # Predict2 video-to-world
+        lambda: FAMILY["cosmos"].tiny_pipeline(num_heads=3),
+        _cosmos_call,
+        8,
+        skip=("video_to_image",),
+        released=("nvidia/Cosmos-Predict2-2B-Video2World", dict(num_frames=93, height=704, width=1280), 24 * 44 * 80),
+    ),
+    "cosmos_t2v": Case(  # Predict1 text-to-world
+        lambda: FAMILY["cosmos"].tiny_pipeline("text-to-video", num_heads=3),
+        _cosmos_call,
+        8,
+        skip=("video_to_image",),
+        family="cosmos",
+        released=(
+            "nvidia/Cosmos-1.0-Diffusion-7B-Text2World",
+            dict(num_frames=121, height=704, width=1280),
+            16 * 44 * 80,
+        ),
+    ),
+    "cosmos_v2w": Case(  # Predict1 video-to-world: the text-to-world transformer taking the condition mask too
+        lambda: _with_transformer(
+            FAMILY["cosmos"].tiny_pipeline("text-to-video", num_heads=3), "CosmosVideoToWorldPipeline", 17
+        ),
+        _cosmos_call,
+        8,
+        skip=("video_to_image",),
+        family="cosmos",
+    ),
     "easyanimate": Case(
         lambda: FAMILY["easyanimate"].tiny_pipeline(num_heads=3),
         _easyanimate_call,
@@ -574,6 +614,8 @@ ROWS_ONLY = {
     "hunyuan_video15_i2v": "hunyuan_video15",
     "ltx_video_i2v": "ltx_video",
     "ltx_condition": "ltx_video",
+    "cosmos_t2v": "cosmos",
+    "cosmos_v2w": "cosmos",
 }
 
 
