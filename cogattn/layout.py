@@ -92,6 +92,22 @@ class TokenLayout:
         )
 
     @classmethod
+    def of_video_latents(cls, latent_shape: tuple[int, ...], patch_size, **fields) -> TokenLayout:
+        """The layout of a sequence that is the video alone (a cross-attention's context lengths in ``fields``: Wan,
+        Cosmos), from latents ``(B, C, F, H, W)`` in patches ``(p_t, p_h, p_w)``."""
+        _, _, frames, height, width = latent_shape
+        p_t, p_h, p_w = (int(p) for p in patch_size)
+        return cls(
+            text_len=0,
+            frames=frames // p_t,
+            height=height // p_h,
+            width=width // p_w,
+            patch_size=p_h,
+            patch_size_t=p_t if p_t > 1 else None,
+            **fields,
+        )
+
+    @classmethod
     def for_video(
         cls,
         num_frames: int,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..layout import VAE_SPATIAL, TokenLayout
 from ..recorder.processor import MapSink, context_bias
-from .spec import ModelSpec, Site, StepTime, Unavailable
+from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
 from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
@@ -179,28 +179,18 @@ def temporal_compression(config: dict) -> int:
     return 8 if config.get("extra_pos_embed_type") == "learnable" else 4
 
 
-def _argument(args: tuple, kwargs: dict, index: int, name: str):
-    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
-
-
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``CosmosTransformer3DModel`` call: latents ``(B, C, F, H,
     W)``, the text as the cross-attention's context (a ``(text, image)`` pair from Predict2.5: the text's)."""
-    hidden = _argument(args, kwargs, 0, "hidden_states")
-    t = _argument(args, kwargs, 1, "timestep")
-    text = _argument(args, kwargs, 2, "encoder_hidden_states")
+    hidden = call_argument(args, kwargs, 0, "hidden_states")
+    t = call_argument(args, kwargs, 1, "timestep")
+    text = call_argument(args, kwargs, 2, "encoder_hidden_states")
     text = text[0] if isinstance(text, tuple) else text
     # video-to-world gives a timestep per latent frame, its conditioning frames' small: the step's is the largest
     t = StepTime(t) if isinstance(t, torch.Tensor) and t.numel() > 1 else float(t)
-    p_t, p_h, p_w = (int(p) for p in config["patch_size"])
-    _, _, frames, height, width = hidden.shape
-    layout = TokenLayout(
-        text_len=0,
-        frames=frames // p_t,
-        height=height // p_h,
-        width=width // p_w,
-        patch_size=p_h,
-        patch_size_t=p_t if p_t > 1 else None,
+    layout = TokenLayout.of_video_latents(
+        hidden.shape,
+        config["patch_size"],
         context_len=int(text.shape[1]),
         temporal_compression=temporal_compression(config),
     )
@@ -385,8 +375,7 @@ SPEC = ModelSpec(
     text_len=TEXT_LEN,
     context_kinds={"video_to_text": "text"},
     refused={
-        "text_to_video": "Cosmos' text never queries (its self-attention is over the video alone; the text is "
-        "a key of the cross-attention), so there are no text → video probabilities. Use 'video_to_text'.",
+        "text_to_video": text_never_queries("Cosmos"),
         "video_to_image": "Cosmos Predict1 and Predict2 have no image attention: an image or video to continue "
         "is the video's first latent frames.",
     },

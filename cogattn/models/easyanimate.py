@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink
 from .prompt_text import in_template, kept, tokenize
-from .spec import ModelSpec, Site, Unavailable
+from .spec import ModelSpec, Site, Unavailable, call_argument
 from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
 
 # Attention shapes of the released V5.1 checkpoints (their transformer/config.json), for plans made offline:
@@ -186,18 +186,14 @@ class EasyAnimateAttnMapProcessor:
         return hidden_states, encoder_hidden_states
 
 
-def _argument(args: tuple, kwargs: dict, name: str, index: int):
-    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
-
-
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``EasyAnimateTransformer3DModel`` call: latents
     ``(B, C, F, H, W)`` (inpaint and control latents are more channels of them), the text first (Qwen2-VL's
     tokens, then T5's where a model takes both)."""
-    hidden = _argument(args, kwargs, "hidden_states", 0)
-    t = _argument(args, kwargs, "timestep", 1)
-    text = _argument(args, kwargs, "encoder_hidden_states", 3)
-    t5 = _argument(args, kwargs, "encoder_hidden_states_t5", 4)
+    hidden = call_argument(args, kwargs, 0, "hidden_states")
+    t = call_argument(args, kwargs, 1, "timestep")
+    text = call_argument(args, kwargs, 3, "encoder_hidden_states")
+    t5 = call_argument(args, kwargs, 4, "encoder_hidden_states_t5")
     t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
     p = int(config["patch_size"])
     _, _, frames, height, width = hidden.shape

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink
-from .spec import ModelSpec, Site, Unavailable
+from .spec import ModelSpec, Site, Unavailable, call_argument
 
 # Attention shapes of the released checkpoints (diffusers' conversion script's configs), for plans made offline.
 _HV15 = {
@@ -202,20 +202,16 @@ class HunyuanVideo15AttnMapProcessor:
         return hidden_states, encoder_hidden_states
 
 
-def _argument(args: tuple, kwargs: dict, name: str, index: int):
-    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
-
-
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``HunyuanVideo15Transformer3DModel`` call: latents
     ``(B, C, F, H, W)`` in patches of 1, the packed context after the video (its padded length: each item's
     mask keeps its own), led by the image's SigLIP tokens where the call carries an image (the model's own
     test: image embeddings not all zero)."""
-    hidden = _argument(args, kwargs, "hidden_states", 0)
-    t = _argument(args, kwargs, "timestep", 1)
-    text = _argument(args, kwargs, "encoder_hidden_states", 2)
-    glyph = _argument(args, kwargs, "encoder_hidden_states_2", 5)
-    image = _argument(args, kwargs, "image_embeds", 7)
+    hidden = call_argument(args, kwargs, 0, "hidden_states")
+    t = call_argument(args, kwargs, 1, "timestep")
+    text = call_argument(args, kwargs, 2, "encoder_hidden_states")
+    glyph = call_argument(args, kwargs, 5, "encoder_hidden_states_2")
+    image = call_argument(args, kwargs, 7, "image_embeds")
     t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
     p, p_t = int(config["patch_size"]), int(config["patch_size_t"])
     _, _, frames, height, width = hidden.shape

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink
-from .spec import ModelSpec, Site, Unavailable
+from .spec import ModelSpec, Site, Unavailable, call_argument
 from .tiny_text import TEXT_DIM, cast, tiny_siglip
 
 # Attention shapes of the released checkpoints (their config.json, which names the class of FramePack's own
@@ -130,11 +130,6 @@ class HunyuanVideoFramepackAttnMapProcessor(_PROCESSOR):
         super().__init__(_WholeSequence(sink))
 
 
-def _argument(args: tuple, kwargs: dict, index: int, name: str):
-    """Argument ``name`` (position ``index`` of the transformer's forward) of a call, `None` when not given."""
-    return kwargs[name] if name in kwargs else args[index] if index < len(args) else None
-
-
 def history_tokens(frames: tuple, height: int, width: int) -> int:
     """Tokens of the history latents of ``frames`` latent frames each (clean, 2×, 4×; `None`: not given) on a
     latent grid of ``height`` × ``width``: each embedded by its kernel, the 2× and 4× after padding to whole
@@ -151,12 +146,12 @@ def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``HunyuanVideoFramepackTransformer3DModel`` call:
     the window's latents ``(B, C, F, H, W)`` after the history's tokens, then the image's tokens and the text
     (its padded length: a mask, or with one video the sequence's own length, sets each item's)."""
-    hidden = _argument(args, kwargs, 0, "hidden_states")
-    t = _argument(args, kwargs, 1, "timestep")
-    text = _argument(args, kwargs, 2, "encoder_hidden_states")
-    image = _argument(args, kwargs, 5, "image_embeds")
+    hidden = call_argument(args, kwargs, 0, "hidden_states")
+    t = call_argument(args, kwargs, 1, "timestep")
+    text = call_argument(args, kwargs, 2, "encoder_hidden_states")
+    image = call_argument(args, kwargs, 5, "image_embeds")
     names = ("latents_clean", "latents_history_2x", "latents_history_4x")
-    history = [_argument(args, kwargs, i, name) for i, name in zip((8, 10, 12), names)]
+    history = [call_argument(args, kwargs, i, name) for i, name in zip((8, 10, 12), names)]
     t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
     p, p_t = int(config["patch_size"]), int(config["patch_size_t"])
     _, _, frames, height, width = hidden.shape

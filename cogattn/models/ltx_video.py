@@ -24,7 +24,7 @@ import torch
 
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink, context_bias
-from .spec import ModelSpec, Site, StepTime, Unavailable
+from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
 from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
@@ -159,10 +159,6 @@ class LTXVideoAttnMapProcessor:
         return hidden_states
 
 
-def _argument(args: tuple, kwargs: dict, index: int, name: str):
-    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
-
-
 def _grid_of_coords(coords: torch.Tensor, seq_len: int) -> tuple[int, tuple[int, int, int]]:
     """``(tokens before the grid, (F, Hp, Wp))`` of ``LTXConditionPipeline``'s ``video_coords`` ``(B, 3, S)``: the
     video's grid is the tokens from the last at coordinates (0, 0, 0) on (a condition placed after frame 0 leads,
@@ -196,11 +192,13 @@ def _grid_of_coords(coords: torch.Tensor, seq_len: int) -> tuple[int, tuple[int,
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``LTXVideoTransformer3DModel`` call: packed latents
     ``(B, S, C)``, the grid from ``num_frames``, ``height`` and ``width`` (latent sizes) or from ``video_coords``."""
-    hidden = _argument(args, kwargs, 0, "hidden_states")
-    text = _argument(args, kwargs, 1, "encoder_hidden_states")
-    t = _argument(args, kwargs, 2, "timestep")
-    frames, height, width = (_argument(args, kwargs, i, n) for i, n in ((4, "num_frames"), (5, "height"), (6, "width")))
-    coords = _argument(args, kwargs, 8, "video_coords")
+    hidden = call_argument(args, kwargs, 0, "hidden_states")
+    text = call_argument(args, kwargs, 1, "encoder_hidden_states")
+    t = call_argument(args, kwargs, 2, "timestep")
+    frames, height, width = (
+        call_argument(args, kwargs, i, n) for i, n in ((4, "num_frames"), (5, "height"), (6, "width"))
+    )
+    coords = call_argument(args, kwargs, 8, "video_coords")
     # image-to-video gives a timestep per token, 0 on the image's: the step's is the largest
     t = StepTime(t) if isinstance(t, torch.Tensor) and t.numel() > 1 else float(t)
     p, p_t = int(config["patch_size"]), int(config["patch_size_t"])
@@ -342,8 +340,7 @@ SPEC = ModelSpec(
     text_len=TEXT_LEN,
     context_kinds={"video_to_text": "text"},
     refused={
-        "text_to_video": "LTX-Video's text never queries (its self-attention is over the video alone; the text is "
-        "a key of the cross-attention), so there are no text → video probabilities. Use 'video_to_text'.",
+        "text_to_video": text_never_queries("LTX-Video"),
         "video_to_image": "LTX-Video has no image attention: an image to animate is the video's first latent frame.",
     },
     title="LTX-Video",

@@ -16,7 +16,7 @@ import torch
 
 from ..exact.reducers import REDUCERS  # every kind is registered once cogattn is imported
 
-__all__ = ["ModelSpec", "Site", "StepTime", "Unavailable"]
+__all__ = ["ModelSpec", "Site", "StepTime", "Unavailable", "call_argument", "text_never_queries"]
 
 
 class Unavailable(ImportError):
@@ -62,6 +62,21 @@ class StepTime(float):
         if isinstance(other, StepTime) and other.values.shape == self.values.shape:
             return torch.equal(self.values, other.values)
         return float(self) == float(other)
+
+
+def call_argument(args: tuple, kwargs: dict, index: int, name: str):
+    """Argument ``name`` (position ``index`` of the transformer's forward) of a call, `None` when not given (the
+    families' ``read_call``)."""
+    return kwargs[name] if name in kwargs else args[index] if index < len(args) else None
+
+
+def text_never_queries(title: str) -> str:
+    """Why ``text_to_video`` does not exist for a family whose text is only a key of a cross-attention (Wan,
+    LTX-Video, Cosmos): its ``refused`` entry."""
+    return (
+        f"{title}'s text never queries (its self-attention is over the video alone; the text is a key of the "
+        "cross-attention), so there are no text → video probabilities. Use 'video_to_text'."
+    )
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 
 from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
 from ..recorder.processor import MapSink, query_key_mask
-from .spec import ModelSpec, Site, StepTime, Unavailable
+from .spec import ModelSpec, Site, StepTime, Unavailable, text_never_queries
 from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
@@ -211,20 +211,11 @@ def read_call(config, args: tuple, kwargs: dict):
     # TI2V-5B gives a timestep per token, 0 on a conditioning first frame, and SkyReels-V2's diffusion forcing
     # one per frame: the step's is the largest
     t = StepTime(t) if isinstance(t, torch.Tensor) and t.numel() > 1 else float(t)
-    p_t, p_h, p_w = (int(p) for p in config["patch_size"])
-    _, _, frames, height, width = hidden.shape
     image_len = 0 if image is None else image.shape[1]
     if image is not None and config.get("pos_embed_seq_len"):  # FLF2V: two images, joined by the model
         image_len = int(config["pos_embed_seq_len"])
-    layout = TokenLayout(
-        text_len=0,
-        frames=frames // p_t,
-        height=height // p_h,
-        width=width // p_w,
-        patch_size=p_h,
-        patch_size_t=p_t if p_t > 1 else None,
-        context_len=int(text.shape[1]),
-        image_len=int(image_len),
+    layout = TokenLayout.of_video_latents(
+        hidden.shape, config["patch_size"], context_len=int(text.shape[1]), image_len=int(image_len)
     )
     return layout, hidden.shape[0], t, hidden.device
 
@@ -404,8 +395,7 @@ SPEC = ModelSpec(
     text_len=TEXT_LEN,
     context_kinds={"video_to_text": "text", "video_to_image": "image"},
     refused={
-        "text_to_video": "Wan's text never queries (its self-attention is over the video alone; the text is "
-        "a key of the cross-attention), so there are no text → video probabilities. Use 'video_to_text'."
+        "text_to_video": text_never_queries("Wan"),
     },
     experts=("transformer", "transformer_2"),
     guidance_calls=2,
