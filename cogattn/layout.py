@@ -57,6 +57,9 @@ class TokenLayout:
         history_len (`int`, defaults to 0): video tokens off the latent grid, before the grid's first
             (HunyuanVideo FramePack's clean and 2×/4× downsampled history latents); they are video tokens
             (``video_len`` counts them) of no latent frame, so the layout has no frame groups.
+        causal_vae (`bool`, defaults to `True`): whether the VAE keeps pixel frame 0 as latent frame 0 (Wan,
+            CogVideoX and the others), or packs every ``temporal_compression`` frames from frame 0 and decodes that
+            many per latent frame, the pipeline cropping the last (Allegro's).
     """
 
     text_len: int
@@ -70,6 +73,7 @@ class TokenLayout:
     text_position: str = "start"
     temporal_compression: int = VAE_TEMPORAL
     history_len: int = 0
+    causal_vae: bool = True
 
     def __post_init__(self):
         if self.text_position not in ("start", "end"):
@@ -122,6 +126,7 @@ class TokenLayout:
         image_len: int = 0,
         text_position: str = "start",
         temporal_compression: int = VAE_TEMPORAL,
+        causal_vae: bool = True,
     ) -> TokenLayout:
         """The layout a pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels produces
         (``spatial_compression``: the VAE's pixels per latent pixel)."""
@@ -139,6 +144,7 @@ class TokenLayout:
             image_len=int(image_len),
             text_position=text_position,
             temporal_compression=int(temporal_compression),
+            causal_vae=causal_vae,
         )
 
     @property
@@ -279,11 +285,14 @@ class TokenLayout:
         4·(F − 1) + 1); `None` where several video lengths give the same F (temporal patches; an even F,
         which CogVideoX decodes to 4F frames and Wan to 4F − 3)."""
         odd = self.frames % 2 == 1
-        return self.temporal_compression * (self.frames - 1) + 1 if odd and not self.patch_size_t else None
+        causal = odd and not self.patch_size_t and self.causal_vae  # Allegro's: the call's count, 4F − 3 … 4F
+        return self.temporal_compression * (self.frames - 1) + 1 if causal else None
 
     def decoded_frames(self, temporal_compression: int | None = None) -> list[int]:
         """Every frame count a decoded video of this layout can have (see :meth:`pixel_frames`)."""
         tc, p = int(temporal_compression or self.temporal_compression), self.patch_size_t or 1
+        if not self.causal_vae:  # tc per latent frame from frame 0, the last cropped: at least one of its frames
+            return list(range(tc * (self.frames - 1) + 1, tc * self.frames + 1))
         latents = range(p * (self.frames - 1) + 1, p * self.frames + 1)  # those p pads up to F patches
         pairs = {tc * n for n in latents if n % 2 == 0} if tc == VAE_TEMPORAL else set()  # CogVideoX's VAE only
         return sorted({tc * (n - 1) + 1 for n in latents} | pairs)
@@ -294,7 +303,9 @@ class TokenLayout:
         ``N = 4(L - 1) + 1`` pixel frames are ``L`` latent frames: latent frame 0 is pixel frame 0 and latent
         frame ``l ≥ 1`` covers pixel frames ``4(l - 1) + 1 … 4l`` (Wan; CogVideoX with L odd). ``N = 4L``
         with L even is CogVideoX's VAE decoding pairs of latent frames: latent frame ``l`` covers
-        ``4l … 4l + 3``. No VAE decodes other counts. With ``patch_size_t = p`` the pipeline pads
+        ``4l … 4l + 3``. No VAE decodes other counts. Without a causal VAE (``causal_vae=False``, Allegro's) latent
+        frame ``l`` covers ``4l … 4l + 3`` whatever L, and the pipeline crops the last to ``N``, so
+        ``4(L − 1) < N ≤ 4L``. With ``patch_size_t = p`` the pipeline pads
         ``(-L) % p`` latent frames at the start; temporal patch ``k`` covers padded latent frames
         ``kp … kp + p - 1``.
 
@@ -313,6 +324,13 @@ class TokenLayout:
         n, tc = int(num_pixel_frames), int(temporal_compression or self.temporal_compression)
         if n < 1 or tc < 1:
             raise ValueError(f"num_pixel_frames={num_pixel_frames} and temporal_compression={tc} must be ≥ 1.")
+        if not self.causal_vae:
+            if not tc * (self.frames - 1) < n <= tc * self.frames:
+                raise ValueError(
+                    f"this VAE decodes {tc} frames per latent frame from frame 0, the last cropped: F = {self.frames} "
+                    f"latent frames are {tc * (self.frames - 1) + 1} to {tc * self.frames} pixel frames, never {n}."
+                )
+            return [range(tc * f, min(tc * (f + 1), n)) for f in range(self.frames)]
         if (n - 1) % tc == 0:
             latent, late = (n - 1) // tc + 1, tc - 1  # frame 0 alone: latent frame l starts tc - 1 frames late
         elif tc == VAE_TEMPORAL and n % (2 * tc) == 0:

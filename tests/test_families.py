@@ -292,6 +292,13 @@ def _ltx_condition_call(pipe, g, guided):
     return {**call, "conditions": [LTXVideoCondition(image=_frames(g, 1, 64, 96)[0], frame_index=0)]}
 
 
+def _allegro_call(pipe, g, guided):
+    """LTX-Video's text (the cross-attention's key mask: the prompts keep 6 and 3 of 6 tokens) at 12 frames of 32×48:
+    3 latent frames of 2×3 patches (the VAE packs 4 frames from frame 0)."""
+    call = _ltx_video_call(pipe, g, guided)
+    return {**call, "prompt": None, "negative_prompt": None, "num_frames": 12, "height": 32, "width": 48}
+
+
 def _cosmos_call(pipe, g, guided):
     """Two videos of 8 text tokens (no mask: the padding is attended), 3 latent frames of 2×3 patches: 9 frames
     through Predict2's Wan VAE, 17 through Predict1's Cosmos tokenizer (8 per latent frame); video-to-world: an
@@ -559,6 +566,13 @@ CASES = {
         skip=("video_to_image",),
         family="ltx_video",
         videos=1,
+    ),
+    "allegro": Case(
+        lambda: FAMILY["allegro"].tiny_pipeline(num_heads=3),
+        _allegro_call,
+        6,
+        skip=("video_to_image",),
+        released=("rhymes-ai/Allegro", dict(num_frames=88, height=720, width=1280), 22 * 45 * 80),
     ),
     "cosmos": Case(  # Predict2 video-to-world
         lambda: FAMILY["cosmos"].tiny_pipeline(num_heads=3),

@@ -1,10 +1,10 @@
 """The rules of a ``cogattn-dump`` config's pipeline call, checked before anything loads (a bad value would
 fail every prompt).
 
-The common rules read the model's family spec (``cogattn.models.ModelSpec``): the VAE's tk + 1 frames, pixels in
-whole patches (``pixels_per_patch``), the tasks the family's pipelines take, ``true_cfg_scale`` where the
-pipeline has it (``guidance_argument``), ``guidance_scale_2`` for two experts, and the tiny pipelines'
-options (``tiny_options``, set for their family's ``tiny_name`` only); then the family's own
+The common rules read the model's family spec (``cogattn.models.ModelSpec``): the VAE's tk + 1 frames (Allegro's:
+tk or tk + 1), pixels in whole patches (``pixels_per_patch``), the tasks the family's pipelines take,
+``true_cfg_scale`` where the pipeline has it (``guidance_argument``), ``guidance_scale_2`` for two experts, and
+the tiny pipelines' options (``tiny_options``, set for their family's ``tiny_name`` only); then the family's own
 (``call_rules``). Each refusal is a `ValueError` with one line for the user, which ``config.py`` raises
 as its ``ConfigError``.
 """
@@ -54,8 +54,15 @@ def check_call(cfg) -> None:
     spec = cfg.spec()
     spec.check_task(cfg.task, tiny=cfg.tiny_spec() is not None)
     config = cfg.model_config()
-    tc = spec.layout_for_video(config, 1, 16, 16, 1).temporal_compression  # the VAE's: 4, or Mochi's 6
-    if cfg.num_frames < 1 or (cfg.num_frames - 1) % tc:
+    layout = spec.layout_for_video(config, 1, 16, 16, 1)
+    tc = layout.temporal_compression  # the VAE's: 4, Mochi's 6, LTX-Video's 8
+    if not layout.causal_vae and (cfg.num_frames < 1 or cfg.num_frames % tc > 1):  # Allegro's: tc frames from frame 0
+        below = max(tc, cfg.num_frames // tc * tc)
+        raise ValueError(
+            f"num_frames: {cfg.num_frames!r}; the {spec.title} VAE decodes {tc} frames per latent frame "
+            f"({spec.frame_counts}): use {below} or {below + tc}."
+        )
+    if layout.causal_vae and (cfg.num_frames < 1 or (cfg.num_frames - 1) % tc):
         below = max(1, (cfg.num_frames - 1) // tc * tc + 1)
         raise ValueError(
             f"num_frames: {cfg.num_frames!r}; the {spec.title} VAE decodes {tc}k + 1 frames ({spec.frame_counts}): "

@@ -45,6 +45,9 @@ def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
         if name == "text_position":
             if value not in ("start", "end"):
                 raise refuse(f"layout.text_position = {shown}; the text sits at the 'start' or the 'end'")
+        elif name == "causal_vae":
+            if type(value) is not bool:
+                raise refuse(f"layout.causal_vae = {shown}; it is true or false")
         elif not (type(value) is int and value >= _MIN[name]) and not (name == "patch_size_t" and value is None):
             raise refuse(f"layout.{name} = {shown}; it is a whole number, {_MIN[name]} or more")
     for name in ("text_len", "frames", "height", "width"):
