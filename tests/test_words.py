@@ -212,6 +212,20 @@ def test_wan_labels_are_of_the_prompt_its_pipeline_cleans():
     assert words.word_positions("fox", pipe, messy, 12) == [3]
 
 
+def test_allegro_labels_are_of_the_prompt_its_pipeline_lower_cases():
+    if cogattn.models.allegro is None:
+        pytest.skip("this diffusers lacks Allegro")
+    pipe, seen = cogattn.models.allegro.tiny_pipeline(), []
+    _spy(pipe.text_encoder, seen)
+    shouted = "  A Red FOX running"  # the tiny vocabulary is lower-case: the bare prompt reads as <unk>s
+    with torch.no_grad():
+        ids = pipe.encode_prompt(prompt=shouted, do_classifier_free_guidance=False, max_sequence_length=8)[0]
+    ids = ids[0, :, 0].round().long().tolist()
+    assert words.text_tokens(pipe, shouted, 8) == pipe.tokenizer.convert_ids_to_tokens(ids)
+    assert words.word_positions("fox", pipe, shouted, 8) == [2]
+    assert words.text_tokens(pipe.tokenizer, shouted, 8)[:3] == ["<unk>"] * 3  # not the transformer's text
+
+
 def test_a_source_that_is_not_a_pipeline_or_a_tokenizer_is_refused():
     with pytest.raises(TypeError, match="str is not a pipeline, a PromptFormat or a tokenizer"):
         words.text_tokens("pipe", PROMPT, 8)

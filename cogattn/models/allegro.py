@@ -23,10 +23,20 @@ from diffusers.models.transformers.transformer_allegro import AllegroTransformer
 
 from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
 from ..recorder.processor import MapSink, context_bias
+from .prompt_text import plain_text
 from .spec import ModelSpec, Site, StepTime, call_argument, text_never_queries
 from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 
-__all__ = ["SPEC", "KNOWN", "AllegroAttnMapProcessor", "TEXT_LEN", "layout_for_video", "read_call", "tiny_pipeline"]
+__all__ = [
+    "SPEC",
+    "KNOWN",
+    "AllegroAttnMapProcessor",
+    "TEXT_LEN",
+    "layout_for_video",
+    "prompt_text",
+    "read_call",
+    "tiny_pipeline",
+]
 
 TEXT_LEN = 512  # T5 tokens of the pipeline's calls (max_sequence_length)
 
@@ -186,6 +196,15 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
     )
 
 
+def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool = False):
+    """The transformer's text of ``prompt`` (``ModelSpec.prompt_text``): the tokenizer on the prompt as Allegro's
+    pipeline prepares it, lower-cased and stripped (or, with beautifulsoup4 and ftfy installed, its caption
+    cleaning: the call's default ``clean_caption=True``)."""
+    return plain_text(
+        pipeline.tokenizer, prompt, length, offsets, lambda p: pipeline._text_preprocessing(p, clean_caption=True)[0]
+    )
+
+
 # -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------
 def tiny_transformer(*, num_layers: int = 2, num_heads: int = 2, head_dim: int = 12, dtype=torch.float32, seed=0):
     """A random ``AllegroTransformer3DModel`` at toy size, text width 16 (4 latent channels, patch 2)."""
@@ -266,5 +285,6 @@ SPEC = ModelSpec(
         "video_to_image": "Allegro has no image attention; its transformer sees the video and the text.",
     },
     frame_counts="4k or 4k + 1: 8, 12, ..., 88",
-    empty_negative=False,
+    empty_negative=True,  # its pipeline preprocesses the negative prompt unguarded
+    prompt_text=prompt_text,
 )
