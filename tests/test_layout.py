@@ -116,3 +116,35 @@ def test_a_vae_of_temporal_factor_6_decodes_6k_plus_1_frames_only():
     with pytest.raises(ValueError, match="never 12 frames"):
         lay.pixel_frames(12)
     assert cogattn.TokenLayout(0, 2, 2, 3).decoded_frames() == [5, 8]  # CogVideoX decodes an even L to 4L
+
+
+def test_a_vae_that_is_not_causal_packs_its_frames_from_frame_0_and_the_pipeline_crops_the_last():
+    """Allegro's VAE: latent frame l is pixel frames 4l … 4l + 3 for any L, the last cropped to the call's count;
+    its run values say so, and the batch tool takes 4k or 4k + 1 frames of it."""
+    from pathlib import Path
+
+    from cogattn.errors import StoreError
+    from cogattn.runs.run_values import checked_layout
+
+    lay = cogattn.TokenLayout(0, 3, 2, 3, causal_vae=False)
+    assert [list(r) for r in lay.pixel_frames(12)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [list(r) for r in lay.pixel_frames(9)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert lay.decoded_frames() == [9, 10, 11, 12] and lay.default_pixel_frames is None
+    assert lay.latent_of_pixel(10) == [0] * 4 + [1] * 4 + [2] * 2
+    for n in (8, 13):
+        with pytest.raises(ValueError, match=f"never {n}"):
+            lay.pixel_frames(n)
+    fields = {"text_len": 0, "frames": 3, "height": 2, "width": 3}
+    assert checked_layout({**fields, "causal_vae": False}, Path("run.json")) == lay
+    assert checked_layout(fields, Path("run.json")).causal_vae  # a run from before the field: causal
+    with pytest.raises(StoreError, match="causal_vae = 'no'; it is true or false"):
+        checked_layout({**fields, "causal_vae": "no"}, Path("run.json"))
+    if cogattn.models.allegro is None:
+        return
+    from cogattn.dump.config import ConfigError, load_config
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for n in (12, 13):
+        assert load_config(root / "tiny-allegro.yaml", [f"num_frames={n}"]).num_frames == n
+    with pytest.raises(ConfigError, match="decodes 4 frames per latent frame .*: use 12 or 16"):
+        load_config(root / "tiny-allegro.yaml", ["num_frames=14"])
