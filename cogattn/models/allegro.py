@@ -207,7 +207,9 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
 
 # -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------
 def tiny_transformer(*, num_layers: int = 2, num_heads: int = 2, head_dim: int = 12, dtype=torch.float32, seed=0):
-    """A random ``AllegroTransformer3DModel`` at toy size, text width 16 (4 latent channels, patch 2)."""
+    """A random ``AllegroTransformer3DModel`` at toy size, text width 16 (4 latent channels, patch 2); ``head_dim``
+    rounded up to a multiple of 6 (its RoPE splits a head in three even parts: the self-test's 16 is 18)."""
+    head_dim = -(-head_dim // 6) * 6
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AllegroTransformer3DModel(
