@@ -25,7 +25,7 @@ from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
 from ..recorder.processor import MapSink, context_bias
 from .prompt_text import plain_text
 from .spec import ModelSpec, Site, StepTime, call_argument, text_never_queries
-from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
+from .tiny_text import TEXT_DIM, cast, masked_text, tiny_text_encoder, tiny_tokenizer
 
 __all__ = [
     "SPEC",
@@ -260,12 +260,8 @@ def tiny_pipeline(task: str = "text-to-video", *, dtype: torch.dtype = torch.flo
 def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
     """A call of the tiny pipeline: one video of 6 text tokens, 4 of them the prompt's (the negative's 2), 12 frames
     of 32×48 (3×2×3 patches)."""
-    device, dtype = pipe._execution_device, pipe.transformer.dtype
-    emb = torch.randn(1, 6, TEXT_DIM, generator=generator).to(device, dtype)
-    call = dict(prompt=None, negative_prompt=None, prompt_embeds=emb, negative_prompt_embeds=-emb)
-    call.update(prompt_attention_mask=(torch.arange(6) < 4).long()[None].to(device))
-    call.update(negative_prompt_attention_mask=(torch.arange(6) < 2).long()[None].to(device))
-    call.update(guidance_scale=7.5 if guided else 1.0, num_frames=12, height=32, width=48, max_sequence_length=6)
+    call = dict(prompt=None, negative_prompt=None, **masked_text(pipe, generator))
+    call.update(guidance_scale=7.5 if guided else 1.0, num_frames=12, height=32, width=48)
     return call
 
 

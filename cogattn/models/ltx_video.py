@@ -25,7 +25,7 @@ import torch
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink, context_bias
 from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
-from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
+from .tiny_text import TEXT_DIM, cast, masked_text, tiny_text_encoder, tiny_tokenizer
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
 _LTX = {"_class_name": "LTXVideoTransformer3DModel", "patch_size": 1, "patch_size_t": 1, "in_channels": 128}
@@ -311,12 +311,8 @@ def tiny_pipeline(task: str = "text-to-video", *, dtype: torch.dtype = torch.flo
 def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
     """A call of the tiny pipeline: one video of 6 text tokens, 4 of them the prompt's (the negative's 2), 17
     frames of 64×96 (3×2×3 latent pixels), and for image-to-video a random image."""
-    device, dtype = pipe._execution_device, pipe.transformer.dtype
-    emb = torch.randn(1, 6, TEXT_DIM, generator=generator).to(device, dtype)
-    call = dict(prompt_embeds=emb, prompt_attention_mask=(torch.arange(6) < 4).long()[None].to(device))
-    call.update(negative_prompt_embeds=-emb, guidance_scale=3.0 if guided else 1.0)
-    call["negative_prompt_attention_mask"] = (torch.arange(6) < 2).long()[None].to(device)
-    call.update(num_frames=17, height=64, width=96, max_sequence_length=6)
+    call = masked_text(pipe, generator)
+    call.update(guidance_scale=3.0 if guided else 1.0, num_frames=17, height=64, width=96)
     if task == "image-to-video":
         import PIL.Image
 

@@ -26,7 +26,7 @@ from diffusers.models.transformers.transformer_mochi import MochiTransformer3DMo
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink
 from .spec import ModelSpec, Site
-from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
+from .tiny_text import TEXT_DIM, cast, masked_text, tiny_text_encoder, tiny_tokenizer
 
 __all__ = ["SPEC", "KNOWN", "MochiAttnMapProcessor", "TEXT_LEN", "VAE_TEMPORAL", "tiny_pipeline", "tiny_transformer"]
 
@@ -261,12 +261,8 @@ def tiny_pipeline(task: str = "text-to-video", *, dtype: torch.dtype = torch.flo
 def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
     """A call of the tiny pipeline: one video of 6 text tokens, 4 of them valid (the negative keeps 2),
     13 frames of 32×48 (3×2×3 patches)."""
-    device, dtype = pipe._execution_device, pipe.transformer.dtype
-    emb = torch.randn(1, 6, TEXT_DIM, generator=generator).to(device, dtype)
-    call = dict(prompt_embeds=emb, prompt_attention_mask=(torch.arange(6) < 4).long()[None].to(device))
-    call.update(negative_prompt_embeds=-emb, guidance_scale=4.5 if guided else 1.0)
-    call["negative_prompt_attention_mask"] = (torch.arange(6) < 2).long()[None].to(device)
-    call.update(num_frames=13, height=32, width=48, max_sequence_length=6)
+    call = masked_text(pipe, generator)
+    call.update(guidance_scale=4.5 if guided else 1.0, num_frames=13, height=32, width=48)
     return call
 
 

@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-__all__ = ["TEXT_DIM", "TINY_TEXT_LEN", "cast", "tiny_siglip", "tiny_text_encoder", "tiny_tokenizer"]
+__all__ = ["TEXT_DIM", "TINY_TEXT_LEN", "cast", "masked_text", "tiny_siglip", "tiny_text_encoder", "tiny_tokenizer"]
 
 TINY_TEXT_LEN = 8  # text tokens (max_sequence_length) of the tiny CogVideoX pipeline; pass it to its call
 TEXT_DIM = 16
@@ -26,6 +26,24 @@ _VOCAB = (
 def cast(model, dtype: torch.dtype):
     """``model`` in ``dtype``, in eval mode (a float32 model is left as built: no cast, no cast warning)."""
     return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+def masked_text(pipe, generator, length: int = 6, kept: int = 4, negative_kept: int = 2) -> dict:
+    """A tiny call's text for one video under a text mask (the self-test's): ``length`` random embeddings, the
+    prompt's first ``kept`` valid, the negative's (their opposite) first ``negative_kept``, and
+    ``max_sequence_length``."""
+    import torch
+
+    device, dtype = pipe._execution_device, pipe.transformer.dtype
+    emb = torch.randn(1, length, TEXT_DIM, generator=generator).to(device, dtype)
+    keep = torch.arange(length, device=device)[None]
+    return dict(
+        prompt_embeds=emb,
+        prompt_attention_mask=(keep < kept).long(),
+        negative_prompt_embeds=-emb,
+        negative_prompt_attention_mask=(keep < negative_kept).long(),
+        max_sequence_length=length,
+    )
 
 
 def tiny_tokenizer():
