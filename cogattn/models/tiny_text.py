@@ -32,8 +32,6 @@ def masked_text(pipe, generator, length: int = 6, kept: int = 4, negative_kept: 
     """A tiny call's text for one video under a text mask (the self-test's): ``length`` random embeddings, the
     prompt's first ``kept`` valid, the negative's (their opposite) first ``negative_kept``, and
     ``max_sequence_length``."""
-    import torch
-
     device, dtype = pipe._execution_device, pipe.transformer.dtype
     emb = torch.randn(1, length, TEXT_DIM, generator=generator).to(device, dtype)
     keep = torch.arange(length, device=device)[None]
