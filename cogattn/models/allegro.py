@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import AllegroAttnProcessor2_0
+from diffusers.models.embeddings import apply_rotary_emb_allegro
 from diffusers.models.transformers.transformer_allegro import AllegroTransformer3DModel
 
 from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
@@ -123,8 +124,6 @@ class AllegroAttnMapProcessor:
 
         # Apply RoPE if needed
         if image_rotary_emb is not None and not attn.is_cross_attention:
-            from diffusers.models.embeddings import apply_rotary_emb_allegro
-
             query = apply_rotary_emb_allegro(query, image_rotary_emb[0], image_rotary_emb[1])
             key = apply_rotary_emb_allegro(key, image_rotary_emb[0], image_rotary_emb[1])
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import TokenLayout
-from ..recorder.processor import MapSink
+from ..recorder.processor import MapSink, key_counts
 from .spec import ModelSpec, Site, Unavailable, call_argument
 
 # Attention shapes of the released checkpoints (diffusers' conversion script's configs), for plans made offline.
@@ -84,18 +84,13 @@ IMAGE_LEN = 729  # SigLIP tokens of the image (the pipelines' vision_num_semanti
 TEXT_LEN = IMAGE_LEN + 256 + 1000  # the packed context: image, ByT5 and Qwen2.5-VL tokens, each padded
 
 
-def kept_counts(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Each item's kept tokens of ``seq_len``: the video and its valid context, from the model's context mask
-    ``(B, T)``, which keeps a prefix of each item's packed context (the transformer puts the valid tokens
-    first). Raises `ValueError` for a mask that keeps anything else."""
-    keep = attention_mask.bool()
-    counts = keep.sum(1)
-    if not bool((keep == (torch.arange(keep.shape[1], device=keep.device) < counts[:, None])).all()):
-        raise ValueError(
-            "cogattn captures HunyuanVideo 1.5's context mask where it keeps each item's first context tokens "
-            "(the transformer packs the valid ones first)."
-        )
-    return (counts + (seq_len - keep.shape[1])).cpu()
+def kept_counts(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor | None:
+    """Each item's kept tokens of ``seq_len`` (`None`: all), from the model's context mask ``(B, T)``: the video and
+    the valid context, a prefix of each item's packed context (the transformer puts the valid tokens first), read by
+    :func:`cogattn.recorder.processor.key_counts` as the key mask the processor pads it to. Raises `ValueError` for a
+    mask that keeps anything else."""
+    padded = F.pad(attention_mask.bool(), (seq_len - attention_mask.shape[1], 0), value=True)
+    return key_counts(padded[:, None, None], seq_len)
 
 
 class HunyuanVideo15AttnMapProcessor:
