@@ -46,7 +46,7 @@ class CaptureOptions:
         kinds (`str | Sequence[str]`, defaults to ``("frame",)``): any of ``"full"``, ``"frame"``,
             ``"video_to_text"``, ``"text_to_video"``, ``"query"``, and the statistics ``"entropy"``,
             ``"received"``, ``"query_frame"``, ``"block"``, ``"topk"``, and Wan 2.1 image-to-video's
-            ``"video_to_image"`` (shapes in the README and ``docs/design.md``). In Wan the self-attention
+            ``"video_to_image"`` (shapes in ``docs/kinds.md`` and ``docs/design.md``). In Wan the self-attention
             kinds come from the video-only self-attention and ``video_to_text`` from the cross-attention;
             ``text_to_video`` does not exist there.
         layers (`"all" | int | str | Sequence[int | str]`, defaults to ``"all"``): 0-based layer indices, in
@@ -69,8 +69,8 @@ class CaptureOptions:
             model's order from token 0; the last may be shorter).
         tile_shape (`tuple[int, int, int]`, defaults to ``(4, 4, 4)``): latent frames × patch rows × patch
             columns of each 3-D tile of the ``tile`` kind (the grid's edge tiles are smaller).
-        patterns (`str | Sequence`, defaults to ``()``: spatial and temporal): for ``pattern_recall`` and ``pattern_error``: token
-            patterns (:mod:`cogattn.exact.patterns`): ``"spatial"``, ``"temporal"``, ``"window:w"``, ``"sta:t,h,w"``
+        patterns (`str | Sequence`, defaults to ``()``): for ``pattern_recall`` and ``pattern_error``, which need
+            them: token patterns (:mod:`cogattn.exact.patterns`): ``"spatial"``, ``"temporal"``, ``"window:w"``, ``"sta:t,h,w"``
             (a window of tiles of ``tile_shape``), ``"radial"``, `Pattern` objects, or callables over positions.
         topk (`int`, defaults to 32): how many of each row's largest probabilities ``topk`` keeps (at
             most S).

@@ -20,7 +20,7 @@ LONGEST = (
     "test_selftest",
     "test_recording",
     "test_view",
-    "test_readme",
+    "test_docs",
     "test_works_with",
 )
 

@@ -1,6 +1,6 @@
 """What happens when the API is misused: nothing silently wrong, nothing lost, every refusal one clear line.
 
-Each test is one promise of the README's "What happens when" section."""
+Each test is one promise of "What happens when" in docs/streaming.md."""
 
 import gc
 import json

@@ -1,4 +1,4 @@
-"""Recording under what diffusers users switch on (README, "Works with"): caches first.
+"""Recording under what diffusers users switch on (docs/works-with.md): caches first.
 
 Each feature runs on the tiny CogVideoX (one ``[uncond, cond]`` call per step) and the tiny Wan (a
 conditional, then an unconditional call per step). The reference is the stock run of the same
@@ -157,7 +157,7 @@ CACHES = ["FirstBlockCache", "PyramidAttentionBroadcast", "FasterCache", "MagCac
 def test_a_cache_s_skipped_attentions_have_no_record_and_say_so(family, cache, monkeypatch, tmp_path):
     pipe = _pipe(family)
     if cache not in _caches(family):
-        pytest.skip(f"{cache}: not in this diffusers, or it never skips on {family} (README, 'Works with')")
+        pytest.skip(f"{cache}: not in this diffusers, or it never skips on {family} (docs/works-with.md)")
     pipe.transformer.enable_cache(_caches(family)[cache](pipe))
     for batch in ("all", "cond"):
         video, ref = _stock(pipe, family, monkeypatch, batch)
@@ -440,7 +440,7 @@ def _cpu_backends() -> list[str]:
         try:
             _check_attention_backend_requirements(backend)
             dispatch_attention_fn(q, q, q, backend=backend)
-        except Exception:  # not installed, or no CPU kernel: the README's table says which
+        except Exception:  # not installed, or no CPU kernel: docs/works-with.md says which
             continue
         names.append(backend.value)
     return names

@@ -61,7 +61,7 @@ STOCK_OUTPUT: set[tuple] = set()  # (device, dtype, mode, shape) whose opt-in ou
 
 
 def bound(dtype: torch.dtype, made_from_output: bool) -> float:
-    """The documented bound of every kind (README, "Exactness"; docs/design.md, "Spot checks"), in the
+    """The documented bound of every kind (docs/kinds.md, "Kinds and exactness"; docs/design.md, "Spot checks"), in the
     kind's units (:func:`error_units`): :data:`TOLERANCE`, or with ``made_from_output`` (the kind was made from what a
     model-dtype output call brought, its lse or sums) :data:`OUTPUT_MAPS_TOLERANCE`, half an ulp at 1 in a
     16-bit model."""

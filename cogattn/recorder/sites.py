@@ -149,7 +149,7 @@ class Transformers:
                     raise ValueError(
                         f"context parallelism (ulysses_degree={degrees[0]}, ring_degree={degrees[1]}) gives each "
                         "process a slice of every attention's queries and keys; cogattn records unsharded "
-                        "attention only: record without enable_parallelism (README, 'Works with')."
+                        "attention only: record without enable_parallelism (docs/works-with.md)."
                     )
 
     def restore(self) -> None:

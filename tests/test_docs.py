@@ -1,0 +1,227 @@
+"""Every snippet of the README and the documentation pages runs as written: each page's Python blocks in order
+(as a reader pastes them, from a fresh interpreter, the shared set-up a page includes expanded), every command of
+the bash blocks, and the dry-run output shown."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+import cogattn.models
+from cogattn.dump import main
+
+ROOT = Path(__file__).parents[1]
+PAGES = {
+    path.relative_to(ROOT).as_posix(): path.read_text()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+}
+INCLUDE = re.compile(r'^--8<-- "([^"]+)"$', re.M)  # pymdownx.snippets: a file of the repository, in place
+# Commands that need a real checkpoint or a GPU: the test runs them as dry runs (the same config checks,
+# no weights); `bash .ci/run` is this suite.
+DRY_ONLY = {
+    "python scripts/dump_maps.py configs/cogvideox-5b.yaml --set num_inference_steps=30 --set capture.steps=[0,15,29] "
+    "--set capture.layers=[0,20,41]",
+    "accelerate launch scripts/dump_maps.py configs/cogvideox-5b.yaml",
+}
+# Pages of a family this diffusers may lack: the module that is None without it
+NEEDS = {
+    "docs/models/wan.md": "wan",
+    "docs/models/hunyuan-video.md": "hunyuan_video",
+    "docs/models/hunyuan-video-1-5.md": "hunyuan_video15",
+}
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    blocks = re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+    return [INCLUDE.sub(lambda m: (ROOT / m.group(1)).read_text(), block) for block in blocks]
+
+
+def _commands() -> list[str]:
+    lines = [
+        line.split("#")[0].strip()
+        for text in PAGES.values()
+        for block in _blocks(text, "bash")
+        for line in block.splitlines()
+    ]
+    return sorted({line for line in lines if line})
+
+
+def test_the_pages_python_snippets_include_only_files_that_exist():
+    included = {m.group(1) for text in PAGES.values() for m in INCLUDE.finditer(text)}
+    assert included and all((ROOT / name).is_file() for name in included)
+
+
+def _check_readme(scope, tmp_path):
+    rec = scope["rec"]
+    assert tuple(rec.get("frame", step=1, layer=0).shape) == (1, 1, 4, 4) and rec.batch_roles == ("cond",)
+    assert (tmp_path / "fox.png").stat().st_size > 0
+
+
+def _check_getting_started(scope, tmp_path):
+    rec, video = scope["rec"], scope["video"]
+    assert tuple(rec.get("frame", step=0, layer=1).shape) == (1, 1, 4, 4)
+    assert rec.timesteps == [999.0, 749.0, 499.0, 249.0] and rec.status == "finished"
+    assert (rec.layout.text_len, rec.layout.grid) == (8, (3, 3, 5))
+    assert rec.layout.token_index(2, 1, 4) == 8 + (2 * 3 + 1) * 5 + 4
+    assert tuple(video.shape) == (9, 3, 48, 80)  # one video of 9 frames
+
+
+def _check_streaming(scope, tmp_path):
+    run = scope["run"]
+    assert (run.status, run.info) == ("finished", {"prompt": "a red fox running in the snow", "seed": 0})
+    assert run.timesteps == [999.0, 749.0, 499.0, 249.0] and run.layout.grid == (3, 3, 5)
+    assert torch.equal(run.get("video_to_text", 3, 1, index=(0, 0, 3)), run.get("video_to_text", 3, 1)[0, 0, 3])
+
+
+def _check_costs(scope, tmp_path):
+    plan = scope["plan"]
+    assert f"{plan.record_bytes:,}" == "33,318,919,200" and plan.tiles.method == "sdpa"
+
+
+def _check_plots(scope, tmp_path):
+    assert (tmp_path / "fox.gif").stat().st_size > 0
+
+
+def _check_statistics(scope, tmp_path):  # what the comments say
+    stats = scope["stats"]
+    assert tuple(stats.get("block", step=3, layer=1).shape) == (1, 2, 7, 7)
+    assert torch.allclose(stats.get("received", step=3, layer=1).sum(-1), torch.tensor(53.0))
+    assert round(scope["mask"].float().mean().item(), 3) == 0.673
+    assert tuple(scope["near"].get("offset", step=3, layer=1).shape) == (1, 2, 5, 5, 9)
+    assert tuple(scope["dense"].get("top_p", step=3, layer=1).shape) == (1, 2, 53, 3)
+    assert tuple(scope["sparse"].get("pattern_error", step=3, layer=1).shape) == (1, 2, 2)
+
+
+def _check_tracks(scope, tmp_path):
+    assert scope["t"].positions.tolist() == [[2, 4], [0, 0], [1, 3]]
+
+
+def _check_cogvideox(scope, tmp_path):
+    assert scope["plan"].layout.grid == (11, 48, 85) and scope["plan"].layout.seq_len == 45106
+
+
+def _check_hunyuan_video(scope, tmp_path):  # the comments of the HunyuanVideo page
+    hv = scope["hv_rec"]
+    assert (hv.layout.text_len, hv.layout.grid, hv.layout.text_position) == (12, (3, 2, 3), "end")
+    assert hv.layer_names[:3] == (
+        "transformer_blocks.0.attn",
+        "transformer_blocks.1.attn",
+        "single_transformer_blocks.0.attn",
+    )
+    assert tuple(hv.get("video_to_text", step=0, layer=3).shape) == (2, 1, 12, 3, 2, 3)
+    assert hv.get("received", step=0, layer=3)[1, 0, hv.layout.text_tokens][3:].abs().max() == 0
+
+
+def _check_hunyuan_video15(scope, tmp_path):
+    hv15 = scope["hv15_rec"]
+    assert (hv15.layout.text_len, hv15.batch_roles) == (40, ("uncond", "cond"))
+    assert tuple(hv15.get("video_to_text", step=0, layer=1).shape) == (2, 1, 40, 3, 2, 3)
+
+
+def _check_wan(scope, tmp_path):
+    wan_rec = scope["wan_rec"]
+    assert tuple(wan_rec.get("video_to_text", step=0, layer=1).shape) == (1, 1, 512, 3, 2, 3)
+    assert (tmp_path / "wan_words.png").stat().st_size > 0
+
+
+# The pages with Python snippets, each with what its comments promise
+CHECKS = {
+    "README.md": _check_readme,
+    "docs/getting-started.md": _check_getting_started,
+    "docs/streaming.md": _check_streaming,
+    "docs/costs.md": _check_costs,
+    "docs/plots.md": _check_plots,
+    "docs/statistics.md": _check_statistics,
+    "docs/tracks.md": _check_tracks,
+    "docs/models/cogvideox.md": _check_cogvideox,
+    "docs/models/hunyuan-video.md": _check_hunyuan_video,
+    "docs/models/hunyuan-video-1-5.md": _check_hunyuan_video15,
+    "docs/models/wan.md": _check_wan,
+}
+
+
+def test_every_page_with_python_snippets_has_its_checks():
+    assert {page for page, text in PAGES.items() if _blocks(text, "python")} == set(CHECKS)
+
+
+@pytest.mark.parametrize("page", list(CHECKS))
+def test_a_page_s_python_snippets_run_in_order_and_say_what_they_print(page, tmp_path, monkeypatch):
+    if page in NEEDS and getattr(cogattn.models, NEEDS[page]) is None:
+        pytest.skip(f"{page}: this diffusers lacks the family")
+    monkeypatch.chdir(tmp_path)  # the snippets write runs/fox, fox.gif and figures where they run
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    scope: dict = {}
+    for number, code in enumerate(_blocks(PAGES[page], "python"), 1):
+        exec(compile(code, f"{page}, Python block {number}", "exec"), scope)
+    CHECKS[page](scope, tmp_path)
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_every_command_runs(command, tmp_path, monkeypatch, capsys):
+    if command == "bash .ci/run":
+        return  # this suite
+    if command in ("python scripts/dump_maps.py", "python -m cogattn.selftest"):
+        return  # the same run as another command here: the README's first one (scripts/dev.sh), or with --json
+    if command == "bash scripts/dev.sh python scripts/dump_maps.py":
+        return  # tests/test_cli.py's default run is this script on the tiny default; .ci/run runs it installed
+    if command.startswith("pip install -e"):  # the extras named exist
+        import tomllib
+
+        extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        assert set(re.findall(r"\[(.*)\]", command)[0].split(",")) <= set(extras)
+        return
+    if command.startswith("mkdocs "):
+        return  # .ci/run builds the site (mkdocs build --strict) with the docs extra
+    if "wan" in command and cogattn.models.wan is None:
+        pytest.skip("cogattn has no Wan support with this diffusers (WanAttention came with 0.35)")
+    if "hunyuan" in command and cogattn.models.hunyuan_video is None:
+        pytest.skip("cogattn has no HunyuanVideo support with this diffusers (it needs 0.33)")
+    if command.startswith("python -m cogattn.selftest"):
+        # tests/test_selftest.py runs it (--quick, with --json), .ci/run's plain stage every family's quick rows
+        assert shlex.split(command)[3:] == ["--json", "selftest.json"]
+        return
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if command.startswith("cogattn view"):  # on a quick run of the tiny default
+        from cogattn.view import ViewServer
+        from cogattn.view import main as view
+
+        runs = tmp_path / "runs" / "tiny"
+        assert main(["--set", f"save_dir={runs}", "--set", "num_inference_steps=1", "--set", "previews=false"]) == 0
+        words = [str(runs), *shlex.split(command)[3:]]
+        if "--export" in words:
+            words[words.index("--export") + 1] = str(tmp_path / "report.html")
+            assert view(words) == 0 and (tmp_path / "report.html").stat().st_size > 0
+        else:  # it serves until Ctrl-C: start it and stop it
+            server = ViewServer(runs)
+            assert len(server.runs) == 3 and server.url.startswith("http://127.0.0.1:")
+            server.httpd.server_close()
+        return
+    words = shlex.split(command.removeprefix("bash scripts/dev.sh "))
+    words = words[words.index("scripts/dump_maps.py") + 1 :]
+    if command in DRY_ONLY:
+        words.append("--dry-run")
+    else:
+        tiny = words[:1] in ([], ["--dry-run"]) or words[0].startswith("configs/tiny")  # the tiny random models
+        assert tiny or "--dry-run" in words, f"{command!r} needs a checkpoint: add it to DRY_ONLY"
+    if words and words[0].startswith("configs/tiny-"):  # the families' previews are tests/test_plot_wan.py's
+        words += ["--set", "previews=false"]
+    code = main([*words, "--set", f"save_dir={tmp_path / 'runs'}"])
+    assert code == 0, capsys.readouterr().err
+    if "--dry-run" not in words:  # every prompt of the config's prompts file written
+        from cogattn.dump.config import load_config
+        from cogattn.dump.prompts import read_prompts
+
+        prompts = len(read_prompts(load_config(ROOT / words[0] if words else None)))
+        assert prompts and len(list((tmp_path / "runs").glob("*/prompt.json"))) == prompts
+
+
+def test_the_dry_run_output_shown_is_what_it_prints(monkeypatch, capsys):
+    (shown,) = [b for b in _blocks(PAGES["docs/batch.md"], "text") if b.startswith("$ python scripts/dump_maps.py")]
+    command, *expected = shown.rstrip("\n").splitlines()
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(shlex.split(command.removeprefix("$ python scripts/dump_maps.py "))) == 0
+    assert capsys.readouterr().out.rstrip("\n").splitlines() == expected
