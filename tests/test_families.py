@@ -381,6 +381,17 @@ def _hunyuan_video_i2v_call(pipe, g, guided):
     )
 
 
+def _helios_call(pipe, g, guided):
+    """Wan's text (512 tokens) at 66 frames of 32×48: two chunks of 9 latent frames (9×2×3 patches each), each after
+    18 history tokens (short 12, mid 2, long 4), the history's keys scaled per head."""
+    return {**_wan_call(pipe, g, guided), "num_frames": 66}
+
+
+def _helios_i2v_call(pipe, g, guided):
+    """Helios's call with an image per video: its latent leads the short history."""
+    return {**_helios_call(pipe, g, guided), "image": _frames(g, 2)}
+
+
 CASES = {
     "cogvideox": Case(
         lambda: cogvideox.tiny_pipeline(num_heads=3),
@@ -608,6 +619,19 @@ CASES = {
         7,
         released=("alibaba-pai/EasyAnimateV5.1-12b-zh", dict(num_frames=49, height=512, width=512), 256 + 13 * 32 * 32),
     ),
+    "helios": Case(
+        lambda: FAMILY["helios"].tiny_pipeline(num_heads=3),
+        _helios_call,
+        512,
+        # a chunk at 384×640: 9·24·40 window tokens after 1,920 + 240 + 240 history tokens
+        released=("BestWishYsh/Helios-Distilled", dict(num_frames=132, height=384, width=640), 8640 + 2400),
+    ),
+    "helios_i2v": Case(
+        lambda: FAMILY["helios"].tiny_pipeline("image-to-video", num_heads=3),
+        _helios_i2v_call,
+        512,
+        family="helios",
+    ),
 }
 FAMILY = {spec.family: spec for spec in FAMILIES}
 MODES = [("rows", "stock"), ("sdpa", "stock"), ("sdpa", "lse"), ("auto", "joint")]
@@ -630,6 +654,7 @@ ROWS_ONLY = {
     "ltx_condition": "ltx_video",
     "cosmos_t2v": "cosmos",
     "cosmos_v2w": "cosmos",
+    "helios_i2v": "helios",
 }
 
 

@@ -20,20 +20,12 @@ __all__ = ["ContextReducer", "VideoToImageReducer", "context_pass", "CONTEXT_RED
 
 class ContextReducer(Reducer):
     """``video_to_text`` of a cross-attention: ``(B, H, T, F, Hp, Wp)``, ``P[video query (f, y, x), text
-    key t]`` with the softmax over the text keys."""
+    key t]`` with the softmax over the text keys; the queries are the grid's (a video token off the grid, a
+    history latent's, has no (f, y, x): its row is no part of the kind)."""
 
     kind = "video_to_text"
     dims = ("text token", "latent frame", "patch row", "patch column")
     source = "text"
-
-    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
-        super().__init__(layout, num_heads, mean_heads, **sizes)
-        if layout.history_len:
-            raise ValueError(
-                f"kind {self.kind!r} places each video query at (frame, row, col), but {layout.history_len} video "
-                "tokens of this layout are off the latent grid (LTX-Video's conditions after frame 0, FramePack's "
-                "history); record it without them."
-            )
 
     @property
     def context_len(self) -> int:
@@ -43,8 +35,8 @@ class ContextReducer(Reducer):
         return (num_batch, self.out_heads, self.context_len, *self.layout.grid)
 
     def fold_rows(self, out, h0, r0, probs):
-        """``probs`` ``(h, r, C)``: the rows of video queries ``r0 … r0 + r − 1``."""
-        flat = out.view(self.out_heads, self.context_len, self.layout.video_len)
+        """``probs`` ``(h, r, C)``: the rows of the grid's queries ``r0 … r0 + r − 1``."""
+        flat = out.view(self.out_heads, self.context_len, self.layout.video_len - self.layout.history_len)
         self._accumulate(flat[:, :, r0 : r0 + probs.shape[1]], h0, probs.transpose(1, 2))
 
 
@@ -78,7 +70,7 @@ def context_pass(
     reducer.
 
     Args:
-        query (`torch.Tensor`): video queries ``(B, H, V, D)``.
+        query (`torch.Tensor`): the grid's video queries ``(B, H, V, D)``.
         key (`torch.Tensor`): context keys ``(B, H, C, D)``.
         items: batch items of ``query`` to compute.
         reducers (`list[ContextReducer]`): the kinds of this context.

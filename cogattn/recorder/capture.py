@@ -230,16 +230,20 @@ class Capture:
         self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str, bias: torch.Tensor | None = None
     ) -> None:
         """Compute the cross-attention kinds of ``context`` (``"text"`` or ``"image"``) for ``layer`` from
-        the video queries ``query`` ``(B, H, V, D)`` and the context keys ``key`` ``(B, H, C, D)``, with the
+        the video queries ``query`` ``(B, H, V, D)`` (the grid's, or every video token's: the history's, off the
+        grid, are left out) and the context keys ``key`` ``(B, H, C, D)``, with the
         key mask ``bias`` ``(B, C)`` added to the scores (:func:`cogattn.recorder.processor.context_bias`)."""
         reducers = [r for r in self.plan.context if r.source == context]
         if not reducers:
             return
         layout, res = self.plan.layout, self.plan.resolved
-        if query.shape[2] != layout.video_len or key.shape[2] != reducers[0].context_len:
+        grid = layout.video_len - layout.history_len
+        if layout.history_len and query.shape[2] == layout.video_len:  # history queries: no (f, y, x), left out
+            query = query[:, :, layout.history_len :]
+        if query.shape[2] != grid or key.shape[2] != reducers[0].context_len:
             raise RuntimeError(
                 f"the cross-attention has {query.shape[2]} queries and {key.shape[2]} {context} keys, but the "
-                f"layout {layout} of this generation says {layout.video_len} and {reducers[0].context_len}; the "
+                f"layout {layout} of this generation says {grid} and {reducers[0].context_len}; the "
                 f"{context} kinds need the same {context} length in every call (prompt_embeds and "
                 "negative_prompt_embeds of one length)."
             )
