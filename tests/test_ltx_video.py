@@ -9,6 +9,7 @@ from reference import AttentionSpy, spy_probs
 
 import cogattn
 from cogattn.recorder.processor import context_bias
+from cogattn.reference import naive_context
 
 ltx_video = pytest.importorskip("cogattn.models.ltx_video", reason="this diffusers lacks LTX-Video (it needs 0.35)")
 
@@ -57,7 +58,8 @@ def test_the_cross_attention_mask_is_one_bias_per_item():
 
 def test_a_condition_after_frame_0_is_recorded_off_the_grid_exactly(monkeypatch):
     """An image at frame 0 and one at frame 8: the second's latent frame leads the sequence (6 tokens off the
-    grid); every token's row is exact, the video bit-identical, and the kinds that need the grid say why not."""
+    grid); every token's row is exact, video_to_text holds the grid's queries, the video bit-identical, and the kinds
+    that need every token on the grid say why not."""
     from diffusers import LTXConditionPipeline
     from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition
 
@@ -83,7 +85,7 @@ def test_a_condition_after_frame_0_is_recorded_off_the_grid_exactly(monkeypatch)
     finally:
         spy.remove()
         monkeypatch.undo()
-    with cogattn.record(pipe, kinds=("full", "received"), batch="all", heads="all") as rec:
+    with cogattn.record(pipe, kinds=("full", "received", "video_to_text"), batch="all", heads="all") as rec:
         got = generate()
     assert torch.equal(got, stock)
     assert rec.layout.history_len == 6 and rec.layout.grid == (3, 2, 3) and rec.layout.seq_len == 24
@@ -94,6 +96,11 @@ def test_a_condition_after_frame_0_is_recorded_off_the_grid_exactly(monkeypatch)
             assert (P @ v.double() - out.double()).abs().max().item() < 1e-5  # the reference is the model's
             assert (rec.get("full", step, layer).double() - P).abs().max().item() < 1e-5
             assert (rec.get("received", step, layer).double() - P.sum(-2)).abs().max().item() < 1e-5
-    for kind in ("video_to_text", "frame_max"):
-        with pytest.raises(ValueError, match="off the latent grid"), cogattn.record(pipe, kinds=(kind,)):
-            generate()
+            # the cross-attention's rows of the grid's queries: the condition's, off the grid, are no part of it
+            ((q, k, v, mask, out),) = calls[(layer, "context")]
+            P = spy_probs(q, k, mask)
+            assert (P @ v.double() - out.double()).abs().max().item() < 1e-5
+            want = naive_context(P[:, :, 6:], (3, 2, 3))
+            assert (rec.get("video_to_text", step, layer).double() - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="off the latent grid"), cogattn.record(pipe, kinds=("frame_max",)):
+        generate()

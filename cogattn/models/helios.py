@@ -301,6 +301,16 @@ def tiny_transformer(
     return cast(model, dtype)
 
 
+def _tiny_scheduler(pyramid: bool):
+    """``HeliosScheduler`` shifting its sigmas by the sequence's length, as the pipelines ask: one stage, or the
+    pyramid's three (``gamma`` 1/4: the stages' renoising draws from a covariance positive definite in float32)."""
+    from diffusers import HeliosScheduler
+
+    if not pyramid:
+        return HeliosScheduler(stages=1, stage_range=[0, 1], use_dynamic_shifting=True)
+    return HeliosScheduler(stages=3, stage_range=[0, 1 / 3, 2 / 3, 1], gamma=0.25, use_dynamic_shifting=True)
+
+
 def tiny_pipeline(
     task: str = "text-to-video",
     *,
@@ -326,7 +336,7 @@ def tiny_pipeline(
         size: ``num_layers``, ``num_heads``, ``head_dim``, ``amplify_history``, ``guidance_cross_attn`` of the
             transformer (:func:`tiny_transformer`).
     """
-    from diffusers import AutoencoderKLWan, HeliosPipeline, HeliosPyramidPipeline, HeliosScheduler
+    from diffusers import AutoencoderKLWan, HeliosPipeline, HeliosPyramidPipeline
 
     if task not in ("text-to-video", "image-to-video"):
         raise ValueError(f"task={task!r}; choose 'text-to-video' or 'image-to-video'.")
@@ -339,12 +349,7 @@ def tiny_pipeline(
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_text_encoder(seed, dtype),
         vae=cast(vae, dtype),
-        # the base model's one stage, or the pyramid's three, with the pipelines' shift by sequence length
-        scheduler=HeliosScheduler(
-            stages=3 if pyramid else 1,
-            stage_range=[0, 1 / 3, 2 / 3, 1] if pyramid else [0, 1],
-            use_dynamic_shifting=True,
-        ),
+        scheduler=_tiny_scheduler(pyramid),
         transformer=tiny_transformer(dtype=dtype, seed=seed, **size),
     )
     pipe = (HeliosPyramidPipeline if pyramid else HeliosPipeline)(**parts)

@@ -195,7 +195,7 @@ class StepTracker:
         what, why = "another video", "ChronoEdit drops its temporal-reasoning frames part-way"
         if self.off_grid is not None:
             what = f"window {self.window} of {self.num_windows}, of the latent grid {self.off_grid},"
-            why = "a long video's last window may hold fewer latent frames"
+            why = "a long video's last window may hold fewer latent frames, a pyramid's next stage more pixels"
         return (
             f"the pipeline went on with {what} after {self.describe()} ({why}); the recording holds those steps, "
             "and later ones are not recorded."
