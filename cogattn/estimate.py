@@ -57,11 +57,11 @@ class Estimate:
 
     def table(self) -> str:
         lay = self.layout
-        video = f"{lay.frames}×{lay.height}×{lay.width} video tokens, S = {lay.seq_len:,}"
+        grid = f"{lay.frames}×{lay.height}×{lay.width}"
+        grid = f"{lay.history_len} history + {grid}" if lay.history_len else grid  # FramePack's, Helios's history
+        video = f"{grid} video tokens, S = {lay.seq_len:,}"
         if lay.text_position == "end":  # HunyuanVideo: one joint sequence, the text after the video
-            layout = (
-                f"layout: {lay.frames}×{lay.height}×{lay.width} video + {lay.text_len} text tokens, S = {lay.seq_len:,}"
-            )
+            layout = f"layout: {grid} video + {lay.text_len} text tokens, S = {lay.seq_len:,}"
         elif lay.text_len or not lay.context_len:  # CogVideoX: one joint sequence
             layout = f"layout: {lay.text_len} text + {video}"
         else:  # Wan: the video alone, and the context of the cross-attention
@@ -140,17 +140,19 @@ def estimate(
     layout = spec.layout_for_video(cfg, num_frames, height, width, text_len)
     guidance = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}[spec.guidance_argument] > 1
     model = ModelShape(num_layers, num_heads, int(cfg["attention_head_dim"]), dtype)
+    # a call made in windows (Helios's chunks) runs the loop once per window, its steps numbered on
+    num_steps = num_inference_steps * (spec.call_windows(num_frames) if spec.call_windows else 1)
     plan = plan_capture(
         options,
         model,
         layout,
         batch_size=2 if guidance else 1,
         guidance=guidance,
-        num_steps=num_inference_steps,
+        num_steps=num_steps,
         device=device,
         sources=spec.context_kinds,
         calls_per_step=spec.guidance_calls if guidance else 1,
         check_host=False,  # the run's host is not this one: the table reports them
     )
-    records = [(k, shape, b, n * num_prompts) for k, shape, b, n in plan.records(num_inference_steps)]
+    records = [(k, shape, b, n * num_prompts) for k, shape, b, n in plan.records(num_steps)]
     return Estimate(plan, records)

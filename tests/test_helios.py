@@ -176,3 +176,17 @@ def test_the_pyramid_records_the_first_stage_and_warns_at_the_next(monkeypatch):
             cond, uncond = (calls[2 * step + c][(layer, "self")][0] for c in (0, 1))
             want = torch.cat([spy_probs(*uncond[:2], None), spy_probs(*cond[:2], None)])
             assert (rec.get("full", step, layer).double() - want).abs().max() <= 1e-5
+
+
+def test_a_released_checkpoint_is_planned_offline_with_every_chunk_s_steps():
+    """Helios-Base at 384×640, 129 frames: four chunks of 9 latent frames, each of 50 steps after 2,400 history
+    tokens; the plan counts the steps of every chunk, numbered on (200)."""
+    est = cogattn.estimate(
+        "BestWishYsh/Helios-Base", num_frames=129, height=384, width=640, num_inference_steps=50,
+        kinds=("entropy", "video_to_text"), steps="all", dtype="bfloat16",
+    )  # fmt: skip
+    lay = est.layout
+    assert (lay.history_len, lay.grid, lay.seq_len, lay.context_len) == (2400, (9, 24, 40), 11040, 512)
+    assert {kind: n for kind, _, _, n in est.records} == {"entropy": 4 * 50 * 40, "video_to_text": 4 * 50 * 40}
+    assert "layout: 2400 history + 9×24×40 video tokens, S = 11,040; cross-attention to 512 text tokens" in est.table()
+    assert helios.chunks(33) == 1 and helios.chunks(34) == 2 and helios.chunks(132) == 4

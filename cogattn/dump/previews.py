@@ -74,7 +74,8 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
     video attends to most. ``frame_max`` gives ``track.png`` (the track of the centre of latent frame 0,
     :func:`cogattn.plot.track_figure`) and ``motion.png`` (the motion field from latent frame 0 to 1,
     :func:`cogattn.plot.motion_figure`), each of one map: the last recorded step, the middle recorded layer,
-    the head mean (or the first recorded head). Under Wan 2.2 A14B's two experts each average is one expert's:
+    the head mean (or the first recorded head). A video made in windows (Helios's chunks) has the previews of its
+    first window: that window's steps, over its frames. Under Wan 2.2 A14B's two experts each average is one expert's:
     ``frame_transformer.png`` and ``frame_transformer_2.png``, ``track_transformer.png``, and so on.
 
     Args:
@@ -92,6 +93,10 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     kinds = {k for k, _, _ in run.keys()}
+    first = None  # a video made in windows (Helios's chunks): previews of the first window, over its frames
+    if any(run.windows):
+        first = {step for step, window in enumerate(run.windows) if window == 0}
+        video = video[: run.layout.decoded_frames()[0]]
     text = dict(tokenizer=tokenizer, prompt=prompt)
     draw = {
         "frame": lambda s: plot.frame_heatmap(run, steps=s, num_pixel_frames=len(video)),
@@ -110,7 +115,9 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
     figures = {}
     for kind, figure in draw.items():
         if kind in kinds:
-            figures.update({name: figure(steps) for name, steps in _per_expert(run, kind).items()})
+            groups = _per_expert(run, kind).items()
+            groups = [(name, [s for s in steps if first is None or s in first]) for name, steps in groups]
+            figures.update({name: figure(steps) for name, steps in groups if steps})
     if "frame_max" in kinds:
         figures.update(_correspondence(run, video))
     if kinds & {"frame", "query_frame", "entropy", "received"}:  # one step: no average over steps

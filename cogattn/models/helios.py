@@ -34,8 +34,10 @@ first, as Wan's.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 
@@ -83,6 +85,7 @@ __all__ = [
     "KNOWN",
     "HeliosAttnMapProcessor",
     "TEXT_LEN",
+    "chunks",
     "history_tokens",
     "layout_for_video",
     "read_call",
@@ -233,6 +236,26 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         temporal_compression=VAE_TEMPORAL,
         history_len=history_tokens(tuple((n, latent_height, latent_width) for n in HISTORY_FRAMES), patch),
     )
+
+
+def chunks(num_frames: int) -> int:
+    """The chunks of a pipeline call for ``num_frames`` frames with the pipelines' 9 latent frames a chunk
+    (``ModelSpec.call_windows``): ⌈num_frames / 33⌉, each a denoising loop of ``num_inference_steps``."""
+    per_chunk = (CHUNK - 1) * VAE_TEMPORAL + 1
+    return max(1, -(-int(num_frames) // per_chunk))
+
+
+def call_rules(cfg, config: dict) -> None:
+    """The batch tool's Helios rule (``ModelSpec.call_rules``): a checkpoint made for ``HeliosPyramidPipeline`` (its
+    ``model_index.json`` names it; offline, ``Helios-Distilled``) is refused: the batch tool runs ``HeliosPipeline``,
+    and a recording of the pyramid holds its first stage only."""
+    index = Path(cfg.model) / "model_index.json"
+    name = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else cfg.model
+    if "Pyramid" in name or "Helios-Distilled" in name:
+        raise ValueError(
+            f"model: {cfg.model} is a pyramid checkpoint; the batch tool runs HeliosPipeline only: record "
+            "HeliosPyramidPipeline from Python with cogattn.record (a recording holds the first stage of the first chunk)."
+        )
 
 
 def window(pipeline) -> tuple[int, int] | None:
@@ -414,5 +437,7 @@ SPEC = ModelSpec(
     title="Helios",
     frame_counts="33, 66, 99, 132, ... (chunks of 33)",
     pipelines={"text-to-video": "HeliosPipeline", "image-to-video": "HeliosPipeline"},
+    call_rules=call_rules,
     window=window,
+    call_windows=chunks,
 )

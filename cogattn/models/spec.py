@@ -169,6 +169,9 @@ class ModelSpec:
         window (`Callable | None`): ``pipeline`` → ``(index, count)`` of the window running in its call, where
             the pipeline makes a long video in windows, each a denoising loop of its own (SkyReels-V2's
             diffusion forcing); `None` outside such a call.
+        call_windows (`Callable | None`): ``num_frames`` → the windows a pipeline call for that many frames makes,
+            each a denoising loop of ``num_inference_steps`` on the same grid (Helios's chunks), for plans made
+            offline (``estimate`` counts their steps); left out: one.
     """
 
     family: str
@@ -203,6 +206,7 @@ class ModelSpec:
     batch_refusal: str = ""
     prompt_text: Callable | None = None
     window: Callable | None = None
+    call_windows: Callable | None = None
 
     def __post_init__(self):
         if not self.title:

@@ -139,7 +139,7 @@ def token_figure(source: MapSource, values, video, kind: str, labels: tuple[str,
     """
     layout = source.layout
     T = layout.text_len
-    grid = values[layout.video_tokens].reshape(layout.grid)
+    grid = values[layout.grid_tokens].reshape(layout.grid)  # a history token (FramePack's, Helios's) has no place
     pixels, panels, ranges = _video_panels(layout, video, None, style["num_pixel_frames"])
     if pixels is None:
         arrays = [grid[f].numpy() for _, f in panels]
