@@ -392,6 +392,12 @@ def _helios_i2v_call(pipe, g, guided):
     return {**_helios_call(pipe, g, guided), "image": _frames(g, 2)}
 
 
+def _helios_v2v_call(pipe, g, guided):
+    """Helios's call for one video continuing a video of 33 frames: its latents are the history."""
+    call = _one_video_call(pipe, g, guided)
+    return {**call, "num_frames": 66, "video": _frames(g, 33)}
+
+
 CASES = {
     "cogvideox": Case(
         lambda: cogvideox.tiny_pipeline(num_heads=3),
@@ -624,13 +630,20 @@ CASES = {
         _helios_call,
         512,
         # a chunk at 384×640: 9·24·40 window tokens after 1,920 + 240 + 240 history tokens
-        released=("BestWishYsh/Helios-Distilled", dict(num_frames=132, height=384, width=640), 8640 + 2400),
+        released=("BestWishYsh/Helios-Base", dict(num_frames=129, height=384, width=640), 8640 + 2400),
     ),
     "helios_i2v": Case(
         lambda: FAMILY["helios"].tiny_pipeline("image-to-video", num_heads=3),
         _helios_i2v_call,
         512,
         family="helios",
+    ),
+    "helios_v2v": Case(
+        lambda: FAMILY["helios"].tiny_pipeline(num_heads=3),
+        _helios_v2v_call,
+        512,
+        family="helios",
+        videos=1,
     ),
 }
 FAMILY = {spec.family: spec for spec in FAMILIES}
@@ -655,6 +668,7 @@ ROWS_ONLY = {
     "cosmos_t2v": "cosmos",
     "cosmos_v2w": "cosmos",
     "helios_i2v": "helios",
+    "helios_v2v": "helios",
 }
 
 
