@@ -955,9 +955,10 @@ def test_layer_names_select_layers(pipes, family):
     assert rec.layer_names == names and sorted({layer for _, _, layer in rec.keys()}) == [0, len(names) - 1]
 
 
-# a family with a cross-attention, one with per-item key counts, one with its text last; every family's quick rows
-# run in .ci/run's plain-install stage (python -m cogattn.selftest --quick --strict)
-@pytest.mark.parametrize("family", ["wan", "mochi", "hunyuan_video"])
+# a family with a cross-attention, one with per-item key counts, one with its text last, one with history tokens
+# made in chunks; every family's quick rows run in .ci/run's plain-install stage (python -m cogattn.selftest --quick
+# --strict)
+@pytest.mark.parametrize("family", ["wan", "mochi", "hunyuan_video", "helios"])
 def test_the_selftest_checks_the_family_and_catches_a_wrong_map(family, monkeypatch):
     """``python -m cogattn.selftest`` records every kind of the family's tiny pipelines with every method
     against the reference of the q and k (and key counts) its processors handed over; a self-attention map
