@@ -1,0 +1,305 @@
+"""LTX-2's attentions on its tiny pipelines (``cogattn.models._ltx2``, ``cogattn.models._ltx2_tiny``): the reference
+of each of a block's six attentions is proved from the module's own call, and the map processors are diffusers' own.
+
+During a stock run a spy catches every ``dispatch_attention_fn`` call inside each attention module (q, k, v, mask)
+and the module's input and output. The naive float64 ``softmax(q kᵀ / √D + mask)`` times v must reproduce the
+call's output, and, with the module's per-head gate ``2·sigmoid(to_gate_logits(x))`` and ``to_out`` applied in
+float64, the module's output: so the probabilities the maps will hold are the model's, gates and all. The map
+processors must leave the video and the audio bit-identical and hand over exactly the q, k and key bias the model
+attended with, each attention under its own source.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ltx2 = pytest.importorskip("cogattn.models._ltx2", reason="this diffusers lacks LTX-2")
+from cogattn.models import _ltx2_tiny  # noqa: E402  (after the skip: it needs the same diffusers)
+
+SOURCES = ltx2.SOURCES
+TOL = 1e-5
+
+
+class Spy:
+    """Every attention call of the six attentions of each block: ``calls[n][(layer, attr)]`` is ``(x, context, q,
+    k, v, mask, out, module_out)`` of transformer call ``n``: the module's inputs and output, and the attention
+    call's q, k, v and out ``(B, H, S, D)`` and mask, as diffusers' processor made them (`None` where it made no
+    attention call)."""
+
+    def __init__(self, transformer, monkeypatch, owner):
+        self.calls: list[dict] = []
+        self.where = None
+        self.handles = [transformer.register_forward_pre_hook(lambda *a: self.calls.append({}))]
+        for i, block in enumerate(transformer.transformer_blocks):
+            for attr in SOURCES:
+                module = getattr(block, attr)
+                self.handles.append(module.register_forward_pre_hook(self._enter(i, attr), with_kwargs=True))
+                self.handles.append(module.register_forward_hook(self._leave))
+        real = owner.dispatch_attention_fn
+
+        def spy(query, key, value, attn_mask=None, **kwargs):
+            out = real(query, key, value, attn_mask=attn_mask, **kwargs)
+            if self.where is not None:
+                q, k, v, o = (t.transpose(1, 2).clone() for t in (query, key, value, out))
+                mask = None if attn_mask is None else attn_mask.clone()
+                self.calls[-1][self.where[0]] = [*self.where[1], q, k, v, mask, o]
+            return out
+
+        monkeypatch.setattr(owner, "dispatch_attention_fn", spy)
+
+    def _enter(self, layer, attr):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            context = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+            self.where = ((layer, attr), [x.clone(), None if context is None else context.clone()])
+
+        return hook
+
+    def _leave(self, module, args, output):
+        key, inputs = self.where  # a module whose attention call was skipped (perturbed by STG) has no q, k, v
+        self.calls[-1].setdefault(key, [*inputs, None, None, None, None, None]).append(output.clone())
+        self.where = None
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+class Sink:
+    """A `MapSink` that keeps what the map processors hand over: ``(layer, source, q, k, bias)`` in call order."""
+
+    wants_value = False
+
+    def __init__(self, transformer, active=lambda: True):
+        self.layers = {id(getattr(b, a)): i for i, b in enumerate(transformer.transformer_blocks) for a in SOURCES}
+        self.active, self.seen = active, []
+
+    def layer_to_capture(self, attn):
+        return self.layers[id(attn)] if self.active() else None
+
+    def attention(self, *args):
+        return None
+
+    def capture(self, layer, q, k, lse, sums, key_counts=None, query_counts=None, mask=None, value=None):
+        self.seen.append((layer, "self", q.clone(), k.clone(), None))
+
+    def capture_context(self, layer, q, k, context, bias=None):
+        self.seen.append((layer, context, q.clone(), k.clone(), None if bias is None else bias.clone()))
+
+
+def _run(pipe, task="text-to-video", guided=True, **extra):
+    g = torch.Generator().manual_seed(0)
+    call = {**_ltx2_tiny.tiny_call(pipe, task, g, guided), "output_type": "pt", **extra}
+    return pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(1))
+
+
+def _stock(pipe, monkeypatch, **kwargs):
+    from diffusers.models.transformers import transformer_ltx2
+
+    spy = Spy(pipe.transformer, monkeypatch, transformer_ltx2)
+    try:
+        out = _run(pipe, **kwargs)
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    return out, spy.calls
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    made = {}
+
+    def get(task="text-to-video", **size):
+        key = (task, tuple(sorted(size.items())))
+        if key not in made:
+            made[key] = _ltx2_tiny.tiny_pipeline(task, **size)
+        return made[key]
+
+    return get
+
+
+def _linear64(layer, x):
+    return torch.nn.functional.linear(x, layer.weight.double(), None if layer.bias is None else layer.bias.double())
+
+
+def _check(blocks, layer, attr, record, lengths):
+    """The float64 reference of one spied call ``record``: its P·V is the attention call's output, and with the
+    gate and ``to_out`` the module's; ``lengths``: the (queries, keys) of each attention. Returns P."""
+    x, context, q, k, v, mask, out, module_out = record
+    attn = getattr(blocks[layer], attr)
+    heads, dim = attn.heads, attn.head_dim
+    B = q.shape[0]
+    assert q.shape == (B, heads, lengths[attr][0], dim) and k.shape == (B, heads, lengths[attr][1], dim), attr
+    assert context is None if attr.endswith("attn1") else context.shape[1] == lengths[attr][1]
+    scores = q.double() @ k.double().transpose(-1, -2) / dim**0.5
+    if attr in ("attn2", "audio_attn2"):  # the text's key bias, 0 or −10000, the same for every head
+        assert mask.shape == (B, heads, 1, lengths[attr][1]) and torch.equal(mask, mask[:, :1].expand_as(mask))
+        scores = scores + mask.double()
+    else:
+        assert mask is None, attr
+    P = scores.softmax(-1)
+    attended = P @ v.double()
+    assert (attended - out.double()).abs().max().item() < TOL, (layer, attr)
+    # the module's output: each head's output times its gate, then to_out, from the module's own input
+    gates = 2.0 * torch.sigmoid(_linear64(attn.to_gate_logits, x.double()))  # (B, S, H)
+    assert (gates - 1).abs().max().item() > 0.1  # random gates: one left out would show
+    y = _linear64(attn.to_out[0], (attended.transpose(1, 2) * gates[..., None]).flatten(2))
+    err = (y - module_out.double()).abs().max().item()
+    assert err < TOL * max(1.0, module_out.abs().max().item()), (layer, attr, err)
+    return P
+
+
+def _lengths(V, A, T):
+    """(queries, keys) of each attention of a call of V video tokens, A audio bins and T text tokens."""
+    return {
+        "attn1": (V, V),
+        "audio_attn1": (A, A),
+        "attn2": (V, T),
+        "audio_attn2": (A, T),
+        "audio_to_video_attn": (V, A),
+        "video_to_audio_attn": (A, V),
+    }
+
+
+@pytest.mark.parametrize("task", ["text-to-video", "image-to-video"])
+def test_each_attention_is_its_float64_softmax_times_v_then_the_gate_and_output(pipes, task, monkeypatch):
+    pipe = pipes(task)
+    _, calls = _stock(pipe, monkeypatch, task=task)
+    blocks = pipe.transformer.transformer_blocks
+    lengths = _lengths(3 * 2 * 4, 18, _ltx2_tiny.TEXT_LEN)  # the tiny call's video tokens, audio bins, text
+    assert len(calls) == 2 and all(len(c) == len(blocks) * len(SOURCES) for c in calls)  # one call a step, guided
+    for call in calls:
+        for (layer, attr), record in call.items():
+            _check(blocks, layer, attr, record, lengths)
+            if attr in ("attn2", "audio_attn2"):  # the registers fill the padding: every text key kept
+                assert not record[5].any(), record[5]
+
+
+def _direct_call(transformer, text_mask=None):
+    """A transformer call of its own (1 latent frame of 2 × 3, 5 audio bins, 4 text tokens), with ``text_mask`` as
+    the text's key mask ``(1, 4)``."""
+    g = torch.Generator().manual_seed(0)
+    width = transformer.config.caption_channels
+    return dict(
+        hidden_states=torch.randn(1, 6, transformer.config.in_channels, generator=g),
+        audio_hidden_states=torch.randn(1, 5, transformer.config.audio_in_channels, generator=g),
+        encoder_hidden_states=torch.randn(1, 4, width, generator=g),
+        audio_encoder_hidden_states=torch.randn(1, 4, width, generator=g),
+        timestep=torch.tensor([500.0]),
+        encoder_attention_mask=text_mask,
+        audio_encoder_attention_mask=text_mask,
+        num_frames=1,
+        height=2,
+        width=3,
+        audio_num_frames=5,
+    )
+
+
+def test_a_text_key_mask_is_added_as_the_model_adds_it_and_handed_over(pipes, monkeypatch):
+    from diffusers.models.transformers import transformer_ltx2
+
+    transformer = pipes().transformer
+    blocks = transformer.transformer_blocks
+    inputs = _direct_call(transformer, text_mask=torch.tensor([[0, 1, 1, 0]]))
+    spy = Spy(transformer, monkeypatch, transformer_ltx2)
+    try:
+        stock = transformer(**inputs, return_dict=False)
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    (call,) = spy.calls
+    for (layer, attr), record in call.items():
+        P = _check(blocks, layer, attr, record, _lengths(6, 5, 4))
+        if attr in ("attn2", "audio_attn2"):
+            assert torch.equal(record[5][0, 0, 0], torch.tensor([-10000.0, 0.0, 0.0, -10000.0]))
+            assert bool((P[..., [0, 3]] == 0).all())  # a masked text key: exactly 0
+    sink = Sink(transformer)
+    saved = _install(transformer, sink)
+    try:
+        mapped = transformer(**inputs, return_dict=False)
+    finally:
+        _restore(transformer, saved)
+    assert all(torch.equal(a, b) for a, b in zip(mapped, stock))
+    for ((layer, attr), record), (got_layer, source, q, k, bias) in zip(call.items(), sink.seen, strict=True):
+        assert (got_layer, source) == (layer, SOURCES[attr]) and torch.equal(q, record[2]) and torch.equal(k, record[3])
+        mask = record[5]
+        assert (bias is None) if mask is None else torch.equal(bias, mask[:, 0, 0].float()), (layer, attr)
+
+
+def _install(transformer, sink):
+    stock = {}
+    for name, proc in ltx2.map_processors(transformer, sink).items():
+        module = transformer.get_submodule(name)
+        stock[name] = module.processor
+        module.set_processor(proc)
+    return stock
+
+
+def _restore(transformer, stock):
+    for name, proc in stock.items():
+        transformer.get_submodule(name).set_processor(proc)
+
+
+def test_map_processors_keep_the_output_and_hand_over_the_models_q_k_and_bias(pipes, monkeypatch):
+    pipe = pipes()
+    stock, calls = _stock(pipe, monkeypatch)
+    sink = Sink(pipe.transformer)
+    saved = _install(pipe.transformer, sink)
+    try:
+        mapped = _run(pipe)
+    finally:
+        _restore(pipe.transformer, saved)
+    assert torch.equal(mapped.frames, stock.frames) and torch.equal(mapped.audio, stock.audio)
+    expected = [(key, got) for call in calls for key, got in call.items()]  # in the model's call order
+    assert len(sink.seen) == len(expected) == 2 * 2 * len(SOURCES)
+    for ((layer, attr), spied), (got_layer, source, q, k, bias) in zip(expected, sink.seen):
+        assert (got_layer, source) == (layer, SOURCES[attr])
+        assert torch.equal(q, spied[2]) and torch.equal(k, spied[3]), (layer, attr)
+        mask = spied[5]
+        assert (bias is None) if mask is None else torch.equal(bias, mask[:, 0, 0].float()), (layer, attr)
+
+
+def test_a_perturbed_call_is_not_captured_and_the_output_is_stock(pipes, monkeypatch):
+    pipe = pipes(perturbed=True)
+    stg = dict(stg_scale=1.0, audio_stg_scale=1.0, spatio_temporal_guidance_blocks=[1])
+    stock, calls = _stock(pipe, monkeypatch, **stg)
+    assert len(calls) == 4  # the guidance call and the STG call, each step
+    perturbed = []
+    pipe.transformer.register_forward_pre_hook(  # the pipeline's STG calls name the blocks they perturb
+        lambda m, a, kw: perturbed.append(bool(kw.get("spatio_temporal_guidance_blocks"))), with_kwargs=True
+    )
+    sink = Sink(pipe.transformer, active=lambda: not perturbed[-1])
+    saved = _install(pipe.transformer, sink)
+    try:
+        mapped = _run(pipe, **stg)
+        assert torch.equal(mapped.frames, stock.frames) and torch.equal(mapped.audio, stock.audio)
+        unperturbed = [(key, got) for call, p in zip(calls, perturbed) if not p for key, got in call.items()]
+        assert perturbed == [False, True, False, True] and len(sink.seen) == len(unperturbed)
+        for (_, spied), (_, _, q, k, _) in zip(unperturbed, sink.seen):
+            assert torch.equal(q, spied[2]) and torch.equal(k, spied[3])
+        sink.active = lambda: True  # a sink that would capture the STG call too
+        with pytest.raises(ValueError, match="perturbed by spatio-temporal guidance"):
+            _run(pipe, **stg)
+    finally:
+        _restore(pipe.transformer, saved)
+        pipe.transformer._forward_pre_hooks.clear()
+
+
+def test_refusals(pipes):
+    transformer = pipes().transformer
+    sink = Sink(transformer)
+    with pytest.raises(ValueError, match="source='audio_to_video'"):
+        ltx2.LTX2AttnMapProcessor(sink, "audio_to_video")
+    saved = _install(transformer, sink)
+    try:
+        with pytest.raises(TypeError, match="runs a LTX2AttnMapProcessor"):
+            ltx2.map_processors(transformer, sink)
+        inputs = _direct_call(transformer)
+        inputs["video_self_attention_mask"] = torch.ones(1, 6, 6).tril()  # IC-LoRA's kind of mask
+        with pytest.raises(ValueError, match="IC-LoRA"):
+            transformer(**inputs)
+        inputs["video_self_attention_mask"] = None
+        transformer(**inputs)  # the same call without the mask runs
+    finally:
+        _restore(transformer, saved)
