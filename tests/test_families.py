@@ -292,6 +292,26 @@ def _ltx_condition_call(pipe, g, guided):
     return {**call, "conditions": [LTXVideoCondition(image=_frames(g, 1, 64, 96)[0], frame_index=0)]}
 
 
+def _ltx2_call(pipe, g, guided):
+    """Two videos of 8 text tokens (Gemma's hidden states, left-padded: the prompts keep their last 5 and 8, the
+    negatives 3 and 6; the connectors' registers fill the padding, so every key is kept), 17 frames of 64×128 (3 × 2
+    × 4 latent pixels) and 18 audio bins, classifier-free guidance alone (one transformer call per step)."""
+    from cogattn.models._ltx2_tiny import tiny_call
+
+    call = tiny_call(pipe, "text-to-video", g, guided)
+    emb = torch.randn(2, *call["prompt_embeds"].shape[1:], generator=g)
+    position = torch.arange(emb.shape[1])
+
+    def keep(*counts):
+        return torch.stack([(position >= emb.shape[1] - n).long() for n in counts])
+
+    call.update(prompt_embeds=emb, prompt_attention_mask=keep(5, 8), negative_prompt_embeds=-emb)
+    call.update(negative_prompt_attention_mask=keep(3, 6))
+    if "image" in inspect.signature(pipe.__call__).parameters:  # image-to-video: an image per video
+        call.update(image=_frames(g, 2, 64, 128), image_crf=0)
+    return call
+
+
 def _allegro_call(pipe, g, guided):
     """LTX-Video's text (the cross-attention's key mask: the prompts keep 6 and 3 of 6 tokens) at 12 frames of 32×48:
     3 latent frames of 2×3 patches (the VAE packs 4 frames from frame 0)."""
@@ -584,6 +604,20 @@ CASES = {
         family="ltx_video",
         videos=1,
     ),
+    "ltx2": Case(
+        lambda: FAMILY["ltx2"].tiny_pipeline(num_heads=3, head_dim=12),
+        _ltx2_call,
+        8,
+        skip=("video_to_image",),
+        released=("Lightricks/LTX-2", dict(num_frames=121, height=512, width=768), 16 * 16 * 24),
+    ),
+    "ltx2_i2v": Case(
+        lambda: FAMILY["ltx2"].tiny_pipeline("image-to-video", num_heads=3, head_dim=12),
+        _ltx2_call,
+        8,
+        skip=("video_to_image",),
+        family="ltx2",
+    ),
     "allegro": Case(
         lambda: FAMILY["allegro"].tiny_pipeline(num_heads=3),
         _allegro_call,
@@ -665,6 +699,7 @@ ROWS_ONLY = {
     "hunyuan_video15_i2v": "hunyuan_video15",
     "ltx_video_i2v": "ltx_video",
     "ltx_condition": "ltx_video",
+    "ltx2_i2v": "ltx2",
     "cosmos_t2v": "cosmos",
     "cosmos_v2w": "cosmos",
     "helios_i2v": "helios",

@@ -1,4 +1,4 @@
-"""LTX-2's attentions on its tiny pipelines (``cogattn.models._ltx2``, ``cogattn.models._ltx2_tiny``): the reference
+"""LTX-2's attentions on its tiny pipelines (``cogattn.models._ltx2_attention``, ``cogattn.models._ltx2_tiny``): the reference
 of each of a block's six attentions is proved from the module's own call, and the map processors are diffusers' own.
 
 During a stock run a spy catches every ``dispatch_attention_fn`` call inside each attention module (q, k, v, mask)
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-ltx2 = pytest.importorskip("cogattn.models._ltx2", reason="this diffusers lacks LTX-2")
+ltx2 = pytest.importorskip("cogattn.models._ltx2_attention", reason="this diffusers lacks LTX-2")
 from cogattn.models import _ltx2_tiny  # noqa: E402  (after the skip: it needs the same diffusers)
 
 SOURCES = ltx2.SOURCES
@@ -303,3 +303,48 @@ def test_refusals(pipes):
         transformer(**inputs)  # the same call without the mask runs
     finally:
         _restore(transformer, saved)
+
+
+def test_a_recording_keeps_each_step_s_guidance_call_and_leaves_the_perturbed_calls_out(pipes, monkeypatch):
+    """The pipeline's defaults add a spatio-temporal guidance call and a modality-isolation call after each step's
+    guidance call, at the same timestep: the recording's steps are the guidance calls', its maps theirs."""
+    import cogattn
+
+    pipe = pipes()
+    extra = dict(stg_scale=1.0, audio_stg_scale=1.0, modality_scale=3.0, audio_modality_scale=3.0)
+    extra["spatio_temporal_guidance_blocks"] = [1]
+    stock, calls = _stock(pipe, monkeypatch, **extra)
+    assert len(calls) == 6  # each step: the guidance call (2 items), then STG's and modality isolation's (1 each)
+    with cogattn.record(pipe, kinds=("full", "video_to_text"), batch="all", heads="all") as rec:
+        got = _run(pipe, **extra)
+    assert torch.equal(got.frames, stock.frames) and torch.equal(got.audio, stock.audio)
+    assert len(rec.timesteps) == 2 and rec.batch_items == (0, 1)
+    for step in range(2):
+        for layer in range(2):
+            q, k = calls[3 * step][(layer, "attn1")][2:4]
+            P = (q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5).softmax(-1)
+            assert (rec.get("full", step, layer).double() - P).abs().max().item() < TOL
+            q, k = calls[3 * step][(layer, "attn2")][2:4]
+            P = (q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5).softmax(-1)  # (B, H, V, T)
+            want = P.transpose(-1, -2).reshape(*P.shape[:2], P.shape[-1], *rec.layout.grid)
+            assert (rec.get("video_to_text", step, layer).double() - want).abs().max().item() < TOL
+
+
+def test_a_call_is_read_as_the_video_grid_alone_and_the_perturbed_calls_are_named():
+    from cogattn.models import ltx2 as family
+
+    config = {"patch_size": 1, "patch_size_t": 1, "vae_scale_factors": [8, 32, 32]}
+    call = dict(hidden_states=torch.zeros(2, 24, 4), encoder_hidden_states=torch.zeros(2, 8, 16))
+    call.update(timestep=torch.tensor([900.0, 900.0]), num_frames=3, height=2, width=4)
+    layout, batch, t, _ = family.read_call(config, (), call)
+    assert (layout.grid, layout.text_len, layout.context_len, layout.temporal_compression) == ((3, 2, 4), 0, 8, 8)
+    assert (batch, float(t)) == (2, 900.0)
+    assert layout == family.layout_for_video(config, 17, 64, 128, 8)
+    call["timestep"] = torch.tensor([[0.0] * 8 + [900.0] * 16] * 2)  # image-to-video: 0 on the image's frame
+    assert float(family.read_call(config, (), call)[2]) == 900.0
+    call["hidden_states"] = torch.zeros(2, 24 + 8, 4)  # a keyframe condition's tokens appended after the grid
+    with pytest.raises(ValueError, match="has 32 video tokens, but its grid \\(3, 2, 4\\) holds 24"):
+        family.read_call(config, (), call)
+    assert family.extra_call((), dict(spatio_temporal_guidance_blocks=[28])) == "spatio-temporal guidance"
+    assert family.extra_call((), dict(isolate_modalities=True)) == "modality isolation"
+    assert family.extra_call((), dict(spatio_temporal_guidance_blocks=None, isolate_modalities=False)) is None

@@ -111,6 +111,10 @@ def test_labels_are_the_tokens_of_the_transformer_s_text(spec):
     length = {"max_sequence_length": 24} if takes_length else {}
     ids = _transformer_ids(pipe, seen, **length)
     T = len(ids)
+    if spec.family == "ltx2":  # Gemma pads on the left; the connectors' registers move the valid tokens first
+        pad = pipe.tokenizer.pad_token_id
+        ids = [i for i in ids if i != pad] + [i for i in ids if i == pad]
+        assert ids[0] != pad and ids[-1] == pad  # a prompt shorter than T: the reordering shows
     labels = words.text_tokens(pipe, PROMPT, T)
     assert labels == pipe.tokenizer.convert_ids_to_tokens(ids)
     fox = labels.index("fox")

@@ -32,7 +32,7 @@ def tiny_transformer(
     num_heads: int = 2,
     head_dim: int = 8,
     audio_heads: int = 2,
-    audio_head_dim: int = 4,
+    audio_head_dim: int | None = None,
     gated: bool = True,
     perturbed: bool = False,
     dtype: torch.dtype = torch.float32,
@@ -40,7 +40,10 @@ def tiny_transformer(
 ):
     """A random ``LTX2VideoTransformer3DModel``: ``num_layers`` audio-video blocks, patch size 1, video heads
     ``num_heads`` × ``head_dim``, audio heads ``audio_heads`` × ``audio_head_dim`` (the cross-modal attentions'
-    too), text width ``TEXT_DIM``, split RoPE, per-head output gates on both streams where ``gated``.
+    too), text width ``TEXT_DIM``, split RoPE, per-head output gates on both streams where ``gated``. The
+    cross-modal RoPE splits the audio width by the *video* heads (diffusers' ``cross_attn_rope``), so ``num_heads``
+    must divide ``audio_heads · audio_head_dim / 2``: ``audio_head_dim`` left out is the least even width from 4
+    that does (4 for 2 video heads, 6 for 3).
 
     Args:
         num_layers, num_heads, head_dim, audio_heads, audio_head_dim (`int`): transformer size.
@@ -52,6 +55,8 @@ def tiny_transformer(
     """
     from diffusers import LTX2VideoTransformer3DModel
 
+    if audio_head_dim is None:
+        audio_head_dim = next(d for d in range(4, 4 + 2 * num_heads + 1, 2) if (audio_heads * d // 2) % num_heads == 0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LTX2VideoTransformer3DModel(

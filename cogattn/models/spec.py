@@ -172,6 +172,9 @@ class ModelSpec:
         call_windows (`Callable | None`): ``num_frames`` → the windows a pipeline call for that many frames makes,
             each a denoising loop of ``num_inference_steps`` on the same grid (Helios's chunks), for plans made
             offline (``estimate`` counts their steps); left out: one.
+        extra_call (`Callable | None`): ``(args, kwargs)`` of a transformer call → what perturbs the model in it
+            (LTX-2's spatio-temporal guidance and modality-isolation calls, made after each step's guidance call), or
+            `None` for a call of the model itself; a perturbed call is left out, as a guider's.
     """
 
     family: str
@@ -207,6 +210,7 @@ class ModelSpec:
     prompt_text: Callable | None = None
     window: Callable | None = None
     call_windows: Callable | None = None
+    extra_call: Callable | None = None
 
     def __post_init__(self):
         if not self.title:

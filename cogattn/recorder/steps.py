@@ -105,10 +105,13 @@ class StepTracker:
         another latent grid or batch: nothing changes, and nothing after it is a step of this generation),
         or ``"another"`` (a new generation; nothing changes).
         A modular pipeline's guider (:class:`cogattn.recorder.guiders.Branches`) may add calls for which it perturbs
-        the model (skip-layer guidance): ``"extra"``, nothing changes and the call is not captured.
+        the model (skip-layer guidance), and a pipeline its own (the family's ``extra_call``: LTX-2's spatio-temporal
+        guidance): ``"extra"``, nothing changes and the call is not captured.
         Raises `RuntimeError` for another call at the timestep of the step before, which is not a
         denoising step of its own."""
         self.left_out = self.branches.perturbed(module, expert) if self.branches else None
+        if self.left_out is None and self.spec.extra_call is not None:  # a pipeline's own perturbed call (LTX-2)
+            self.left_out = self.spec.extra_call(args, kwargs)
         if self.left_out is not None and self.timesteps:
             return "extra"
         layout, batch_size, time, device = self.spec.read_call(module.config, args, kwargs)

@@ -1,6 +1,6 @@
 """LTX-2's map processors: diffusers' ``LTX2AudioVideoAttnProcessor`` and ``LTX2PerturbedAttnProcessor`` line for
-line, plus the lines that hand each attention's q and k to a recording (not yet a registered family: the audio
-attentions' kinds and the layout's audio axis come first).
+line, plus the lines that hand each attention's q and k to a recording (:mod:`cogattn.models.ltx2` installs them
+on the video's two attentions; the audio stream's four keep the stock processor until their kinds exist).
 
 Each LTX-2 block has six ``LTX2Attention`` modules, one processor class for all of them: the video self-attention
 (``attn1``, 3-D RoPE), the audio self-attention (``audio_attn1``, 1-D RoPE over time), a cross-attention from each
@@ -9,7 +9,9 @@ cross-modal attentions, video queries over audio keys (``audio_to_video_attn``) 
 (``video_to_audio_attn``), both with the audio heads and a RoPE of time alone on each side. A module's per-head
 output gate (``to_gate_logits``, ``2·sigmoid``) scales each head's output after P·V: the probabilities are the
 softmax's. The processor hands q and k of each to the sink by its :data:`SOURCES` name: the video self-attention to
-``capture`` (the self-attention kinds), the others to ``capture_context`` with their source and key bias.
+``capture`` (the self-attention kinds; the opt-in output call makes its output), the others to ``capture_context``
+with their source and key bias. A processor told no source reads it from the call: the video self-attention without
+a context, else the video's text cross-attention (the two a recording installs it on).
 """
 
 from __future__ import annotations
@@ -39,20 +41,27 @@ SOURCES = {
 }
 
 
-def _hand_over(sink: MapSink, source: str, layer: int, query, key, value, mask, batch_size):
-    """Hand one captured call's q and k ``(B, S, H, D)`` (as the processor has them) to ``sink`` by ``source``;
-    ``mask`` the call's ``(B, H, Q, K)`` additive mask, as the processor passes it on."""
-    q, k = query.transpose(1, 2), key.transpose(1, 2)  # (B, H, S, D), as the recording takes them
+def _source(processor, layer: int | None, cross: bool, mask) -> str:
+    """The source of a call (the processor's, else read from the call); refuses a captured video self-attention
+    under a mask."""
+    source = processor.source or ("text" if cross else "self")
+    if source == "self" and mask is not None and layer is not None:
+        # IC-LoRA's reference tokens: −10000·(1 − strength), a bias, not 0 / −inf
+        raise ValueError(
+            "cogattn does not yet capture LTX-2's video self-attention under an attention mask (IC-LoRA's "
+            "conditioning_attention_strength < 1 or conditioning_attention_mask); record without them."
+        )
+    return source
+
+
+def _capture(sink: MapSink, source: str, layer: int, q, key, value, lse, sums, mask) -> None:
+    """Hand a captured call's ``q`` ``(B, H, S, D)`` and ``key``, ``value`` ``(B, S, H, D)`` to ``sink`` by
+    ``source``, with the lse and sums of the opt-in output call and the call's additive mask ``(B, H, Q, K)``."""
     if source == "self":
-        if mask is not None:  # IC-LoRA's reference tokens: −10000·(1 − strength), a bias, not 0 / −inf
-            raise ValueError(
-                "cogattn does not yet capture LTX-2's video self-attention under an attention mask (IC-LoRA's "
-                "conditioning_attention_strength < 1 or conditioning_attention_mask); record without them."
-            )
         v = value.transpose(1, 2) if sink.wants_value else None
-        sink.capture(layer, q, k, None, None, value=v)
+        sink.capture(layer, q, key.transpose(1, 2), lse, sums, value=v)
     else:
-        sink.capture_context(layer, q, k, source, context_bias(mask, batch_size, key.shape[1]))
+        sink.capture_context(layer, q, key.transpose(1, 2), source, context_bias(mask, q.shape[0], key.shape[1]))
 
 
 class LTX2AttnMapProcessor:
@@ -61,14 +70,15 @@ class LTX2AttnMapProcessor:
 
     Args:
         sink (`MapSink`): where maps go.
-        source (`str`, defaults to ``"self"``): which attention the module is (a value of :data:`SOURCES`).
+        source (`str | None`): which attention the module is (a value of :data:`SOURCES`); `None`: read from the
+            call (the video's self-attention without a context, else its text cross-attention).
     """
 
     _attention_backend = None
     _parallel_config = None
 
-    def __init__(self, sink: MapSink, source: str = "self"):
-        if source not in SOURCES.values():
+    def __init__(self, sink: MapSink, source: str | None = None):
+        if source is not None and source not in SOURCES.values():
             raise ValueError(f"source={source!r}; an LTX-2 attention is one of {sorted(set(SOURCES.values()))}.")
         self.sink, self.source = sink, source
 
@@ -81,6 +91,7 @@ class LTX2AttnMapProcessor:
         query_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         key_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        cross = encoder_hidden_states is not None
         batch_size, sequence_length, _ = (
             hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
         )
@@ -118,18 +129,30 @@ class LTX2AttnMapProcessor:
         value = value.unflatten(2, (attn.heads, -1))
 
         layer = self.sink.layer_to_capture(attn)
-        if layer is not None:
-            _hand_over(self.sink, self.source, layer, query, key, value, attention_mask, batch_size)
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
+        source = _source(self, layer, cross, attention_mask)
+        q = None if layer is None else query.transpose(1, 2)  # (B, H, S, D), as the recording takes them
+        fused = (  # the opt-in output call: the video self-attention (it takes no mask)
+            None
+            if layer is None or source != "self"
+            else self.sink.attention(layer, q, key.transpose(1, 2), value.transpose(1, 2))
         )
+        if fused is None:
+            hidden_states = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+            lse = sums = None
+        else:
+            hidden_states, lse, sums = fused
+            hidden_states = hidden_states.transpose(1, 2)
+        if layer is not None:
+            _capture(self.sink, source, layer, q, key, value, lse, sums, attention_mask)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
 
@@ -152,14 +175,15 @@ class LTX2PerturbedAttnMapProcessor:
 
     Args:
         sink (`MapSink`): where maps go.
-        source (`str`, defaults to ``"self"``): which attention the module is (a value of :data:`SOURCES`).
+        source (`str | None`): which attention the module is (a value of :data:`SOURCES`); `None`: read from the
+            call (the video's self-attention without a context, else its text cross-attention).
     """
 
     _attention_backend = None
     _parallel_config = None
 
-    def __init__(self, sink: MapSink, source: str = "self"):
-        if source not in SOURCES.values():
+    def __init__(self, sink: MapSink, source: str | None = None):
+        if source is not None and source not in SOURCES.values():
             raise ValueError(f"source={source!r}; an LTX-2 attention is one of {sorted(set(SOURCES.values()))}.")
         self.sink, self.source = sink, source
 
@@ -174,6 +198,7 @@ class LTX2PerturbedAttnMapProcessor:
         perturbation_mask: torch.Tensor | None = None,
         all_perturbed: bool | None = None,
     ) -> torch.Tensor:
+        cross = encoder_hidden_states is not None
         batch_size, sequence_length, _ = (
             hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
         )
@@ -225,18 +250,30 @@ class LTX2PerturbedAttnMapProcessor:
             key = key.unflatten(2, (attn.heads, -1))
             value = value.unflatten(2, (attn.heads, -1))
 
-            if layer is not None:
-                _hand_over(self.sink, self.source, layer, query, key, value, attention_mask, batch_size)
-            hidden_states = dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
+            source = _source(self, layer, cross, attention_mask)
+            q = None if layer is None else query.transpose(1, 2)  # (B, H, S, D), as the recording takes them
+            fused = (  # the opt-in output call: the video self-attention (it takes no mask)
+                None
+                if layer is None or source != "self"
+                else self.sink.attention(layer, q, key.transpose(1, 2), value.transpose(1, 2))
             )
+            if fused is None:
+                hidden_states = dispatch_attention_fn(
+                    query,
+                    key,
+                    value,
+                    attn_mask=attention_mask,
+                    dropout_p=0.0,
+                    is_causal=False,
+                    backend=self._attention_backend,
+                    parallel_config=self._parallel_config,
+                )
+                lse = sums = None
+            else:
+                hidden_states, lse, sums = fused
+                hidden_states = hidden_states.transpose(1, 2)
+            if layer is not None:
+                _capture(self.sink, source, layer, q, key, value, lse, sums, attention_mask)
             hidden_states = hidden_states.flatten(2, 3)
             hidden_states = hidden_states.to(query.dtype)
 

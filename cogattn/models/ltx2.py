@@ -1,0 +1,179 @@
+"""LTX-2: the family's facts, its call reading and its tiny pipelines (docs/design.md, "The model seam").
+
+Each LTX-2 block runs six attentions (``cogattn.models._ltx2_attention``): the video's self-attention (``attn1``) and
+cross-attention to its text (``attn2``), which a recording captures as LTX-Video's (the self-attention kinds with no
+text in the sequence, and ``video_to_text`` with the text's key bias added as the model adds it), and the audio
+stream's four (its self-attention, its text cross-attention, and the audio ↔ video cross-attentions), which run
+stock: their kinds and the layout's audio axis are the next step. The per-head output gates act after P·V, so the
+maps are the softmax's.
+
+The video sequence is the packed latents, one token per latent pixel (patch size 1), its grid from the call's
+``num_frames``, ``height`` and ``width`` (latent sizes); the VAE compresses 32 × 32 pixels and 8 frames after the
+first (``vae_scale_factors`` of the transformer's config). The text is the connectors' output: each prompt's valid
+tokens first, then learnable registers, every key kept. A step makes one guidance call (``[uncond..., cond...]``
+under guidance), then, with the pipeline's defaults, a spatio-temporal guidance call and a modality-isolation call
+for the conditional items: those perturb the model and are left out (:func:`extra_call`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import TokenLayout
+from .prompt_text import PromptText, kept, tokenize
+from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
+
+# Attention shapes of the released checkpoints (diffusers' defaults, the 19B model), for plans made offline.
+_LTX2 = {
+    "_class_name": "LTX2VideoTransformer3DModel",
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "in_channels": 128,
+    "num_layers": 48,
+    "num_attention_heads": 32,
+    "attention_head_dim": 128,
+    "cross_attention_dim": 4096,
+    "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64,
+    "vae_scale_factors": [8, 32, 32],
+}
+KNOWN: dict[str, dict] = {"Lightricks/LTX-2": _LTX2}
+
+try:
+    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
+
+    from ._ltx2_attention import PROCESSORS
+    from ._ltx2_tiny import tiny_call, tiny_pipeline, tiny_transformer
+except ImportError as missing:
+    needs = "LTX-2 needs a diffusers with LTX2VideoTransformer3DModel and LTX2PerturbedAttnProcessor (0.42 has them)"
+    raise Unavailable("ltx2", needs, ("LTX2VideoTransformer3DModel",), (), KNOWN) from missing
+
+__all__ = ["SPEC", "KNOWN", "TEXT_LEN", "extra_call", "layout_for_video", "read_call"]
+
+TEXT_LEN = 1024  # text tokens of the pipelines' calls (max_sequence_length)
+
+
+def _vae_factors(config) -> tuple[int, int]:
+    """``(temporal, spatial)`` compression of the VAE the transformer's positions assume (``vae_scale_factors``)."""
+    factors = config.get("vae_scale_factors") or (8, 32, 32)
+    return int(factors[0]), int(factors[1])
+
+
+def read_call(config, args: tuple, kwargs: dict):
+    """``(layout, batch_size, timestep, device)`` of one ``LTX2VideoTransformer3DModel`` call: packed video latents
+    ``(B, S, C)``, the grid from ``num_frames``, ``height`` and ``width`` (latent sizes), the text of the video's
+    cross-attention ``encoder_hidden_states`` ``(B, T, C)``; image-to-video's timestep per token: its largest."""
+    hidden = call_argument(args, kwargs, 0, "hidden_states")
+    text = call_argument(args, kwargs, 2, "encoder_hidden_states")
+    t = call_argument(args, kwargs, 4, "timestep")
+    frames, height, width = (
+        call_argument(args, kwargs, i, n) for i, n in ((10, "num_frames"), (11, "height"), (12, "width"))
+    )
+    t = StepTime(t) if isinstance(t, torch.Tensor) and t.numel() > 1 else float(t)
+    if None in (frames, height, width):
+        raise ValueError(
+            "cogattn reads LTX-2's grid from the call's num_frames, height and width, as its pipelines pass."
+        )
+    p, p_t = int(config["patch_size"]), int(config["patch_size_t"])
+    grid = (int(frames) // p_t, int(height) // p, int(width) // p)
+    seq_len = hidden.shape[1]
+    if grid[0] * grid[1] * grid[2] != seq_len:
+        raise ValueError(
+            f"this LTX-2 call has {seq_len} video tokens, but its grid {grid} holds {grid[0] * grid[1] * grid[2]}: "
+            "cogattn records LTX-2 calls whose video is the grid alone (tokens appended after it, keyframe conditions "
+            "or IC-LoRA references, come later)."
+        )
+    layout = TokenLayout(
+        text_len=0,
+        frames=grid[0],
+        height=grid[1],
+        width=grid[2],
+        patch_size=p,
+        patch_size_t=p_t if p_t > 1 else None,
+        context_len=int(text.shape[1]),
+        temporal_compression=_vae_factors(config)[0],
+    )
+    return layout, hidden.shape[0], t, hidden.device
+
+
+def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
+    """The layout of an LTX-2 pipeline call: ``(num_frames − 1) // 8 + 1`` latent frames of ``height / 32`` ×
+    ``width / 32`` latent pixels, and ``text_len`` (1024) text tokens in the cross-attention."""
+    p, p_t = int(config.get("patch_size", 1)), int(config.get("patch_size_t", 1))
+    temporal, spatial = _vae_factors(config)
+    return TokenLayout.for_video(
+        num_frames,
+        height,
+        width,
+        0,
+        p,
+        p_t if p_t > 1 else None,
+        spatial_compression=spatial,
+        context_len=text_len or TEXT_LEN,
+        temporal_compression=temporal,
+    )
+
+
+def extra_call(args: tuple, kwargs: dict) -> str | None:
+    """What perturbs the model in an LTX-2 transformer call, `None` for a call of the model itself: the pipelines'
+    spatio-temporal guidance call (``spatio_temporal_guidance_blocks``: those blocks' self-attentions replaced by
+    their values) and modality-isolation call (``isolate_modalities``: no audio ↔ video attention)."""
+    if kwargs.get("spatio_temporal_guidance_blocks"):
+        return "spatio-temporal guidance"
+    if kwargs.get("isolate_modalities"):
+        return "modality isolation"
+    return None
+
+
+def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool = False) -> PromptText:
+    """The transformer's text of ``prompt`` (``ModelSpec.prompt_text``): Gemma's tokenizer on the stripped prompt,
+    left-padded to ``length`` as the pipeline pads it; where the connectors have learnable registers (every release)
+    they move the valid tokens first and fill the rest with registers, which keep the padding's label."""
+    tokenizer, prompt = pipeline.tokenizer, prompt.strip()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        if tokenizer.pad_token is None:  # as the pipeline's _get_gemma_prompt_embeds sets it
+            tokenizer.pad_token = tokenizer.eos_token
+        enc = tokenize(tokenizer, prompt, length, offsets)
+    finally:
+        tokenizer.padding_side = side
+    valid = [i for i, m in enumerate(enc["attention_mask"]) if m]
+    keep = None
+    if getattr(pipeline.connectors.video_connector, "learnable_registers", None) is not None:
+        keep = valid + [i for i in range(len(enc["input_ids"])) if i not in set(valid)]
+    return kept(enc, PromptText([], prompt, (0, len(prompt))), keep)
+
+
+def _guidance(pipeline) -> bool | None:
+    """Whether the running call batches ``[uncond..., cond...]``: either stream's guidance scale above 1."""
+    try:
+        return bool(pipeline.do_classifier_free_guidance)
+    except AttributeError:  # set by the pipeline's call; not there before it
+        return None
+
+
+SPEC = ModelSpec(
+    "ltx2",
+    (LTX2VideoTransformer3DModel,),
+    (Site("transformer_blocks", "attn1", context="attn2"),),
+    {stock: ours for stock, ours in PROCESSORS.items()},
+    read_call,
+    layout_for_video,
+    tiny_pipeline=tiny_pipeline,
+    tiny_transformer=tiny_transformer,
+    tiny_call=tiny_call,
+    tiny_tasks=("text-to-video", "image-to-video"),
+    known=KNOWN,
+    text_len=TEXT_LEN,
+    context_kinds={"video_to_text": "text"},
+    refused={
+        "text_to_video": text_never_queries("LTX-2"),
+        "video_to_image": "LTX-2 has no image attention: an image to animate is the video's first latent frame.",
+    },
+    guidance=_guidance,
+    title="LTX-2",
+    frame_counts="9, 17, ..., 121, ..., 257",
+    pipelines={"text-to-video": "LTX2Pipeline", "image-to-video": "LTX2ImageToVideoPipeline"},
+    extra_call=extra_call,
+    prompt_text=prompt_text,
+)
