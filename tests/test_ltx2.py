@@ -305,12 +305,14 @@ def test_refusals(pipes):
         _restore(transformer, saved)
 
 
-def test_a_recording_keeps_each_step_s_guidance_call_and_leaves_the_perturbed_calls_out(pipes, monkeypatch):
+@pytest.mark.parametrize("perturbed", [False, True])
+def test_a_recording_keeps_each_step_s_guidance_call_and_leaves_the_perturbed_calls_out(pipes, perturbed, monkeypatch):
     """The pipeline's defaults add a spatio-temporal guidance call and a modality-isolation call after each step's
-    guidance call, at the same timestep: the recording's steps are the guidance calls', its maps theirs."""
+    guidance call, at the same timestep: the recording's steps are the guidance calls', its maps theirs (blocks of
+    ``LTX2PerturbedAttnProcessor`` too, whose STG call skips block 1's self-attentions)."""
     import cogattn
 
-    pipe = pipes()
+    pipe = pipes(perturbed=True) if perturbed else pipes()
     extra = dict(stg_scale=1.0, audio_stg_scale=1.0, modality_scale=3.0, audio_modality_scale=3.0)
     extra["spatio_temporal_guidance_blocks"] = [1]
     stock, calls = _stock(pipe, monkeypatch, **extra)
