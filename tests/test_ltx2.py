@@ -350,3 +350,18 @@ def test_a_call_is_read_as_the_video_grid_alone_and_the_perturbed_calls_are_name
     assert family.extra_call((), dict(spatio_temporal_guidance_blocks=[28])) == "spatio-temporal guidance"
     assert family.extra_call((), dict(isolate_modalities=True)) == "modality isolation"
     assert family.extra_call((), dict(spatio_temporal_guidance_blocks=None, isolate_modalities=False)) is None
+
+
+def test_a_layer_name_of_an_audio_attention_is_refused_saying_what_comes(pipes):
+    import cogattn
+
+    pipe = pipes()
+    with pytest.raises(ValueError, match="'transformer_blocks.1.audio_attn1' is LTX-2's audio self-attention, which "
+                       "runs stock: the audio attentions are not recorded yet .* frame_audio and audio_frame"):  # fmt: skip
+        cogattn.Recording(pipe, kinds=("entropy",), layers=["transformer_blocks.1.audio_attn1"])
+    with pytest.raises(ValueError, match="cross-attention from the audio to the video"):
+        cogattn.estimate("Lightricks/LTX-2", num_frames=121, height=512, width=768, num_inference_steps=30,
+                         kinds=("entropy",), layers=["transformer_blocks.0.video_to_audio_attn"])  # fmt: skip
+    rec = cogattn.Recording(pipe, kinds=("entropy",), layers=["transformer_blocks.1.attn1"])
+    assert rec.options.layers == (1,)
+    rec.close()

@@ -144,6 +144,19 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
     return kept(enc, PromptText([], prompt, (0, len(prompt))), keep)
 
 
+# the audio stream's attentions, not recorded yet (a layer is named by its video self-attention)
+_AUDIO = {
+    "audio_attn1": "audio self-attention",
+    "audio_attn2": "audio cross-attention to the text",
+    "audio_to_video_attn": "cross-attention from the video to the audio",
+    "video_to_audio_attn": "cross-attention from the audio to the video",
+}
+_COMING = (
+    "the audio attentions are not recorded yet (their kinds audio, audio_to_text, frame_audio and audio_frame "
+    "come next); name the block by its video self-attention, transformer_blocks.<i>.attn1."
+)
+
+
 def _guidance(pipeline) -> bool | None:
     """Whether the running call batches ``[uncond..., cond...]``: either stream's guidance scale above 1."""
     try:
@@ -176,4 +189,5 @@ SPEC = ModelSpec(
     pipelines={"text-to-video": "LTX2Pipeline", "image-to-video": "LTX2ImageToVideoPipeline"},
     extra_call=extra_call,
     prompt_text=prompt_text,
+    uncaptured={attr: f"{what}, which runs stock: {_COMING}" for attr, what in _AUDIO.items()},
 )

@@ -175,6 +175,8 @@ class ModelSpec:
         extra_call (`Callable | None`): ``(args, kwargs)`` of a transformer call → what perturbs the model in it
             (LTX-2's spatio-temporal guidance and modality-isolation calls, made after each step's guidance call), or
             `None` for a call of the model itself; a perturbed call is left out, as a guider's.
+        uncaptured (`dict[str, str]`): block attributes of attentions the family does not record (yet) → what each
+            is and why, for the refusal of a layer name that names one (LTX-2's audio attentions).
     """
 
     family: str
@@ -211,6 +213,7 @@ class ModelSpec:
     window: Callable | None = None
     call_windows: Callable | None = None
     extra_call: Callable | None = None
+    uncaptured: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.title:
@@ -271,7 +274,12 @@ class ModelSpec:
         return sum(site.count(config) for site in self.sites)
 
     def check_options(self, options) -> None:
-        """Raise `ValueError` for options the family cannot serve (an output call it cannot make)."""
+        """Raise `ValueError` for options the family cannot serve (an output call it cannot make, a layer name of an
+        attention it does not record)."""
+        for name in options.layers if isinstance(options.layers, tuple) else ():
+            blocks, _, attr = name.rpartition(".") if isinstance(name, str) else ("", "", "")
+            if attr in self.uncaptured and any(blocks.rpartition(".")[0] == site.blocks for site in self.sites):
+                raise ValueError(f"layers: {name!r} is {self.title}'s {self.uncaptured[attr]}")
         if options.layer_output != "stock" and not self.output_call:
             raise ValueError(
                 f"layer_output={options.layer_output!r} makes the layer's output call itself, without a mask; "
