@@ -312,6 +312,17 @@ def _ltx2_call(pipe, g, guided):
     return call
 
 
+def _ltx2_condition_call(pipe, g, guided):
+    """LTX2ConditionPipeline: one video conditioned on an image at frame 0 (its latents are the grid's first frame;
+    a condition placed later is appended after the grid, which the family refuses: tests/test_ltx2.py)."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+
+    call = _ltx2_call(pipe, g, guided)
+    for name in ("prompt_embeds", "prompt_attention_mask", "negative_prompt_embeds", "negative_prompt_attention_mask"):
+        call[name] = call[name][:1]
+    return {**call, "conditions": [LTX2VideoCondition(frames=_frames(g, 1, 64, 128)[0], index=0, crf=0)]}
+
+
 def _allegro_call(pipe, g, guided):
     """LTX-Video's text (the cross-attention's key mask: the prompts keep 6 and 3 of 6 tokens) at 12 frames of 32×48:
     3 latent frames of 2×3 patches (the VAE packs 4 frames from frame 0)."""
@@ -618,6 +629,14 @@ CASES = {
         skip=("video_to_image",),
         family="ltx2",
     ),
+    "ltx2_condition": Case(
+        lambda: _with_transformer(FAMILY["ltx2"].tiny_pipeline(num_heads=3, head_dim=12), "LTX2ConditionPipeline"),
+        _ltx2_condition_call,
+        8,
+        skip=("video_to_image",),
+        family="ltx2",
+        videos=1,
+    ),
     "allegro": Case(
         lambda: FAMILY["allegro"].tiny_pipeline(num_heads=3),
         _allegro_call,
@@ -700,6 +719,7 @@ ROWS_ONLY = {
     "ltx_video_i2v": "ltx_video",
     "ltx_condition": "ltx_video",
     "ltx2_i2v": "ltx2",
+    "ltx2_condition": "ltx2",
     "cosmos_t2v": "cosmos",
     "cosmos_v2w": "cosmos",
     "helios_i2v": "helios",

@@ -365,3 +365,23 @@ def test_a_layer_name_of_an_audio_attention_is_refused_saying_what_comes(pipes):
     rec = cogattn.Recording(pipe, kinds=("entropy",), layers=["transformer_blocks.1.attn1"])
     assert rec.options.layers == (1,)
     rec.close()
+
+
+def test_a_condition_placed_after_frame_0_is_refused_in_one_line(pipes):
+    """LTX2ConditionPipeline appends the latents of a condition placed after frame 0 to the video's tokens (a
+    condition at frame 0 is the grid's first frame: tests/test_families.py's ltx2_condition case records it)."""
+    import PIL.Image
+    from diffusers import LTX2ConditionPipeline
+    from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+
+    import cogattn
+
+    pipe = LTX2ConditionPipeline(**pipes().components)
+    pipe.set_progress_bar_config(disable=True)
+    image = PIL.Image.new("RGB", (128, 64), (200, 40, 40))
+    call = _ltx2_tiny.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), True)
+    condition = LTX2VideoCondition(frames=image, index=2, crf=0)
+    with pytest.raises(ValueError, match="has 32 video tokens, but its grid \\(3, 2, 4\\) holds 24") as err:
+        with cogattn.record(pipe, kinds=("frame",)):
+            pipe(conditions=[condition], **call, num_inference_steps=1, output_type="latent")
+    assert "\n" not in str(err.value)
