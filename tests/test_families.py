@@ -427,6 +427,28 @@ def _helios_v2v_call(pipe, g, guided):
     """Helios's call for one video continuing a video of 33 frames: its latents are the history."""
     call = _one_video_call(pipe, g, guided)
     return {**call, "num_frames": 66, "video": _frames(g, 33)}
+def _kandinsky5_call(pipe, g, guided):
+    """Two videos of 6 Qwen text tokens each (the cross-attention attends all of them: no mask), the negatives as
+    many (a step's two calls share the text's length), a CLIP embedding each; image-to-video: an image per video and
+    17 frames (5 latent frames: the pipeline renormalises the first 4 by the next)."""
+    from cogattn.models import _kandinsky5_tiny as tiny
+
+    T, lengths = tiny.TINY_TEXT_LEN, torch.tensor([0, 6, 12], dtype=torch.int32)
+    call = dict(
+        prompt_embeds_qwen=torch.randn(2, T, 16, generator=g),
+        prompt_embeds_clip=torch.randn(2, tiny.CLIP_DIM, generator=g),
+        prompt_cu_seqlens=lengths,
+        negative_prompt_embeds_qwen=torch.randn(2, T, 16, generator=g),
+        negative_prompt_embeds_clip=torch.randn(2, tiny.CLIP_DIM, generator=g),
+        negative_prompt_cu_seqlens=lengths,
+        guidance_scale=5.0 if guided else 1.0,
+        num_frames=9,
+        height=32,
+        width=48,
+    )
+    if "image" in inspect.signature(pipe.__call__).parameters:
+        call.update(image=_frames(g, 2), num_frames=17)  # an image per video
+    return call
 
 
 CASES = {
@@ -672,6 +694,29 @@ CASES = {
         skip=("video_to_image",),
         family="cosmos",
     ),
+    "kandinsky5": Case(
+        lambda: FAMILY["kandinsky5"].tiny_pipeline(num_heads=3),
+        _kandinsky5_call,
+        6,
+        skip=("video_to_image",),
+        released=(  # 121 frames of 512×768: 31 latent frames of 32×48 patches
+            "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers",
+            dict(num_frames=121, height=512, width=768),
+            31 * 32 * 48,
+        ),
+    ),
+    "kandinsky5_i2v": Case(
+        lambda: FAMILY["kandinsky5"].tiny_pipeline("image-to-video", num_heads=3),
+        _kandinsky5_call,
+        6,
+        skip=("video_to_image",),
+        family="kandinsky5",
+        released=(
+            "kandinskylab/Kandinsky-5.0-I2V-Pro-sft-5s-Diffusers",
+            dict(num_frames=121, height=512, width=768),
+            31 * 32 * 48,
+        ),
+    ),
     "easyanimate": Case(
         lambda: FAMILY["easyanimate"].tiny_pipeline(num_heads=3),
         _easyanimate_call,
@@ -724,6 +769,7 @@ ROWS_ONLY = {
     "cosmos_v2w": "cosmos",
     "helios_i2v": "helios",
     "helios_v2v": "helios",
+    "kandinsky5_i2v": "kandinsky5",
 }
 
 

@@ -177,6 +177,9 @@ class ModelSpec:
             `None` for a call of the model itself; a perturbed call is left out, as a guider's.
         uncaptured (`dict[str, str]`): block attributes of attentions the family does not record (yet) → what each
             is and why, for the refusal of a layer name that names one (LTX-2's audio attentions).
+        head_shape (`Callable | None`): ``config`` → ``(heads, head dim)`` of the captured attention, where the
+            transformer's config names them otherwise (Kandinsky 5: ``model_dim`` and ``axes_dims``); left out:
+            its ``num_attention_heads`` and ``attention_head_dim``, and a module's ``heads`` and ``inner_dim``.
     """
 
     family: str
@@ -214,6 +217,7 @@ class ModelSpec:
     call_windows: Callable | None = None
     extra_call: Callable | None = None
     uncaptured: dict[str, str] = field(default_factory=dict)
+    head_shape: Callable | None = None
 
     def __post_init__(self):
         if not self.title:
@@ -236,6 +240,19 @@ class ModelSpec:
         except AttributeError:  # set by the pipeline's call; not there before it
             scale = None
         return bool(scale is not None and scale > 1)
+
+    def attention_shape(self, config: dict) -> tuple[int, int]:
+        """``(heads, head dim)`` of the captured attention of a transformer with ``config``."""
+        if self.head_shape is not None:
+            return self.head_shape(config)
+        return int(config["num_attention_heads"]), int(config["attention_head_dim"])
+
+    def module_shape(self, transformer) -> tuple[int, int]:
+        """``(heads, head dim)`` of ``transformer``'s captured attention modules (the first one's)."""
+        if self.head_shape is not None:
+            return self.head_shape(transformer.config)
+        module = self.attention_modules(transformer)[0]
+        return module.heads, module.inner_dim // module.heads
 
     def matches(self, module) -> bool:
         """Whether ``module`` is a transformer of this family."""

@@ -57,8 +57,8 @@ class Recording:
         self._spec.check_kinds(self.options.kinds)
         self._spec.check_options(self.options)
         modules = self._spec.attention_modules(self.transformer)
-        heads = modules[0].heads
-        self._shape = ModelShape(len(modules), heads, modules[0].inner_dim // heads, self.transformer.dtype)
+        heads, head_dim = self._spec.module_shape(self.transformer)
+        self._shape = ModelShape(len(modules), heads, head_dim, self.transformer.dtype)
         self.layer_names = self._spec.layer_names(self.transformer)
         self.options.check_model(len(modules), heads, self.layer_names)
         self._sources = {k: self._spec.source(k) for k in self.options.kinds}

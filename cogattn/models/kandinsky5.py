@@ -1,0 +1,272 @@
+"""Kandinsky 5.0 Video (text-to-video and image-to-video): the map processor, the family's facts and its tiny
+pipelines (built in ``_kandinsky5_tiny.py``; docs/design.md, "The model seam").
+
+The transformer first runs its text blocks (``text_transformer_blocks``: a self-attention over the Qwen2.5-VL text
+alone, no capture site), then its visual blocks (``visual_transformer_blocks``), each a self-attention over the
+video (``self_attention``: RMS norms per head, 3-D RoPE) and a cross-attention from the video to the text blocks'
+output (``cross_attention``, no key mask: every token the pipeline encoded is attended, the padding of a batch of
+prompts of different lengths too). Both are ``Kandinsky5Attention`` modules run by ``Kandinsky5AttnProcessor``;
+:class:`Kandinsky5AttnMapProcessor` is that processor line for line, plus the lines that hand q and k to the
+recording. The self-attention feeds the self-attention kinds, the cross-attention ``video_to_text``.
+
+The latents are channels-last, ``(B, F, H, W, C)``; the patch embedding keeps the (frame, row, column) axes and
+the dense mode flattens them in that order (``fractal_flatten`` without a block mask): the sequence is the
+video's own raster order, video token ``f·Hp·Wp + y·Wp + x``. The text is not padded to a fixed length: the
+cross-attention's T is the prompt's own tokens after the template's crop (at most ``max_sequence_length``), read
+from each call; a step's two calls under guidance (the conditional one first, then the negative prompt's) may
+differ in T, so ``video_to_text`` of both halves needs a negative prompt of the prompt's length (``batch="cond"``,
+the default under guidance, records the prompt's alone).
+
+The sparse mode (``attention_type="nabla"``, the 10 s checkpoints) reorders the tokens into 8×8 patches and runs
+flex attention under a block mask made per call from pooled q·k; cogattn does not record it yet, and refuses such
+a call before any block runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..layout import TokenLayout
+from ..recorder.processor import MapSink
+from .spec import ModelSpec, Site, Unavailable, call_argument, text_never_queries
+
+# Attention shapes of the released checkpoints (the Kandinsky-5 repository's configs, which diffusers' conversion
+# carries over), for plans made offline. The 10 s Lite checkpoints run NABLA sparse attention.
+_K5 = {
+    "_class_name": "Kandinsky5Transformer3DModel",
+    "in_visual_dim": 16,
+    "out_visual_dim": 16,
+    "in_text_dim": 3584,
+    "in_text_dim2": 768,
+    "patch_size": [1, 2, 2],
+    "visual_cond": True,
+}
+_LITE = {**_K5, "time_dim": 512, "model_dim": 1792, "ff_dim": 7168, "num_text_blocks": 2, "num_visual_blocks": 32}
+_LITE["axes_dims"] = [16, 24, 24]
+_NABLA = {"attention_type": "nabla", "attention_P": 0.9, "attention_wT": 11, "attention_wH": 3, "attention_wW": 3}
+_NABLA.update(attention_add_sta=True, attention_method="topcdf")
+_PRO = {**_K5, "time_dim": 1024, "model_dim": 4096, "ff_dim": 16384, "num_text_blocks": 4, "num_visual_blocks": 60}
+_PRO["axes_dims"] = [32, 48, 48]
+KNOWN: dict[str, dict] = {
+    **{
+        f"kandinskylab/Kandinsky-5.0-T2V-Lite-{stage}-5s-Diffusers": {**_LITE, "attention_type": "regular"}
+        for stage in ("sft", "nocfg", "distilled16steps", "pretrain")
+    },
+    **{
+        f"kandinskylab/Kandinsky-5.0-T2V-Lite-{stage}-10s-Diffusers": {**_LITE, **_NABLA}
+        for stage in ("sft", "nocfg", "distilled16steps", "pretrain")
+    },
+    "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers": _PRO,
+    "kandinskylab/Kandinsky-5.0-I2V-Pro-sft-5s-Diffusers": _PRO,
+}
+
+try:
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers.transformer_kandinsky import (
+        Kandinsky5AttnProcessor,
+        Kandinsky5Transformer3DModel,
+        nablaT_v2,
+    )
+except ImportError:
+    needs = "Kandinsky 5 needs diffusers >= 0.36 (Kandinsky5Transformer3DModel)"
+    raise Unavailable("kandinsky5", needs, ("Kandinsky5Transformer3DModel",), ("num_visual_blocks",), KNOWN) from None
+from ._kandinsky5_tiny import TINY_TEXT_LEN, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
+
+__all__ = [
+    "SPEC",
+    "KNOWN",
+    "Kandinsky5AttnMapProcessor",
+    "TEXT_LEN",
+    "TINY_TEXT_LEN",
+    "head_shape",
+    "layout_for_video",
+    "read_call",
+    "tiny_pipeline",
+    "tiny_transformer",
+]
+
+TEXT_LEN = 512  # the pipelines' max_sequence_length: the most Qwen tokens a prompt keeps after the crop
+VAE_SPATIAL = 8  # HunyuanVideo's VAE: pixels per latent pixel, each way
+VAE_TEMPORAL = 4  # pixel frames per latent frame after the first
+
+
+class Kandinsky5AttnMapProcessor:
+    """Drop-in for ``Kandinsky5AttnProcessor`` (the visual blocks' self- and cross-attention) that also feeds q, k
+    to a recording.
+
+    Args:
+        sink (`MapSink`): where maps go: a ``cogattn.Recording(pipe, ...)``, which knows the layer and the role
+            (self- or cross-attention) of each module. One instance serves every module.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, sink: MapSink):
+        if not hasattr(F, "scaled_dot_product_attention"):
+            raise ImportError(f"{self.__class__.__name__} requires PyTorch 2.0. Please upgrade your pytorch version.")
+        self.sink = sink
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, sparse_params=None):
+        cross = encoder_hidden_states is not None
+        # query, key, value = self.get_qkv(x)
+        query = attn.to_query(hidden_states)
+
+        if encoder_hidden_states is not None:
+            key = attn.to_key(encoder_hidden_states)
+            value = attn.to_value(encoder_hidden_states)
+
+            shape, cond_shape = query.shape[:-1], key.shape[:-1]
+            query = query.reshape(*shape, attn.num_heads, -1)
+            key = key.reshape(*cond_shape, attn.num_heads, -1)
+            value = value.reshape(*cond_shape, attn.num_heads, -1)
+
+        else:
+            key = attn.to_key(hidden_states)
+            value = attn.to_value(hidden_states)
+
+            shape = query.shape[:-1]
+            query = query.reshape(*shape, attn.num_heads, -1)
+            key = key.reshape(*shape, attn.num_heads, -1)
+            value = value.reshape(*shape, attn.num_heads, -1)
+
+        # query, key = self.norm_qk(query, key)
+        query = attn.query_norm(query.float()).type_as(query)
+        key = attn.key_norm(key.float()).type_as(key)
+
+        def apply_rotary(x, rope):
+            x_ = x.reshape(*x.shape[:-1], -1, 1, 2).to(torch.float32)
+            x_out = (rope * x_).sum(dim=-1)
+            return x_out.reshape(*x.shape).to(torch.bfloat16)
+
+        if rotary_emb is not None:
+            query = apply_rotary(query, rotary_emb).type_as(query)
+            key = apply_rotary(key, rotary_emb).type_as(key)
+
+        if sparse_params is not None:
+            attn_mask = nablaT_v2(
+                query,
+                key,
+                sparse_params["sta_mask"],
+                thr=sparse_params["P"],
+            )
+
+        else:
+            attn_mask = None
+
+        layer = self.sink.layer_to_capture(attn)
+        if layer is not None and attn_mask is not None:  # read_call refuses such calls before any block runs
+            raise ValueError("cogattn records Kandinsky 5's dense attention; this call runs NABLA's block mask.")
+        q = None if layer is None else query.transpose(1, 2)  # (B, H, S, D), as the recording takes them
+        fused = (
+            None
+            if layer is None or cross  # the opt-in output call: the self-attention's
+            else self.sink.attention(layer, q, key.transpose(1, 2), value.transpose(1, 2))
+        )
+        if fused is None:
+            hidden_states = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+        else:
+            hidden_states = fused[0].transpose(1, 2).to(query.dtype)
+        if layer is not None and cross:
+            self.sink.capture_context(layer, q, key.transpose(1, 2), "text")
+        elif layer is not None:
+            v = value.transpose(1, 2) if self.sink.wants_value else None
+            lse, sums = (None, None) if fused is None else fused[1:]
+            self.sink.capture(layer, q, key.transpose(1, 2), lse, sums, value=v)
+
+        hidden_states = hidden_states.flatten(-2, -1)
+
+        attn_out = attn.out_layer(hidden_states)
+        return attn_out
+
+
+_NABLA_REFUSAL = (
+    "this Kandinsky 5 call runs NABLA sparse attention (the transformer's attention_type='nabla': tokens in 8×8 "
+    "patches under a block mask made per call), which cogattn does not record yet; record a checkpoint with "
+    "attention_type='regular' (the 5 s ones)."
+)
+
+
+def read_call(config, args: tuple, kwargs: dict):
+    """``(layout, batch_size, timestep, device)`` of one ``Kandinsky5Transformer3DModel`` call: channels-last latents
+    ``(B, F, H, W, C)`` in patches of ``patch_size`` (t, h, w), and the text of the cross-attention ``(B, T, C)``.
+    Raises `ValueError` for a call under NABLA's block mask (``sparse_params``)."""
+    hidden = call_argument(args, kwargs, 0, "hidden_states")
+    text = call_argument(args, kwargs, 1, "encoder_hidden_states")
+    t = call_argument(args, kwargs, 2, "timestep")
+    if call_argument(args, kwargs, 7, "sparse_params") is not None:
+        raise ValueError(_NABLA_REFUSAL)
+    t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
+    p_t, p_h, p_w = (int(p) for p in config["patch_size"])
+    _, frames, height, width, _ = hidden.shape
+    layout = TokenLayout(
+        text_len=0,
+        frames=frames // p_t,
+        height=height // p_h,
+        width=width // p_w,
+        patch_size=p_h,
+        patch_size_t=p_t if p_t > 1 else None,
+        context_len=int(text.shape[1]),
+        temporal_compression=VAE_TEMPORAL,
+    )
+    return layout, hidden.shape[0], t, hidden.device
+
+
+def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
+    """The layout of a Kandinsky 5 pipeline call: ``(num_frames − 1) // 4 + 1`` latent frames of ``height / 16`` ×
+    ``width / 16`` patches (an 8× VAE, patches of 2), and ``text_len`` text tokens in the cross-attention (its
+    upper bound, the pipelines' ``max_sequence_length`` 512, when `None`: a prompt keeps its own length)."""
+    p_t, p, _ = (int(x) for x in config.get("patch_size", (1, 2, 2)))
+    return TokenLayout.for_video(
+        num_frames,
+        height,
+        width,
+        0,
+        p,
+        p_t if p_t > 1 else None,
+        spatial_compression=VAE_SPATIAL,
+        context_len=text_len or TEXT_LEN,
+        temporal_compression=VAE_TEMPORAL,
+    )
+
+
+def head_shape(config: dict) -> tuple[int, int]:
+    """``(heads, head dim)`` of a Kandinsky 5 transformer: heads of ``sum(axes_dims)`` channels over ``model_dim``."""
+    head_dim = sum(int(a) for a in config["axes_dims"])
+    return int(config["model_dim"]) // head_dim, head_dim
+
+
+SPEC = ModelSpec(
+    "kandinsky5",
+    (Kandinsky5Transformer3DModel,),
+    (Site("visual_transformer_blocks", "self_attention", context="cross_attention", count_key="num_visual_blocks"),),
+    {Kandinsky5AttnProcessor: Kandinsky5AttnMapProcessor},
+    read_call,
+    layout_for_video,
+    tiny_pipeline=tiny_pipeline,
+    tiny_transformer=tiny_transformer,
+    tiny_call=tiny_call,
+    tiny_tasks=("text-to-video", "image-to-video"),
+    config_keys=("num_visual_blocks",),
+    known=KNOWN,
+    text_len=TEXT_LEN,
+    context_kinds={"video_to_text": "text"},
+    refused={
+        "text_to_video": text_never_queries("Kandinsky 5"),
+        "video_to_image": "Kandinsky 5 has no image attention: an image to animate is the video's first latent "
+        "frame, on the latents' channels.",
+    },
+    guidance_calls=2,  # the conditional call, then the negative prompt's
+    title="Kandinsky 5",
+    frame_counts="5, 9, ..., 121, ..., 241",
+    pipelines={"text-to-video": "Kandinsky5T2VPipeline", "image-to-video": "Kandinsky5I2VPipeline"},
+    head_shape=head_shape,
+)
