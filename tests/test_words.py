@@ -63,7 +63,11 @@ def _qwen():
 
 
 class _Out(tuple):
-    """A text encoder's output read every way a pipeline reads it ([0], .last_hidden_state, .hidden_states)."""
+    """A text encoder's output read every way a pipeline reads it ([0], .last_hidden_state, .hidden_states,
+    ["hidden_states"])."""
+
+    def __getitem__(self, key):
+        return getattr(self, key) if isinstance(key, str) else super().__getitem__(key)
 
 
 def _spy(encoder, seen):

@@ -63,6 +63,7 @@ class PromptFormat:
         if tokenizer is None:
             raise TypeError(f"{type(pipeline).__name__} has no tokenizer; pass a pipeline or a tokenizer.")
         spec = spec_for_module(getattr(pipeline, "transformer", None))
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's (Qwen2VLProcessor: Kandinsky 5)
         self.pipeline, self.tokenizer, self.template = pipeline, tokenizer, template
         self._text = (spec.prompt_text if spec is not None else None) or pipeline_text
 

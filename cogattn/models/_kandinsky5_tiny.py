@@ -105,7 +105,8 @@ def tiny_transformer(
     """A random ``Kandinsky5Transformer3DModel``: one text block, ``num_layers`` visual blocks, patches (1, 2, 2),
     ``visual_cond`` as the released checkpoints (2 × 4 + 1 input channels: latents, the image's latents, its mask),
     ``head_dim`` split over the 3D RoPE axes. The modulations, which diffusers makes zero (every gate shut until
-    trained), are drawn at random so that every attention reaches the video.
+    trained), are drawn at random so that every attention reaches the video; in another ``dtype`` the timestep's
+    embedding and the modulations stay float32, as ``from_pretrained`` keeps them (``_keep_in_fp32_modules``).
 
     Args:
         num_layers, num_heads, head_dim (`int`): transformer size (``head_dim`` a multiple of 8).
@@ -145,7 +146,11 @@ def tiny_transformer(
             if name.endswith("modulation"):
                 torch.nn.init.normal_(module.out_layer.weight, std=0.2)
                 torch.nn.init.normal_(module.out_layer.bias, std=0.2)
-    return cast(model, dtype)
+    model = cast(model, dtype)
+    for name, module in model.named_modules():  # as from_pretrained keeps them: the timestep's path in float32
+        if name.split(".")[-1] in model._keep_in_fp32_modules:
+            module.float()
+    return model
 
 
 def tiny_pipeline(

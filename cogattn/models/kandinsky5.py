@@ -24,11 +24,14 @@ a call before any block runs.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink
+from .prompt_text import in_template, kept, tokenize
 from .spec import ModelSpec, Site, Unavailable, call_argument, text_never_queries
 
 # Attention shapes of the released checkpoints (the Kandinsky-5 repository's configs, which diffusers' conversion
@@ -81,6 +84,7 @@ __all__ = [
     "TINY_TEXT_LEN",
     "head_shape",
     "layout_for_video",
+    "prompt_text",
     "read_call",
     "tiny_pipeline",
     "tiny_transformer",
@@ -238,6 +242,28 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
     )
 
 
+def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool = False):
+    """The ``length`` text tokens the transformer reads for ``prompt``, as Kandinsky 5's pipelines make them
+    (``_encode_prompt_qwen``; ``ModelSpec.prompt_text``): the prompt cleaned (the pipeline module's
+    ``prompt_clean``) in the pipeline's system template (``prompt_template``), its first
+    ``prompt_template_encode_start_idx`` tokens cropped (128 with Qwen2.5-VL's tokenizer), then the prompt's tokens
+    and the template's closing ``<|im_end|>``, padded on the right as a batch of longer prompts pads it.
+    ``template`` is unused (the call takes none). Raises `ValueError` for a prompt the pipeline cut (longer than
+    its ``max_sequence_length``): it cuts the template's text by characters, so its tokens are not named."""
+    tokenizer = getattr(pipeline.tokenizer, "tokenizer", pipeline.tokenizer)  # a Qwen2VLProcessor's own tokenizer
+    clean = getattr(inspect.getmodule(type(pipeline)), "prompt_clean", None)
+    text = in_template(clean(prompt) if clean else prompt, pipeline.prompt_template.format)
+    crop = int(pipeline.prompt_template_encode_start_idx)
+    whole = len(tokenizer(text.text, add_special_tokens=True)["input_ids"])
+    if whole > crop + length:
+        raise ValueError(
+            f"this prompt makes {whole - crop} text tokens after the template's {crop}, more than the {length} the "
+            "transformer read: the pipeline cut it (max_sequence_length) by characters, whose tokens cogattn does "
+            "not name; read the prompt's columns from the text axis, or pass a shorter prompt."
+        )
+    return kept(tokenize(tokenizer, text.text, crop + length, offsets), text, list(range(crop, crop + length)))
+
+
 def head_shape(config: dict) -> tuple[int, int]:
     """``(heads, head dim)`` of a Kandinsky 5 transformer: heads of ``sum(axes_dims)`` channels over ``model_dim``."""
     head_dim = sum(int(a) for a in config["axes_dims"])
@@ -269,4 +295,5 @@ SPEC = ModelSpec(
     frame_counts="5, 9, ..., 121, ..., 241",
     pipelines={"text-to-video": "Kandinsky5T2VPipeline", "image-to-video": "Kandinsky5I2VPipeline"},
     head_shape=head_shape,
+    prompt_text=prompt_text,
 )
