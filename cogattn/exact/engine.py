@@ -141,8 +141,9 @@ def capture(
             its padded text), their number: the other rows hold 0 in every kind with a query axis, add
             nothing to ``received``, and group means (``frame``, ``block``) are over the formed rows.
         mask (`torch.Tensor | None`): any other mask of this item (SkyReels-V2's block-causal one): boolean
-            ``(S, S)``, `True` where a query attends a key; every kind then comes from row tiles with the
-            masked scores at −inf (probability exactly 0), which needs ``plan.method == "rows"``.
+            ``(S, S)``, `True` where a query attends a key, or one per head over token groups
+            (``cogattn.recorder.processor.GroupMask``, Kandinsky 5's NABLA); every kind then comes from row tiles
+            with the masked scores at −inf (probability exactly 0), which needs ``plan.method == "rows"``.
         value (`torch.Tensor | None`): the values ``(H, S, D)`` of this item, for the reducers that need them
             (``needs_value``: ``pattern_error``), which fold row tiles with them.
     """
@@ -172,6 +173,8 @@ def capture(
                 red.query_limit = None
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     q, k = passes.HeadView(q, heads), passes.HeadView(k, heads)
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a mask per head: of the selected heads
+        mask = mask.select_heads(heads)
     pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None or r.stat is not None]
     row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
 
@@ -223,7 +226,7 @@ def capture_items(
     call's ``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` when given), in full float32 matmuls; with
     ``key_counts`` (per batch item of the call), each item's keys past its count are masked, and with
     ``query_counts`` its query rows past its count are never formed; ``mask`` ``(B or 1, S, S)``: any other
-    mask, boolean, `True` where a query attends a key (row tiles apply it); ``value`` ``(B, H, S, D)``: the values,
+    mask, boolean, `True` where a query attends a key (row tiles apply it), or a ``GroupMask`` per head; ``value`` ``(B, H, S, D)``: the values,
     for the reducers that need them.
 
     Returns:
@@ -272,7 +275,7 @@ def row_pass(
     """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, when every row is formed,
     into key-pooled kinds (a gather of single keys, sums over runs of keys, else a product with the
     indicator) and the row statistics; scores of keys from ``kept`` on, and where the boolean ``mask``
-    ``(S, S)`` is `False`, are masked (−inf: probability 0)."""
+    (``passes.mask_rows``) is `False`, are masked (−inf: probability 0)."""
     H, S, D = q.shape
     kept = S if kept is None else kept
     mask = None if mask is None else mask.to(q.device)
@@ -297,7 +300,7 @@ def row_pass(
             if kept < S:
                 scores[..., kept:] = -math.inf
             if mask is not None:  # inverted per tile: the model's (S, S) mask is not copied whole
-                scores.masked_fill_(mask[idx].logical_not(), -math.inf)
+                scores.masked_fill_(passes.mask_rows(mask, idx, h0, h1).logical_not(), -math.inf)
             if wants_entropy:
                 probs, entropy = passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale)
             else:

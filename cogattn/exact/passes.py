@@ -247,11 +247,18 @@ class TileBuffer:
         return self.buffer[: h * r * S].view(h, r, S)
 
 
+def mask_rows(mask, rows, h0: int, h1: int) -> torch.Tensor:
+    """The query ``rows`` of one item's ``mask`` for heads ``h0:h1`` of the selection: ``(r, S)`` of an ``(S, S)``
+    tensor (the same for every head), ``(h, r, S)`` of a per-head mask over token groups
+    (``cogattn.recorder.processor.GroupMask``, its heads already selected)."""
+    return mask[rows] if isinstance(mask, torch.Tensor) else mask.rows(rows, h0, h1)
+
+
 def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None, mask=None) -> None:
     """Head-mean rows of every query, ``(1, r, S)`` per row tile, summed over head chunks in float32 and
     divided by the heads, folded into kinds of the head-mean row (``topk`` with ``heads="mean"``); ``q`` and
     ``k`` are the engine's head views, ``plan`` its tile plan; keys from ``keys`` on, and where the boolean
-    ``mask`` ``(S, S)`` is `False`, are masked."""
+    ``mask`` (:func:`mask_rows`) is `False`, are masked."""
     H, S, _ = q.shape
     keys = S if keys is None else keys
     mask = None if mask is None else mask.to(q.device)
@@ -269,7 +276,7 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None, 
             if keys < S:
                 scores[..., keys:] = -torch.inf
             if mask is not None:  # inverted per tile: the model's (S, S) mask is not copied whole
-                scores.masked_fill_(mask[r0:r1].logical_not(), -torch.inf)
+                scores.masked_fill_(mask_rows(mask, slice(r0, r1), h0, h1).logical_not(), -torch.inf)
             probs = softmax_(scores)
             for head in probs:  # no temporary
                 total[0] += head

@@ -25,12 +25,13 @@ a call before any block runs.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from ..layout import TokenLayout
-from ..recorder.processor import MapSink
+from ..recorder.processor import GroupMask, MapSink
 from .prompt_text import in_template, kept, tokenize
 from .spec import ModelSpec, Site, Unavailable, call_argument, text_never_queries
 
@@ -69,6 +70,7 @@ try:
     from diffusers.models.transformers.transformer_kandinsky import (
         Kandinsky5AttnProcessor,
         Kandinsky5Transformer3DModel,
+        fractal_flatten,
         nablaT_v2,
     )
 except ImportError:
@@ -93,6 +95,79 @@ __all__ = [
 TEXT_LEN = 512  # the pipelines' max_sequence_length: the most Qwen tokens a prompt keeps after the crop
 VAE_SPATIAL = 8  # HunyuanVideo's VAE: pixels per latent pixel, each way
 VAE_TEMPORAL = 4  # pixel frames per latent frame after the first
+
+
+NABLA_BLOCK = 64  # tokens of a NABLA block: an 8×8 patch of one latent frame
+# per recording: the running call's video_order (None: dense), set by each visual block's self-attention and read by
+# its cross-attention, whose call is not told (every module has a processor of its own)
+_ORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def video_order(visual_shape, device=None) -> torch.Tensor:
+    """``(S,)``: the sequence position, under NABLA, of each video token in the video's own order (f, y, x): the
+    model's own ``fractal_flatten`` of the tokens' indices (``visual_shape`` ``(F, Hp, Wp)`` in patches)."""
+    frames, height, width = (int(n) for n in visual_shape)
+    index = torch.arange(frames * height * width, device=device).view(1, frames, height, width, 1)
+    flat, _ = fractal_flatten(index, index, (1, frames, height, width), block_mask=True)
+    return flat.flatten().argsort()
+
+
+def in_video_order(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``(B, S, ...)`` with its tokens in the video's order (`None`: they are)."""
+    return x if order is None else x.index_select(1, order)
+
+
+def kept_blocks(block_mask) -> torch.Tensor:
+    """Boolean ``(B, H, N, N)``: the key blocks each query block attends under NABLA's ``BlockMask`` (its full blocks
+    and its partial ones, which with no ``mask_mod`` are attended whole), read from the mask the model runs."""
+    dense = block_mask.to_dense()
+    if block_mask.mask_mod is not None and block_mask.kv_num_blocks.any():
+        name = getattr(block_mask.mask_mod, "__name__", "")
+        if name != "noop_mask":
+            raise ValueError("cogattn reads NABLA block masks of whole blocks; this one masks inside its blocks.")
+    return dense.bool()
+
+
+def _block_rows(keep: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``(B, H, r, S)``: each key kept for query blocks ``blocks`` (one row per block), token by token."""
+    return keep.index_select(2, blocks).repeat_interleave(NABLA_BLOCK, -1)
+
+
+def kept_mass(query: torch.Tensor, key: torch.Tensor, keep: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """NABLA's recall, float64 ``(B, H)``: the mean over queries of the dense attention's mass on the keys the block
+    mask ``keep`` ``(B, H, N, N)`` keeps, ``exp(lse_kept − lse_all)`` per query row, the float32 log-sum-exps of each
+    row's scores over the kept keys and over all of them, from ``query``, ``key`` ``(B, S, H, D)`` in the model's
+    token order, one head and ``rows`` query rows at a time."""
+    B, S, H, D = query.shape
+    scale, total = D**-0.5, torch.zeros(B, H, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            k = key[b, :, h].float()
+            for r0 in range(0, S, rows):
+                r1 = min(S, r0 + rows)
+                scores = (query[b, r0:r1, h].float() @ k.T).mul_(scale)  # (r, S)
+                blocks = torch.arange(r0, r1, device=query.device) // NABLA_BLOCK
+                kept = keep[b, h].index_select(0, blocks).repeat_interleave(NABLA_BLOCK, -1)
+                ratio = torch.logsumexp(scores.masked_fill(~kept, -torch.inf), -1) - torch.logsumexp(scores, -1)
+                total[b, h] += ratio.exp().double().sum().item()
+    return total / S
+
+
+def mask_in_output(query, key, value, out, keep: torch.Tensor) -> bool:
+    """Whether the attention call's output ``out`` ``(B, S, H, D)`` is the softmax over the blocks NABLA keeps (a
+    kernel that skips the others: flex attention compiled) rather than over every key (flex attention run eagerly,
+    which applies a ``BlockMask``'s ``mask_mod`` alone, and NABLA's has none): one query row of each of (at most 4)
+    query blocks that mask some block, recomputed in float64 both ways from the call's own q, k, v; the closer one
+    is the model's. A mask that keeps every block is the same attention either way (`False`)."""
+    blocks = (~keep).any(-1).any(0).any(0).nonzero().flatten()[:4]
+    if not len(blocks):
+        return False
+    q, k, v = (x.double().transpose(1, 2) for x in (query, key, value))  # (B, H, S, D)
+    scores = q.index_select(2, blocks * NABLA_BLOCK) @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    got = out.double().transpose(1, 2).index_select(2, blocks * NABLA_BLOCK)
+    dense = torch.softmax(scores, -1) @ v
+    masked = torch.softmax(scores.masked_fill(~_block_rows(keep, blocks), -torch.inf), -1) @ v
+    return bool((masked - got).abs().max() < (dense - got).abs().max())
 
 
 class Kandinsky5AttnMapProcessor:
@@ -160,12 +235,15 @@ class Kandinsky5AttnMapProcessor:
             attn_mask = None
 
         layer = self.sink.layer_to_capture(attn)
-        if layer is not None and attn_mask is not None:  # read_call refuses such calls before any block runs
-            raise ValueError("cogattn records Kandinsky 5's dense attention; this call runs NABLA's block mask.")
-        q = None if layer is None else query.transpose(1, 2)  # (B, H, S, D), as the recording takes them
+        if not cross:  # NABLA's tokens are in 8×8 patches, the block's cross-attention's queries too
+            _ORDERS[self.sink] = (
+                None if sparse_params is None else video_order(sparse_params["visual_shape"], query.device)
+            )
+        order = _ORDERS.get(self.sink)
+        q = None if layer is None else in_video_order(query, order).transpose(1, 2)  # (B, H, S, D), video order
         fused = (
             None
-            if layer is None or cross  # the opt-in output call: the self-attention's
+            if layer is None or cross or attn_mask is not None  # the opt-in output call: the dense self-attention's
             else self.sink.attention(layer, q, key.transpose(1, 2), value.transpose(1, 2))
         )
         if fused is None:
@@ -182,9 +260,16 @@ class Kandinsky5AttnMapProcessor:
         if layer is not None and cross:
             self.sink.capture_context(layer, q, key.transpose(1, 2), "text")
         elif layer is not None:
-            v = value.transpose(1, 2) if self.sink.wants_value else None
+            k = in_video_order(key, order).transpose(1, 2)
+            v = in_video_order(value, order).transpose(1, 2) if self.sink.wants_value else None
             lse, sums = (None, None) if fused is None else fused[1:]
-            self.sink.capture(layer, q, key.transpose(1, 2), lse, sums, value=v)
+            mask = None
+            if attn_mask is not None:  # the blocks NABLA keeps, where the kernel skipped the others
+                keep = kept_blocks(attn_mask)
+                self.sink.capture_stat(layer, "nabla_recall", kept_mass(query, key, keep))
+                if mask_in_output(query, key, value, hidden_states, keep):
+                    mask = GroupMask(keep, order // NABLA_BLOCK)
+            self.sink.capture(layer, q, k, lse, sums, mask=mask, value=v)
 
         hidden_states = hidden_states.flatten(-2, -1)
 
@@ -192,25 +277,25 @@ class Kandinsky5AttnMapProcessor:
         return attn_out
 
 
-_NABLA_REFUSAL = (
-    "this Kandinsky 5 call runs NABLA sparse attention (the transformer's attention_type='nabla': tokens in 8×8 "
-    "patches under a block mask made per call), which cogattn does not record yet; record a checkpoint with "
-    "attention_type='regular' (the 5 s ones)."
-)
-
-
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``Kandinsky5Transformer3DModel`` call: channels-last latents
     ``(B, F, H, W, C)`` in patches of ``patch_size`` (t, h, w), and the text of the cross-attention ``(B, T, C)``.
-    Raises `ValueError` for a call under NABLA's block mask (``sparse_params``)."""
+    Under NABLA (``sparse_params``) the grid must be the ``visual_shape`` the mask is made for; raises `ValueError`
+    otherwise."""
     hidden = call_argument(args, kwargs, 0, "hidden_states")
     text = call_argument(args, kwargs, 1, "encoder_hidden_states")
     t = call_argument(args, kwargs, 2, "timestep")
-    if call_argument(args, kwargs, 7, "sparse_params") is not None:
-        raise ValueError(_NABLA_REFUSAL)
+    sparse = call_argument(args, kwargs, 7, "sparse_params")
     t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
     p_t, p_h, p_w = (int(p) for p in config["patch_size"])
     _, frames, height, width, _ = hidden.shape
+    grid = (frames // p_t, height // p_h, width // p_w)
+    if sparse is not None and (not sparse.get("to_fractal") or tuple(sparse.get("visual_shape", ())) != grid):
+        raise ValueError(
+            f"this Kandinsky 5 call runs NABLA with to_fractal={sparse.get('to_fractal')!r} and visual_shape="
+            f"{sparse.get('visual_shape')!r}; cogattn records it on the call's own grid {grid} in 8×8 patches, as "
+            "the pipelines' get_sparse_params makes them."
+        )
     layout = TokenLayout(
         text_len=0,
         frames=frames // p_t,

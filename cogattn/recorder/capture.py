@@ -44,6 +44,7 @@ class Capture:
         self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
         self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
         self.skips = Skips()  # selected attention calls that did not run (a cache skipped them)
+        self.stats: dict[tuple[int, int, str], dict[int, list[float]]] = {}  # (step, layer, name) → slot → per head
         self._stored: set[tuple[int, int, str]] = set()  # (step, layer, role) of the records of the running step
 
     @property
@@ -256,6 +257,30 @@ class Capture:
         outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[context], bias)
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "context")
+
+    def capture_stat(self, layer: int, name: str, values: torch.Tensor) -> None:
+        """Keep a statistic of ``layer``'s captured call, ``values`` ``(B, H)`` per batch item of the call and head
+        (every head), for the selected items' slots (:class:`cogattn.recorder.processor.MapSink`)."""
+        items, slots = self._call_items(values.shape[0])
+        kept = self.stats.setdefault((self.step, layer, name), {})
+        for slot, b in zip(slots, items):
+            kept[slot] = [float(x) for x in values[b]]
+
+    def call_stats(self, as_json: bool = False) -> dict | list:
+        """The per-call statistics kept (:meth:`capture_stat`), ``(step, layer, name)`` → float64 ``(B, H)`` over the
+        results' batch slots and every head, NaN for a slot whose call was not captured (Kandinsky 5's
+        ``"nabla_recall"``: the mean over queries of the dense attention's mass its sparse mask keeps); with
+        ``as_json``, run.json's ``call_stats``: a list of ``{"step", "layer", "name", "values"}``, NaN as null."""
+        num_slots, tables = len(self.plan.resolved.batch) if self.plan else 0, {}
+        for key, slots in self.stats.items():
+            table = torch.full((num_slots, len(next(iter(slots.values())))), float("nan"), dtype=torch.float64)
+            for slot, values in slots.items():
+                table[slot] = torch.tensor(values, dtype=torch.float64)
+            tables[key] = table
+        if not as_json:
+            return tables
+        nulls = [[[x if x == x else None for x in row] for row in t.tolist()] for t in tables.values()]
+        return [dict(step=k[0], layer=k[1], name=k[2], values=v) for k, v in zip(tables, nulls)]
 
     @property
     def wants_value(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["MapSink", "context_bias", "key_counts", "query_key_mask"]
+__all__ = ["GroupMask", "MapSink", "context_bias", "key_counts", "query_key_mask"]
 
 
 class MapSink(Protocol):
@@ -44,6 +44,11 @@ class MapSink(Protocol):
         ``(B or 1, S, S)``: any other mask, from :func:`query_key_mask`; ``value`` ``(B, H, S, D)``: the values,
         handed over only where :attr:`wants_value` says a kind needs them (``pattern_error``)."""
 
+    def capture_stat(self, layer: int, name: str, values: torch.Tensor) -> None:
+        """Keep a per-call statistic ``name`` of ``layer``'s captured call, one value per batch item of the call
+        and head, ``(B, H)`` (Kandinsky 5's ``"nabla_recall"``: the share of the dense attention's mass its sparse
+        mask keeps): the recording's ``call_stats``, in run.json."""
+
     @property
     def wants_value(self) -> bool:
         """Whether a selected kind needs the attention's values (processors then pass ``value`` to :meth:`capture`)."""
@@ -55,6 +60,42 @@ class MapSink(Protocol):
         ``(B, H, V, D)`` and the keys ``key`` ``(B, H, C, D)`` of its ``context`` (``"text"`` or ``"image"``);
         ``bias`` ``(B, C)``: what the attention adds to each item's scores of its keys, where it takes a key
         mask (LTX-Video's padded text: 0 or −10000), from :func:`context_bias`."""
+
+
+class GroupMask:
+    """A query-key mask given per head over groups of tokens, where a model masks blocks of tokens (NABLA's
+    64-token blocks): query i attends key j where ``keep[h, group[i], group[j]]``. Capture takes it as ``mask``
+    as it takes a ``(B or 1, S, S)`` one, and forms each row tile's ``(h, r, S)`` mask from it (:meth:`rows`),
+    never the ``(H, S, S)`` whole.
+
+    Args:
+        keep (`torch.Tensor`): boolean ``(B, H, N, N)`` (one item's: ``(H, N, N)``), `True` where a query group
+            attends a key group.
+        group (`torch.Tensor`): ``(S,)`` the group of each token of the sequence capture is handed.
+    """
+
+    def __init__(self, keep: torch.Tensor, group: torch.Tensor):
+        self.keep, self.group = keep.bool(), group.long()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.keep.shape)
+
+    def __getitem__(self, item: int) -> GroupMask:
+        """Batch item ``item``'s mask, ``keep`` ``(H, N, N)``."""
+        return GroupMask(self.keep[item], self.group)
+
+    def select_heads(self, heads: torch.Tensor | None) -> GroupMask:
+        """One item's mask of the selected ``heads`` (`None`: all), in their order."""
+        return self if heads is None else GroupMask(self.keep.index_select(0, heads.to(self.keep.device)), self.group)
+
+    def to(self, device) -> GroupMask:
+        return GroupMask(self.keep.to(device), self.group.to(device))
+
+    def rows(self, rows, h0: int, h1: int) -> torch.Tensor:
+        """One item's mask of query ``rows`` (a slice or indices) for heads ``h0:h1``: boolean ``(h, r, S)``."""
+        by_query = self.keep[h0:h1].index_select(1, self.group[rows].flatten())  # (h, r, N)
+        return by_query.index_select(2, self.group)
 
 
 def key_counts(mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:

@@ -261,6 +261,7 @@ class Recording:
                 "dtype": str(self.transformer.dtype).removeprefix("torch."),
                 "pipeline": None if self.pipeline is None else type(self.pipeline).__name__,
             },
+            "call_stats": self._capture.call_stats(as_json=True),
             "sources": self._sources,
             "layer_output": self.options.layer_output,
             "storage_dtype": self.options.storage_dtype,
@@ -292,21 +293,18 @@ class Recording:
         largest error against exact rows, tolerance, passed."""
         return self._capture.checks
 
-    def layer_to_capture(self, attn) -> int | None:
-        """:meth:`cogattn.recorder.capture.Capture.layer_to_capture`."""
-        return self._capture.layer_to_capture(attn)
-
-    def attention(self, layer, query, key, value):
-        """:meth:`cogattn.recorder.capture.Capture.attention`."""
-        return self._capture.attention(layer, query, key, value)
+    # the MapSink calls, cogattn.recorder.capture.Capture's (capture and capture_context are methods: the self-test
+    # wraps them on the instance)
+    layer_to_capture = property(lambda self: self._capture.layer_to_capture, doc=":meth:`.Capture.layer_to_capture`.")
+    attention = property(lambda self: self._capture.attention, doc=":meth:`.capture.Capture.attention`.")
+    wants_value = property(lambda self: self._capture.wants_value, doc=":attr:`.capture.Capture.wants_value`.")
+    capture_stat = property(lambda self: self._capture.capture_stat, doc=":meth:`.capture.Capture.capture_stat`.")
+    call_stats = property(lambda self: self._capture.call_stats(), doc=":meth:`.capture.Capture.call_stats`.")
 
     def capture(self, *args, **kwargs) -> None:
-        self._capture.capture(*args, **kwargs)  # cogattn.recorder.capture.Capture.capture
-
-    wants_value = property(lambda self: self._capture.wants_value, doc=":attr:`.capture.Capture.wants_value`.")
+        self._capture.capture(*args, **kwargs)
 
     def capture_context(self, layer, query, key, context, bias=None) -> None:
-        """:meth:`cogattn.recorder.capture.Capture.capture_context`."""
         self._capture.capture_context(layer, query, key, context, bias)
 
     # -- processors and cleanup --------------------------------------------------------------------
