@@ -241,3 +241,24 @@ def test_a_nabla_call_on_another_grid_is_refused_before_any_block_runs():
     with pytest.raises(ValueError, match=r"visual_shape=\(3, 8, 32\); cogattn records it on the call's own grid"):
         with cogattn.record(pipe, kinds=("entropy",)):
             pipe(**call, num_inference_steps=1, output_type="latent")
+
+
+def test_nabla_heads_in_another_order_and_the_recall_in_run_json(nabla, monkeypatch, tmp_path):
+    """Heads [2, 0] of the conditional item: the per-head mask follows the selected heads; the recall of every head
+    is run.json's ``call_stats``, one slot (the conditional call's)."""
+    import json
+
+    mode, pipe, video, ref = nabla
+    if mode == "blocks":
+        _skipping_blocks(monkeypatch)
+    with cogattn.record(pipe, kinds=("full", "entropy"), batch="cond", heads=[2, 0], save_dir=tmp_path / "run") as rec:
+        _generate(pipe, True)
+    P, keep, _, dense = ref[(2, 1, "self")]  # step 1's conditional call, layer 1
+    want = P[:, [2, 0]]
+    assert (rec.get("full", 1, 1).double() - want).abs().max() < 1e-5
+    assert (rec.get("entropy", 1, 1).double() - naive_kind(want, "entropy", 0, rec.layout.grid)).abs().max() < 1e-4
+    recall = (dense * keep).sum(-1).mean(-1)  # (1, H): every head's
+    stats = json.loads((tmp_path / "run" / "run.json").read_text())["call_stats"]
+    saved = {(e["step"], e["layer"], e["name"]): e["values"] for e in stats}
+    assert set(saved) == {(s, la, "nabla_recall") for s in (0, 1) for la in (0, 1)}
+    assert (torch.tensor(saved[(1, 1, "nabla_recall")], dtype=torch.float64) - recall).abs().max() < 1e-5

@@ -17,9 +17,27 @@ from each call; a step's two calls under guidance (the conditional one first, th
 differ in T, so ``video_to_text`` of both halves needs a negative prompt of the prompt's length (``batch="cond"``,
 the default under guidance, records the prompt's alone).
 
-The sparse mode (``attention_type="nabla"``, the 10 s checkpoints) reorders the tokens into 8×8 patches and runs
-flex attention under a block mask made per call from pooled q·k; cogattn does not record it yet, and refuses such
-a call before any block runs.
+The sparse mode (``attention_type="nabla"``, the 10 s Lite checkpoints; the pipelines make its ``sparse_params``)
+reorders the tokens into 8×8 patches of each latent frame (``fractal_flatten`` with a block mask: 64-token blocks in
+(f, y // 8, x // 8) order, each block in raster order) and runs flex attention under a ``BlockMask`` made per call
+and per head from pooled q·k (``nablaT_v2``: the fewest key blocks reaching NABLA's mass P, or an STA window). The
+processor hands the recording q, k and v put back in the video's order (:func:`video_order`, from the model's own
+``fractal_flatten``; the cross-attention's queries too), so every kind reads as in the dense mode, and:
+
+- the attention as the call computed it. Flex attention run eagerly (torch's unfused implementation, which runs
+  without torch.compile; a recording runs a compiled transformer uncompiled) applies a ``BlockMask``'s ``mask_mod``
+  alone, and NABLA's has none: the call computes dense attention (torch 2.13 on a CPU), and the maps are dense. A kernel that skips the blocks the mask leaves out
+  (compiled flex attention) computes the sparse attention: the maps then hold the masked pairs at exactly 0. Which
+  one ran is read from the call's own output (:func:`mask_in_output`, a few rows recomputed both ways in float64);
+  the mask goes to the recording as a per-head mask over the 64-token blocks (``processor.GroupMask``), which row
+  tiles apply (every kind of such a call comes from row tiles).
+- each captured call's ``"nabla_recall"``, float64 ``(B, H)``: the mean over queries of the dense attention's mass
+  on the keys NABLA's mask keeps, ``exp(lse_kept − lse_all)`` per row (:func:`kept_mass`), whichever attention ran:
+  how much of the dense attention the production sparse mask keeps. It lives in ``Recording.call_stats``
+  (``(step, layer, "nabla_recall")`` → ``(slots, H)``, NaN for a slot whose call was not captured) and run.json's
+  ``call_stats`` (null for NaN). It costs one more pass over q·kᵀ per captured layer.
+
+Under NABLA the layer's output call is always the stock one (``layer_output`` other than ``"stock"`` is not used).
 """
 
 from __future__ import annotations
@@ -85,11 +103,15 @@ __all__ = [
     "TEXT_LEN",
     "TINY_TEXT_LEN",
     "head_shape",
+    "kept_blocks",
+    "kept_mass",
     "layout_for_video",
+    "mask_in_output",
     "prompt_text",
     "read_call",
     "tiny_pipeline",
     "tiny_transformer",
+    "video_order",
 ]
 
 TEXT_LEN = 512  # the pipelines' max_sequence_length: the most Qwen tokens a prompt keeps after the crop
