@@ -311,6 +311,20 @@ def test_hunyuan_video_1_5_is_planned_and_refused_in_one_line(tmp_path, dump, mo
     assert "max_sequence_length: 256; HunyuanVideo 1.5's pipelines take none" in other.stderr
 
 
+def test_the_released_kandinsky5_lite_plans_offline(tmp_path, dump, monkeypatch):
+    """Kandinsky 5.0 Lite's released config plans offline: 31 latent frames of 32×48 patches and the cross-attention's
+    text at its upper bound, max_sequence_length."""
+    if cogattn.models.kandinsky5 is None:
+        pytest.skip("this diffusers lacks Kandinsky 5")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dry = dump(
+        ROOT / "configs" / "kandinsky5-t2v-lite-5s.yaml", "--dry-run", "--set", f"save_dir={tmp_path}/x", check=0
+    )
+    assert "layout: 31×32×48 video tokens, S = 47,616; cross-attention to 512 text tokens" in dry.stdout
+    assert re.search(r"video_to_text  \(1, 1, 512, 31, 32, 48\) +[\d,]+ +45 ", dry.stdout)  # 5 layers × 3 steps × 3
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("tiny*.yaml")))
 def test_every_shipped_tiny_config_runs_end_to_end(config, tmp_path, dump):
     """Each family's tiny config as shipped: every prompt complete, its maps readable with the layout of the

@@ -262,3 +262,18 @@ def test_nabla_heads_in_another_order_and_the_recall_in_run_json(nabla, monkeypa
     saved = {(e["step"], e["layer"], e["name"]): e["values"] for e in stats}
     assert set(saved) == {(s, la, "nabla_recall") for s in (0, 1) for la in (0, 1)}
     assert (torch.tensor(saved[(1, 1, "nabla_recall")], dtype=torch.float64) - recall).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "name, frames, seq_len, heads",
+    [
+        ("kandinskylab/Kandinsky-5.0-T2V-Lite-sft-10s-Diffusers", 241, 61 * 32 * 48, 28),  # NABLA: 8×8 patches fit
+        ("kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers", 121, 31 * 32 * 48, 32),
+    ],
+)
+def test_estimates_at_the_released_shapes(name, frames, seq_len, heads):
+    est = cogattn.estimate(
+        name, num_frames=frames, height=512, width=768, num_inference_steps=50, kinds=("entropy",), heads="all"
+    )
+    assert est.layout.seq_len == seq_len and est.layout.context_len == k5.TEXT_LEN
+    assert {shape for _, shape, _, _ in est.records} == {(1, heads, seq_len)}

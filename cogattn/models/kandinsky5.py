@@ -161,7 +161,7 @@ def kept_mass(query: torch.Tensor, key: torch.Tensor, keep: torch.Tensor, rows: 
     row's scores over the kept keys and over all of them, from ``query``, ``key`` ``(B, S, H, D)`` in the model's
     token order, one head and ``rows`` query rows at a time."""
     B, S, H, D = query.shape
-    scale, total = D**-0.5, torch.zeros(B, H, dtype=torch.float64)
+    scale, total = D**-0.5, torch.zeros(B, H, dtype=torch.float64, device=query.device)
     for b in range(B):
         for h in range(H):
             k = key[b, :, h].float()
@@ -171,8 +171,8 @@ def kept_mass(query: torch.Tensor, key: torch.Tensor, keep: torch.Tensor, rows: 
                 blocks = torch.arange(r0, r1, device=query.device) // NABLA_BLOCK
                 kept = keep[b, h].index_select(0, blocks).repeat_interleave(NABLA_BLOCK, -1)
                 ratio = torch.logsumexp(scores.masked_fill(~kept, -torch.inf), -1) - torch.logsumexp(scores, -1)
-                total[b, h] += ratio.exp().double().sum().item()
-    return total / S
+                total[b, h] += ratio.exp().double().sum()  # on the device: no sync per tile
+    return total.cpu() / S
 
 
 def mask_in_output(query, key, value, out, keep: torch.Tensor) -> bool:
