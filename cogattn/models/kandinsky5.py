@@ -26,11 +26,12 @@ processor hands the recording q, k and v put back in the video's order (:func:`v
 
 - the attention as the call computed it. Flex attention run eagerly (torch's unfused implementation, which runs
   without torch.compile; a recording runs a compiled transformer uncompiled) applies a ``BlockMask``'s ``mask_mod``
-  alone, and NABLA's has none: the call computes dense attention (torch 2.13 on a CPU), and the maps are dense. A kernel that skips the blocks the mask leaves out
-  (compiled flex attention) computes the sparse attention: the maps then hold the masked pairs at exactly 0. Which
-  one ran is read from the call's own output (:func:`mask_in_output`, a few rows recomputed both ways in float64);
-  the mask goes to the recording as a per-head mask over the 64-token blocks (``processor.GroupMask``), which row
-  tiles apply (every kind of such a call comes from row tiles).
+  alone, and NABLA's has none: the call computes dense attention (seen with torch 2.13 on a CPU), and the maps are
+  dense. A kernel that skips the blocks the mask leaves out (compiled flex attention) computes the sparse
+  attention: the maps then hold the masked pairs at exactly 0. Which one ran is read from the call's own output
+  (:func:`mask_in_output`, a few rows recomputed both ways in float64); the mask goes to the recording as a
+  per-head mask over the 64-token blocks (``processor.GroupMask``), which row tiles apply (every kind of such a
+  call comes from row tiles).
 - each captured call's ``"nabla_recall"``, float64 ``(B, H)``: the mean over queries of the dense attention's mass
   on the keys NABLA's mask keeps, ``exp(lse_kept − lse_all)`` per row (:func:`kept_mass`), whichever attention ran:
   how much of the dense attention the production sparse mask keeps. It lives in ``Recording.call_stats``
