@@ -217,6 +217,41 @@ def test_a_query_key_mask_gives_masked_pairs_exactly_zero_in_every_kind(mean, bu
         capture(q, k, reducers, outs, sdpa, mask=mask)
 
 
+@pytest.mark.parametrize("mean", [False, True])
+def test_a_mask_per_head_over_token_groups_follows_the_selected_heads(mean):
+    """A per-head mask over groups of tokens (``processor.GroupMask``: NABLA's blocks), heads [2, 0] selected:
+    every kind equals the naive softmax of each selected head under its own mask, masked pairs exactly 0."""
+    from cogattn.recorder.processor import GroupMask
+
+    torch.manual_seed(4)
+    layout = TokenLayout(0, 4, 2, 3)
+    H, S, D = 3, layout.seq_len, 16
+    q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2
+    group = torch.randperm(S) // 4  # 6 groups of 4 tokens, scattered over the sequence
+    keep = (torch.rand(H, 6, 6) < 0.5) | torch.eye(6, dtype=torch.bool)
+    heads = torch.tensor([2, 0])
+    kinds = [kd for kd in KINDS if kd not in ("video_to_text", "text_to_video")]
+    reducers = [REDUCERS[kd](layout, 2, mean, torch.tensor([0, 9]), **SIZES) for kd in kinds]
+    plan = plan_tiles(reducers, S, 2, D, 40_000, "rows", q.device)
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    capture(q, k, reducers, outs, plan, heads, mask=GroupMask(keep, group), value=_value(q))
+    mask = keep[heads][:, group][:, :, group]  # (2, S, S): each selected head's token mask
+    scores = q[heads][None].double() @ k[heads][None].double().transpose(-1, -2) / D**0.5
+    P = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    for kind, got in zip(kinds, outs):
+        if kind in RANKED:
+            assert _ranked_error(got, P, kind, layout, mean) <= 1e-5, kind
+            continue
+        if kind == "topk":
+            assert_topk(REDUCERS[kind].unpack(got[None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
+            continue
+        ref = naive_kind(P, kind, 0, layout.grid, [0, 9], v=_value(q)[heads][None], **SIZES)[0]
+        ref = ref.mean(0, keepdim=True) if mean else ref
+        assert (got.double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
+    if not mean:
+        assert bool((outs[kinds.index("full")][~mask] == 0).all())
+
+
 def test_the_masks_capture_takes_and_those_it_refuses():
     from cogattn.recorder.processor import query_key_mask
 

@@ -153,7 +153,7 @@ def nabla(request):
     return request.param, pipe, video, ref
 
 
-def test_the_dense_sequence_is_the_video_in_raster_order():
+def test_the_dense_sequence_is_the_video_in_raster_order_and_the_text_blocks_are_no_sites():
     pipe = k5.tiny_pipeline(num_heads=3)
     seen = {}
 
@@ -167,7 +167,10 @@ def test_the_dense_sequence_is_the_video_in_raster_order():
     pipe.transformer.visual_transformer_blocks[0].register_forward_pre_hook(keep("sequence"))
     call = k5.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), False)
     with cogattn.record(pipe, kinds=("entropy",)) as rec:
+        text_attention = pipe.transformer.text_transformer_blocks[0].self_attention
+        assert type(text_attention.processor).__name__ == "Kandinsky5AttnProcessor"  # the text blocks: no sites
         pipe(**call, num_inference_steps=1, output_type="latent")
+    assert rec.layer_names == tuple(f"visual_transformer_blocks.{i}.self_attention" for i in range(2))
     grid, sequence, lay = seen["grid"], seen["sequence"], rec.layout  # (B, F, Hp, Wp, C), (B, S, C)
     assert grid.shape[1:4] == lay.grid == (3, 2, 3)
     for f, y, x in [(0, 0, 0), (1, 0, 2), (2, 1, 1)]:
