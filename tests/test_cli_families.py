@@ -253,6 +253,11 @@ def test_bad_values_exit_2_with_one_line_and_write_nothing(tmp_path, dump, confi
             r"is a pyramid checkpoint; the batch tool runs HeliosPipeline only: record HeliosPyramidPipeline from Python",
         ),
         (
+            "kandinsky5-t2v-lite-5s.yaml",
+            "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-10s-Diffusers",
+            r"runs NABLA sparse attention, which needs flex attention; .* record it from Python",
+        ),
+        (
             "easyanimate-v5.1-12b.yaml",
             "alibaba-pai/EasyAnimateV5.1-12b-zh-InP-diffusers",
             r"is an inpaint \(image-to-video\) checkpoint .* record its inpaint or control pipeline from Python",

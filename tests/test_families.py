@@ -427,6 +427,8 @@ def _helios_v2v_call(pipe, g, guided):
     """Helios's call for one video continuing a video of 33 frames: its latents are the history."""
     call = _one_video_call(pipe, g, guided)
     return {**call, "num_frames": 66, "video": _frames(g, 33)}
+
+
 def _kandinsky5_call(pipe, g, guided):
     """Two videos of 6 Qwen text tokens each (the cross-attention attends all of them: no mask), the negatives as
     many (a step's two calls share the text's length), a CLIP embedding each; image-to-video: an image per video and

@@ -265,6 +265,33 @@ def test_nabla_heads_in_another_order_and_the_recall_in_run_json(nabla, monkeypa
     saved = {(e["step"], e["layer"], e["name"]): e["values"] for e in stats}
     assert set(saved) == {(s, la, "nabla_recall") for s in (0, 1) for la in (0, 1)}
     assert (torch.tensor(saved[(1, 1, "nabla_recall")], dtype=torch.float64) - recall).abs().max() < 1e-5
+    assert torch.equal(
+        cogattn.load(tmp_path / "run").call_stats[(1, 1, "nabla_recall")], rec.call_stats[(1, 1, "nabla_recall")]
+    )
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "recall",
+        {"step": 0, "layer": 0, "name": "nabla_recall"},
+        {"step": -1, "layer": 0, "name": "nabla_recall", "values": [[0.5]]},
+        {"step": 0, "layer": 0, "name": "nabla_recall", "values": [[0.5], [0.5, 0.4]]},
+        {"step": 0, "layer": 0, "name": "nabla_recall", "values": [["0.5"]]},
+        {"step": 0, "layer": 0, "name": "nabla_recall", "values": [[float("inf")]]},
+        {"step": 0, "layer": True, "name": "nabla_recall", "values": [[0.5]]},
+    ],
+)
+def test_a_run_s_call_stats_are_tables_of_numbers_and_anything_else_is_refused(entry):
+    """run.json may come from anyone: ``Run.call_stats`` reads numbers and null (NaN), and names a bad entry."""
+    from cogattn.errors import StoreError
+    from cogattn.runs.run_values import checked_call_stats
+
+    good = {"step": 1, "layer": 2, "name": "nabla_recall", "values": [[0.25, None]]}
+    table = checked_call_stats([good])[(1, 2, "nabla_recall")]
+    assert table[0, 0] == 0.25 and table[0, 1].isnan() and table.dtype == torch.float64
+    with pytest.raises(StoreError, match="call_stats entry 1"):
+        checked_call_stats([good, entry])
 
 
 @pytest.mark.parametrize(

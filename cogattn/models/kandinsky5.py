@@ -379,6 +379,16 @@ def head_shape(config: dict) -> tuple[int, int]:
     return int(config["model_dim"]) // head_dim, head_dim
 
 
+def call_rules(cfg, config: dict) -> None:
+    """The batch tool's Kandinsky 5 rule (``ModelSpec.call_rules``): a NABLA checkpoint (the 10 s ones) runs only
+    under flex attention, which the batch tool does not set up, so it is refused: record it from Python."""
+    if config.get("attention_type") == "nabla":
+        raise ValueError(
+            f"model: {cfg.model} runs NABLA sparse attention, which needs flex attention; the batch tool runs the dense "
+            'checkpoints: record it from Python (pipe.transformer.set_attention_backend("flex"), then cogattn.record).'
+        )
+
+
 SPEC = ModelSpec(
     "kandinsky5",
     (Kandinsky5Transformer3DModel,),
@@ -405,4 +415,5 @@ SPEC = ModelSpec(
     pipelines={"text-to-video": "Kandinsky5T2VPipeline", "image-to-video": "Kandinsky5I2VPipeline"},
     head_shape=head_shape,
     prompt_text=prompt_text,
+    call_rules=call_rules,
 )

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from ..errors import StoreError
 from ..exact.reducers import REDUCERS
 from ..layout import TokenLayout
-from .run_values import checked_layout, line_problem
+from .run_values import checked_call_stats, checked_layout, line_problem
 from .skips import Skips
 
 try:
@@ -278,6 +278,8 @@ class Run:
                 f"run.json's windows is {str(windows)[:80]}; it should be one window index per step. {fix}"
             )
         return list(windows)
+
+    call_stats = property(lambda self: checked_call_stats(self.meta.get("call_stats", [])), doc="Recording.call_stats")
 
     @property
     def head_ids(self) -> tuple[int, ...] | None:

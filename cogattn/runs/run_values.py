@@ -4,18 +4,22 @@
 text's position, no unknown field), refusing a bad one with a `StoreError` that names run.json and the field;
 :func:`line_problem` says why a manifest line's numbers or file cannot be a record (a step or layer out of
 range, a negative shape, a file outside the run folder), so :class:`cogattn.runs.run.Run` skips that line as it
-skips other damaged ones.
+skips other damaged ones; :func:`checked_call_stats` reads run.json's per-call statistics (Kandinsky 5's
+``nabla_recall``) as tables of numbers, refusing anything else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
+
+import torch
 
 from ..errors import StoreError
 from ..layout import TokenLayout
 
-__all__ = ["MAX_INDEX", "MAX_TOKENS", "checked_layout", "line_problem"]
+__all__ = ["MAX_INDEX", "MAX_TOKENS", "checked_call_stats", "checked_layout", "line_problem"]
 
 MAX_INDEX = 2**20  # steps and layers of a manifest line: no generation has more, and a reader lists them all
 MAX_TOKENS = 2**24  # a layout's sequence: no attention is longer, and readers allocate per token
@@ -72,3 +76,25 @@ def line_problem(step: int, layer: int, shape: tuple[int, ...], nbytes: int, fil
     if path.is_absolute() or ".." in path.parts or not path.parts:  # the run's files are named inside it
         return f"'file' {file!r} is outside the run folder; a record's file is a path inside it"
     return None
+
+
+def checked_call_stats(raw) -> dict:
+    """run.json's ``call_stats`` (a list of ``{"step", "layer", "name", "values"}``, ``values`` a table of numbers or
+    null per batch slot and head) as ``(step, layer, name)`` → float64 ``(B, H)``, null read as NaN; `StoreError`
+    naming the entry where one is not of that form."""
+    tables = {}
+    for n, entry in enumerate(raw if isinstance(raw, list) else [None]):
+        ok = isinstance(entry, dict) and set(entry) == {"step", "layer", "name", "values"}
+        rows = entry.get("values") if ok else None
+        ok = ok and all(type(entry[k]) is int and 0 <= entry[k] < MAX_INDEX for k in ("step", "layer"))
+        ok = ok and isinstance(entry["name"], str) and isinstance(rows, list) and len(rows) > 0
+        ok = ok and all(isinstance(r, list) and len(r) == len(rows[0]) > 0 for r in rows)
+        numbers = [[x for x in r if x is not None] for r in rows] if ok else []
+        if not ok or not all(type(x) in (int, float) and math.isfinite(x) for r in numbers for x in r):
+            raise StoreError(
+                f"run.json's call_stats entry {n} is {str(entry)[:80]}; it should be {{step, layer, name, values}} "
+                "with a table of numbers (null for a slot not captured). Fix or remove the field."
+            )
+        values = [[math.nan if x is None else float(x) for x in r] for r in rows]
+        tables[(entry["step"], entry["layer"], entry["name"])] = torch.tensor(values, dtype=torch.float64)
+    return tables
