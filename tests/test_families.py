@@ -342,6 +342,17 @@ def _cosmos_call(pipe, g, guided):
     return {**call, "image": _frames(g, 2)} if i2v else call
 
 
+def _cosmos25_call(pipe, g, guided):
+    """Two videos of 8 text embeddings of the tiny Qwen2.5-VL's width (every layer's, joined), 9 frames of 32×48: 3
+    latent frames of 2×3 patches; Transfer2.5's controlled by 9 random frames, in one chunk. Predict2.5's makes the
+    video from the text alone (its image path needs torchvision)."""
+    return _cosmos25_tiny().tiny_call(pipe, g, guided, videos=2)
+
+
+def _cosmos25_tiny():
+    return pytest.importorskip("cogattn.models._cosmos25_tiny")
+
+
 def _easyanimate_call(pipe, g, guided):
     """Text of 7 tokens whose masks say 5 and 3 are the prompt's: only the text encoder reads them, the
     transformer gets no mask and attends the padding as any other token (no key is masked)."""
@@ -719,6 +730,21 @@ CASES = {
             31 * 32 * 48,
         ),
     ),
+    "cosmos25_transfer": Case(  # Transfer2.5: the cross-attention's text and image branches, and a control net
+        lambda: FAMILY["cosmos"].tiny_pipeline("video-to-video", num_heads=3),
+        _cosmos25_call,
+        8,
+        family="cosmos",
+        released=("nvidia/Cosmos-Transfer2.5-2B", dict(num_frames=93, height=704, width=1280), 24 * 44 * 80),
+    ),
+    "cosmos25_predict": Case(  # Predict2.5 text-to-world: Predict2's attention, Qwen2.5-VL's text
+        lambda: _cosmos25_tiny().tiny_pipeline(False, num_heads=3),
+        _cosmos25_call,
+        8,
+        skip=("video_to_image",),
+        family="cosmos",
+        released=("nvidia/Cosmos-Predict2.5-2B", dict(num_frames=93, height=704, width=1280), 24 * 44 * 80),
+    ),
     "easyanimate": Case(
         lambda: FAMILY["easyanimate"].tiny_pipeline(num_heads=3),
         _easyanimate_call,
@@ -772,6 +798,7 @@ ROWS_ONLY = {
     "helios_i2v": "helios",
     "helios_v2v": "helios",
     "kandinsky5_i2v": "kandinsky5",
+    "cosmos25_predict": "cosmos",
 }
 
 
@@ -913,6 +940,16 @@ def _padded(P, S):
     return torch.nn.functional.pad(P, (0, S - P.shape[-1], 0, S - P.shape[-2]))
 
 
+def _context_probs(contexts, source, lay):
+    """The probabilities of the cross-attention call of ``source`` (``"text"`` or ``"image"``) among a layer's
+    ``contexts`` ``(B, H, V, C)``, told by their keys (Wan 2.1 image-to-video calls its image branch first, Cosmos
+    Transfer2.5 its text branch first)."""
+    length = lay.image_len if source == "image" else lay.context_len
+    found = [P for P in contexts if P.shape[-1] == length]
+    assert len(found) == 1, (source, length, [P.shape for P in contexts])
+    return found[0]
+
+
 def _kinds(family):
     return tuple(k for k in _spec(family).kinds() if k not in CASES[family].skip)
 
@@ -959,8 +996,7 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, re
                         [_item_kind(P, kind, lay, tokens, result.shape[1:], v) for P, v in zip(items, values)]
                     )
                 else:
-                    contexts = ref[(step, layer, "context")]
-                    want = naive_context(contexts[-1] if source == "text" else contexts[0], lay.grid)
+                    want = naive_context(_context_probs(ref[(step, layer, "context")], source, lay), lay.grid)
                 assert result.shape == want.shape, (kind, result.shape, want.shape)
                 err = (result.double() - want).abs().max().item()
                 assert err <= (1e-4 if kind == "entropy" else 1e-5), (family, kind, step, layer, err)

@@ -1,5 +1,5 @@
-"""Cosmos world models (Predict1 and Predict2): the map processor, the family's facts and its tiny pipelines
-(docs/design.md, "The model seam").
+"""Cosmos world models (Predict1, Predict2, Predict2.5 and Transfer2.5): the map processors, the family's facts and its
+tiny pipelines (docs/design.md, "The model seam").
 
 Each of Cosmos' blocks has a self-attention over the video alone (``attn1``: RMS norms per head, 3-D RoPE) and a
 cross-attention from the video to the T5 text (``attn2``, 512 tokens, the padding attended as any token: the
@@ -11,8 +11,19 @@ conditional call first, as Wan's; video-to-world gives a timestep per latent fra
 
 Predict1 (``CosmosTextToWorldPipeline``, ``CosmosVideoToWorldPipeline``) decodes with Cosmos' own tokenizer, 8
 frames and 8 × 8 pixels per latent pixel; Predict2 (``Cosmos2VideoToWorldPipeline``) with Wan 2.1's VAE, 4 frames.
-A transformer config tells them apart by its learnable positional embedding (Predict1's alone). Predict2.5's
-second, image context (``CosmosAttnProcessor2_5``, Transfer2.5) is not captured yet: its processor is refused.
+A transformer config tells them apart by its learnable positional embedding (Predict1's alone).
+
+Predict2.5 (``Cosmos2_5_PredictBasePipeline``) and Transfer2.5 (``Cosmos2_5_TransferPipeline``) decode with Wan 2.1's
+VAE too and read 512 tokens of Qwen2.5-VL (every layer's hidden states, normalized and joined, projected by the
+transformer's ``crossattn_proj``), the padding attended. A transformer with ``img_context_dim_in`` (Transfer2.5's)
+runs its cross-attentions with ``CosmosAttnProcessor2_5`` (:class:`CosmosAttnMapProcessor2_5`): the text branch and a
+second branch over ``img_context_num_tokens`` image tokens with its own projections, norms and softmax, added to the
+text branch's output, as Wan 2.1 image-to-video's image branch is: the text branch feeds ``video_to_text``, the image
+branch ``video_to_image``. Transfer2.5's pipeline gives that branch a zero image context (every image key the same:
+each query attends the image tokens evenly). Its control net (``CosmosControlNetModel``) runs Cosmos blocks of its own
+over the control video before each transformer call, adding their outputs after the transformer's blocks 0, n, 2n,
+... (``controlnet_block_every_n``): a separate model, whose attention is not captured (its processors stay stock).
+The 2.5 pipelines' tiny versions are in ``_cosmos25_tiny.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 _COSMOS = {"_class_name": "CosmosTransformer3DModel", "attention_head_dim": 128, "patch_size": [1, 2, 2]}
 _P1 = {**_COSMOS, "text_embed_dim": 1024, "extra_pos_embed_type": "learnable", "concat_padding_mask": True}
 _P2 = {**_COSMOS, "text_embed_dim": 1024, "extra_pos_embed_type": None, "concat_padding_mask": True}
+# Predict2.5 and Transfer2.5 (diffusers' scripts/convert_cosmos_to_diffusers.py): Qwen2.5-VL's 28 × 3584 hidden states
+_P25 = {**_P2, "use_crossattn_projection": True, "crossattn_proj_in_channels": 100352}
 KNOWN: dict[str, dict] = {
     "nvidia/Cosmos-1.0-Diffusion-7B-Text2World": {
         **_P1,
@@ -56,6 +69,18 @@ KNOWN: dict[str, dict] = {
     },
     "nvidia/Cosmos-Predict2-2B-Video2World": {**_P2, "in_channels": 17, "num_attention_heads": 16, "num_layers": 28},
     "nvidia/Cosmos-Predict2-14B-Video2World": {**_P2, "in_channels": 17, "num_attention_heads": 40, "num_layers": 36},
+    "nvidia/Cosmos-Predict2.5-2B": {**_P25, "in_channels": 17, "num_attention_heads": 16, "num_layers": 28},
+    "nvidia/Cosmos-Predict2.5-14B": {**_P25, "in_channels": 17, "num_attention_heads": 40, "num_layers": 36},
+    "nvidia/Cosmos-Transfer2.5-2B": {
+        **_P25,
+        "in_channels": 17,
+        "num_attention_heads": 16,
+        "num_layers": 28,
+        "controlnet_block_every_n": 7,
+        "img_context_dim_in": 1152,
+        "img_context_num_tokens": 256,
+        "img_context_dim_out": 2048,
+    },
 }
 
 try:
@@ -69,12 +94,18 @@ except ImportError as missing:
 
 # diffusers 0.35's processor calls torch's SDPA on (B, H, S, D); later ones the attention dispatcher on (B, S, H, D)
 _DISPATCH = hasattr(transformer_cosmos, "dispatch_attention_fn")
+# Predict2.5's image-context cross-attention (diffusers >= 0.36)
+CosmosAttnProcessor2_5 = getattr(transformer_cosmos, "CosmosAttnProcessor2_5", None)
+if CosmosAttnProcessor2_5 is not None:
+    from . import _cosmos25_tiny
 
 __all__ = [
     "SPEC",
     "KNOWN",
     "CosmosAttnMapProcessor",
+    "CosmosAttnMapProcessor2_5",
     "TEXT_LEN",
+    "image_len",
     "layout_for_video",
     "read_call",
     "temporal_compression",
@@ -82,7 +113,7 @@ __all__ = [
     "tiny_transformer",
 ]
 
-TEXT_LEN = 512  # T5 tokens of the pipelines' calls (max_sequence_length)
+TEXT_LEN = 512  # T5 (Predict1, Predict2) or Qwen2.5-VL (Predict2.5, Transfer2.5) tokens of the pipelines' calls
 
 
 class CosmosAttnMapProcessor:
@@ -173,25 +204,146 @@ class CosmosAttnMapProcessor:
         return hidden_states
 
 
+class CosmosAttnMapProcessor2_5:
+    """Drop-in for ``CosmosAttnProcessor2_5`` (the cross-attention of a transformer with an image context,
+    Transfer2.5's) that also feeds q, k of its two branches to a recording: the text branch's to
+    ``video_to_text``, the image branch's (its own projections, norms and softmax) to ``video_to_image``.
+
+    Args:
+        sink (`MapSink`): where maps go: a ``cogattn.Recording(pipe, ...)``. One instance serves every module.
+    """
+
+    def __init__(self, sink: MapSink):
+        self.sink = sink
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: tuple[torch.Tensor, torch.Tensor],
+        image_rotary_emb=None,
+    ) -> torch.Tensor:
+        if not isinstance(encoder_hidden_states, tuple):
+            raise ValueError("Expected encoder_hidden_states as (text_context, img_context) tuple.")
+
+        text_context, img_context = encoder_hidden_states if encoder_hidden_states else (None, None)
+        text_mask, img_mask = attention_mask if attention_mask else (None, None)
+
+        layer = self.sink.layer_to_capture(attn)
+        if layer is not None and text_context is None:  # Cosmos' blocks always give the text
+            raise ValueError("cogattn captures Cosmos' cross-attention to a text context; this call gives none.")
+        if text_context is None:
+            text_context = hidden_states
+
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(text_context)
+        value = attn.to_v(text_context)
+
+        query = query.unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        key = key.unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        value = value.unflatten(2, (attn.heads, -1)).transpose(1, 2)
+
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
+            key = apply_rotary_emb(key, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
+
+        if torch.onnx.is_in_onnx_export():
+            query_idx = torch.tensor(query.size(3), device=query.device)
+            key_idx = torch.tensor(key.size(3), device=key.device)
+            value_idx = torch.tensor(value.size(3), device=value.device)
+        else:
+            query_idx = query.size(3)
+            key_idx = key.size(3)
+            value_idx = value.size(3)
+        key = key.repeat_interleave(query_idx // key_idx, dim=3)
+        value = value.repeat_interleave(query_idx // value_idx, dim=3)
+
+        attn_out = dispatch_attention_fn(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=text_mask,
+            dropout_p=0.0,
+            is_causal=False,
+        )
+        if layer is not None:
+            bias = context_bias(text_mask, query.shape[0], key.shape[2])  # none from Cosmos' pipelines
+            self.sink.capture_context(layer, query, key, "text", bias)
+        attn_out = attn_out.flatten(2, 3).type_as(query)
+
+        if img_context is not None:
+            q_img = attn.q_img(hidden_states)
+            k_img = attn.k_img(img_context)
+            v_img = attn.v_img(img_context)
+
+            batch_size = hidden_states.shape[0]
+            dim_head = attn.out_dim // attn.heads
+
+            q_img = q_img.view(batch_size, -1, attn.heads, dim_head).transpose(1, 2)
+            k_img = k_img.view(batch_size, -1, attn.heads, dim_head).transpose(1, 2)
+            v_img = v_img.view(batch_size, -1, attn.heads, dim_head).transpose(1, 2)
+
+            q_img = attn.q_img_norm(q_img)
+            k_img = attn.k_img_norm(k_img)
+
+            q_img_idx = q_img.size(3)
+            k_img_idx = k_img.size(3)
+            v_img_idx = v_img.size(3)
+            k_img = k_img.repeat_interleave(q_img_idx // k_img_idx, dim=3)
+            v_img = v_img.repeat_interleave(q_img_idx // v_img_idx, dim=3)
+
+            img_out = dispatch_attention_fn(
+                q_img.transpose(1, 2),
+                k_img.transpose(1, 2),
+                v_img.transpose(1, 2),
+                attn_mask=img_mask,
+                dropout_p=0.0,
+                is_causal=False,
+            )
+            if layer is not None:
+                bias = context_bias(img_mask, q_img.shape[0], k_img.shape[2])
+                self.sink.capture_context(layer, q_img, k_img, "image", bias)
+            img_out = img_out.flatten(2, 3).type_as(q_img)
+            hidden_states = attn_out + img_out
+        else:
+            hidden_states = attn_out
+
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        return hidden_states
+
+
 def temporal_compression(config: dict) -> int:
     """Pixel frames per latent frame after the first of the VAE a transformer with ``config`` is released with:
     Predict1's Cosmos tokenizer 8 (its transformer alone learns a positional embedding), Predict2's Wan VAE 4."""
     return 8 if config.get("extra_pos_embed_type") == "learnable" else 4
 
 
+def image_len(config: dict) -> int:
+    """The image tokens of the cross-attention's second branch in a transformer with ``config``: its
+    ``img_context_num_tokens`` where it has ``img_context_dim_in`` (Transfer2.5: 256), else 0."""
+    return int(config.get("img_context_num_tokens", 256)) if config.get("img_context_dim_in") else 0
+
+
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``CosmosTransformer3DModel`` call: latents ``(B, C, F, H,
-    W)``, the text as the cross-attention's context (a ``(text, image)`` pair from Predict2.5: the text's)."""
+    W)``, the text as the cross-attention's context, and from a ``(text, image)`` pair (Transfer2.5) the image
+    tokens of its second branch."""
     hidden = call_argument(args, kwargs, 0, "hidden_states")
     t = call_argument(args, kwargs, 1, "timestep")
     text = call_argument(args, kwargs, 2, "encoder_hidden_states")
-    text = text[0] if isinstance(text, tuple) else text
+    text, image = text if isinstance(text, tuple) else (text, None)
     # video-to-world gives a timestep per latent frame, its conditioning frames' small: the step's is the largest
     t = StepTime(t) if isinstance(t, torch.Tensor) and t.numel() > 1 else float(t)
     layout = TokenLayout.of_video_latents(
         hidden.shape,
         config["patch_size"],
         context_len=int(text.shape[1]),
+        image_len=0 if image is None or not config.get("img_context_dim_in") else int(image.shape[1]),
         temporal_compression=temporal_compression(config),
     )
     return layout, hidden.shape[0], t, hidden.device
@@ -199,8 +351,8 @@ def read_call(config, args: tuple, kwargs: dict):
 
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
     """The layout of a Cosmos pipeline call: ``(num_frames − 1) // c + 1`` latent frames (``c``:
-    :func:`temporal_compression`), 8 × 8 pixels per latent pixel, 2 × 2 per patch, and ``text_len`` (512) T5 tokens
-    in the cross-attention."""
+    :func:`temporal_compression`), 8 × 8 pixels per latent pixel, 2 × 2 per patch, ``text_len`` (512) T5 or
+    Qwen2.5-VL tokens in the cross-attention and :func:`image_len` image tokens in its second branch."""
     p_t, p_h, _ = (int(p) for p in config.get("patch_size", (1, 2, 2)))
     return TokenLayout.for_video(
         num_frames,
@@ -211,6 +363,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         p_t if p_t > 1 else None,
         spatial_compression=VAE_SPATIAL,
         context_len=text_len or TEXT_LEN,
+        image_len=image_len(config),
         temporal_compression=temporal_compression(config),
     )
 
@@ -272,18 +425,27 @@ def tiny_pipeline(task: str = "image-to-video", *, dtype: torch.dtype = torch.fl
     ``"image-to-video"``: ``Cosmos2VideoToWorldPipeline`` (Predict2) with Wan 2.1's VAE at toy size (8 pixels, 4
     frames): ``num_frames=9, height=32, width=48`` gives 3 latent frames of 2×3 patches; pass ``image=`` a PIL image.
     ``"text-to-video"``: ``CosmosTextToWorldPipeline`` (Predict1) with a toy Cosmos tokenizer (8 pixels, 8 frames):
-    ``num_frames=17`` gives 3 latent frames.
+    ``num_frames=17`` gives 3 latent frames. ``"video-to-video"``: ``Cosmos2_5_TransferPipeline`` (Transfer2.5: a
+    control video's frames drive it through a control net; its cross-attention has an image branch), built by
+    ``_cosmos25_tiny.tiny_pipeline``, as Predict2.5's ``Cosmos2_5_PredictBasePipeline``.
 
     Args:
-        task (`str`, defaults to ``"image-to-video"``): or ``"text-to-video"``.
+        task (`str`, defaults to ``"image-to-video"``): or ``"text-to-video"``, ``"video-to-video"``.
         dtype (`torch.dtype`, defaults to `torch.float32`): dtype of every component.
         seed (`int`, defaults to 0): seed of the random weights.
         size: ``num_layers``, ``num_heads``, ``head_dim`` of the transformer.
     """
     from diffusers import EDMEulerScheduler, FlowMatchEulerDiscreteScheduler
 
-    if task not in ("text-to-video", "image-to-video"):
-        raise ValueError(f"task={task!r}; choose 'image-to-video' (Predict2) or 'text-to-video' (Predict1).")
+    if task not in ("text-to-video", "image-to-video", "video-to-video"):
+        raise ValueError(
+            f"task={task!r}; choose 'image-to-video' (Predict2), 'text-to-video' (Predict1) or 'video-to-video' "
+            "(Transfer2.5)."
+        )
+    if task == "video-to-video" and CosmosAttnProcessor2_5 is None:
+        raise ValueError("task='video-to-video' is Cosmos Transfer2.5's, which needs diffusers >= 0.36.")
+    if task == "video-to-video":
+        return _cosmos25_tiny.tiny_pipeline(dtype=dtype, seed=seed, **size)
     i2v = task == "image-to-video"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -333,7 +495,9 @@ def tiny_pipeline(task: str = "image-to-video", *, dtype: torch.dtype = torch.fl
 def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
     """A call of the tiny pipeline: one video of 8 random text tokens (the negative: their opposite), 3 latent frames
     of 2×3 patches (32×48 pixels: 9 frames through Wan's VAE, 17 through Cosmos' tokenizer), and for image-to-video
-    a random image."""
+    a random image; video-to-video: 9 random control frames (``_cosmos25_tiny.tiny_call``)."""
+    if task == "video-to-video":
+        return _cosmos25_tiny.tiny_call(pipe, generator, guided)
     device, dtype = pipe._execution_device, pipe.transformer.dtype
     emb = torch.randn(1, 8, TEXT_DIM, generator=generator).to(device, dtype)
     call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, guidance_scale=7.0 if guided else 1.0)
@@ -364,21 +528,21 @@ SPEC = ModelSpec(
     "cosmos",
     (CosmosTransformer3DModel,),
     (Site("transformer_blocks", "attn1", context="attn2"),),
-    {CosmosAttnProcessor2_0: CosmosAttnMapProcessor},
+    {
+        CosmosAttnProcessor2_0: CosmosAttnMapProcessor,
+        **({CosmosAttnProcessor2_5: CosmosAttnMapProcessor2_5} if CosmosAttnProcessor2_5 else {}),
+    },
     read_call,
     layout_for_video,
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
     tiny_call=tiny_call,
-    tiny_tasks=("image-to-video", "text-to-video"),
+    tiny_tasks=("image-to-video", "text-to-video", *(("video-to-video",) if CosmosAttnProcessor2_5 else ())),
     known=KNOWN,
     text_len=TEXT_LEN,
-    context_kinds={"video_to_text": "text"},
-    refused={
-        "text_to_video": text_never_queries("Cosmos"),
-        "video_to_image": "Cosmos Predict1 and Predict2 have no image attention: an image or video to continue "
-        "is the video's first latent frames.",
-    },
+    # video_to_image: Transfer2.5's image branch; Predict1, 2 and 2.5 have none (their layout's image_len is 0)
+    context_kinds={"video_to_text": "text", "video_to_image": "image"},
+    refused={"text_to_video": text_never_queries("Cosmos")},
     guidance_calls=2,
     title="Cosmos",
     frame_counts="9, 17, ..., 121 (Predict1: 8k + 1); 5, 9, ..., 93 (Predict2: 4k + 1)",
