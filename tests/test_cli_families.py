@@ -68,7 +68,9 @@ def test_every_family_s_tiny_model_is_named_and_checked_through_its_spec(name):
     try:
         cfg = load_config(None, [f"model={spec.tiny_name}", f"task={task}", *shape])
     except ConfigError as err:  # a family the tool plans but does not run, tiny or not (HunyuanVideo 1.5)
-        assert spec.batch_refusal and str(err).startswith(f"model: '{spec.tiny_name}'; the batch tool does not run")
+        assert spec.refusal(dict(pipe.transformer.config)) and str(err).startswith(
+            f"model: '{spec.tiny_name}'; the batch tool does not run"
+        )
         return
     assert cfg.family == name and cfg.tiny_spec() is spec and spec.title
     named = {"_class_name": type(pipe.transformer).__name__, **pipe.transformer.config}  # as config.json names it
@@ -328,6 +330,32 @@ def test_the_released_kandinsky5_lite_plans_offline(tmp_path, dump, monkeypatch)
     assert "layout: 31×32×48 video tokens, S = 47,616; cross-attention to 512 text tokens" in dry.stdout
     assert re.search(r"video_to_text  \(1, 1, 512, 31, 32, 48\) +[\d,]+ +45 ", dry.stdout)  # 5 layers × 3 steps × 3
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "config,plan",
+    [
+        ("cosmos-predict2.5-2b.yaml", "cross-attention to 512 text tokens"),
+        ("cosmos-transfer2.5-2b.yaml", "cross-attention to 512 text + 256 image tokens"),
+    ],
+)
+def test_cosmos_2_5_is_planned_and_refused_in_one_line(tmp_path, dump, monkeypatch, config, plan):
+    """Cosmos Predict2.5's and Transfer2.5's released configs plan offline (84,480 video tokens; Transfer2.5's image
+    branch too), and a run is refused in one line before anything loads; Predict2's checkpoints still run."""
+    if getattr(cogattn.models.cosmos, "CosmosAttnProcessor2_5", None) is None:
+        pytest.skip("this diffusers lacks Cosmos 2.5")
+    from cogattn.dump import cli
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "runs"
+    monkeypatch.setattr(cli, "load_pipeline", lambda *a: pytest.fail("loaded a pipeline the tool cannot run"))
+    dry = dump(ROOT / "configs" / config, "--dry-run", "--set", f"save_dir={out}", check=0)
+    assert f"24×44×80 video tokens, S = 84,480; {plan}" in dry.stdout
+    small = ("--set", "capture.kinds=[frame]", "--set", "capture.steps=[0]")  # a plan that fits any disk
+    refused = dump(ROOT / "configs" / config, "--set", f"save_dir={out}", *small, check=2)
+    assert "plans Cosmos Predict2.5 and Transfer2.5 checkpoints (--dry-run) but does not run" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not out.exists()
+    assert family("cosmos").refusal(cogattn.models.cosmos.KNOWN["nvidia/Cosmos-Predict2-2B-Video2World"]) == ""
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("tiny*.yaml")))

@@ -510,9 +510,29 @@ def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict
     return call
 
 
+def version_25(config: dict) -> bool:
+    """Whether a transformer with ``config`` is Predict2.5's or Transfer2.5's (Qwen2.5-VL's text, projected)."""
+    return bool(config.get("use_crossattn_projection"))
+
+
+def batch_refusal(config: dict) -> str:
+    """Why the batch tool plans (``--dry-run``) but does not run a Cosmos checkpoint (``ModelSpec.batch_refusal``):
+    Predict2.5's and Transfer2.5's alone."""
+    if not version_25(config):
+        return ""
+    return (
+        "the batch tool plans Cosmos Predict2.5 and Transfer2.5 checkpoints (--dry-run) but does not run them yet: "
+        "their diffusers weights are on revisions of the hub repositories and Transfer2.5 needs a control video; "
+        "record a Cosmos2_5_PredictBasePipeline or Cosmos2_5_TransferPipeline call from Python with cogattn.record."
+    )
+
+
 def call_rules(cfg, config: dict) -> None:
     """The batch tool's Cosmos rules (``ModelSpec.call_rules``): Predict1 text-to-world checkpoints for
-    text-to-video, Predict2 video-to-world checkpoints for image-to-video."""
+    text-to-video, Predict2 video-to-world checkpoints for image-to-video; Predict2.5 and Transfer2.5 (planned
+    only: :func:`batch_refusal`) for either, their pipeline making both."""
+    if version_25(config):
+        return
     predict1, conditioned = temporal_compression(config) == 8, int(config.get("in_channels", 16)) == 17
     want = "text-to-video" if predict1 and not conditioned else "image-to-video" if not predict1 else None
     if want is None:
@@ -545,7 +565,8 @@ SPEC = ModelSpec(
     refused={"text_to_video": text_never_queries("Cosmos")},
     guidance_calls=2,
     title="Cosmos",
-    frame_counts="9, 17, ..., 121 (Predict1: 8k + 1); 5, 9, ..., 93 (Predict2: 4k + 1)",
+    frame_counts="9, 17, ..., 121 (Predict1: 8k + 1); 5, 9, ..., 93 (Predict2, 2.5, Transfer2.5: 4k + 1)",
     pipelines={"text-to-video": "CosmosTextToWorldPipeline", "image-to-video": "Cosmos2VideoToWorldPipeline"},
     call_rules=call_rules,
+    batch_refusal=batch_refusal,
 )

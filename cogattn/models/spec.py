@@ -164,8 +164,9 @@ class ModelSpec:
             the family's pipeline makes them (its template and crop; ``template`` is the call's
             ``prompt_template``, `None` for the pipeline's default; ``offsets``: with character offsets);
             left out: the tokenizer on the prompt alone (``cogattn.models.prompt_text.pipeline_text``).
-        batch_refusal (`str`): why the batch tool plans (``--dry-run``) but does not run the family's
-            checkpoints (Wan Animate: its call needs videos a prompts file does not give); empty: it runs them.
+        batch_refusal (`str | Callable`): why the batch tool plans (``--dry-run``) but does not run the family's
+            checkpoints (Wan Animate: its call needs videos a prompts file does not give), or ``config`` → why for
+            a checkpoint with that transformer config (Cosmos: the 2.5 ones alone); empty: it runs them.
         window (`Callable | None`): ``pipeline`` → ``(index, count)`` of the window running in its call, where
             the pipeline makes a long video in windows, each a denoising loop of its own (SkyReels-V2's
             diffusion forcing); `None` outside such a call.
@@ -211,7 +212,7 @@ class ModelSpec:
     tiny_options: dict[str, tuple[str, tuple, str]] = field(default_factory=dict)
     tiny_prompt_arguments: dict = field(default_factory=dict)
     empty_negative: bool = False
-    batch_refusal: str = ""
+    batch_refusal: str | Callable = ""
     prompt_text: Callable | None = None
     window: Callable | None = None
     call_windows: Callable | None = None
@@ -362,6 +363,11 @@ class ModelSpec:
         return replacement
 
     # -- the batch tool (cogattn.dump) ---------------------------------------------------------------
+    def refusal(self, config: dict) -> str:
+        """Why the batch tool plans but does not run a checkpoint whose transformer has ``config``
+        (``batch_refusal``); empty where it runs it."""
+        return self.batch_refusal(config) if callable(self.batch_refusal) else self.batch_refusal
+
     def check_task(self, task: str, tiny: bool = False) -> None:
         """Raise `ValueError` where the batch tool cannot run ``task`` with this family's checkpoints
         (``pipelines``) or, with ``tiny``, its tiny pipeline (``tiny_tasks``)."""
