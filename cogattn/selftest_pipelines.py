@@ -18,7 +18,7 @@ import torch
 from .exact.attention import fused_lse_supported
 from .exact.checks import TOLERANCE, bound, made_from_output
 from .exact.kernels import available as triton_available
-from .models import FAMILIES, cogvideox
+from .models import FAMILIES, cogvideox, transformer_config
 from .recorder.recording import record
 from .reference import kind_error, naive_context, naive_kind, naive_lse, naive_probs, select
 
@@ -31,6 +31,7 @@ __all__ = [
     "methods",
     "missing_package",
     "pipeline_rows",
+    "task_label",
     "timed",
 ]
 
@@ -59,6 +60,11 @@ class Row:
     time_x_stock: float | None
     passed: bool | None  # None: skipped
     note: str = ""
+
+
+def task_label(task: str) -> str:
+    """A tiny pipeline's task in a row's part: ``"t2v"``, ``"i2v"``, ``"v2v"``."""
+    return {"text-to-video": "t2v", "image-to-video": "i2v", "video-to-video": "v2v"}.get(task, task)
 
 
 def timed(fn, device: torch.device):
@@ -291,7 +297,7 @@ def family_rows(
     self_kinds = spec.kinds("self")
     rows = []
     for task in spec.tiny_tasks[:1] if backend else spec.tiny_tasks:
-        part = f"tiny {spec.family} {'i2v' if task == 'image-to-video' else 't2v'}"
+        part = f"tiny {spec.family} {task_label(task)}"
         try:
             pipe = spec.tiny_pipeline(task, dtype=dtype, num_heads=3, head_dim=16).to(device)  # Triton: D ≥ 16
         except ImportError as err:  # a part that needs an optional package (diffusers' placeholder classes)
@@ -301,7 +307,9 @@ def family_rows(
             pipe.transformer.set_attention_backend(backend)
             part += f", {backend} backend"
         call = spec.tiny_call(pipe, task, torch.Generator().manual_seed(0), True)
-        context = [k for k in spec.context_kinds if spec.context_kinds[k] == "text" or task == "image-to-video"]
+        # the image kinds where the transformer has an image context (Wan 2.1 image-to-video, Cosmos Transfer2.5)
+        image = spec.layout_for_video(transformer_config(pipe.transformer), 1, 4096, 4096, 1).image_len > 0
+        context = [k for k in spec.context_kinds if spec.context_kinds[k] == "text" or image]
 
         def generate(pipe=pipe, call=call):
             gen = torch.Generator(device).manual_seed(1)

@@ -7,6 +7,7 @@ import torch
 
 import cogattn.exact.attention as attention
 import cogattn.selftest as selftest
+import cogattn.selftest_pipelines as selftest_pipelines
 from cogattn.models import family
 from cogattn.selftest import main
 
@@ -39,11 +40,7 @@ def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys, monke
     assert report["dtype"] == dtype
     if dtype == "float32":  # the other family's every tiny pipeline, once, under row tiles
         others = [r for r in rows if r["part"].startswith("tiny ") and not r["part"][5].isdigit()]
-        parts = {
-            f"tiny {s.family} {'i2v' if t == 'image-to-video' else 't2v'}"
-            for s in selftest.FAMILIES
-            for t in s.tiny_tasks
-        }
+        parts = {f"tiny {s.family} {selftest_pipelines.task_label(t)}" for s in selftest.FAMILIES for t in s.tiny_tasks}
         assert sorted(r["part"] for r in others) == sorted(parts - {"tiny cogvideox t2v", "tiny cogvideox i2v"})
         assert all(r["method"] == "rows" and r["passed"] and r["max_error"] <= r["tolerance"] for r in others)
     # every kind is held to its documented bound: half an ulp at 1 only where made from the output call's
