@@ -342,8 +342,8 @@ def test_the_released_kandinsky5_lite_plans_offline(tmp_path, dump, monkeypatch)
 def test_cosmos_2_5_is_planned_and_refused_in_one_line(tmp_path, dump, monkeypatch, config, plan):
     """Cosmos Predict2.5's and Transfer2.5's released configs plan offline (84,480 video tokens; Transfer2.5's image
     branch too), and a run is refused in one line before anything loads; Predict2's checkpoints still run."""
-    if getattr(cogattn.models.cosmos, "CosmosAttnProcessor2_5", None) is None:
-        pytest.skip("this diffusers lacks Cosmos 2.5")
+    if cogattn.models.cosmos is None:
+        pytest.skip("this diffusers lacks Cosmos")
     from cogattn.dump import cli
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

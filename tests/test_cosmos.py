@@ -13,8 +13,8 @@ from cogattn.models import family
 from cogattn.reference import naive_context
 
 cosmos = pytest.importorskip("cogattn.models.cosmos", reason="this diffusers lacks Cosmos (it needs 0.35)")
-if cosmos.CosmosAttnProcessor2_5 is None:
-    pytest.skip("this diffusers lacks Cosmos 2.5 (CosmosAttnProcessor2_5)", allow_module_level=True)
+if not cosmos.TRANSFER25:
+    pytest.skip("this diffusers lacks Cosmos Transfer2.5 (Cosmos2_5_TransferPipeline)", allow_module_level=True)
 tiny25 = pytest.importorskip("cogattn.models._cosmos25_tiny")
 
 pytestmark = pytest.mark.usefixtures("one_thread")

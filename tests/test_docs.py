@@ -30,6 +30,7 @@ NEEDS = {
     "docs/models/wan.md": "wan",
     "docs/models/hunyuan-video.md": "hunyuan_video",
     "docs/models/hunyuan-video-1-5.md": "hunyuan_video15",
+    "docs/models/cosmos.md": "cosmos",
 }
 
 
@@ -126,6 +127,12 @@ def _check_wan(scope, tmp_path):
     assert (tmp_path / "wan_words.png").stat().st_size > 0
 
 
+def _check_cosmos(scope, tmp_path):
+    rec = scope["c25_rec"]
+    assert tuple(rec.get("video_to_image", step=0, layer=1).shape) == (1, 1, 5, 3, 2, 3)
+    assert (rec.layout.context_len, rec.layout.image_len, rec.batch_roles) == (8, 5, ("cond",))
+
+
 # The pages with Python snippets, each with what its comments promise
 CHECKS = {
     "README.md": _check_readme,
@@ -139,6 +146,7 @@ CHECKS = {
     "docs/models/hunyuan-video.md": _check_hunyuan_video,
     "docs/models/hunyuan-video-1-5.md": _check_hunyuan_video15,
     "docs/models/wan.md": _check_wan,
+    "docs/models/cosmos.md": _check_cosmos,
 }
 
 

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
 
-from ._hunyuan_video15_tiny import _tiny_qwen_tokenizer
-from .tiny_text import TEXT_DIM, cast
+from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
 
 __all__ = ["IMAGE_LEN", "TEXT_WIDTH", "tiny_call", "tiny_pipeline", "tiny_transformer"]
 
@@ -27,7 +26,9 @@ TEXT_WIDTH = QWEN_LAYERS * TEXT_DIM  # the pipelines' prompt embeddings (release
 IMAGE_DIM = 12  # width of the image context (img_context_dim_in; released 1152)
 IMAGE_LEN = 5  # its tokens (img_context_num_tokens; released 256)
 
-# The pipelines' chat turns hold a list of text parts: the tiny template renders them in the tiny tokenizer's words
+# The pipelines' chat turns hold a list of text parts: the tiny template renders them in the tiny tokenizer's words,
+# between Qwen's chat tokens
+_CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }} "
     "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}<|im_end|>{% endfor %}"
@@ -118,6 +119,16 @@ def _nearest_resize():
     controlnet_cosmos.transforms = types.SimpleNamespace(functional=functional, InterpolationMode=mode)
 
 
+def _tiny_qwen_tokenizer():
+    """The tiny word-level tokenizer (``tiny_text.tiny_tokenizer``) with Qwen's chat tokens, the role words and the
+    tiny chat template: ``apply_chat_template`` works on it as on Qwen2.5-VL's."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(list(_CHAT_TOKENS), special_tokens=True)
+    tokenizer.add_tokens(["system", "user", "assistant"])
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    return tokenizer
+
+
 def _tiny_qwen(tokenizer, seed: int, dtype: torch.dtype):
     """A random ``QWEN_LAYERS``-layer ``Qwen2_5_VLTextModel`` of the tiny text width over the tiny tokenizer,
     multimodal RoPE sections (1, 1, 2) of its 8-wide heads, positions for the 512 tokens of a prompt."""
@@ -164,7 +175,6 @@ def tiny_pipeline(transfer: bool = True, *, dtype: torch.dtype = torch.float32, 
     from .cosmos import _PassingGuardrail
 
     tokenizer = _tiny_qwen_tokenizer()
-    tokenizer.chat_template = _CHAT_TEMPLATE
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         vae = AutoencoderKLWan(

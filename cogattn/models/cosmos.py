@@ -84,20 +84,22 @@ KNOWN: dict[str, dict] = {
 }
 
 try:
+    import diffusers
     from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.transformers import transformer_cosmos
     from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0, CosmosTransformer3DModel
+
+    from . import _cosmos25_tiny
 except ImportError as missing:
     needs = "Cosmos needs diffusers >= 0.35 (CosmosAttnProcessor2_0, Cosmos2VideoToWorldPipeline)"
     raise Unavailable("cosmos", needs, ("CosmosTransformer3DModel",), (), KNOWN) from missing
 
 # diffusers 0.35's processor calls torch's SDPA on (B, H, S, D); later ones the attention dispatcher on (B, S, H, D)
 _DISPATCH = hasattr(transformer_cosmos, "dispatch_attention_fn")
-# Predict2.5's image-context cross-attention (diffusers >= 0.36)
+# the image-context cross-attention of the Cosmos 2.5 transformers (the diffusers that has their pipelines)
 CosmosAttnProcessor2_5 = getattr(transformer_cosmos, "CosmosAttnProcessor2_5", None)
-if CosmosAttnProcessor2_5 is not None:
-    from . import _cosmos25_tiny
+TRANSFER25 = CosmosAttnProcessor2_5 is not None and hasattr(diffusers, "Cosmos2_5_TransferPipeline")
 
 __all__ = [
     "SPEC",
@@ -442,8 +444,10 @@ def tiny_pipeline(task: str = "image-to-video", *, dtype: torch.dtype = torch.fl
             f"task={task!r}; choose 'image-to-video' (Predict2), 'text-to-video' (Predict1) or 'video-to-video' "
             "(Transfer2.5)."
         )
-    if task == "video-to-video" and CosmosAttnProcessor2_5 is None:
-        raise ValueError("task='video-to-video' is Cosmos Transfer2.5's, which needs diffusers >= 0.36.")
+    if task == "video-to-video" and not TRANSFER25:
+        raise ValueError(
+            "task='video-to-video' is Cosmos Transfer2.5's; this diffusers lacks Cosmos2_5_TransferPipeline."
+        )
     if task == "video-to-video":
         return _cosmos25_tiny.tiny_pipeline(dtype=dtype, seed=seed, **size)
     i2v = task == "image-to-video"
@@ -557,7 +561,7 @@ SPEC = ModelSpec(
     tiny_pipeline=tiny_pipeline,
     tiny_transformer=tiny_transformer,
     tiny_call=tiny_call,
-    tiny_tasks=("image-to-video", "text-to-video", *(("video-to-video",) if CosmosAttnProcessor2_5 else ())),
+    tiny_tasks=("image-to-video", "text-to-video", *(("video-to-video",) if TRANSFER25 else ())),
     known=KNOWN,
     text_len=TEXT_LEN,
     # video_to_image: Transfer2.5's image branch; Predict1, 2 and 2.5 have none (their layout's image_len is 0)
