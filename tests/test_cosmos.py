@@ -15,7 +15,7 @@ from cogattn.reference import naive_context
 cosmos = pytest.importorskip("cogattn.models.cosmos", reason="this diffusers lacks Cosmos (it needs 0.35)")
 if not cosmos.TRANSFER25:
     pytest.skip("this diffusers lacks Cosmos Transfer2.5 (Cosmos2_5_TransferPipeline)", allow_module_level=True)
-tiny25 = pytest.importorskip("cogattn.models._cosmos25_tiny")
+tiny25 = pytest.importorskip("cogattn.models._cosmos_tiny")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,7 +42,7 @@ def test_the_image_branch_is_its_own_softmax_proved_by_its_output_and_recorded_e
     """The image branch's spied call: its float64 ``P @ V`` is that call's output (the reference is the model's
     attention); the recording's ``video_to_image`` and ``video_to_text`` are the two branches' probabilities, each
     row summing to 1 over its own keys, and the output stays bit-identical."""
-    model = tiny25.tiny_transformer(num_heads=3)
+    model = tiny25.tiny_transformer_25(num_heads=3)
     spec = family("cosmos")
     call = _transformer_call(torch.Generator().manual_seed(0))
     spy = AttentionSpy(SimpleNamespace(transformer=model), spec, monkeypatch)
@@ -88,7 +88,7 @@ def test_transfer_attends_its_zero_image_context_evenly_and_leaves_its_control_n
 def test_predict2_5_reads_512_qwen_tokens_of_a_prompt():
     """Predict2.5's pipeline renders a prompt in Qwen2.5-VL's chat template padded to 512 tokens and joins every
     layer's normalized hidden states: the cross-attention has 512 keys, the padding attended (no mask)."""
-    pipe = tiny25.tiny_pipeline(False, num_heads=3)
+    pipe = tiny25.tiny_pipeline_25(False, num_heads=3)
     with cogattn.record(pipe, kinds=("video_to_text",), batch="cond") as rec:
         pipe(prompt="a red fox running in the snow", num_frames=9, height=32, width=48, num_inference_steps=1)
     probs = rec.get("video_to_text", 0, 0)

@@ -346,7 +346,15 @@ def _cosmos25_call(pipe, g, guided):
     """Two videos of 8 text embeddings of the tiny Qwen2.5-VL's width (every layer's, joined), 9 frames of 32×48: 3
     latent frames of 2×3 patches; Transfer2.5's controlled by 9 random frames, in one chunk. Predict2.5's makes the
     video from the text alone (its image path needs torchvision)."""
-    return _cosmos25_tiny().tiny_call(pipe, g, guided, videos=2)
+    return _cosmos_tiny().tiny_call_25(pipe, g, guided, videos=2)
+
+
+def _cosmos25_v2w_call(pipe, g, guided):
+    """Predict2.5 video-to-world: one video continuing the last 5 frames (2 latent frames, held at timestep 0.0001,
+    the others at the step's sigma) of a random clip of 9 frames in [-1, 1], given as a tensor (its pipeline takes
+    one video per call)."""
+    call = _cosmos_tiny().tiny_call_25(pipe, g, guided, videos=1)
+    return {**call, "video": torch.rand(1, 3, 9, 32, 48, generator=g) * 2 - 1, "num_latent_conditional_frames": 2}
 
 
 def _cosmos25_pipeline(transfer: bool):
@@ -355,11 +363,11 @@ def _cosmos25_pipeline(transfer: bool):
     name = "Cosmos2_5_TransferPipeline" if transfer else "Cosmos2_5_PredictBasePipeline"
     if not hasattr(diffusers, name):
         pytest.skip(f"this diffusers has no {name}")
-    return _cosmos25_tiny().tiny_pipeline(transfer, num_heads=3)
+    return _cosmos_tiny().tiny_pipeline_25(transfer, num_heads=3)
 
 
-def _cosmos25_tiny():
-    return pytest.importorskip("cogattn.models._cosmos25_tiny")
+def _cosmos_tiny():
+    return pytest.importorskip("cogattn.models._cosmos_tiny")
 
 
 def _easyanimate_call(pipe, g, guided):
@@ -754,6 +762,14 @@ CASES = {
         family="cosmos",
         released=("nvidia/Cosmos-Predict2.5-2B", dict(num_frames=93, height=704, width=1280), 24 * 44 * 80),
     ),
+    "cosmos25_v2w": Case(  # Predict2.5 video-to-world: conditioning latent frames at their own timestep
+        lambda: _cosmos25_pipeline(False),
+        _cosmos25_v2w_call,
+        8,
+        skip=("video_to_image",),
+        family="cosmos",
+        videos=1,
+    ),
     "easyanimate": Case(
         lambda: FAMILY["easyanimate"].tiny_pipeline(num_heads=3),
         _easyanimate_call,
@@ -808,6 +824,7 @@ ROWS_ONLY = {
     "helios_v2v": "helios",
     "kandinsky5_i2v": "kandinsky5",
     "cosmos25_predict": "cosmos",
+    "cosmos25_v2w": "cosmos",
 }
 
 
@@ -1073,7 +1090,7 @@ def test_refusals_and_estimates(pipes, family):
     kinds = tuple(k for k in ("frame", "entropy", "video_to_text") if k in _kinds(family))
     g = torch.Generator().manual_seed(0)
     frames = case.call(pipe, g, False)
-    video = frames.get("video") or frames.get("control_video")  # a video's pipelines take its frame count
+    video = next((frames[k] for k in ("video", "control_video") if frames.get(k) is not None), None)  # its frames
     est = cogattn.estimate(
         pipe,
         num_frames=frames["num_frames"] if "num_frames" in frames else len(video),

@@ -1,29 +1,23 @@
-"""Cosmos world models (Predict1, Predict2, Predict2.5 and Transfer2.5): the map processors, the family's facts and its
-tiny pipelines (docs/design.md, "The model seam").
+"""Cosmos world models (Predict1, 2, 2.5 and Transfer2.5): the map processors and the family's facts (docs/design.md,
+"The model seam"); the tiny pipelines are ``_cosmos_tiny.py``'s.
 
 Each of Cosmos' blocks has a self-attention over the video alone (``attn1``: RMS norms per head, 3-D RoPE) and a
-cross-attention from the video to the T5 text (``attn2``, 512 tokens, the padding attended as any token: the
-pipelines pass no mask), both run by ``CosmosAttnProcessor2_0``; :class:`CosmosAttnMapProcessor` is that processor
-line for line (diffusers 0.35's calls torch's SDPA, later ones the attention dispatcher: each version's call is
-made), plus the lines that hand q and k to the recording. The self-attention feeds the self-attention
-kinds, the cross-attention ``video_to_text``. The pipelines call the transformer twice per step under guidance, the
-conditional call first, as Wan's; video-to-world gives a timestep per latent frame (its conditioning frames' small).
+cross-attention from the video to 512 text tokens (``attn2``, the padding attended: the pipelines pass no mask), run
+by ``CosmosAttnProcessor2_0``; :class:`CosmosAttnMapProcessor` is that processor line for line (diffusers 0.35's
+calls torch's SDPA, later ones the attention dispatcher: each version's call is made), plus the lines that hand q
+and k to the recording: the self-attention kinds and ``video_to_text``. Under guidance the pipelines call the
+transformer twice per step, the conditional call first; video-to-world gives a timestep per latent frame.
 
-Predict1 (``CosmosTextToWorldPipeline``, ``CosmosVideoToWorldPipeline``) decodes with Cosmos' own tokenizer, 8
-frames and 8 × 8 pixels per latent pixel; Predict2 (``Cosmos2VideoToWorldPipeline``) with Wan 2.1's VAE, 4 frames.
-A transformer config tells them apart by its learnable positional embedding (Predict1's alone).
-
-Predict2.5 (``Cosmos2_5_PredictBasePipeline``) and Transfer2.5 (``Cosmos2_5_TransferPipeline``) decode with Wan 2.1's
-VAE too and read 512 tokens of Qwen2.5-VL (every layer's hidden states, normalized and joined, projected by the
-transformer's ``crossattn_proj``), the padding attended. A transformer with ``img_context_dim_in`` (Transfer2.5's)
-runs its cross-attentions with ``CosmosAttnProcessor2_5`` (:class:`CosmosAttnMapProcessor2_5`): the text branch and a
-second branch over ``img_context_num_tokens`` image tokens with its own projections, norms and softmax, added to the
-text branch's output, as Wan 2.1 image-to-video's image branch is: the text branch feeds ``video_to_text``, the image
-branch ``video_to_image``. Transfer2.5's pipeline gives that branch a zero image context (every image key the same:
-each query attends the image tokens evenly). Its control net (``CosmosControlNetModel``) runs Cosmos blocks of its own
-over the control video before each transformer call, adding their outputs after the transformer's blocks 0, n, 2n,
-... (``controlnet_block_every_n``): a separate model, whose attention is not captured (its processors stay stock).
-The 2.5 pipelines' tiny versions are in ``_cosmos25_tiny.py``.
+Predict1 decodes with Cosmos' own tokenizer (8 frames and 8 × 8 pixels per latent pixel), Predict2, 2.5 and
+Transfer2.5 with Wan 2.1's VAE (4 frames): a config tells them apart by Predict1's learnable positional embedding.
+Predict2.5 and Transfer2.5 read Qwen2.5-VL (every layer's hidden states, joined, projected by ``crossattn_proj``).
+A transformer with ``img_context_dim_in`` (Transfer2.5's) runs ``CosmosAttnProcessor2_5``
+(:class:`CosmosAttnMapProcessor2_5`): the text branch and a second branch over ``img_context_num_tokens`` image
+tokens with its own projections, norms and softmax, added to the text branch's output as Wan 2.1 image-to-video's
+is: ``video_to_text`` and ``video_to_image``. Its pipeline gives a zero image context (each query attends the image
+tokens evenly). Its control net (``CosmosControlNetModel``) runs Cosmos blocks of its own over the control video
+before each transformer call, adding their outputs after blocks 0, n, 2n, ... (``controlnet_block_every_n``): a
+separate model, whose attention is not captured (its processors stay stock).
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ import torch.nn.functional as F
 from ..layout import VAE_SPATIAL, TokenLayout
 from ..recorder.processor import MapSink, context_bias
 from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
-from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
 _COSMOS = {"_class_name": "CosmosTransformer3DModel", "attention_head_dim": 128, "patch_size": [1, 2, 2]}
@@ -84,13 +77,12 @@ KNOWN: dict[str, dict] = {
 }
 
 try:
-    import diffusers
     from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.transformers import transformer_cosmos
     from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0, CosmosTransformer3DModel
 
-    from . import _cosmos25_tiny
+    from ._cosmos_tiny import TRANSFER25, tiny_call, tiny_pipeline, tiny_transformer
 except ImportError as missing:
     needs = "Cosmos needs diffusers >= 0.35 (CosmosAttnProcessor2_0, Cosmos2VideoToWorldPipeline)"
     raise Unavailable("cosmos", needs, ("CosmosTransformer3DModel",), (), KNOWN) from missing
@@ -99,7 +91,6 @@ except ImportError as missing:
 _DISPATCH = hasattr(transformer_cosmos, "dispatch_attention_fn")
 # the image-context cross-attention of the Cosmos 2.5 transformers (the diffusers that has their pipelines)
 CosmosAttnProcessor2_5 = getattr(transformer_cosmos, "CosmosAttnProcessor2_5", None)
-TRANSFER25 = CosmosAttnProcessor2_5 is not None and hasattr(diffusers, "Cosmos2_5_TransferPipeline")
 
 __all__ = [
     "SPEC",
@@ -370,159 +361,10 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
     )
 
 
-# -- the tiny pipelines (tests, notebook, batch tool) ------------------------------------------------
-class _PassingGuardrail(torch.nn.Module):
-    """The tiny pipelines' stand-in for ``cosmos_guardrail.CosmosSafetyChecker`` (a download of its own): it
-    passes every prompt and video. A real Cosmos pipeline loads NVIDIA's guardrail, as its license asks."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("_where", torch.zeros(()), persistent=False)  # the pipeline asks its parts' device
-
-    device = property(lambda self: self._where.device)
-    dtype = property(lambda self: self._where.dtype)
-
-    def check_text_safety(self, prompt: str) -> bool:
-        return True
-
-    def check_video_safety(self, frames):
-        return frames
-
-
-def tiny_transformer(
-    image_to_video: bool = True,
-    *,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 12,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-):
-    """A random ``CosmosTransformer3DModel`` at toy size, text width 16: Predict2's video-to-world (16 latent
-    channels and the conditioning mask's), or with ``image_to_video=False`` Predict1's text-to-world (a learnable
-    positional embedding). No padding-mask channel: its resizing needs torchvision, which a plain install lacks."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = CosmosTransformer3DModel(
-            in_channels=17 if image_to_video else 16,
-            out_channels=16,
-            num_attention_heads=num_heads,
-            attention_head_dim=head_dim,
-            num_layers=num_layers,
-            mlp_ratio=2.0,
-            text_embed_dim=TEXT_DIM,
-            adaln_lora_dim=4,
-            max_size=(8, 32, 32),
-            patch_size=(1, 2, 2),
-            rope_scale=(1.0, 3.0, 3.0) if image_to_video else (2.0, 1.0, 1.0),
-            concat_padding_mask=False,
-            extra_pos_embed_type=None if image_to_video else "learnable",
-        )
-    return cast(model, dtype)
-
-
-def tiny_pipeline(task: str = "image-to-video", *, dtype: torch.dtype = torch.float32, seed: int = 0, **size):
-    """A random Cosmos pipeline at toy size (no download; its guardrail passes everything).
-
-    ``"image-to-video"``: ``Cosmos2VideoToWorldPipeline`` (Predict2) with Wan 2.1's VAE at toy size (8 pixels, 4
-    frames): ``num_frames=9, height=32, width=48`` gives 3 latent frames of 2×3 patches; pass ``image=`` a PIL image.
-    ``"text-to-video"``: ``CosmosTextToWorldPipeline`` (Predict1) with a toy Cosmos tokenizer (8 pixels, 8 frames):
-    ``num_frames=17`` gives 3 latent frames. ``"video-to-video"``: ``Cosmos2_5_TransferPipeline`` (Transfer2.5: a
-    control video's frames drive it through a control net; its cross-attention has an image branch), built by
-    ``_cosmos25_tiny.tiny_pipeline``, as Predict2.5's ``Cosmos2_5_PredictBasePipeline``.
-
-    Args:
-        task (`str`, defaults to ``"image-to-video"``): or ``"text-to-video"``, ``"video-to-video"``.
-        dtype (`torch.dtype`, defaults to `torch.float32`): dtype of every component.
-        seed (`int`, defaults to 0): seed of the random weights.
-        size: ``num_layers``, ``num_heads``, ``head_dim`` of the transformer.
-    """
-    from diffusers import EDMEulerScheduler, FlowMatchEulerDiscreteScheduler
-
-    if task not in ("text-to-video", "image-to-video", "video-to-video"):
-        raise ValueError(
-            f"task={task!r}; choose 'image-to-video' (Predict2), 'text-to-video' (Predict1) or 'video-to-video' "
-            "(Transfer2.5)."
-        )
-    if task == "video-to-video" and not TRANSFER25:
-        raise ValueError(
-            "task='video-to-video' is Cosmos Transfer2.5's; this diffusers lacks Cosmos2_5_TransferPipeline."
-        )
-    if task == "video-to-video":
-        return _cosmos25_tiny.tiny_pipeline(dtype=dtype, seed=seed, **size)
-    i2v = task == "image-to-video"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if i2v:
-            from diffusers import AutoencoderKLWan
-
-            vae = AutoencoderKLWan(
-                base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-            )
-        else:
-            from diffusers import AutoencoderKLCosmos
-
-            vae = AutoencoderKLCosmos(
-                latent_channels=16,
-                encoder_block_out_channels=(8, 8, 8, 8),
-                decode_block_out_channels=(8, 8, 8, 8),
-                attention_resolutions=(),
-                resolution=64,
-                num_layers=1,
-                patch_size=4,
-                spatial_compression_ratio=8,
-                temporal_compression_ratio=8,
-            )
-    parts = dict(
-        text_encoder=tiny_text_encoder(seed, dtype),
-        tokenizer=tiny_tokenizer(),
-        transformer=tiny_transformer(i2v, dtype=dtype, seed=seed, **size),
-        vae=cast(vae, dtype),
-        safety_checker=_PassingGuardrail(),
-    )
-    if i2v:
-        from diffusers import Cosmos2VideoToWorldPipeline as cls
-
-        parts["scheduler"] = FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True)
-    else:
-        from diffusers import CosmosTextToWorldPipeline as cls
-
-        parts["scheduler"] = EDMEulerScheduler(
-            sigma_min=0.002, sigma_max=80, sigma_data=0.5, sigma_schedule="karras", num_train_timesteps=1000,
-            prediction_type="epsilon", rho=7.0, final_sigmas_type="sigma_min",
-        )  # fmt: skip
-    pipe = cls(**parts)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
-    """A call of the tiny pipeline: one video of 8 random text tokens (the negative: their opposite), 3 latent frames
-    of 2×3 patches (32×48 pixels: 9 frames through Wan's VAE, 17 through Cosmos' tokenizer), and for image-to-video
-    a random image; video-to-video: 9 random control frames (``_cosmos25_tiny.tiny_call``)."""
-    if task == "video-to-video":
-        return _cosmos25_tiny.tiny_call(pipe, generator, guided)
-    device, dtype = pipe._execution_device, pipe.transformer.dtype
-    emb = torch.randn(1, 8, TEXT_DIM, generator=generator).to(device, dtype)
-    call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, guidance_scale=7.0 if guided else 1.0)
-    call.update(num_frames=9 if task == "image-to-video" else 17, height=32, width=48)
-    if task == "image-to-video":
-        import PIL.Image
-
-        pixels = torch.randint(0, 256, (32, 48, 3), generator=generator, dtype=torch.uint8).numpy()
-        call["image"] = PIL.Image.fromarray(pixels)
-    return call
-
-
-def version_25(config: dict) -> bool:
-    """Whether a transformer with ``config`` is Predict2.5's or Transfer2.5's (Qwen2.5-VL's text, projected)."""
-    return bool(config.get("use_crossattn_projection"))
-
-
 def batch_refusal(config: dict) -> str:
     """Why the batch tool plans (``--dry-run``) but does not run a Cosmos checkpoint (``ModelSpec.batch_refusal``):
-    Predict2.5's and Transfer2.5's alone."""
-    if not version_25(config):
+    Predict2.5's and Transfer2.5's alone (Qwen2.5-VL's text, projected: ``use_crossattn_projection``)."""
+    if not config.get("use_crossattn_projection"):
         return ""
     return (
         "the batch tool plans Cosmos Predict2.5 and Transfer2.5 checkpoints (--dry-run) but does not run them yet: "
@@ -535,7 +377,7 @@ def call_rules(cfg, config: dict) -> None:
     """The batch tool's Cosmos rules (``ModelSpec.call_rules``): Predict1 text-to-world checkpoints for
     text-to-video, Predict2 video-to-world checkpoints for image-to-video; Predict2.5 and Transfer2.5 (planned
     only: :func:`batch_refusal`) for either, their pipeline making both."""
-    if version_25(config):
+    if config.get("use_crossattn_projection"):  # Predict2.5, Transfer2.5
         return
     predict1, conditioned = temporal_compression(config) == 8, int(config.get("in_channels", 16)) == 17
     want = "text-to-video" if predict1 and not conditioned else "image-to-video" if not predict1 else None
