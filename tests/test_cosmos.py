@@ -127,3 +127,26 @@ def test_estimates_at_the_released_2_5_shapes(name, layers, heads, image):
     assert shapes["video_to_text"] == ((1, heads, 512, 24, 44, 80), 36 * layers)
     if image:
         assert shapes["video_to_image"] == ((1, heads, 256, 24, 44, 80), 36 * layers)
+
+
+def test_word_labels_read_predict2_5_s_chat_template(monkeypatch):
+    """The prompt's tokens as Predict2.5's pipeline makes them (``prompt_text``): the system turn, then the prompt
+    as the user's turn in the chat template, 512 tokens: the ids its text encoder reads, and each word's span in the
+    rendered text. Predict2's are the prompt alone (T5)."""
+    spec, pipe = family("cosmos"), tiny25.tiny_pipeline_25(False, num_heads=3)
+    seen = []
+    monkeypatch.setattr(pipe.text_encoder, "forward", lambda ids, *a, real=pipe.text_encoder.forward, **k: (
+        seen.append(ids.clone()) or real(ids, *a, **k)
+    ))  # fmt: skip
+    pipe._get_prompt_embeds("a red fox running in the snow", max_sequence_length=512)
+    text = spec.prompt_text(pipe, "a red fox running in the snow", 512, offsets=True)
+    assert text.ids == seen[0][0].tolist() and len(text.ids) == 512
+    assert text.text[slice(*text.prompt)] == "a red fox running in the snow" and text.prompt[0] > 0
+    fox = text.text.index("fox")
+    at = next(i for i, span in enumerate(text.spans) if span == (fox, fox + 3))
+    assert text.ids[at] == pipe.tokenizer.convert_tokens_to_ids("fox")
+    t5 = spec.tiny_pipeline("image-to-video")
+    assert (
+        spec.prompt_text(t5, "a red fox", 12).ids
+        == t5.tokenizer("a red fox", padding="max_length", max_length=12)["input_ids"]
+    )

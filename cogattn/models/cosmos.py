@@ -82,6 +82,7 @@ try:
     from diffusers.models.transformers import transformer_cosmos
     from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0, CosmosTransformer3DModel
 
+    from ._cosmos_text import prompt_text
     from ._cosmos_tiny import TRANSFER25, tiny_call, tiny_pipeline, tiny_transformer
 except ImportError as missing:
     needs = "Cosmos needs diffusers >= 0.35 (CosmosAttnProcessor2_0, Cosmos2VideoToWorldPipeline)"
@@ -415,4 +416,5 @@ SPEC = ModelSpec(
     pipelines={"text-to-video": "CosmosTextToWorldPipeline", "image-to-video": "Cosmos2VideoToWorldPipeline"},
     call_rules=call_rules,
     batch_refusal=batch_refusal,
+    prompt_text=prompt_text,  # 2.5: Qwen2.5-VL's chat template around the prompt
 )
