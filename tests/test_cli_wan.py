@@ -241,7 +241,7 @@ I2V_480P = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
             r"num_frames: 10; the Wan VAE decodes 4k \+ 1 frames \(9, 13, ..., 81, ..., 121\): use 9 or 13",
         ),
         (["capture.kinds=[text_to_video]"], r"kind 'text_to_video' does not exist for wan: Wan's text never queries"),
-        (["capture.kinds=[video_to_image]"], r"kind 'video_to_image' needs a image context"),
+        (["capture.kinds=[video_to_image]"], r"kind 'video_to_image' needs the cross-attention to image tokens"),
         (
             [f"model={I2V_480P}", "height=480", "width=832"],
             rf"task: 'text-to-video', but {I2V_480P} is an image-to-video checkpoint \(36 input channels\); "

@@ -361,7 +361,7 @@ def plan_capture(
             red = CONTEXT_REDUCERS[k](layout, len(res.heads), res.mean_heads, **sizes)
             if red.context_len == 0:
                 raise ValueError(
-                    f"kind {k!r} needs a {sources[k]} context, which this generation has none of"
+                    f"kind {k!r} needs the cross-attention to {sources[k]} tokens, which this generation does not have"
                     + (
                         " (Wan 2.1 image-to-video has one; Wan 2.2 puts the image in the latents)."
                         if k == "video_to_image"
