@@ -62,6 +62,10 @@ class Estimate:
         video = f"{grid} video tokens, S = {lay.seq_len:,}"
         if lay.text_position == "end":  # HunyuanVideo: one joint sequence, the text after the video
             layout = f"layout: {grid} video + {lay.text_len} text tokens, S = {lay.seq_len:,}"
+            if lay.text_parts:  # HunyuanVideo 1.5: the parts packed per item, each item's valid tokens first
+                parts = ", ".join(f"{n} {name}" for name, n in lay.text_parts)
+                crop = f"; the template's {lay.prompt_crop} tokens cropped before the prompt" if lay.prompt_crop else ""
+                layout += f"\n  text: {parts}, packed per item (its valid tokens of each, then the padding){crop}"
         elif lay.text_len or not lay.context_len:  # CogVideoX: one joint sequence
             layout = f"layout: {lay.text_len} text + {video}"
         else:  # Wan: the video alone, and the context of the cross-attention

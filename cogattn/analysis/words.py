@@ -21,7 +21,12 @@ the bare prompt: right for those T5 families only.
 The text length is the T of ``video_to_text``: ``layout.prompt_len`` (226 in CogVideoX, whose text is in
 the sequence; Wan's ``context_len``, 512, whose text is in a separate cross-attention). Where image tokens
 lead the text (HunyuanVideo image-to-video, FramePack), ``prompt_start=layout.prompt_start`` skips them:
-they are named ``"<image>"`` and are never a word. A fast tokenizer's character offsets find a word
+they are named ``"<image>"`` and are never a word. Where the model packs each item's text on its own
+(HunyuanVideo 1.5: ``[image | glyph | prompt | padding]``, ``TokenLayout.text_parts``), ``spans=`` places the
+words at that item's spans (``Recording.text_spans``; :func:`item_spans` picks a slot's): the image tokens
+named ``"<image>"``, the glyph tokens as the second tokenizer names them (ByT5's bytes of the quoted words;
+``word_positions(..., glyph=True)`` finds a quoted word there), the prompt's tokens at the prompt span, and
+the padding after them named as the tokenizer's padding. A fast tokenizer's character offsets find a word
 exactly, in the prompt only (never in its template); pieces of a slow sentencepiece one (T5, UMT5) are
 grouped at their ``▁`` word-start marker.
 """
@@ -33,9 +38,19 @@ import re
 from ..models import spec_for_module
 from ..models.prompt_text import PromptText, pipeline_text, plain_text
 
-__all__ = ["IMAGE_TOKEN", "PromptFormat", "PromptText", "clean_prompt", "text_tokens", "word_positions"]
+__all__ = [
+    "IMAGE_TOKEN",
+    "PAD_TOKEN",
+    "PromptFormat",
+    "PromptText",
+    "clean_prompt",
+    "item_spans",
+    "text_tokens",
+    "word_positions",
+]
 
 IMAGE_TOKEN = "<image>"  # the name of an image token that leads the text (HunyuanVideo image-to-video)
+PAD_TOKEN = "<pad>"  # the name of a packed text's padding where the tokenizer has no padding token of its own
 
 
 def clean_prompt(prompt: str) -> str:
@@ -66,6 +81,7 @@ class PromptFormat:
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's (Qwen2VLProcessor: Kandinsky 5)
         self.pipeline, self.tokenizer, self.template = pipeline, tokenizer, template
         self._text = (spec.prompt_text if spec is not None else None) or pipeline_text
+        self._glyph = None if spec is None else spec.glyph_text
 
     @property
     def pad_token(self):
@@ -75,6 +91,28 @@ class PromptFormat:
     def encode(self, prompt: str, length: int, offsets: bool = False) -> PromptText:
         """The ``length`` text tokens of ``prompt`` the transformer reads (with character offsets)."""
         return self._text(self.pipeline, prompt, length, self.template, offsets)
+
+    def glyph(self, prompt: str, length: int, offsets: bool = False) -> PromptText | None:
+        """The first ``length`` tokens of the text's glyph part for ``prompt`` (``ModelSpec.glyph_text``:
+        HunyuanVideo 1.5's ByT5 bytes of the quoted words); `None` for a family without one."""
+        return None if self._glyph is None else self._glyph(self.pipeline, prompt, length, offsets)
+
+    def glyph_names(self, ids: list[int]) -> list[str]:
+        """The glyph tokens' names, as the pipeline's second tokenizer names them."""
+        return [str(t) for t in self.pipeline.tokenizer_2.convert_ids_to_tokens(ids)]
+
+
+def item_spans(source, batch=None) -> dict[str, tuple[int, int]]:
+    """Where each part of the text of ``source``'s batch slot ``batch`` sits (``Recording.text_spans``,
+    run.json's; ``batch`` as :func:`cogattn.items.pick_item` takes it), or every item's, ``layout.spans()``,
+    where the source keeps none."""
+    from ..items import pick_item
+
+    spans = getattr(source, "text_spans", None)
+    slot = pick_item(source, batch)
+    if spans and 0 <= slot < len(spans):
+        return dict(spans[slot])
+    return source.layout.spans()
 
 
 class _Bare:
@@ -97,28 +135,58 @@ def _format(source, clean: bool):
     raise TypeError(f"{type(source).__name__} is not a pipeline, a PromptFormat or a tokenizer; pass `pipe`.")
 
 
-def text_tokens(tokenizer, prompt: str, text_len: int, *, clean: bool = False, prompt_start: int = 0) -> list[str]:
+def text_tokens(
+    tokenizer, prompt: str, text_len: int, *, clean: bool = False, prompt_start: int = 0, spans: dict | None = None
+) -> list[str]:
     """The ``text_len`` text tokens of ``prompt`` as the pipeline feeds them to the transformer.
 
     Args:
         tokenizer: the pipeline (``pipe``: its family's template and crop apply), a :class:`PromptFormat`
             (a call's own ``prompt_template``), or a tokenizer alone (``pipe.tokenizer``: the bare prompt,
             right for the T5 families only).
-        prompt (`str`): the prompt of the generation.
+        prompt (`str`): the prompt of the generation (the negative prompt for an unconditional item).
         text_len (`int`): text tokens T of the layout, ``layout.prompt_len`` (``max_sequence_length`` of
             the call).
         clean (`bool`, defaults to `False`): with a tokenizer alone, tokenize :func:`clean_prompt` of the
             prompt, as Wan does (a pipeline cleans it where its own pipeline does).
         prompt_start (`int`, defaults to 0): image tokens before the prompt's, ``layout.prompt_start``
             (HunyuanVideo image-to-video), each named ``"<image>"``.
+        spans (`dict`, *optional*): one item's text spans (:func:`item_spans`), for a text the model packs per
+            item (HunyuanVideo 1.5); they replace ``prompt_start``.
 
     Returns:
         `list[str]`: ``text_len`` token strings, the template's kept tokens and padding included.
     """
     fmt = _format(tokenizer, clean)
-    skip = _start(prompt_start, text_len)
-    ids = fmt.encode(prompt, text_len - skip).ids if text_len > skip else []
-    return [IMAGE_TOKEN] * skip + [str(t) for t in fmt.tokenizer.convert_ids_to_tokens(ids)]
+    spans = _spans(spans, prompt_start, text_len)
+    pad = getattr(fmt.tokenizer, "pad_token", None) or PAD_TOKEN
+    names = [pad] * text_len
+    a, b = spans.get("image", (0, 0))
+    names[a:b] = [IMAGE_TOKEN] * (b - a)
+    a, b = spans.get("glyph", (0, 0))
+    if b > a:
+        glyph = fmt.glyph(prompt, b - a) if isinstance(fmt, PromptFormat) else None
+        got = fmt.glyph_names(glyph.ids) if glyph is not None else []
+        names[a:b] = (got + ["<glyph>"] * (b - a))[: b - a]
+    a, b = spans["prompt"]
+    ids = fmt.encode(prompt, b - a).ids if b > a else []
+    names[a:b] = [str(t) for t in fmt.tokenizer.convert_ids_to_tokens(ids)]
+    return names
+
+
+def _spans(spans: dict | None, prompt_start: int, text_len: int) -> dict[str, tuple[int, int]]:
+    """One item's spans, checked against ``text_len``; `None`: the image's ``prompt_start`` tokens, then the
+    prompt's to the end."""
+    if spans is None:
+        start = _start(prompt_start, text_len)
+        return {"image": (0, start), "prompt": (start, int(text_len))}
+    out = {name: (int(a), int(b)) for name, (a, b) in spans.items()}
+    for name, (a, b) in out.items():
+        if not 0 <= a <= b <= text_len:
+            raise ValueError(f"spans[{name!r}] = {(a, b)}; an item's text spans lie within its {text_len} tokens.")
+    if "prompt" not in out:
+        raise ValueError(f"spans = {out}; an item's spans name where its 'prompt' sits.")
+    return out
 
 
 def _start(prompt_start: int, text_len: int) -> int:
@@ -132,7 +200,15 @@ def _norm_word(text: str) -> str:
 
 
 def word_positions(
-    word: str, tokenizer, prompt: str, text_len: int, *, clean: bool = False, prompt_start: int = 0
+    word: str,
+    tokenizer,
+    prompt: str,
+    text_len: int,
+    *,
+    clean: bool = False,
+    prompt_start: int = 0,
+    spans: dict | None = None,
+    glyph: bool = False,
 ) -> list[int]:
     """Text-token positions whose pieces form ``word`` in ``prompt``, for every occurrence of it.
 
@@ -150,20 +226,29 @@ def word_positions(
             of the prompt, the text Wan tokenizes.
         prompt_start (`int`, defaults to 0): image tokens before the prompt's, ``layout.prompt_start``
             (HunyuanVideo image-to-video): the positions count them, and none of them is a word.
+        spans (`dict`, *optional*): one item's text spans (:func:`item_spans`), for a text the model packs per
+            item (HunyuanVideo 1.5): the word is found at the item's ``prompt`` span (they replace
+            ``prompt_start``).
+        glyph (`bool`, defaults to `False`): find a quoted word's tokens in the item's ``glyph`` span instead
+            (HunyuanVideo 1.5's ByT5 bytes; the pipeline passes a :class:`PromptFormat` or itself).
 
     Returns:
-        `list[int]`: sorted token positions in ``prompt_start .. text_len - 1``.
+        `list[int]`: sorted token positions in ``0 .. text_len - 1``.
 
     Raises:
-        ValueError: the word is not in the prompt, or was cut off at ``text_len`` tokens.
+        ValueError: the word is not in the prompt (or not quoted, with ``glyph``), or was cut off.
     """
     core = re.sub(r"^\W+|\W+$", "", word)  # "Fox," means the word fox: punctuation is not part of a word
     if not core:
         raise ValueError(f"word {word!r} has no letters or digits; pass a word of the prompt.")
     fmt = _format(tokenizer, clean)
-    skip = _start(prompt_start, text_len)
+    spans = _spans(spans, prompt_start, text_len)
+    if glyph:
+        return _glyph_positions(core, word, fmt, prompt, spans)
+    skip, end = spans["prompt"]
+    length = end - skip
     fast = bool(getattr(fmt.tokenizer, "is_fast", False))
-    enc = fmt.encode(prompt, text_len - skip, offsets=fast) if text_len > skip else PromptText([], "", (0, 0), [])
+    enc = fmt.encode(prompt, length, offsets=fast) if length > 0 else PromptText([], "", (0, 0), [])
     positions: list[int] = []
     if fast:
         text, (a0, b0) = enc.text, enc.prompt
@@ -189,15 +274,36 @@ def word_positions(
                 # punctuation glued to a word ("fox" ",") and lone "▁" pieces are not part of it
                 positions += [i for w in words[k : k + len(target)] for i in w if _norm_word(pieces[i])]
     if not positions:
-        shown = text_tokens(fmt, prompt, text_len - skip)
+        shown = text_tokens(fmt, prompt, length)
         pad, n = getattr(fmt.tokenizer, "pad_token", None), len(shown)
         while n and pad is not None and shown[n - 1] == pad:  # 512 tokens of Wan are mostly padding
             n -= 1
         tail = f" then {len(shown) - n} × {pad!r}" if n < len(shown) else ""
-        where = f"{text_len - skip} text tokens after {skip} image tokens" if skip else f"first {text_len} text tokens"
+        where = f"{length} prompt tokens from text token {skip}" if skip else f"first {length} text tokens"
         said = enc.text[enc.prompt[0] : enc.prompt[1]] if enc.text else prompt
         raise ValueError(
             f"word {word!r} is not among the {where} of the prompt {said!r}; its tokens "
             f"are {shown[:n]}{tail}. Pass a word of the prompt, or token indices 0..{text_len - 1}."
         )
     return sorted({skip + i for i in positions})
+
+
+def _glyph_positions(core: str, word: str, fmt, prompt: str, spans: dict) -> list[int]:
+    """The positions of a quoted word's tokens in the item's glyph span (only inside the quotes: never the
+    glyph text's own ``Text``)."""
+    a0, b0 = spans.get("glyph", (0, 0))
+    enc = fmt.glyph(prompt, b0 - a0, offsets=True) if isinstance(fmt, PromptFormat) and b0 > a0 else None
+    positions: list[int] = []
+    if enc is not None:
+        for quoted in re.finditer(r'"(.*?)"', enc.text):
+            inner = quoted.group(1)
+            for m in re.finditer(r"(?<!\w)" + re.escape(core) + r"(?!\w)", inner, re.IGNORECASE):
+                a, b = quoted.start(1) + m.start(), quoted.start(1) + m.end()
+                positions += [i for i, (s, e) in enumerate(enc.spans) if e > s and e > a and s < b]
+    if not positions:
+        held = f"its {b0 - a0} glyph tokens read {enc.text!r}" if enc is not None else "it has no glyph tokens"
+        raise ValueError(
+            f"word {word!r} is not a quoted word of this item's prompt {prompt!r} ({held}); pass a word in quotes, "
+            "or leave glyph out to find it among the prompt's tokens."
+        )
+    return sorted({a0 + i for i in positions})

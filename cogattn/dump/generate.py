@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..analysis.head_stats import TABLE_KINDS, head_table
-from ..analysis.words import PromptFormat, text_tokens
+from ..analysis.words import PromptFormat, item_spans, text_tokens
 from ..errors import StoreError
 from ..recorder.recording import record
 from ..runs.run import LOCK, RunLock, load
@@ -162,8 +162,12 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
         output_type="pil",
         generator=torch.Generator(device).manual_seed(seed),
     )
-    if "max_sequence_length" not in inspect.signature(pipe.__call__).parameters:  # EasyAnimate pads to its own
-        del call["max_sequence_length"]
+    takes = inspect.signature(pipe.__call__).parameters
+    if "guidance_scale" not in takes and getattr(pipe, "guider", None) is not None:
+        # guidance is the pipeline's guider (HunyuanVideo 1.5): set in place, as record wrapped this object
+        pipe.guider.guidance_scale = call["guidance_scale"]
+    for key in [k for k in call if k not in takes]:  # EasyAnimate pads to its own length; HunyuanVideo 1.5 too
+        del call[key]
     if cfg.tiny_spec() is not None:  # what the tiny pipeline needs with a text prompt (HunyuanVideo's template)
         call.update(cfg.tiny_spec().tiny_prompt_arguments)
     if cfg.task == "image-to-video":
@@ -179,10 +183,11 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
     # pipeline's own template and crop (and the call's prompt_template where it passed one)
     text = PromptFormat(pipe, call.get("prompt_template")) if getattr(pipe, "tokenizer", None) is not None else None
     if text is not None and rec.layout is not None:
-        lay = rec.layout
-        meta["tokens"] = text_tokens(text, prompt.prompt, lay.prompt_len, prompt_start=lay.prompt_start)
-        if "uncond" in (rec.batch_roles or ()):  # the unconditional item's text: the negative prompt ("" unset)
-            meta["negative_tokens"] = text_tokens(text, negative or "", lay.prompt_len, prompt_start=lay.prompt_start)
+        lay, roles = rec.layout, rec.batch_roles or ()
+        meta["tokens"] = text_tokens(text, prompt.prompt, lay.prompt_len, spans=item_spans(rec))
+        if "uncond" in roles:  # the unconditional item's text: the negative prompt ("" unset), at its own spans
+            spans = item_spans(rec, "uncond")
+            meta["negative_tokens"] = text_tokens(text, negative or "", lay.prompt_len, spans=spans)
     meta["video"] = _save_video(frames, folder / "video", cfg).name
     if _write_head_table(folder / "maps", folder / "heads.csv"):
         meta["head_table"] = "heads.csv"

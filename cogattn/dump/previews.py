@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .. import plot
 from ..analysis.maps import aggregate, expert_steps, recorded
-from ..analysis.words import word_positions
+from ..analysis.words import item_spans, word_positions
 from ..runs.run import load
 
 __all__ = ["write_previews"]
@@ -16,18 +16,17 @@ __all__ = ["write_previews"]
 def _words(run, tokenizer, prompt: str | None, limit: int = 4) -> list[int]:
     """The first ``limit`` text tokens of the prompt's words (their indices), found by
     ``words.word_positions`` among the ``prompt_len`` of ``video_to_text``: past the template's tokens where
-    ``tokenizer`` is the pipeline or a ``words.PromptFormat``; Wan: its cross-attention's 512, of the
-    cleaned prompt."""
+    ``tokenizer`` is the pipeline or a ``words.PromptFormat``, at the shown item's own spans (HunyuanVideo 1.5:
+    after its glyph tokens); Wan: its cross-attention's 512, of the cleaned prompt."""
     lay = run.layout
+    spans = item_spans(run)  # the item the previews show: the first conditional one
     T = lay.prompt_len
     if tokenizer is None or prompt is None:
         return list(range(min(limit, T)))
     found: set[int] = set()
     for word in dict.fromkeys(re.findall(r"\w+", prompt)):
         try:
-            found.update(
-                word_positions(word, tokenizer, prompt, T, clean=lay.text_len == 0, prompt_start=lay.prompt_start)
-            )
+            found.update(word_positions(word, tokenizer, prompt, T, clean=lay.text_len == 0, spans=spans))
         except ValueError:  # cut off at T tokens, or changed by the pipeline's cleaning
             continue
     return sorted(found)[:limit] or [0]

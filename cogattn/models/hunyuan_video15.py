@@ -11,8 +11,11 @@ cropped), then every padding token: T = 729 + 256 + 1000 = 1985. Its processor m
 ``keep`` the item's video and valid context (a prefix of the sequence), so a padded token neither is
 attended nor attends: cogattn records the layout's ``V + T`` tokens, item b's keys past its kept count at
 probability 0 and its query rows past it never formed (0), as Mochi's. Where a prompt's words sit differs
-per item (after its glyph tokens): the words of a recording are not named for this family yet, and the
-batch tool plans its checkpoints but does not run them.
+per item (after its own glyph tokens): every call's per-item spans of ``image``, ``glyph`` and ``prompt`` on the
+text axis (:func:`text_spans`, from the call's masks) are kept with the recording (``text_spans``, run.json), and
+the word labels place each item's words at its own spans (:func:`prompt_text`: the pipeline's chat template and
+crop; :func:`glyph_text`: the ByT5 bytes of the quoted words). The layout names the parts
+(``text_parts``, in packing order, and ``prompt_crop``, the template tokens the pipeline crops).
 
 Guidance is the pipeline's ``guider`` (``ClassifierFreeGuidance``): two transformer calls per step, the
 conditional first; ``pipe.guider.guidance_scale`` turns it on (6.0 in the released pipelines).
@@ -22,6 +25,9 @@ and each item's kept count to the recording.
 """
 
 from __future__ import annotations
+
+import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +71,7 @@ except ImportError:
     raise Unavailable(
         "hunyuan_video15", needs, ("HunyuanVideo15Transformer3DModel",), ("text_embed_2_dim",), KNOWN
     ) from None
+from ._hunyuan_video15_text import glyph_text, prompt_crop, prompt_text  # noqa: E402
 from ._hunyuan_video15_tiny import tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 
 __all__ = [
@@ -73,15 +80,20 @@ __all__ = [
     "IMAGE_LEN",
     "KNOWN",
     "TEXT_LEN",
+    "glyph_text",
     "kept_counts",
     "layout_for_video",
+    "prompt_text",
     "read_call",
+    "text_spans",
     "tiny_pipeline",
     "tiny_transformer",
 ]
 
 IMAGE_LEN = 729  # SigLIP tokens of the image (the pipelines' vision_num_semantic_tokens)
-TEXT_LEN = IMAGE_LEN + 256 + 1000  # the packed context: image, ByT5 and Qwen2.5-VL tokens, each padded
+GLYPH_LEN, MLLM_LEN = 256, 1000  # ByT5 and Qwen2.5-VL tokens (tokenizer_2_max_length, tokenizer_max_length)
+TEXT_LEN = IMAGE_LEN + GLYPH_LEN + MLLM_LEN  # the packed context: image, ByT5 and Qwen2.5-VL tokens, each padded
+PROMPT_CROP = 108  # the chat template's tokens the released pipelines crop (prompt_template_encode_start_idx)
 
 
 def kept_counts(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor | None:
@@ -211,7 +223,9 @@ def read_call(config, args: tuple, kwargs: dict):
     p, p_t = int(config["patch_size"]), int(config["patch_size_t"])
     _, _, frames, height, width = hidden.shape
     images = 0 if image is None else int(image.shape[1])
-    context = int(text.shape[1]) + (0 if glyph is None else int(glyph.shape[1])) + images
+    parts = (("image", images), ("glyph", 0 if glyph is None else int(glyph.shape[1])), ("prompt", int(text.shape[1])))
+    context = sum(n for _, n in parts)
+    pipeline = _running_pipeline()
     layout = TokenLayout(
         text_len=context,
         frames=frames // p_t,
@@ -221,53 +235,76 @@ def read_call(config, args: tuple, kwargs: dict):
         patch_size_t=p_t if p_t > 1 else None,
         image_len=images if image is not None and not bool((image == 0).all()) else 0,
         text_position="end",
+        text_parts=parts,
+        prompt_crop=0 if pipeline is None else prompt_crop(pipeline),
     )
     return layout, hidden.shape[0], t, hidden.device
+
+
+def text_spans(config, args: tuple, kwargs: dict) -> list[dict[str, tuple[int, int]]]:
+    """Per item of one ``HunyuanVideo15Transformer3DModel`` call, where the parts of its packed context sit
+    (``ModelSpec.text_spans``): ``image`` (the image's SigLIP tokens where the call carries an image, the model's
+    test of the whole batch; else none), ``glyph`` (its valid ByT5 tokens) and ``prompt`` (its valid Qwen2.5-VL
+    tokens), each starting where the one before ends, as the model packs them; the padding follows."""
+    mask = call_argument(args, kwargs, 3, "encoder_attention_mask")
+    glyph = call_argument(args, kwargs, 5, "encoder_hidden_states_2")
+    mask_2 = call_argument(args, kwargs, 6, "encoder_attention_mask_2")
+    image = call_argument(args, kwargs, 7, "image_embeds")
+    images = 0 if image is None or bool((image == 0).all()) else int(image.shape[1])
+    prompts = mask.bool().sum(1).tolist()
+    glyphs = [0] * len(prompts) if glyph is None or mask_2 is None else mask_2.bool().sum(1).tolist()
+    spans = []
+    for m, g in zip(prompts, glyphs):
+        spans.append({"image": (0, images), "glyph": (images, images + g), "prompt": (images + g, images + g + m)})
+    return spans
+
+
+def _running_pipeline():
+    """The HunyuanVideo 1.5 pipeline whose ``__call__`` is on the stack (its transformer calls run inside it),
+    `None` outside one (a bare transformer): its crop is an instance attribute, not a call argument."""
+    import diffusers
+
+    codes = set()
+    for name in ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"):
+        cls = getattr(diffusers, name, None)
+        if cls is not None:
+            codes.add(inspect.unwrap(cls.__call__).__code__)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in codes:
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals.get("self")
 
 
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
     """The layout of a HunyuanVideo 1.5 pipeline call: ``(num_frames − 1) // 4 + 1`` latent frames, 16 pixels
     a token (a 16× VAE, patches of 1), and the packed context of ``text_len`` tokens (the released 1985 when
-    `None`), led by the image's 729 tokens in image-to-video."""
+    `None`: 729 image, 256 glyph and 1000 prompt tokens, the parts in packing order), led by the image's 729
+    tokens in image-to-video, the released template's 108 tokens cropped before the prompt."""
     images = IMAGE_LEN if config.get("task_type") == "i2v" else 0
+    text_len = text_len or TEXT_LEN
+    parts = (("image", IMAGE_LEN), ("glyph", GLYPH_LEN), ("prompt", text_len - IMAGE_LEN - GLYPH_LEN))
     return TokenLayout.for_video(
         num_frames,
         height,
         width,
-        text_len or TEXT_LEN,
+        text_len,
         int(config.get("patch_size", 1)),
         None,
         spatial_compression=16,
         image_len=images,
         text_position="end",
+        text_parts=parts if text_len > IMAGE_LEN + GLYPH_LEN else (),
+        prompt_crop=PROMPT_CROP,
     )
-
-
-def prompt_text(pipeline, prompt, length, template=None, offsets=False):
-    """Word labels of this family are not placed yet: each item's prompt tokens follow its own glyph tokens."""
-    raise ValueError(
-        "HunyuanVideo 1.5 packs each item's context as [image, glyph tokens of its quoted words, prompt, padding], "
-        "so where a prompt's words sit differs per item; cogattn does not name its text tokens by word yet "
-        "(the maps are exact: read the prompt's columns from the text axis)."
-    )
-
-
-_BATCH_REFUSAL = (
-    "the batch tool does not run HunyuanVideo 1.5 yet: each prompt's words sit after its own glyph tokens, which "
-    "its previews and word lists do not place yet, and its guidance is the pipeline's guider (--dry-run plans the "
-    "run); record a HunyuanVideo15Pipeline call from Python with cogattn.record."
-)
 
 
 def call_rules(cfg, config: dict) -> None:
-    """The batch tool's HunyuanVideo 1.5 rules (``ModelSpec.call_rules``): its tiny pipeline is not run either,
-    and a plan's context is the pipelines' fixed one (they take no ``max_sequence_length``)."""
-    if cfg.tiny_spec() is not None:
-        raise ValueError(f"model: {cfg.model!r}; {_BATCH_REFUSAL}")
-    if cfg.max_sequence_length != TEXT_LEN:
+    """The batch tool's HunyuanVideo 1.5 rules (``ModelSpec.call_rules``): a plan's context is the pipelines'
+    fixed one (they take no ``max_sequence_length``; the tiny pipeline's is its own)."""
+    if cfg.tiny_spec() is None and cfg.max_sequence_length not in (None, TEXT_LEN):
         raise ValueError(
             f"max_sequence_length: {cfg.max_sequence_length!r}; HunyuanVideo 1.5's pipelines take none: its context "
-            f"is always {IMAGE_LEN} image, 256 glyph and 1000 prompt tokens ({TEXT_LEN}). Leave it out."
+            f"is always {IMAGE_LEN} image, {GLYPH_LEN} glyph and {MLLM_LEN} prompt tokens ({TEXT_LEN}). Leave it out."
         )
 
 
@@ -295,6 +332,7 @@ SPEC = ModelSpec(
     frame_counts="9, 13, ..., 121",
     pipelines={"text-to-video": "HunyuanVideo15Pipeline", "image-to-video": "HunyuanVideo15ImageToVideoPipeline"},
     call_rules=call_rules,
-    batch_refusal=_BATCH_REFUSAL,
     prompt_text=prompt_text,
+    glyph_text=glyph_text,
+    text_spans=text_spans,
 )

@@ -181,6 +181,13 @@ class ModelSpec:
         head_shape (`Callable | None`): ``config`` → ``(heads, head dim)`` of the captured attention, where the
             transformer's config names them otherwise (Kandinsky 5: ``model_dim`` and ``axes_dims``); left out:
             its ``num_attention_heads`` and ``attention_head_dim``, and a module's ``heads`` and ``inner_dim``.
+        glyph_text (`Callable | None`): ``(pipeline, prompt, length, offsets)`` → the `PromptText` of the ``length``
+            tokens of a second encoder that the model packs as the text's ``glyph`` part (HunyuanVideo 1.5: the
+            ByT5 bytes of the prompt's quoted words, named by ``pipeline.tokenizer_2``); `None`: no such part.
+        text_spans (`Callable | None`): ``(config, args, kwargs)`` of a transformer call → per item of its batch,
+            where each part of the text sits on the text tokens, ``{"image": (start, end), "glyph": ..., "prompt":
+            ...}``, for a family that packs its text per item (HunyuanVideo 1.5; ``TokenLayout.text_parts``);
+            `None`: every item's text is the layout's (``TokenLayout.spans``).
     """
 
     family: str
@@ -219,6 +226,8 @@ class ModelSpec:
     extra_call: Callable | None = None
     uncaptured: dict[str, str] = field(default_factory=dict)
     head_shape: Callable | None = None
+    glyph_text: Callable | None = None
+    text_spans: Callable | None = None
 
     def __post_init__(self):
         if not self.title:

@@ -9,7 +9,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..analysis.maps import aggregate, locate_query
-from ..analysis.words import text_tokens, word_positions
+from ..analysis.words import item_spans, text_tokens, word_positions
 from ..layout import TokenLayout
 from ..runs.run import MapSource
 from .style import (
@@ -32,13 +32,15 @@ from .video import upsample_to_video, video_array
 __all__ = ["query_map", "word_heatmap"]
 
 
-def _text_ticks(source: MapSource, tokenizer, prompt: str | None, limit: int = 40) -> tuple[list[int], list[str]]:
-    """Tick positions and labels of the text keys. Past ``limit`` tokens (226 in CogVideoX, mostly
-    padding) only the prompt's own tokens are named, plus every tenth of the axis by index."""
+def _text_ticks(
+    source: MapSource, tokenizer, prompt: str | None, limit: int = 40, batch=None
+) -> tuple[list[int], list[str]]:
+    """Tick positions and labels of the text keys of batch slot ``batch``. Past ``limit`` tokens (226 in
+    CogVideoX, mostly padding) only the prompt's own tokens are named, plus every tenth of the axis by index."""
     T = source.layout.text_len
-    start = source.layout.prompt_start  # image tokens that lead the text (HunyuanVideo image-to-video)
+    spans = item_spans(source, batch)  # the item's image, glyph and prompt tokens (HunyuanVideo: image first)
     named_tokens = tokenizer is not None and prompt is not None
-    names = text_tokens(tokenizer, prompt, T, prompt_start=start) if named_tokens else None
+    names = text_tokens(tokenizer, prompt, T, spans=spans) if named_tokens else None
     if T <= limit:
         return list(range(T)), names or [str(t) for t in range(T)]
     pad = getattr(tokenizer, "pad_token", None)
@@ -47,10 +49,11 @@ def _text_ticks(source: MapSource, tokenizer, prompt: str | None, limit: int = 4
     return keep, [names[i] if i in named else str(i) for i in keep]
 
 
-def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt) -> list[tuple[list[int], str]]:
+def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt, batch=None) -> list[tuple[list[int], str]]:
     """``[(positions, label), ...]`` for token indices and words of ``kind``'s token axis: the prompt's
-    ``layout.prompt_len`` text tokens (in the sequence, or Wan's cross-attention), or for
-    ``video_to_image`` the ``layout.image_len`` image tokens (indices only)."""
+    ``layout.prompt_len`` text tokens (in the sequence, or Wan's cross-attention) as batch slot ``batch``
+    holds them (its own spans where the model packs each item's text), or for ``video_to_image`` the
+    ``layout.image_len`` image tokens (indices only)."""
     layout = source.layout
     image = kind == "video_to_image"
     T = layout.image_len if image else layout.prompt_len
@@ -59,9 +62,10 @@ def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt) -> 
     if not items:
         raise ValueError(f"tokens is empty; pass {what} indices{'' if image else ' or words of the prompt'}.")
     clean = layout.text_len == 0  # the text is in a cross-attention: Wan, which cleans the prompt first
+    spans = None if image else item_spans(source, batch)
     names = None
     if not image and tokenizer is not None and prompt is not None:
-        names = text_tokens(tokenizer, prompt, T, clean=clean, prompt_start=layout.prompt_start)
+        names = text_tokens(tokenizer, prompt, T, clean=clean, spans=spans)
     out = []
     for item in items:
         if isinstance(item, str):
@@ -72,7 +76,7 @@ def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt) -> 
                     f"token {item!r} is a word: pass tokenizer= (pipe.tokenizer) and prompt= (the generation's "
                     f"prompt), or token indices 0..{T - 1}."
                 )
-            pos = word_positions(item, tokenizer, prompt, T, clean=clean, prompt_start=layout.prompt_start)
+            pos = word_positions(item, tokenizer, prompt, T, clean=clean, spans=spans)
             where = f"token {pos[0]}" if len(pos) == 1 else f"tokens {', '.join(map(str, pos))}"
             out.append((pos, f'"{item}" ({where})'))
         elif isinstance(item, int) and not isinstance(item, bool):
@@ -176,7 +180,7 @@ def token_figure(source: MapSource, values, video, kind: str, labels: tuple[str,
             text_ax.imshow(arrays[-1], cmap=CMAP, norm=norms[-1], aspect="auto", interpolation="nearest", gid=MAP_GID)
         )
         prompt = text["prompt"] if text["prompt"] is not None else source.info.get("prompt")
-        ticks, names = _text_ticks(source, text["tokenizer"], prompt)
+        ticks, names = _text_ticks(source, text["tokenizer"], prompt, batch=text.get("batch"))
         text_ax.set_xticks(ticks, names, fontsize=6, rotation=90 if len(ticks) > 16 else 0)
         text_ax.set_yticks([])
         text_ax.set_xlabel(labels[1])
@@ -256,7 +260,7 @@ def word_heatmap(
             "kind='text_to_video' needs text queries in the self-attention; this model's text is in a separate "
             "cross-attention (Wan), where only the video queries: use kind='video_to_text'."
         )
-    chosen = _resolve_tokens(source, kind, tokens, tokenizer, prompt)
+    chosen = _resolve_tokens(source, kind, tokens, tokenizer, prompt, batch)
     m = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)  # (T, F, Hp, Wp)
     per_word = [m[pos].mean(0) if kind == "text_to_video" else m[pos].sum(0) for pos, _ in chosen]
     pixels, panels, ranges = _video_panels(layout, video, frames, num_pixel_frames)
@@ -361,7 +365,7 @@ def query_map(
     point = layout.coordinates(token)
     style = dict(fig=fig, num_pixel_frames=num_pixel_frames, scale=scale, limits=limits, alpha=alpha)
     style["interpolation"] = interpolation
-    text = dict(tokenizer=tokenizer, prompt=prompt)
+    text = dict(tokenizer=tokenizer, prompt=prompt, batch=batch)
     fig, axes, _, pixels, panels, (h, w) = token_figure(
         source, row, video, kind, ("video keys", "text keys"), text, style
     )

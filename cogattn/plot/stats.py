@@ -96,7 +96,7 @@ def token_stat(
     T = layout.text_len
     style = dict(fig=fig, num_pixel_frames=num_pixel_frames, scale=scale, limits=limits, alpha=alpha)
     style["interpolation"] = interpolation
-    text = dict(tokenizer=tokenizer, prompt=prompt)
+    text = dict(tokenizer=tokenizer, prompt=prompt, batch=batch)
     labels = ("video tokens", "text tokens")
     fig, axes, text_ax, pixels, panels, (h, w) = token_figure(source, values, video, kind, labels, text, style)
     top = []

@@ -43,6 +43,7 @@ class Capture:
         self.verifier = Verifier(options.verify)
         self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
         self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
+        self.text_spans: dict[int, dict] = {}  # result slot → its text's parts, where the family packs them per item
         self.skips = Skips()  # selected attention calls that did not run (a cache skipped them)
         self.stats: dict[tuple[int, int, str], dict[int, list[float]]] = {}  # (step, layer, name) → slot → per head
         self._stored: set[tuple[int, int, str]] = set()  # (step, layer, role) of the records of the running step
@@ -202,9 +203,11 @@ class Capture:
         rows = probe_rows(res.layout) if checked else None
         counts = None if key_counts is None else [int(n) for n in key_counts]
         formed = None if query_counts is None else [int(n) for n in query_counts]
-        for slot, b in zip(slots, items):  # each item's valid text, as the mask keeps it
+        for slot, b in zip(slots, items):  # each item's valid text, as the mask keeps it, and its parts
             if counts is not None and counts[b] < res.layout.seq_len:
                 self.text_lengths.setdefault(slot, res.layout.text_kept(counts[b]))
+            if self.steps.spans is not None:
+                self.text_spans.setdefault(slot, self.steps.spans[b])
         args = (query, key, items, reducers)
         outs, used, probes = engine.capture_items(
             *args, tiles, heads, lse, sums, self.timed, rows, counts, formed, mask, value if self.wants_value else None

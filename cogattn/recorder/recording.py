@@ -250,6 +250,7 @@ class Recording:
                 "batch_roles": res and list(res.roles),
                 "heads_resolved": res and list(res.heads),
                 "text_lengths": None if self.text_lengths is None else list(self.text_lengths),
+                "text_spans": None if self.text_spans is None else [_json_spans(s) for s in self.text_spans],
             },
             "model": {
                 "family": self._spec.family,
@@ -286,6 +287,18 @@ class Recording:
         if not lengths or self.plan is None:
             return None
         return tuple(lengths.get(i, self.layout.text_len) for i in range(len(self.plan.resolved.batch)))
+
+    @property
+    def text_spans(self) -> tuple[dict[str, tuple[int, int]], ...] | None:
+        """Per slot of the results' batch axis, where each part of its text sits on the text tokens (``{"image":
+        (start, end), "glyph": ..., "prompt": ...}``), for a family that packs its text per item (HunyuanVideo
+        1.5: each item's valid image, glyph and prompt tokens, then its padding), from the slot's first captured
+        call; `None` for the others, whose every item's text is ``layout.spans()``."""
+        spans = self._capture.text_spans
+        if not spans or self.plan is None:
+            return None
+        whole = self.layout.spans()
+        return tuple(spans.get(i, whole) for i in range(len(self.plan.resolved.batch)))
 
     @property
     def checks(self) -> list[SpotCheck]:
@@ -416,3 +429,8 @@ def _abandon(hooks, store, models: Transformers, branches: Branches) -> None:
         store.close(None)
     except StoreError:
         pass
+
+
+def _json_spans(spans: dict) -> dict:
+    """One slot's text spans as run.json keeps them: ``{part: [start, end]}``."""
+    return {name: [int(a), int(b)] for name, (a, b) in spans.items()}

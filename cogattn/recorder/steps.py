@@ -64,6 +64,7 @@ class StepTracker:
         self._guidance: bool | None = None  # read once, at the first call (a family may walk the stack for it)
         self._guidance_read = False
         self._time: float | None = None  # the timestep of the last call, as read_call gave it (a StepTime too)
+        self.spans: list[dict] | None = None  # per item of the running call, its text's parts (spec.text_spans)
 
     @property
     def step(self) -> int | None:
@@ -115,6 +116,7 @@ class StepTracker:
         if self.left_out is not None and self.timesteps:
             return "extra"
         layout, batch_size, time, device = self.spec.read_call(module.config, args, kwargs)
+        self.spans = None if self.spec.text_spans is None else self.spec.text_spans(module.config, args, kwargs)
         t = float(time)
         window = self.read_window()
         if not self.timesteps:

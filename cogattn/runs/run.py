@@ -27,7 +27,7 @@ from safetensors import safe_open
 from ..errors import StoreError
 from ..exact.reducers import REDUCERS
 from ..layout import TokenLayout
-from .run_values import checked_call_stats, checked_layout, line_problem
+from .run_values import checked_call_stats, checked_layout, checked_text_spans, line_problem
 from .skips import Skips
 
 try:
@@ -126,6 +126,11 @@ class MapSource(Protocol):
         unknown."""
 
     @property
+    def text_spans(self) -> tuple[dict[str, tuple[int, int]], ...] | None:
+        """Per slot of a result's batch axis, where each part of its text sits on the text tokens, for a family
+        that packs its text per item (HunyuanVideo 1.5); `None`: every item's is ``layout.spans()``."""
+
+    @property
     def block_size(self) -> int:
         """Tokens per block of the ``block`` kind."""
 
@@ -194,6 +199,10 @@ class Run:
                 f"{str(meta_file)!r} holds {type(self.meta).__name__}, not an object; the run's metadata is lost."
             )
         self._layout = checked_layout(self.meta.get("layout"), meta_file)
+        selection = self.meta.get("selection") if isinstance(self.meta.get("selection"), dict) else {}
+        batch = selection.get("batch_resolved")
+        slots = len(batch) if isinstance(batch, list) else None
+        self._text_spans = checked_text_spans(selection.get("text_spans"), self._layout, slots, meta_file)
         self._records: dict[tuple[str, int, int], RecordInfo] = {}
         self.skipped_lines: list[str] = []  # "manifest.jsonl:7: why", for every manifest line not served
         with open(self.path / MANIFEST, "rb") as f:
@@ -249,6 +258,13 @@ class Run:
     def text_lengths(self) -> list[int] | None:
         """Per slot of the batch axis, its valid text tokens where a mask kept fewer than T (`None`: all)."""
         return (self.meta.get("selection") or {}).get("text_lengths")
+
+    @property
+    def text_spans(self) -> tuple[dict[str, tuple[int, int]], ...] | None:
+        """Per slot of the results' batch axis, where each part of its text sits on the text tokens
+        (``Recording.text_spans``: HunyuanVideo 1.5), checked when the run was loaded; `None` where the run
+        keeps none (every item's text is ``layout.spans()``)."""
+        return None if self._text_spans is None else tuple(self._text_spans)
 
     @property
     def layer_names(self) -> list[str] | None:

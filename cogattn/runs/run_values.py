@@ -19,12 +19,21 @@ import torch
 from ..errors import StoreError
 from ..layout import TokenLayout
 
-__all__ = ["MAX_INDEX", "MAX_TOKENS", "checked_call_stats", "checked_layout", "line_problem"]
+__all__ = [
+    "MAX_INDEX",
+    "MAX_TOKENS",
+    "TEXT_PARTS",
+    "checked_call_stats",
+    "checked_layout",
+    "checked_text_spans",
+    "line_problem",
+]
 
 MAX_INDEX = 2**20  # steps and layers of a manifest line: no generation has more, and a reader lists them all
 MAX_TOKENS = 2**24  # a layout's sequence: no attention is longer, and readers allocate per token
 _MIN = {"text_len": 0, "frames": 1, "height": 1, "width": 1, "patch_size": 1, "patch_size_t": 1}
-_MIN.update(context_len=0, image_len=0, temporal_compression=1, history_len=0)
+_MIN.update(context_len=0, image_len=0, temporal_compression=1, history_len=0, prompt_crop=0)
+TEXT_PARTS = ("image", "glyph", "prompt")  # the parts a packed text may name (layout.text_parts, text_spans)
 
 
 def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
@@ -52,17 +61,71 @@ def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
         elif name == "causal_vae":
             if type(value) is not bool:
                 raise refuse(f"layout.causal_vae = {shown}; it is true or false")
+        elif name == "text_parts":
+            continue  # checked whole below, once text_len is known
         elif not (type(value) is int and value >= _MIN[name]) and not (name == "patch_size_t" and value is None):
             raise refuse(f"layout.{name} = {shown}; it is a whole number, {_MIN[name]} or more")
     for name in ("text_len", "frames", "height", "width"):
         if name not in lay:
             raise refuse(f"layout.{name} is missing")
+    lay = {**lay, "text_parts": _checked_parts(lay.get("text_parts", []), lay["text_len"], refuse)}
     layout = TokenLayout(**lay)
     if layout.text_len and layout.image_len > layout.text_len:
         raise refuse(f"layout.image_len = {layout.image_len} is more than layout.text_len = {layout.text_len}")
     if layout.seq_len > MAX_TOKENS:
         raise refuse(f"layout.frames × height × width = {layout.seq_len - layout.text_len} tokens, over {MAX_TOKENS}")
     return layout
+
+
+def _checked_parts(parts, text_len: int, refuse) -> tuple[tuple[str, int], ...]:
+    """run.json's ``layout.text_parts``: ``[[name, size], ...]``, names of :data:`TEXT_PARTS` once each, whole sizes
+    0 or more summing to ``text_len``."""
+    shown = repr(parts)[:80]
+    if not isinstance(parts, list) or not all(isinstance(p, list) and len(p) == 2 for p in parts):
+        raise refuse(f"layout.text_parts = {shown}; it is a list of [name, size] pairs")
+    names = [p[0] for p in parts]
+    if any(n not in TEXT_PARTS for n in names) or len(set(names)) != len(names):
+        raise refuse(f"layout.text_parts = {shown}; its names are {', '.join(TEXT_PARTS)}, each once")
+    if not all(type(n) is int and n >= 0 for _, n in parts) or (parts and sum(n for _, n in parts) != text_len):
+        raise refuse(f"layout.text_parts = {shown}; its sizes are whole numbers, 0 or more, summing to text_len")
+    return tuple((str(name), int(n)) for name, n in parts)
+
+
+def checked_text_spans(spans, layout: TokenLayout | None, slots: int | None, meta_file: Path):
+    """run.json's ``selection.text_spans`` (`None` where there are none): per slot of the results' batch axis, a
+    mapping of part names (:data:`TEXT_PARTS`) to ``(start, end)`` on the layout's text tokens, whole numbers in
+    order within ``prompt_len``, one mapping per slot.
+
+    Raises:
+        StoreError: a value spans cannot have, one line naming ``meta_file`` and the field.
+    """
+    if spans is None:
+        return None
+
+    def refuse(what: str) -> StoreError:
+        return StoreError(f"{str(meta_file)!r}: {what}; the run's text spans cannot be used (fix or remove them).")
+
+    if layout is None:
+        raise refuse("selection.text_spans is set, but run.json has no layout")
+    if not isinstance(spans, list) or (slots is not None and len(spans) != slots):
+        raise refuse(f"selection.text_spans = {repr(spans)[:60]}; it is a list of one object per recorded slot")
+    T, out = layout.prompt_len, []
+    for i, item in enumerate(spans):
+        field = f"selection.text_spans[{i}]"
+        if not isinstance(item, dict) or not item or any(k not in TEXT_PARTS for k in item):
+            raise refuse(f"{field} = {repr(item)[:60]}; it is an object of {', '.join(TEXT_PARTS)} spans")
+        end, kept = 0, {}
+        for name in TEXT_PARTS:  # in packing order: each starts where the one before ends, or later
+            if name not in item:
+                continue
+            span, shown = item[name], repr(item[name])[:40]
+            if not (isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)):
+                raise refuse(f"{field}.{name} = {shown}; it is [start, end], whole numbers")
+            if not end <= span[0] <= span[1] <= T:
+                raise refuse(f"{field}.{name} = {shown}; it lies in order within the {T} text tokens")
+            end, kept[name] = span[1], (span[0], span[1])
+        out.append(kept)
+    return out
 
 
 def line_problem(step: int, layer: int, shape: tuple[int, ...], nbytes: int, file: str) -> str | None:

@@ -106,13 +106,26 @@ class RunView:
 
     def tokens(self, key: str = "tokens") -> list[str]:
         """A label for each text token of the word kinds: the batch tool's token strings where it kept them
-        (``"negative_tokens"``: the negative prompt's, the unconditional item's text)."""
+        (``"negative_tokens"``: the negative prompt's, the unconditional item's text, each at its item's spans);
+        else each token's index, named by its part where the run keeps the item's spans (HunyuanVideo 1.5's
+        ``image``, ``glyph`` and ``prompt`` tokens, then ``pad``)."""
         layout = self.run.layout
         if layout is None:
             return []
         kept = self.files.prompt.get(key)
         n = layout.prompt_len
-        return [str(t) for t in kept[:n]] if isinstance(kept, list) and kept else [f"token {i}" for i in range(n)]
+        if isinstance(kept, list) and kept:
+            return [str(t) for t in kept[:n]]
+        names = [f"token {i}" for i in range(n)]
+        spans = self.run.text_spans
+        if spans:
+            roles = list(self.run.batch_roles or ())
+            want = "uncond" if key == "negative_tokens" else "cond"
+            slot = roles.index(want) if want in roles else 0
+            names = [f"pad {i}" for i in range(n)]
+            for part, (a, b) in spans[min(slot, len(spans) - 1)].items():
+                names[a:b] = [f"{part} {i - a}" for i in range(a, b)]
+        return names
 
     def summary(self) -> dict:
         """What the page needs first: the kinds, steps, layers and heads held, the layout, the metadata."""
@@ -158,6 +171,9 @@ class RunView:
             "units": {k: REDUCERS[k].unit for k in kinds if k in REDUCERS},  # what a value is, per kind
             "items": [{"slot": i, "label": item_label(run, i), "role": role} for i, role in enumerate(_roles(run))],
             "negative_tokens": self.tokens("negative_tokens"),
+            "text_spans": None
+            if run.text_spans is None
+            else [{k: list(v) for k, v in s.items()} for s in run.text_spans],
             "item": pick_item(run),
         }
 

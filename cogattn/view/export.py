@@ -29,6 +29,7 @@ import torch
 
 from ..analysis.head_stats import TABLE_KINDS
 from ..analysis.maps import aggregate
+from ..analysis.words import item_spans
 from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 from .files import finite, prompt_of
 from .sparse import decay, density, tile
@@ -81,7 +82,8 @@ def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tup
         for layer in ["mean", *summary["layers"]["frame"]]:
             maps[f"frame|{step}|{layer}|mean|"] = _rounded(view.map("frame", step, layer))
     lay = view.run.layout
-    start = 0 if lay is None else lay.prompt_start  # HunyuanVideo image-to-video: the image's tokens first
+    # the exported item's text after its image tokens (HunyuanVideo image-to-video; 1.5: its own spans)
+    start = 0 if lay is None else item_spans(view.run, summary["item"]).get("image", (0, 0))[1]
     tokens = list(range(start, len(summary["tokens"])))[:most_tokens]
     word_steps = {}
     for kind in WORD_KINDS:
