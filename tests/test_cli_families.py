@@ -298,24 +298,75 @@ def test_a_family_the_batch_tool_only_plans_is_refused_before_anything_loads(tmp
     assert len(refused.stderr.strip().splitlines()) == 1
 
 
-def test_hunyuan_video_1_5_is_planned_and_refused_in_one_line(tmp_path, dump, monkeypatch):
-    """HunyuanVideo 1.5's released config plans offline (the packed context of 1985 tokens), a run is refused in
-    one line before anything loads, and so is a plan of another context length."""
+def _hv15_labels(pipe, prompt: str) -> list[str]:
+    """The valid tokens HunyuanVideo 1.5's pipeline encodes for ``prompt``, read from the ids its own
+    ``encode_prompt`` hands its Qwen2.5-VL and ByT5 encoders: the ByT5 bytes of the quoted words, then the Qwen
+    tokens after the template's crop (the transformer packs them so, after any image tokens)."""
+    seen = {}
+
+    def spy(name):
+        def hook(module, args, kwargs):
+            seen[name] = (kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask"))
+
+        return hook
+
+    hooks = [pipe.text_encoder.register_forward_pre_hook(spy("mllm"), with_kwargs=True)]
+    hooks.append(pipe.text_encoder_2.register_forward_pre_hook(spy("byt5"), with_kwargs=True))
+    with torch.no_grad():
+        pipe.encode_prompt(prompt, device=torch.device("cpu"))
+    for hook in hooks:
+        hook.remove()
+    crop = pipe.prompt_template_encode_start_idx
+    ids, mask = seen["mllm"]
+    names = []
+    if "byt5" in seen:
+        glyph, glyph_mask = seen["byt5"]
+        names += pipe.tokenizer_2.convert_ids_to_tokens(glyph[0][glyph_mask[0].bool()].tolist())
+    return names + pipe.tokenizer.convert_ids_to_tokens(ids[0, crop:][mask[0, crop:].bool()].tolist())
+
+
+def test_hunyuan_video_1_5_runs_its_tiny_config_and_plans_the_released_one(tmp_path, dump, monkeypatch):
+    """The tiny config runs end to end under the guider's guidance (two calls a step, set in place): each prompt's
+    words are labelled at its own item's spans (after the glyph bytes of a quoted word), the negative's at the
+    unconditional item's, and the previews pick the prompt's words; the released config plans offline, its packed
+    context's parts printed, and a plan of another context length is refused."""
     if cogattn.models.hunyuan_video15 is None:
         pytest.skip("this diffusers lacks HunyuanVideo 1.5")
-    from cogattn.dump import cli
+    from cogattn.analysis import words
+    from cogattn.dump import previews
+    from cogattn.models.hunyuan_video15 import tiny_pipeline
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = ROOT / "configs" / "hunyuan-video1.5-480p-t2v.yaml"
-    out = tmp_path / "runs"
-    monkeypatch.setattr(cli, "load_pipeline", lambda *a: pytest.fail("loaded a pipeline the tool cannot run"))
-    dry = dump(config, "--dry-run", "--set", f"save_dir={out}", check=0)
+    dry = dump(config, "--dry-run", "--set", f"save_dir={tmp_path / 'released'}", check=0)
     assert "31×30×53 video + 1985 text tokens, S = 51,275" in dry.stdout
-    refused = dump(config, "--set", f"save_dir={out}", check=2)
-    assert "the batch tool does not run HunyuanVideo 1.5 yet" in refused.stderr and not out.exists()
-    assert len(refused.stderr.strip().splitlines()) == 1
+    assert (
+        "text: 729 image, 256 glyph, 1000 prompt, packed per item" in dry.stdout and "108 tokens cropped" in dry.stdout
+    )
     other = dump(config, "--dry-run", "--set", "max_sequence_length=256", check=2)
     assert "max_sequence_length: 256; HunyuanVideo 1.5's pipelines take none" in other.stderr
+
+    tiny, out = ROOT / "configs" / "tiny-hunyuan-video1.5.yaml", tmp_path / "runs"
+    dry = dump(tiny, "--dry-run", "--set", f"save_dir={out}", check=0)
+    assert "2 prompts written" in dump(tiny, "--set", f"save_dir={out}", check=0).stdout
+    assert sum(f.stat().st_size for f in out.rglob("records/**/*.safetensors")) == _total(dry.stdout)
+    pipe = tiny_pipeline()
+    glyphs = []
+    for folder in _prompt_dirs(out):
+        meta, run = json.loads((folder / "prompt.json").read_text()), cogattn.load(folder / "maps")
+        assert run.batch_roles == ("uncond", "cond") and len(run.timesteps) == 2  # the guider's two calls a step
+        for key, text, slot in (("tokens", meta["prompt"], 1), ("negative_tokens", meta["negative_prompt"], 0)):
+            expected = _hv15_labels(pipe, text)
+            a, b = run.text_spans[slot]["glyph"][0], run.text_spans[slot]["prompt"][1]
+            assert (a, b - a) == (0, len(expected)) and meta[key][a:b] == expected
+            assert set(meta[key][b:]) == {pipe.tokenizer.pad_token}
+        glyphs.append(run.text_spans[1]["glyph"])
+        picked = previews._words(run, pipe, meta["prompt"])
+        assert picked and all(run.text_spans[1]["prompt"][0] <= i for i in picked)
+        assert {meta["tokens"][i] for i in picked} <= set(meta["prompt"].replace('"', " ").split())
+        assert picked == words.word_positions("a", pipe, meta["prompt"], 40, spans=run.text_spans[1])[:1] + picked[1:]
+        assert "video_to_text.png" in meta["previews"]
+    assert glyphs == [(0, 0), (0, 13)]  # 'Text "fox". ' and ByT5's end token move the second prompt's words on
 
 
 def test_the_released_kandinsky5_lite_plans_offline(tmp_path, dump, monkeypatch):
