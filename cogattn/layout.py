@@ -60,13 +60,9 @@ class TokenLayout:
         causal_vae (`bool`, defaults to `True`): whether the VAE keeps pixel frame 0 as latent frame 0 (Wan,
             CogVideoX and the others), or packs every ``temporal_compression`` frames from frame 0 and decodes that
             many per latent frame, the pipeline cropping the last (Allegro's).
-        text_parts (`tuple[tuple[str, int], ...]`, defaults to ``()``): where the model packs several encoders'
-            tokens per item (HunyuanVideo 1.5), the parts in packing order and their padded sizes, as
-            ``(("image", 729), ("glyph", 256), ("prompt", 1000))``, summing to ``text_len``: each item's text is
-            its valid tokens of each part in that order, then all its padding, so where a part starts differs
-            per item (``Recording.text_spans``); ``()``: the text is one part.
-        prompt_crop (`int`, defaults to 0): the template tokens the pipeline crops before the prompt's (HunyuanVideo
-            1.5's ``prompt_template_encode_start_idx``, 108), where a family records it.
+        text_parts (`tuple[tuple[str, int], ...]`, defaults to ``()``): parts packed per item, their padded sizes in
+            order (HunyuanVideo 1.5's image, glyph, prompt); each item's own spans: ``Recording.text_spans``.
+        prompt_crop (`int`, defaults to 0): template tokens the pipeline crops before the prompt (HunyuanVideo 1.5).
     """
 
     text_len: int
@@ -138,8 +134,6 @@ class TokenLayout:
         text_position: str = "start",
         temporal_compression: int = VAE_TEMPORAL,
         causal_vae: bool = True,
-        text_parts: tuple[tuple[str, int], ...] = (),
-        prompt_crop: int = 0,
     ) -> TokenLayout:
         """The layout a pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels produces
         (``spatial_compression``: the VAE's pixels per latent pixel)."""
@@ -158,8 +152,6 @@ class TokenLayout:
             text_position=text_position,
             temporal_compression=int(temporal_compression),
             causal_vae=causal_vae,
-            text_parts=tuple(text_parts),
-            prompt_crop=int(prompt_crop),
         )
 
     @property
@@ -219,16 +211,12 @@ class TokenLayout:
     @property
     def prompt_start(self) -> int:
         """Index of the prompt's first token among the ``prompt_len`` text tokens: the ``image_len`` image
-        tokens that lead the text in the sequence (HunyuanVideo image-to-video), else 0. Where the text is packed
-        per item (``text_parts``), an item's own spans say where its prompt starts (:meth:`spans`)."""
+        tokens that lead the text in the sequence (HunyuanVideo image-to-video), else 0."""
         return self.image_len if self.text_len else 0
 
     def spans(self) -> dict[str, tuple[int, int]]:
-        """Where the parts of the text sit on the ``prompt_len`` text tokens, as one item's ``text_spans``: the
-        ``prompt_start`` image tokens, then the prompt's to the end (its padding included), for a layout whose
-        text is the same for every item."""
-        start = self.prompt_start
-        return {"image": (0, start), "prompt": (start, self.prompt_len)}
+        """Every item's text spans where the text is not packed per item: the image's, then the prompt's to T."""
+        return {"image": (0, self.prompt_start), "prompt": (self.prompt_start, self.prompt_len)}
 
     @property
     def text_groups(self) -> int:

@@ -119,6 +119,8 @@ def _check_hunyuan_video15(scope, tmp_path):
     hv15 = scope["hv15_rec"]
     assert (hv15.layout.text_len, hv15.batch_roles) == (40, ("uncond", "cond"))
     assert tuple(hv15.get("video_to_text", step=0, layer=1).shape) == (2, 1, 40, 3, 2, 3)
+    assert scope["hv15_spans"] == {"image": (0, 0), "glyph": (0, 13), "prompt": (13, 21)}
+    assert (scope["hv15_fox"], scope["hv15_glyph"]) == ([15], [6, 7, 8])
 
 
 def _check_wan(scope, tmp_path):

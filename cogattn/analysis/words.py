@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import re
 
+from ..items import pick_item
 from ..models import spec_for_module
 from ..models.prompt_text import PromptText, pipeline_text, plain_text
 
@@ -106,8 +107,6 @@ def item_spans(source, batch=None) -> dict[str, tuple[int, int]]:
     """Where each part of the text of ``source``'s batch slot ``batch`` sits (``Recording.text_spans``,
     run.json's; ``batch`` as :func:`cogattn.items.pick_item` takes it), or every item's, ``layout.spans()``,
     where the source keeps none."""
-    from ..items import pick_item
-
     spans = getattr(source, "text_spans", None)
     slot = pick_item(source, batch)
     if spans and 0 <= slot < len(spans):

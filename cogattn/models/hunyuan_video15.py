@@ -26,6 +26,7 @@ and each item's kept count to the recording.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 
@@ -278,12 +279,13 @@ def _running_pipeline():
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
     """The layout of a HunyuanVideo 1.5 pipeline call: ``(num_frames − 1) // 4 + 1`` latent frames, 16 pixels
     a token (a 16× VAE, patches of 1), and the packed context of ``text_len`` tokens (the released 1985 when
-    `None`: 729 image, 256 glyph and 1000 prompt tokens, the parts in packing order), led by the image's 729
-    tokens in image-to-video, the released template's 108 tokens cropped before the prompt."""
+    `None`: 729 image, 256 glyph and 1000 prompt tokens, the parts in packing order, and the released template's
+    108 tokens cropped before the prompt; another length names no parts), led by the image's 729 tokens in
+    image-to-video."""
     images = IMAGE_LEN if config.get("task_type") == "i2v" else 0
     text_len = text_len or TEXT_LEN
-    parts = (("image", IMAGE_LEN), ("glyph", GLYPH_LEN), ("prompt", text_len - IMAGE_LEN - GLYPH_LEN))
-    return TokenLayout.for_video(
+    parts = (("image", IMAGE_LEN), ("glyph", GLYPH_LEN), ("prompt", MLLM_LEN))
+    layout = TokenLayout.for_video(
         num_frames,
         height,
         width,
@@ -293,9 +295,10 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         spatial_compression=16,
         image_len=images,
         text_position="end",
-        text_parts=parts if text_len > IMAGE_LEN + GLYPH_LEN else (),
-        prompt_crop=PROMPT_CROP,
     )
+    if text_len != TEXT_LEN:  # another length: the pipeline's own sizes, unknown here
+        return layout
+    return dataclasses.replace(layout, text_parts=parts, prompt_crop=PROMPT_CROP)
 
 
 def call_rules(cfg, config: dict) -> None:

@@ -66,6 +66,13 @@ class Capture:
         wanted = wanted and bool(self.plan.reducers if role == "self" else self.plan.context)
         return layer if wanted and self._call_items()[0] else None
 
+    def per_slot(self, values: dict[int, object], default) -> tuple | None:
+        """``values`` per slot of the results' batch axis, ``default`` for a slot without one; `None` where there are
+        none (or before the plan)."""
+        if not values or self.plan is None:
+            return None
+        return tuple(values.get(i, default) for i in range(len(self.plan.resolved.batch)))
+
     def _call_items(self, batch_size: int | None = None) -> tuple[list[int], list[int]]:
         """The selected items of the current call, as indices of its batch and as slots of the results'
         batch axis. The results' batch is the guidance batch ``[uncond..., cond...]``; a family whose

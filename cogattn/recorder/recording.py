@@ -100,9 +100,8 @@ class Recording:
 
     @property
     def skipped(self) -> Skips:
-        """The selected ``(step, layer, role)`` whose attention did not run (a cache reused an earlier
-        output), and the cache found on the transformer (:class:`cogattn.runs.skips.Skips`); each step's are
-        known when the next step starts, the last step's when the recording closes."""
+        """The selected ``(step, layer, role)`` whose attention did not run (a cache reused an earlier output), and
+        the cache (:class:`cogattn.runs.skips.Skips`); a step's known when the next starts, the last's at close."""
         return self._capture.skips
 
     def keys(self) -> list[tuple[str, int, int]]:
@@ -250,7 +249,7 @@ class Recording:
                 "batch_roles": res and list(res.roles),
                 "heads_resolved": res and list(res.heads),
                 "text_lengths": None if self.text_lengths is None else list(self.text_lengths),
-                "text_spans": None if self.text_spans is None else [_json_spans(s) for s in self.text_spans],
+                "text_spans": self.text_spans and [{k: list(v) for k, v in s.items()} for s in self.text_spans],
             },
             "model": {
                 "family": self._spec.family,
@@ -280,25 +279,13 @@ class Recording:
 
     @property
     def text_lengths(self) -> tuple[int, ...] | None:
-        """Per slot of the results' batch axis, its valid text tokens where a mask keeps fewer than the
-        layout's T (HunyuanVideo's and Mochi's padded prompts), from its first captured call; `None`
-        where every text token is valid (or before a capture)."""
-        lengths = self._capture.text_lengths
-        if not lengths or self.plan is None:
-            return None
-        return tuple(lengths.get(i, self.layout.text_len) for i in range(len(self.plan.resolved.batch)))
+        """Per slot of the results' batch axis, its valid text tokens where a mask keeps fewer than T (`None`: all)."""
+        return self._capture.per_slot(self._capture.text_lengths, self.layout and self.layout.text_len)
 
     @property
     def text_spans(self) -> tuple[dict[str, tuple[int, int]], ...] | None:
-        """Per slot of the results' batch axis, where each part of its text sits on the text tokens (``{"image":
-        (start, end), "glyph": ..., "prompt": ...}``), for a family that packs its text per item (HunyuanVideo
-        1.5: each item's valid image, glyph and prompt tokens, then its padding), from the slot's first captured
-        call; `None` for the others, whose every item's text is ``layout.spans()``."""
-        spans = self._capture.text_spans
-        if not spans or self.plan is None:
-            return None
-        whole = self.layout.spans()
-        return tuple(spans.get(i, whole) for i in range(len(self.plan.resolved.batch)))
+        """Per slot of the results' batch axis, its text's parts where they differ per item (HunyuanVideo 1.5)."""
+        return self._capture.per_slot(self._capture.text_spans, self.layout and self.layout.spans())
 
     @property
     def checks(self) -> list[SpotCheck]:
@@ -429,8 +416,3 @@ def _abandon(hooks, store, models: Transformers, branches: Branches) -> None:
         store.close(None)
     except StoreError:
         pass
-
-
-def _json_spans(spans: dict) -> dict:
-    """One slot's text spans as run.json keeps them: ``{part: [start, end]}``."""
-    return {name: [int(a), int(b)] for name, (a, b) in spans.items()}

@@ -125,10 +125,7 @@ class MapSource(Protocol):
         """Per slot of a result's batch axis: ``"cond"``, ``"uncond"`` (under guidance) or `None`; `None` when
         unknown."""
 
-    @property
-    def text_spans(self) -> tuple[dict[str, tuple[int, int]], ...] | None:
-        """Per slot of a result's batch axis, where each part of its text sits on the text tokens, for a family
-        that packs its text per item (HunyuanVideo 1.5); `None`: every item's is ``layout.spans()``."""
+    text_spans = property(doc="Per slot of a result's batch axis, its text's parts (HunyuanVideo 1.5), or `None`.")
 
     @property
     def block_size(self) -> int:
@@ -199,10 +196,7 @@ class Run:
                 f"{str(meta_file)!r} holds {type(self.meta).__name__}, not an object; the run's metadata is lost."
             )
         self._layout = checked_layout(self.meta.get("layout"), meta_file)
-        selection = self.meta.get("selection") if isinstance(self.meta.get("selection"), dict) else {}
-        batch = selection.get("batch_resolved")
-        slots = len(batch) if isinstance(batch, list) else None
-        self._text_spans = checked_text_spans(selection.get("text_spans"), self._layout, slots, meta_file)
+        self._text_spans = checked_text_spans(self.meta.get("selection"), self._layout, meta_file)
         self._records: dict[tuple[str, int, int], RecordInfo] = {}
         self.skipped_lines: list[str] = []  # "manifest.jsonl:7: why", for every manifest line not served
         with open(self.path / MANIFEST, "rb") as f:
@@ -240,9 +234,7 @@ class Run:
         """Denoising steps the recording saw."""
         return len(self.timesteps)
 
-    @property
-    def layout(self) -> TokenLayout | None:
-        return self._layout  # checked when the run was opened
+    layout = property(lambda self: self._layout, doc="Token layout of the generation, checked when the run was opened.")
 
     @property
     def info(self) -> dict:
@@ -259,12 +251,7 @@ class Run:
         """Per slot of the batch axis, its valid text tokens where a mask kept fewer than T (`None`: all)."""
         return (self.meta.get("selection") or {}).get("text_lengths")
 
-    @property
-    def text_spans(self) -> tuple[dict[str, tuple[int, int]], ...] | None:
-        """Per slot of the results' batch axis, where each part of its text sits on the text tokens
-        (``Recording.text_spans``: HunyuanVideo 1.5), checked when the run was loaded; `None` where the run
-        keeps none (every item's text is ``layout.spans()``)."""
-        return None if self._text_spans is None else tuple(self._text_spans)
+    text_spans = property(lambda self: self._text_spans, doc="``Recording.text_spans``, checked when loaded.")
 
     @property
     def layer_names(self) -> list[str] | None:
@@ -279,8 +266,7 @@ class Run:
 
     @property
     def experts(self) -> list[str]:
-        """Per step, the pipeline attribute of the transformer that ran it (``"transformer"``, or Wan 2.2's
-        ``"transformer_2"``)."""
+        """Per step, the pipeline attribute of the transformer that ran it (Wan 2.2's ``"transformer_2"`` too)."""
         return list((self.meta.get("model") or {}).get("step_experts") or ["transformer"] * self.num_steps)
 
     @property

@@ -91,14 +91,17 @@ def _checked_parts(parts, text_len: int, refuse) -> tuple[tuple[str, int], ...]:
     return tuple((str(name), int(n)) for name, n in parts)
 
 
-def checked_text_spans(spans, layout: TokenLayout | None, slots: int | None, meta_file: Path):
-    """run.json's ``selection.text_spans`` (`None` where there are none): per slot of the results' batch axis, a
-    mapping of part names (:data:`TEXT_PARTS`) to ``(start, end)`` on the layout's text tokens, whole numbers in
-    order within ``prompt_len``, one mapping per slot.
+def checked_text_spans(selection, layout: TokenLayout | None, meta_file: Path) -> tuple[dict, ...] | None:
+    """run.json's ``selection.text_spans`` (`None` where there are none): per slot of the results' batch axis
+    (``selection.batch_resolved``), a mapping of part names (:data:`TEXT_PARTS`) to ``(start, end)`` on the
+    layout's text tokens, whole numbers in order within ``prompt_len``, one mapping per slot.
 
     Raises:
         StoreError: a value spans cannot have, one line naming ``meta_file`` and the field.
     """
+    selection = selection if isinstance(selection, dict) else {}
+    spans, batch = selection.get("text_spans"), selection.get("batch_resolved")
+    slots = len(batch) if isinstance(batch, list) else None
     if spans is None:
         return None
 
@@ -125,7 +128,7 @@ def checked_text_spans(spans, layout: TokenLayout | None, slots: int | None, met
                 raise refuse(f"{field}.{name} = {shown}; it lies in order within the {T} text tokens")
             end, kept[name] = span[1], (span[0], span[1])
         out.append(kept)
-    return out
+    return tuple(out)
 
 
 def line_problem(step: int, layer: int, shape: tuple[int, ...], nbytes: int, file: str) -> str | None:
