@@ -89,7 +89,8 @@ class DumpConfig:
             ``num_frames`` is 4k + 1; ``height`` and ``width`` are multiples of the VAE's compression × the
             patch size (16; Wan 2.2 TI2V-5B: 32). ``max_sequence_length`` left out is the family's (226
             CogVideoX, 512 Wan, 256 HunyuanVideo). HunyuanVideo's ``guidance_scale`` is its distilled
-            guidance embedding (one transformer call per step).
+            guidance embedding (one transformer call per step); a pipeline whose guidance is its ``guider``
+            (HunyuanVideo 1.5) gets it set on the guider in place; arguments its call lacks are left out.
         guidance_scale_2 (`float | None`): Wan 2.2 A14B's guidance of its low-noise expert (the pipeline's
             ``guidance_scale_2``; left out: ``guidance_scale``); two-expert Wan pipelines only.
         true_cfg_scale (`float | None`): true classifier-free guidance of the families whose pipeline takes it
