@@ -409,6 +409,26 @@ def test_cosmos_2_5_is_planned_and_refused_in_one_line(tmp_path, dump, monkeypat
     assert family("cosmos").refusal(cogattn.models.cosmos.KNOWN["nvidia/Cosmos-Predict2-2B-Video2World"]) == ""
 
 
+def test_hunyuan_video_1_5_image_to_video_labels_the_image_tokens_before_each_item_s_text(tmp_path, dump):
+    """The tiny config's image-to-video: the image's 16 SigLIP tokens lead every item's context, then the prompt's
+    glyph bytes and words (the size is the image's: 720×480 keeps the tiny pipeline's 32×48)."""
+    if cogattn.models.hunyuan_video15 is None:
+        pytest.skip("this diffusers lacks HunyuanVideo 1.5")
+    from cogattn.models.hunyuan_video15 import tiny_pipeline
+
+    prompts = tmp_path / "prompts.jsonl"
+    image = ROOT / "configs" / "prompts" / "images" / "gradient.png"
+    prompts.write_text(json.dumps({"prompt": 'a "fox" in the snow', "image": str(image), "negative_prompt": "a dog"}))
+    out, sets = tmp_path / "runs", ["--set", "task=image-to-video", "--set", f"prompts={prompts}"]
+    dump(ROOT / "configs" / "tiny-hunyuan-video1.5.yaml", *sets, "--set", f"save_dir={out}", check=0)
+    (folder,) = _prompt_dirs(out)
+    meta, run = json.loads((folder / "prompt.json").read_text()), cogattn.load(folder / "maps")
+    pipe = tiny_pipeline("image-to-video")
+    assert run.layout.image_len == 16 and run.text_spans[1] == {"image": (0, 16), "glyph": (16, 29), "prompt": (29, 37)}
+    assert meta["tokens"][:37] == ["<image>"] * 16 + _hv15_labels(pipe, meta["prompt"])
+    assert meta["negative_tokens"][:21] == ["<image>"] * 16 + _hv15_labels(pipe, "a dog")
+
+
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("tiny*.yaml")))
 def test_every_shipped_tiny_config_runs_end_to_end(config, tmp_path, dump):
     """Each family's tiny config as shipped: every prompt complete, its maps readable with the layout of the
