@@ -61,6 +61,7 @@ KNOWN: dict[str, dict] = {  # the ids diffusers' own parity test loads, and thos
 }
 
 try:
+    import diffusers
     from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.transformers.transformer_hunyuan_video15 import (
@@ -263,8 +264,6 @@ def text_spans(config, args: tuple, kwargs: dict) -> list[dict[str, tuple[int, i
 def _running_pipeline():
     """The HunyuanVideo 1.5 pipeline whose ``__call__`` is on the stack (its transformer calls run inside it),
     `None` outside one (a bare transformer): its crop is an instance attribute, not a call argument."""
-    import diffusers
-
     codes = set()
     for name in ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"):
         cls = getattr(diffusers, name, None)
