@@ -218,3 +218,21 @@ def test_the_viewer_names_a_run_s_text_tokens_by_their_parts_without_the_batch_t
     assert tokens[rec.text_spans[2]["prompt"][1]] == "pad " + str(rec.text_spans[2]["prompt"][1])
     start, end = rec.text_spans[0]["prompt"]  # the unconditional item's (no quoted word: "a dog")
     assert negative[end - 1] == f"prompt {end - 1 - start}" and negative[end] == f"pad {end}"
+
+
+def test_a_word_map_reads_the_shown_item_s_own_spans(recorded):
+    """``word_heatmap`` finds a word at the item it shows: item 1's "fox" after its glyph bytes, item 0's before."""
+    from cogattn import plot
+
+    task, pipe, rec, _, _, _ = recorded
+    images = 16 if task == "image-to-video" else 0
+    shown = {}
+    for slot, prompt in ((2, PROMPTS[0]), (3, PROMPTS[1])):
+        fig = plot.word_heatmap(rec, ["fox"], None, tokenizer=pipe, prompt=prompt, batch=slot)
+        shown[slot] = [ax.get_ylabel().split("\n")[0] for ax in fig.axes if ax.get_ylabel().startswith('"fox"')]
+    assert shown == {2: [f'"fox" (token {images + 2})'], 3: [f'"fox" (token {rec.text_spans[3]["prompt"][0] + 2})']}
+
+
+def test_a_layout_s_parts_sum_to_its_text():
+    with pytest.raises(ValueError, match="the parts' sizes sum to text_len=40"):
+        cogattn.TokenLayout(text_len=40, frames=1, height=1, width=1, text_parts=(("image", 16), ("prompt", 8)))
