@@ -166,7 +166,12 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
     if "guidance_scale" not in takes and getattr(pipe, "guider", None) is not None:
         # guidance is the pipeline's guider (HunyuanVideo 1.5): set in place, as record wrapped this object
         pipe.guider.guidance_scale = call["guidance_scale"]
-    for key in [k for k in call if k not in takes]:  # EasyAnimate pads to its own length; HunyuanVideo 1.5 too
+    # what a pipeline sets itself: the text's length (EasyAnimate, HunyuanVideo 1.5), the size from the image
+    # (HunyuanVideo 1.5's image-to-video), guidance through its guider; any other key it does not take is an error
+    own = {"max_sequence_length", "guidance_scale", *(("height", "width") if cfg.task == "image-to-video" else ())}
+    for key in [k for k in call if k not in takes]:
+        if key not in own or (key == "guidance_scale" and getattr(pipe, "guider", None) is None):
+            raise ValueError(f"{key}: {type(pipe).__name__} takes no such argument; remove it from the config.")
         del call[key]
     if cfg.tiny_spec() is not None:  # what the tiny pipeline needs with a text prompt (HunyuanVideo's template)
         call.update(cfg.tiny_spec().tiny_prompt_arguments)

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from ..errors import StoreError
 from ..exact.reducers import REDUCERS
 from ..layout import TokenLayout
-from .run_values import checked_call_stats, checked_layout, checked_text_spans, line_problem
+from .run_values import checked_call_stats, checked_layout, checked_text_spans, checked_windows, line_problem
 from .skips import Skips
 
 try:
@@ -269,17 +269,10 @@ class Run:
         """Per step, the pipeline attribute of the transformer that ran it (Wan 2.2's ``"transformer_2"`` too)."""
         return list((self.meta.get("model") or {}).get("step_experts") or ["transformer"] * self.num_steps)
 
-    @property
-    def windows(self) -> list[int]:
-        """Per step, its window of the pipeline call (``Recording.windows``); every step 0 in runs that do not
-        say. Raises `ValueError` where run.json's ``windows`` is not a list of window indices."""
-        windows = self.meta.get("windows", [0] * self.num_steps)
-        if not isinstance(windows, list) or not all(type(w) is int and w >= 0 for w in windows):
-            fix = "Fix or remove the field (without it every step reads as window 0)."
-            raise ValueError(
-                f"run.json's windows is {str(windows)[:80]}; it should be one window index per step. {fix}"
-            )
-        return list(windows)
+    windows = property(
+        lambda self: checked_windows(self.meta.get("windows", [0] * self.num_steps)),
+        doc="Per step, its window of the pipeline call (``Recording.windows``; 0 where run.json does not say).",
+    )
 
     call_stats = property(lambda self: checked_call_stats(self.meta.get("call_stats", [])), doc="Recording.call_stats")
 

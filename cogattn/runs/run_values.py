@@ -5,7 +5,8 @@ text's position, no unknown field), refusing a bad one with a `StoreError` that 
 :func:`line_problem` says why a manifest line's numbers or file cannot be a record (a step or layer out of
 range, a negative shape, a file outside the run folder), so :class:`cogattn.runs.run.Run` skips that line as it
 skips other damaged ones; :func:`checked_call_stats` reads run.json's per-call statistics (Kandinsky 5's
-``nabla_recall``) as tables of numbers, refusing anything else.
+``nabla_recall``) as tables of numbers, :func:`checked_text_spans` each slot's text parts (HunyuanVideo 1.5)
+and :func:`checked_windows` each step's window, refusing anything else.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "checked_call_stats",
     "checked_layout",
     "checked_text_spans",
+    "checked_windows",
     "line_problem",
 ]
 
@@ -164,3 +166,12 @@ def checked_call_stats(raw) -> dict:
         values = [[math.nan if x is None else float(x) for x in r] for r in rows]
         tables[(entry["step"], entry["layer"], entry["name"])] = torch.tensor(values, dtype=torch.float64)
     return tables
+
+
+def checked_windows(windows) -> list[int]:
+    """run.json's ``windows``, one window index per step (SkyReels-V2's windows, Helios's chunks); `ValueError` where it
+    is not such a list."""
+    if not isinstance(windows, list) or not all(type(w) is int and w >= 0 for w in windows):
+        fix = "Fix or remove the field (without it every step reads as window 0)."
+        raise ValueError(f"run.json's windows is {str(windows)[:80]}; it should be one window index per step. {fix}")
+    return list(windows)
