@@ -82,7 +82,7 @@ def test_word_lookup_skips_the_image_tokens(pipe):
     emb, other = _encode(pipe, _image(0), PROMPT)[0][0], _encode(pipe, _image(0), OTHER)[0][0]
     changed = [i for i in range(T) if not torch.equal(emb[i], other[i])]
     assert fox == [n + 2] == changed[:1]
-    with pytest.raises(ValueError, match=f"not among the {T - n} text tokens after {n} image tokens"):
+    with pytest.raises(ValueError, match=f"not among the {T - n} prompt tokens from text token {n}"):
         words.word_positions("dog", pipe.tokenizer, PROMPT, T, prompt_start=n)
     with pytest.raises(ValueError, match="prompt_start"):
         words.text_tokens(pipe.tokenizer, PROMPT, T, prompt_start=T + 1)

@@ -80,8 +80,14 @@ class _Spy:
 
 
 def _nabla_pipe():
+    """The tiny NABLA pipeline, its processors under flex attention. ``set_attention_backend`` also sets diffusers'
+    process-wide active backend, which the later tests of the process would run: put back."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
     pipe = k5.tiny_pipeline(attention_type="nabla", num_heads=3)
     pipe.transformer.set_attention_backend("flex")
+    _AttentionBackendRegistry._active_backend = active
     return pipe
 
 

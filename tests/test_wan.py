@@ -269,7 +269,7 @@ def test_text_to_video_refused(pipes):
 def test_video_to_image_refused_without_image_context(pipes):
     pipe = pipes(T2V)
     rec = cogattn.record(pipe, kinds=("video_to_image",))  # the layout is known at the first call only
-    with pytest.raises(ValueError, match="image context"), rec:
+    with pytest.raises(ValueError, match="cross-attention to image tokens"), rec:
         generate(pipe)
     assert rec.keys() == [] and _processor_names(pipe) == {"WanAttnProcessor"}
 
