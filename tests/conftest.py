@@ -17,11 +17,15 @@ def pytest_addoption(parser):
 LONGEST = (
     "test_families",
     "test_cli",
+    "test_cli_families",
     "test_selftest",
     "test_recording",
     "test_view",
-    "test_docs",
     "test_works_with",
+    "test_notebook",
+    "test_kandinsky5",
+    "test_wheel",
+    "test_plot",
 )
 
 
