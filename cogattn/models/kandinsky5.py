@@ -43,7 +43,9 @@ Under NABLA the layer's output call is always the stock one (``layer_output`` ot
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 import weakref
 
 import torch
@@ -126,12 +128,12 @@ NABLA_BLOCK = 64  # tokens of a NABLA block: an 8×8 patch of one latent frame
 _ORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def video_order(visual_shape, device=None) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)  # every visual block of every step asks for it
+def video_order(visual_shape: tuple[int, int, int], device: str = "cpu") -> torch.Tensor:
     """``(S,)``: the sequence position, under NABLA, of each video token in the video's own order (f, y, x): the
     model's own ``fractal_flatten`` of the tokens' indices (``visual_shape`` ``(F, Hp, Wp)`` in patches)."""
-    frames, height, width = (int(n) for n in visual_shape)
-    index = torch.arange(frames * height * width, device=device).view(1, frames, height, width, 1)
-    flat, _ = fractal_flatten(index, index, (1, frames, height, width), block_mask=True)
+    index = torch.arange(math.prod(visual_shape), device=device).view(1, *visual_shape, 1)
+    flat, _ = fractal_flatten(index, index, (1, *visual_shape), block_mask=True)
     return flat.flatten().argsort()
 
 
@@ -143,17 +145,15 @@ def in_video_order(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
 def kept_blocks(block_mask) -> torch.Tensor:
     """Boolean ``(B, H, N, N)``: the key blocks each query block attends under NABLA's ``BlockMask`` (its full blocks
     and its partial ones, which with no ``mask_mod`` are attended whole), read from the mask the model runs."""
-    dense = block_mask.to_dense()
-    if block_mask.mask_mod is not None and block_mask.kv_num_blocks.any():
-        name = getattr(block_mask.mask_mod, "__name__", "")
-        if name != "noop_mask":
-            raise ValueError("cogattn reads NABLA block masks of whole blocks; this one masks inside its blocks.")
-    return dense.bool()
+    mod = getattr(block_mask.mask_mod, "__name__", "noop_mask")  # None (no mask_mod) has no name
+    if mod != "noop_mask" and block_mask.kv_num_blocks.any():
+        raise ValueError("cogattn reads NABLA block masks of whole blocks; this one masks inside its blocks.")
+    return block_mask.to_dense().bool()
 
 
 def _block_rows(keep: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """``(B, H, r, S)``: each key kept for query blocks ``blocks`` (one row per block), token by token."""
-    return keep.index_select(2, blocks).repeat_interleave(NABLA_BLOCK, -1)
+    """``(r, S)``: the keys one head's block mask ``keep`` ``(N, N)`` keeps for query blocks ``blocks``, by token."""
+    return keep.index_select(0, blocks).repeat_interleave(NABLA_BLOCK, -1)
 
 
 def kept_mass(query: torch.Tensor, key: torch.Tensor, keep: torch.Tensor, rows: int = 256) -> torch.Tensor:
@@ -171,26 +171,28 @@ def kept_mass(query: torch.Tensor, key: torch.Tensor, keep: torch.Tensor, rows: 
                 r1 = min(S, r0 + rows)
                 scores = (query[b, r0:r1, h].float() @ k.T).mul_(scale)  # (r, S)
                 blocks = torch.arange(r0, r1, device=query.device) // NABLA_BLOCK
-                kept = keep[b, h].index_select(0, blocks).repeat_interleave(NABLA_BLOCK, -1)
+                kept = _block_rows(keep[b, h], blocks)
                 ratio = torch.logsumexp(scores.masked_fill(~kept, -torch.inf), -1) - torch.logsumexp(scores, -1)
                 total[b, h] += ratio.exp().double().sum()  # on the device: no sync per tile
     return total.cpu() / S
 
 
 def mask_in_output(query, key, value, out, keep: torch.Tensor) -> bool:
-    """Whether the attention call's output ``out`` ``(B, S, H, D)`` is the softmax over the blocks NABLA keeps (a
-    kernel that skips the others: flex attention compiled) rather than over every key (flex attention run eagerly,
-    which applies a ``BlockMask``'s ``mask_mod`` alone, and NABLA's has none): one query row of each of (at most 4)
-    query blocks that mask some block, recomputed in float64 both ways from the call's own q, k, v; the closer one
-    is the model's. A mask that keeps every block is the same attention either way (`False`)."""
-    blocks = (~keep).any(-1).any(0).any(0).nonzero().flatten()[:4]
-    if not len(blocks):
+    """Whether the call's output ``out`` ``(B, S, H, D)`` is the softmax over the blocks NABLA keeps (a kernel that
+    skips the others: compiled flex attention) rather than over every key (eager flex attention, which applies only
+    a ``BlockMask``'s ``mask_mod``, and NABLA's has none): up to 4 query rows of the first item and head whose mask
+    leaves a block out, recomputed both ways in float64 from that head's q, k, v; the closer one is the model's."""
+    masked_any = (~keep).any(-1)  # (B, H, N): query blocks that leave a key block out
+    if not bool(masked_any.any()):
         return False
-    q, k, v = (x.double().transpose(1, 2) for x in (query, key, value))  # (B, H, S, D)
-    scores = q.index_select(2, blocks * NABLA_BLOCK) @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    got = out.double().transpose(1, 2).index_select(2, blocks * NABLA_BLOCK)
+    b, h = (int(i) for i in masked_any.any(-1).nonzero()[0])
+    blocks = masked_any[b, h].nonzero().flatten()[:4]
+    rows = blocks * NABLA_BLOCK
+    k, v = key[b, :, h].double(), value[b, :, h].double()  # (S, D): one head's, not the call's whole q, k, v
+    scores = query[b, rows, h].double() @ k.T / k.shape[-1] ** 0.5  # (r, S)
+    got = out[b, rows, h].double()
     dense = torch.softmax(scores, -1) @ v
-    masked = torch.softmax(scores.masked_fill(~_block_rows(keep, blocks), -torch.inf), -1) @ v
+    masked = torch.softmax(scores.masked_fill(~_block_rows(keep[b, h], blocks), -torch.inf), -1) @ v
     return bool((masked - got).abs().max() < (dense - got).abs().max())
 
 
@@ -260,9 +262,8 @@ class Kandinsky5AttnMapProcessor:
 
         layer = self.sink.layer_to_capture(attn)
         if not cross:  # NABLA's tokens are in 8×8 patches, the block's cross-attention's queries too
-            _ORDERS[self.sink] = (
-                None if sparse_params is None else video_order(sparse_params["visual_shape"], query.device)
-            )
+            shape = None if sparse_params is None else tuple(int(n) for n in sparse_params["visual_shape"])
+            _ORDERS[self.sink] = None if shape is None else video_order(shape, str(query.device))
         order = _ORDERS.get(self.sink)
         q = None if layer is None else in_video_order(query, order).transpose(1, 2)  # (B, H, S, D), video order
         fused = (
