@@ -1,5 +1,6 @@
 """One HunyuanVideo block at real shape: exact capture of 118,800 + 256 tokens, and of 180,000 + 256, in a
-memory budget of 1 GiB, against the stock attention of the same heads.
+memory budget of 1 GiB, against the stock attention of the same heads; or (``--model 1.5``) one HunyuanVideo 1.5
+block at its 720p shape, 121 frames at 720×1280: 31 × 45 × 80 = 111,600 video tokens + the packed context of 1,985.
 
 Builds a ``HunyuanVideoTransformer3DModel`` of one dual-stream block from the released config (heads of
 128, 3D RoPE (16, 56, 56), patch 2, random weights) with as many of its 24 heads as the time allows
@@ -12,9 +13,15 @@ processor's ``capture`` call) and its peak extra memory (Linux ``VmHWM``, reset 
 allocator's peak); the block's output must stay bit-identical. The second case, more frames
 (``--frames-b``: 50 latent frames, S = 180,000 + 256; 0 leaves it out), measures the same.
 
+HunyuanVideo 1.5 (``--model 1.5``; 16 heads of 128, patch 1, the released 480p/720p config) packs each item's
+context as [valid image, valid glyph, valid prompt tokens, padding] and masks pairs ``keep ⊗ keep`` through an
+S × S bool mask (12.9 GB at 720p, and SDPA turns it into float scores' size): a GPU case (text-to-video: the 729
+image tokens are padding, no quoted words, ``--valid`` of the 1,000 prompt tokens kept).
+
     python benchmarks/bench_hunyuan.py                      # real shapes (about 10 minutes on 2 cores)
     python benchmarks/bench_hunyuan.py --kinds tile,top_p --frames-b 0 --out benchmarks/results/hunyuan_sparse_cpu.md
     python benchmarks/bench_hunyuan.py --frames 3 --frames-b 4 --height 6 --width 8   # quick look
+    python benchmarks/bench_hunyuan.py --model 1.5 --device cuda --heads 16 --frames-b 0  # needs about 80 GB
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import platform
 import time
 
 import torch
-from diffusers import HunyuanVideoTransformer3DModel
+from diffusers import HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 from report import write_table
 
@@ -32,6 +39,7 @@ import cogattn
 
 MiB = 2**20
 TEXT = 256  # LLaMA tokens of every HunyuanVideo call (padded)
+IMAGE, GLYPH, PROMPT = 729, 256, 1000  # HunyuanVideo 1.5's context: SigLIP, ByT5 and Qwen2.5-VL tokens (padded)
 
 
 def block(heads: int) -> HunyuanVideoTransformer3DModel:
@@ -53,6 +61,45 @@ def block(heads: int) -> HunyuanVideoTransformer3DModel:
     ).eval()
 
 
+def block15(heads: int) -> HunyuanVideo15Transformer3DModel:
+    """hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v's transformer config, one block of ``heads``."""
+    return HunyuanVideo15Transformer3DModel(
+        num_attention_heads=heads,
+        attention_head_dim=128,
+        num_layers=1,
+        num_refiner_layers=2,
+        patch_size=1,
+        patch_size_t=1,
+        rope_axes_dim=(16, 56, 56),
+        task_type="t2v",
+    ).eval()
+
+
+def inputs(version: str, frames: int, height: int, width: int, valid: int, g: torch.Generator) -> tuple[dict, int]:
+    """A transformer call of ``version`` ("1" or "1.5") on ``frames`` × ``height`` × ``width`` patches, and its
+    context length."""
+    if version == "1":
+        return dict(
+            hidden_states=torch.randn(1, 16, frames, 2 * height, 2 * width, generator=g),
+            timestep=torch.tensor([500.0]),
+            encoder_hidden_states=torch.randn(1, TEXT, 4096, generator=g),
+            encoder_attention_mask=(torch.arange(TEXT) < valid).long()[None],
+            pooled_projections=torch.randn(1, 768, generator=g),
+            guidance=torch.tensor([6000.0]),
+            return_dict=False,
+        ), TEXT
+    return dict(
+        hidden_states=torch.randn(1, 65, frames, height, width, generator=g),
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=torch.randn(1, PROMPT, 3584, generator=g),
+        encoder_attention_mask=(torch.arange(PROMPT) < valid).long()[None],
+        encoder_hidden_states_2=torch.randn(1, GLYPH, 1472, generator=g),
+        encoder_attention_mask_2=torch.zeros(1, GLYPH, dtype=torch.long),  # no quoted words
+        image_embeds=torch.zeros(1, IMAGE, 1152),  # text-to-video: the image tokens are padding
+        return_dict=False,
+    ), IMAGE + GLYPH + PROMPT
+
+
 def timed(module, times: list) -> None:
     def now() -> float:
         if torch.cuda.is_available():
@@ -66,24 +113,19 @@ def timed(module, times: list) -> None:
 def case(transformer, frames: int, height: int, width: int, valid: int, memory: PeakMemory, **options) -> dict:
     """Stock, then captured with ``options`` (``cogattn.record``'s): the times, peak and plan of one call on
     ``frames`` × ``height`` × ``width`` patches."""
-    g = torch.Generator().manual_seed(0)
-    call = dict(
-        hidden_states=torch.randn(1, 16, frames, 2 * height, 2 * width, generator=g),
-        timestep=torch.tensor([500.0]),
-        encoder_hidden_states=torch.randn(1, TEXT, 4096, generator=g),
-        encoder_attention_mask=(torch.arange(TEXT) < valid).long()[None],
-        pooled_projections=torch.randn(1, 768, generator=g),
-        guidance=torch.tensor([6000.0]),
-        return_dict=False,
-    )
-    device = transformer.device
-    call = {name: value.to(device) if torch.is_tensor(value) else value for name, value in call.items()}
+    version = "1.5" if isinstance(transformer, HunyuanVideo15Transformer3DModel) else "1"
+    call, text = inputs(version, frames, height, width, valid, torch.Generator().manual_seed(0))
+    device, dtype = transformer.device, transformer.dtype
+    call = {
+        name: value.to(device, dtype if value.is_floating_point() else value.dtype) if torch.is_tensor(value) else value
+        for name, value in call.items()
+    }
     times: list = []
     timed(transformer.transformer_blocks[0].attn, times)
     with torch.no_grad():
         reference = transformer(**call)[0]
     t_stock = times[-1]
-    print(f"S = {frames * height * width:,} + {TEXT}: stock attention {t_stock:.1f} s", flush=True)
+    print(f"S = {frames * height * width:,} + {text}: stock attention {t_stock:.1f} s", flush=True)
     rec = cogattn.record(transformer, batch=[0], **options)
     spent = [0.0, 0]
     rec.capture = memory.measured(rec.capture, spent)
@@ -91,16 +133,17 @@ def case(transformer, frames: int, height: int, width: int, valid: int, memory: 
         out = transformer(**call)[0]
     transformer.transformer_blocks[0].attn._forward_hooks.clear()
     transformer.transformer_blocks[0].attn._forward_pre_hooks.clear()
-    full = (frames * height * width + TEXT) ** 2 * transformer.config.num_attention_heads * 4
+    full = (frames * height * width + text) ** 2 * transformer.config.num_attention_heads * 4
     print(f"  capture {spent[0]:.1f} s ({spent[0] / t_stock:.2f}×), peak +{spent[1] / MiB:.0f} MiB", flush=True)
     return dict(
-        S=frames * height * width + TEXT,
+        S=frames * height * width + text,
         grid=(frames, height, width),
         stock=t_stock,
         capture=spent[0],
         peak=spent[1],
         planned=rec.plan.peak_extra_memory,
-        method=rec.plan.tiles.method,
+        results=rec.plan.result_bytes,
+        method="/".join(sorted(set(rec.chosen_methods.values()))) or rec.plan.tiles.method,
         identical=torch.equal(out, reference),
         full=full,
         checks=all(c.passed for c in rec.checks) if rec.checks else None,  # row tiles are not spot-checked
@@ -109,24 +152,29 @@ def case(transformer, frames: int, height: int, width: int, valid: int, memory: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--frames", type=int, default=33, help="latent frames of the first case (129 video frames)")
+    ap.add_argument("--model", default="1", choices=["1", "1.5"], help="HunyuanVideo (1) or HunyuanVideo 1.5")
+    ap.add_argument("--frames", type=int, default=None, help="latent frames of the first case (1: 33, 1.5: 31)")
     ap.add_argument("--frames-b", type=int, default=50, help="latent frames of the second case (197 video frames)")
     ap.add_argument("--height", type=int, default=45, help="patch rows (720 px)")
     ap.add_argument("--width", type=int, default=80, help="patch columns (1280 px)")
-    ap.add_argument("--heads", type=int, default=2, help="heads of 128 in the first case (the model has 24)")
+    ap.add_argument("--heads", type=int, default=2, help="heads of 128 in the first case (1 has 24, 1.5 has 16)")
     ap.add_argument("--heads-b", type=int, default=1, help="heads of 128 in the second case")
-    ap.add_argument("--valid", type=int, default=200, help="text tokens the key mask keeps, of 256")
+    ap.add_argument("--valid", type=int, default=200, help="prompt tokens the key mask keeps (of 256; 1.5: of 1,000)")
     ap.add_argument("--budget", default="1GiB")
     ap.add_argument("--kinds", default="frame,video_to_text", help="comma-separated kinds to record")
     ap.add_argument("--tile-shape", default="1,8,8", help="tile_shape of the tile kind: t,h,w")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (peaks from the allocator)")
-    ap.add_argument("--out", default=None, help="defaults to benchmarks/results/hunyuan_cpu.md (_cuda.md)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the block's dtype")
+    ap.add_argument("--out", default=None, help="defaults to benchmarks/results/hunyuan[15]_cpu.md (_cuda.md)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    device = torch.device(args.device)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     where = "cuda" if device.type == "cuda" else "cpu"
-    args.out = args.out or f"benchmarks/results/hunyuan_{where}.md"
+    name = "hunyuan15" if args.model == "1.5" else "hunyuan"
+    args.out = args.out or f"benchmarks/results/{name}_{where}.md"
+    args.frames = args.frames or (31 if args.model == "1.5" else 33)
+    build = block15 if args.model == "1.5" else block
     memory = PeakMemory(where)
     kinds = tuple(args.kinds.split(","))
     options = dict(kinds=kinds, memory_budget=args.budget)
@@ -134,9 +182,9 @@ def main() -> None:
         options["tile_shape"] = tuple(int(n) for n in args.tile_shape.split(","))
     budget = cogattn.CaptureOptions(**options).memory_budget
     with torch.no_grad():  # warm up kernels on a small call
-        case(block(1).to(device), 1, 2, 2, 4, memory, **options)
+        case(build(1).to(device, dtype), 1, 2, 2, 4, memory, **options)
     results = [
-        (heads, case(block(heads).to(device), frames, args.height, args.width, args.valid, memory, **options))
+        (heads, case(build(heads).to(device, dtype), frames, args.height, args.width, args.valid, memory, **options))
         for heads, frames in ((args.heads, args.frames), (args.heads_b, args.frames_b))
         if heads and frames
     ]
@@ -145,29 +193,39 @@ def main() -> None:
         machine = f"CUDA ({torch.cuda.get_device_name(device)}, TF32 off)"
     else:
         machine = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    if args.model == "1.5":
+        what = "HunyuanVideo 1.5 dual-stream block (heads of 128, patch 1"
+        text = (
+            f"text-to-video: of the packed context's {IMAGE + GLYPH + PROMPT:,} tokens the S × S mask keeps "
+            f"{args.valid} prompt tokens (the {IMAGE} image and {GLYPH} glyph tokens are padding)."
+        )
+    else:
+        what = "HunyuanVideo dual-stream block (heads of 128, patch 2"
+        text = f"{args.valid} of the 256 text tokens kept by the key mask."
     lines = [
-        f"One HunyuanVideo dual-stream block (heads of 128, 3D RoPE (16, 56, 56), random weights), float32, {machine}, "
+        f"One {what}, 3D RoPE (16, 56, 56), random weights), {args.dtype}, {machine}, "
         f"torch {torch.__version__}; kinds {' + '.join(f'`{k}`' for k in kinds)}"
         f"{tiles}, "
-        f"memory_budget = {args.budget} ({budget:,} bytes), heads = mean; "
-        f"{args.valid} of the 256 text tokens kept by the key mask.",
+        f"memory_budget = {args.budget} ({budget:,} bytes), heads = mean; {text}",
         "",
         "Stock: the block's attention module (projections, RoPE, the masked SDPA, output projections). Capture: "
         "what cogattn adds in the processor, measured in the same run, and its peak extra memory (VmHWM above the "
-        "resident size at the capture's start). `identical`: the block's output with capture on equals the stock "
-        "output bit for bit.",
+        "resident size at the capture's start; on CUDA the allocator's peak), of which the layer's float32 results "
+        "are the part the budget leaves out (it bounds the tiles). `method`: what served the pooled kinds (under "
+        "`auto`, the pass the first capture measured faster). `identical`: the block's output with capture on "
+        "equals the stock output bit for bit.",
         "",
         "| S (video + text) | latent grid | heads | stock attention (s) | capture (s) | × stock | method | "
-        "peak extra memory (MiB) | planned peak (MiB) | within the budget | full P of these heads (GiB) | "
-        "spot check | identical |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | --- | --- |",
+        "peak extra memory (MiB) | of it results (MiB) | planned peak (MiB) | tiles within the budget | "
+        "full P of these heads (GiB) | spot check | identical |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | --- | --- |",
     ]
     for heads, r in results:
         check = {True: "passed", False: "NO", None: "— (rows)"}[r["checks"]]
         lines.append(
             f"| {r['S']:,} | {'×'.join(map(str, r['grid']))} | {heads} | {r['stock']:.1f} | {r['capture']:.1f} | "
-            f"{r['capture'] / r['stock']:.2f} | {r['method']} | {r['peak'] / MiB:.0f} | {r['planned'] / MiB:.0f} | "
-            f"{'yes' if r['peak'] <= budget else 'NO'} | {r['full'] / 2**30:.0f} | {check} | "
+            f"{r['capture'] / r['stock']:.2f} | {r['method']} | {r['peak'] / MiB:.0f} | {r['results'] / MiB:.0f} | "
+            f"{r['planned'] / MiB:.0f} | {'yes' if r['peak'] - r['results'] <= budget else 'NO'} | {r['full'] / 2**30:.0f} | {check} | "
             f"{'yes' if r['identical'] else 'NO'} |"
         )
     write_table(lines, args.out)

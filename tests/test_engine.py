@@ -271,3 +271,33 @@ def test_the_masks_capture_takes_and_those_it_refuses():
     assert torch.equal(query_key_mask(mask, 2, 6), mask[:, 0]) and mask._cogattn_read[0][0] == mask._version
     mask.fill_(True)  # in place: another version
     assert query_key_mask(mask, 2, 6) is None
+
+
+@pytest.mark.parametrize("rows,timed", [(8, 1), (2**20, 2)])
+def test_auto_times_the_two_passes_on_the_first_of_the_selected_heads(monkeypatch, rows, timed):
+    """The first capture of a shape under ``auto`` times each pass on the first selected heads that hold
+    ``TIMED_ROWS`` query rows, within the pass's first chunk (its cost is per head), with their lse: one head at
+    a real shape, not every head."""
+    import cogattn.exact.engine as engine
+    from cogattn.exact.passes import HeadView
+    from cogattn.exact.planner import TilePlan
+
+    seen = []
+
+    def pooled_pass(q, k, multi, single, plan, scale, lse, fused=False, *args, **kwargs):
+        seen.append((fused, q.chunk(0, q.shape[0]), k.chunk(0, k.shape[0]), lse))
+
+    monkeypatch.setattr(engine, "pooled_pass", pooled_pass)
+    monkeypatch.setattr(engine, "TIMED_ROWS", rows)
+    layout = TokenLayout(2, 2, 2, 3)
+    H, S, D = 4, layout.seq_len, 16
+    q, k, lse = torch.randn(H, S, D), torch.randn(H, S, D), torch.randn(2, S)
+    heads = torch.tensor([3, 1])
+    frame = REDUCERS["frame"](layout, 2, False, None)
+    plan = TilePlan("timed", 1, S, 4, S, 0)  # up to four heads per chunk of the pooled pass
+    choice = engine.TimedChoice().choose(HeadView(q, heads), HeadView(k, heads), [(frame, None)], plan, 0.25, lse)
+    assert choice in ("sdpa", "triton")
+    assert [fused for fused, *_ in seen] == [True, True, False]  # the kernel built, then timed; then the SDPA pass
+    for _, q_n, k_n, lse_n in seen:
+        first = heads[:timed]
+        assert torch.equal(q_n, q[first]) and torch.equal(k_n, k[first]) and torch.equal(lse_n, lse[:timed])

@@ -83,6 +83,30 @@ def test_a_wrong_method_fails_the_selftest_with_exit_1(monkeypatch, capsys, tmp_
     assert all(r["passed"] for r in rows if r["method"] == "rows")
 
 
+def test_where_no_kernel_returns_the_lse_its_rows_say_so_and_the_rest_still_runs(monkeypatch, tmp_path):
+    """As on CUDA in float32, where no fused kernel returns the lse (``attention_with_lse`` gives `None`): the
+    synthetic layer's lse rows are one skipped line saying why, and the joint rows and the tiny pipeline's
+    ``layer_output="lse"`` recordings (the stock call there) still run and pass."""
+    import torch.nn.functional as F
+
+    import cogattn.recorder.capture as recorder_capture
+
+    def no_lse(q, k, v, scale=None):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale), None
+
+    monkeypatch.setattr(selftest, "attention_with_lse", no_lse)
+    monkeypatch.setattr(recorder_capture, "attention_with_lse", no_lse)
+    _cogvideox_only(monkeypatch)
+    assert main(["--quick", "--seq-len", "300", "--json", str(tmp_path / "r.json")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    layer = [r for r in rows if r["part"].startswith("layer")]
+    (lse,) = [r for r in layer if r["output"] == "lse"]
+    assert lse["passed"] is None and "no fused kernel returns the lse for float32" in lse["note"]
+    assert [r for r in layer if r["output"] == "joint"] and all(r["passed"] for r in layer if r["output"] == "joint")
+    tiny = [r for r in rows if r["part"] == "tiny 1.0 t2v" and r["output"] == "lse"]
+    assert tiny and all(r["passed"] and r["bit_identical"] for r in tiny)
+
+
 def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit) as err:
         main(["--dtype", "int8"])

@@ -43,6 +43,9 @@ __all__ = [
 ]
 
 
+TIMED_ROWS = 16_384  # query rows the timed passes take at least (all their heads'): enough blocks to fill a GPU
+
+
 class TimedChoice:
     """Which of the ``sdpa`` and ``triton`` passes is faster for each shape, measured at its first capture.
 
@@ -54,7 +57,9 @@ class TimedChoice:
 
     def choose(self, q: passes.HeadView, k: passes.HeadView, multi, plan: TilePlan, scale: float, lse) -> str:
         """Time both passes on the multi-key groups (into scratch results) on first sight of a shape and
-        keep the faster; the kernel failing to build or run means ``sdpa``."""
+        keep the faster; the kernel failing to build or run means ``sdpa``. They are timed on the first heads of
+        the pass's first chunk that hold :data:`TIMED_ROWS` query rows (one head at a real shape): the cost is
+        per head, and three whole passes would make a long layer's first capture four times as long."""
         D = q.shape[2]
         if not multi or D < 16 or D & (D - 1):
             return "sdpa"  # single-key columns are the same work on both; the kernel needs D a power of two
@@ -68,12 +73,16 @@ class TimedChoice:
             lse is not None,
         )
         if key not in self.chosen:
+            n = max(1, min(q.shape[0], plan.pooled_heads, -(-TIMED_ROWS // q.shape[1])))
+            first = torch.arange(n) if q.heads is None else q.heads[:n]  # the pass's first chunk of the selection
+            qn, kn = passes.HeadView(q.x, first), passes.HeadView(k.x, first)
+            lse_n = None if lse is None else lse[:n]
 
             def run(fused: bool) -> float:
                 scratch = [(r, torch.zeros(r.shape(1)[1:], device=q.device)) for r, _ in multi]
                 _synchronize(q.device)
                 t0 = time.perf_counter()
-                pooled_pass(q, k, scratch, [], plan, scale, lse, fused=fused)
+                pooled_pass(qn, kn, scratch, [], plan, scale, lse_n, fused=fused)
                 _synchronize(q.device)
                 return time.perf_counter() - t0
 
