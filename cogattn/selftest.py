@@ -27,7 +27,9 @@ import math
 import platform
 import sys
 import time
+import traceback
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +81,7 @@ def layer_rows(device: torch.device, dtype: torch.dtype, seq_len: int, heads: in
     q, k, v = (x.to(device, dtype) for x in (q, k, v))
     queries = torch.tensor([0, T, S // 2, S - 1])
     P = naive_probs(q.float().cpu()[None], k.float().cpu()[None])
-    lse = naive_lse(q.float().cpu()[None], k.float().cpu()[None])
+    lse_ref = naive_lse(q.float().cpu()[None], k.float().cpu()[None])  # not the kernels' lse, which rows below test
     part = f"layer S={S:,}"
     stock, t_stock = timed(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None]), device)
     _, t_stock = timed(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None]), device)  # warm
@@ -90,7 +92,7 @@ def layer_rows(device: torch.device, dtype: torch.dtype, seq_len: int, heads: in
 
     def error(kind: str, got: torch.Tensor) -> float:
         got = REDUCERS[kind].unpack(got.cpu()[None])
-        return kind_error(got, P, kind, T, layout.grid, queries.tolist(), lse, v=v64, **sizes)
+        return kind_error(got, P, kind, T, layout.grid, queries.tolist(), lse_ref, v=v64, **sizes)
 
     def run(kinds, method, lse=None, sums=None):
         reducers = [REDUCERS[kd](layout, heads, False, queries, **sizes) for kd in kinds]
@@ -168,13 +170,15 @@ def run(
             instead of being skipped.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.empty(0, device=device)  # an absent device fails here, before any part runs
     dt = DTYPES[dtype]
     t0 = time.perf_counter()
-    rows = layer_rows(device, dt, seq_len) + pipeline_rows(device, dt, PIPELINES[:1] if quick else PIPELINES)
-    others = [spec for spec in FAMILIES if spec.family != "cogvideox"]
-    rows += [row for spec in others for row in family_rows(spec, device, dt, quick=quick, strict=strict)]
+    rows = _guarded("layer", layer_rows, device, dt, seq_len)
+    rows += _guarded("tiny cogvideox", pipeline_rows, device, dt, PIPELINES[:1] if quick else PIPELINES)
+    for spec in [spec for spec in FAMILIES if spec.family != "cogvideox"]:
+        rows += _guarded(f"tiny {spec.family}", family_rows, spec, device, dt, quick=quick, strict=strict)
     if not quick:
-        rows += backend_rows(device, dt)
+        rows += _guarded("backends", backend_rows, device, dt)
     checked = [r for r in rows if r.passed is not None]  # the verdict is over what ran: a skip is no pass
     return {
         "rows": [asdict(r) for r in rows],
@@ -183,6 +187,19 @@ def run(
         "dtype": dtype,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def _guarded(part: str, rows_of, *args, **kwargs) -> list[Row]:
+    """``rows_of(*args, **kwargs)``, or where it raises, one failed row naming the error and the line of cogattn
+    that raised it (the whole traceback on stderr): a broken part does not hide the others' results."""
+    try:
+        return rows_of(*args, **kwargs)
+    except Exception as err:
+        traceback.print_exc()
+        frames = traceback.extract_tb(err.__traceback__)
+        where = ([f for f in frames if "cogattn" in Path(f.filename).parts] or frames)[-1]
+        note = f"{type(err).__name__}: {err} ({Path(where.filename).name}:{where.lineno})"
+        return [Row(part, "-", "-", "-", None, None, None, None, False, note)]
 
 
 def _fmt(value, width: int, spec: str = "") -> str:

@@ -1,10 +1,12 @@
 """``python -m cogattn.selftest`` passes on this machine, and fails (exit 1) when a method is wrong."""
 
 import json
+import re
 
 import pytest
 import torch
 
+import cogattn
 import cogattn.exact.attention as attention
 import cogattn.selftest as selftest
 import cogattn.selftest_pipelines as selftest_pipelines
@@ -105,6 +107,51 @@ def test_where_no_kernel_returns_the_lse_its_rows_say_so_and_the_rest_still_runs
     assert [r for r in layer if r["output"] == "joint"] and all(r["passed"] for r in layer if r["output"] == "joint")
     tiny = [r for r in rows if r["part"] == "tiny 1.0 t2v" and r["output"] == "lse"]
     assert tiny and all(r["passed"] and r["bit_identical"] for r in tiny)
+
+
+def test_every_row_of_the_synthetic_layer_is_measured_against_the_naive_lse_not_a_kernel_s():
+    """The error units of ``entropy`` and ``received`` come from the float64 reference's lse in every row, the
+    opt-in outputs' included, whose kernels' lse (on the device) are what those rows test."""
+    from cogattn.reference import naive_lse
+
+    seen = []
+    real = selftest.kind_error
+
+    def kind_error(got, P, kind, T, grid, queries, lse, **kwargs):
+        seen.append(lse)
+        return real(got, P, kind, T, grid, queries, lse, **kwargs)
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(selftest, "kind_error", kind_error)
+        rows = selftest.layer_rows(torch.device("cpu"), torch.float32, 300)
+    assert {r.output for r in rows} >= {"stock", "lse", "joint"} and all(r.passed for r in rows if r.kind != "-")
+    layout = selftest.synthetic_layout(300)
+    gen = torch.Generator().manual_seed(0)  # the layer's q and k, as layer_rows makes them
+    q, k = (torch.randn(4, layout.seq_len, 64, generator=gen) * 1.5 for _ in range(2))
+    want = naive_lse(q[None], k[None])
+    assert len(seen) > 20 and all(lse.dtype == want.dtype and torch.equal(lse, want) for lse in seen)
+
+
+def test_a_part_that_raises_is_one_failed_row_naming_the_error_and_the_others_still_run(monkeypatch, capsys):
+    """An exception in one part (a family's tiny pipelines here) is a failed row with the error and cogattn's
+    line that raised it, the traceback on stderr; the other parts' rows are all there and the exit code is 1."""
+    monkeypatch.setattr(selftest, "FAMILIES", [family("cogvideox"), family("mochi"), family("wan")])
+    real = selftest.family_rows
+
+    def family_rows(spec, *args, **kwargs):
+        if spec.family == "mochi":
+            cogattn.CaptureOptions(kinds=["nope"])  # raises in cogattn's own code, as the device mismatch did
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(selftest, "family_rows", family_rows)
+    report = selftest.run("cpu", quick=True, seq_len=300)
+    err = capsys.readouterr().err
+    (broken,) = [r for r in report["rows"] if r["part"] == "tiny mochi"]
+    assert broken["passed"] is False and broken["note"].startswith("ValueError: ") and "'nope'" in broken["note"]
+    assert re.search(r"\(options\.py:\d+\)$", broken["note"]) and "Traceback" in err
+    assert any(r["part"].startswith("tiny wan") and r["passed"] for r in report["rows"])
+    assert any(r["part"].startswith("layer") and r["passed"] for r in report["rows"])
+    assert report["passed"] is False
 
 
 def test_bad_arguments_are_refused(capsys):
