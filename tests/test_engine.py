@@ -278,7 +278,7 @@ def test_auto_times_the_two_passes_on_the_first_of_the_selected_heads(monkeypatc
     """The first capture of a shape under ``auto`` times each pass on the first selected heads that hold
     ``TIMED_ROWS`` query rows, within the pass's first chunk (its cost is per head), with their lse: one head at
     a real shape, not every head."""
-    import cogattn.exact.engine as engine
+    import cogattn.exact.timing as timing
     from cogattn.exact.passes import HeadView
     from cogattn.exact.planner import TilePlan
 
@@ -287,15 +287,16 @@ def test_auto_times_the_two_passes_on_the_first_of_the_selected_heads(monkeypatc
     def pooled_pass(q, k, multi, single, plan, scale, lse, fused=False, *args, **kwargs):
         seen.append((fused, q.chunk(0, q.shape[0]), k.chunk(0, k.shape[0]), lse))
 
-    monkeypatch.setattr(engine, "pooled_pass", pooled_pass)
-    monkeypatch.setattr(engine, "TIMED_ROWS", rows)
+    monkeypatch.setattr(timing, "TIMED_ROWS", rows)
     layout = TokenLayout(2, 2, 2, 3)
     H, S, D = 4, layout.seq_len, 16
     q, k, lse = torch.randn(H, S, D), torch.randn(H, S, D), torch.randn(2, S)
     heads = torch.tensor([3, 1])
     frame = REDUCERS["frame"](layout, 2, False, None)
     plan = TilePlan("timed", 1, S, 4, S, 0)  # up to four heads per chunk of the pooled pass
-    choice = engine.TimedChoice().choose(HeadView(q, heads), HeadView(k, heads), [(frame, None)], plan, 0.25, lse)
+    choice = timing.TimedChoice().choose(
+        HeadView(q, heads), HeadView(k, heads), [(frame, None)], plan, 0.25, lse, pooled_pass
+    )
     assert choice in ("sdpa", "triton")
     assert [fused for fused, *_ in seen] == [True, True, False]  # the kernel built, then timed; then the SDPA pass
     for _, q_n, k_n, lse_n in seen:

@@ -85,28 +85,21 @@ def test_a_wrong_method_fails_the_selftest_with_exit_1(monkeypatch, capsys, tmp_
     assert all(r["passed"] for r in rows if r["method"] == "rows")
 
 
-def test_where_no_kernel_returns_the_lse_its_rows_say_so_and_the_rest_still_runs(monkeypatch, tmp_path):
+def test_where_no_kernel_returns_the_lse_its_rows_say_so_and_the_rest_still_runs(monkeypatch):
     """As on CUDA in float32, where no fused kernel returns the lse (``attention_with_lse`` gives `None`): the
-    synthetic layer's lse rows are one skipped line saying why, and the joint rows and the tiny pipeline's
-    ``layer_output="lse"`` recordings (the stock call there) still run and pass."""
+    synthetic layer's lse rows are one skipped line saying why, and its joint rows still run and pass."""
     import torch.nn.functional as F
-
-    import cogattn.recorder.capture as recorder_capture
 
     def no_lse(q, k, v, scale=None):
         return F.scaled_dot_product_attention(q, k, v, scale=scale), None
 
     monkeypatch.setattr(selftest, "attention_with_lse", no_lse)
-    monkeypatch.setattr(recorder_capture, "attention_with_lse", no_lse)
-    _cogvideox_only(monkeypatch)
-    assert main(["--quick", "--seq-len", "300", "--json", str(tmp_path / "r.json")]) == 0
-    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
-    layer = [r for r in rows if r["part"].startswith("layer")]
-    (lse,) = [r for r in layer if r["output"] == "lse"]
-    assert lse["passed"] is None and "no fused kernel returns the lse for float32" in lse["note"]
-    assert [r for r in layer if r["output"] == "joint"] and all(r["passed"] for r in layer if r["output"] == "joint")
-    tiny = [r for r in rows if r["part"] == "tiny 1.0 t2v" and r["output"] == "lse"]
-    assert tiny and all(r["passed"] and r["bit_identical"] for r in tiny)
+    rows = selftest.layer_rows(torch.device("cpu"), torch.float32, 100)
+    (lse,) = [r for r in rows if r.output == "lse"]
+    assert lse.passed is None and "no fused kernel returns the lse for float32" in lse.note
+    joint = [r for r in rows if r.output == "joint"]
+    assert len(joint) > 5 and all(r.passed for r in joint)
+    assert all(r.passed for r in rows if r.output == "stock" and r.max_error is not None)
 
 
 def test_every_row_of_the_synthetic_layer_is_measured_against_the_naive_lse_not_a_kernel_s():
@@ -123,9 +116,9 @@ def test_every_row_of_the_synthetic_layer_is_measured_against_the_naive_lse_not_
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(selftest, "kind_error", kind_error)
-        rows = selftest.layer_rows(torch.device("cpu"), torch.float32, 300)
+        rows = selftest.layer_rows(torch.device("cpu"), torch.float32, 100)
     assert {r.output for r in rows} >= {"stock", "lse", "joint"} and all(r.passed for r in rows if r.kind != "-")
-    layout = selftest.synthetic_layout(300)
+    layout = selftest.synthetic_layout(100)
     gen = torch.Generator().manual_seed(0)  # the layer's q and k, as layer_rows makes them
     q, k = (torch.randn(4, layout.seq_len, 64, generator=gen) * 1.5 for _ in range(2))
     want = naive_lse(q[None], k[None])
@@ -134,23 +127,27 @@ def test_every_row_of_the_synthetic_layer_is_measured_against_the_naive_lse_not_
 
 def test_a_part_that_raises_is_one_failed_row_naming_the_error_and_the_others_still_run(monkeypatch, capsys):
     """An exception in one part (a family's tiny pipelines here) is a failed row with the error and cogattn's
-    line that raised it, the traceback on stderr; the other parts' rows are all there and the exit code is 1."""
+    line that raised it, the traceback on stderr; the other parts' rows are all there and the verdict fails."""
     monkeypatch.setattr(selftest, "FAMILIES", [family("cogvideox"), family("mochi"), family("wan")])
-    real = selftest.family_rows
+
+    def passing(part):
+        return [selftest.Row(part, "frame", "rows", "stock", 0.0, 1e-5, True, 1.0, True)]
 
     def family_rows(spec, *args, **kwargs):
         if spec.family == "mochi":
             cogattn.CaptureOptions(kinds=["nope"])  # raises in cogattn's own code, as the device mismatch did
-        return real(spec, *args, **kwargs)
+        return passing(f"tiny {spec.family} t2v")
 
+    monkeypatch.setattr(selftest, "layer_rows", lambda *args: passing("layer S=8"))
+    monkeypatch.setattr(selftest, "pipeline_rows", lambda *args: passing("tiny 1.0 t2v"))
     monkeypatch.setattr(selftest, "family_rows", family_rows)
-    report = selftest.run("cpu", quick=True, seq_len=300)
+    report = selftest.run("cpu", quick=True)
     err = capsys.readouterr().err
-    (broken,) = [r for r in report["rows"] if r["part"] == "tiny mochi"]
+    parts = [r["part"] for r in report["rows"]]
+    assert parts == ["layer S=8", "tiny 1.0 t2v", "tiny mochi", "tiny wan t2v"]
+    broken = report["rows"][2]
     assert broken["passed"] is False and broken["note"].startswith("ValueError: ") and "'nope'" in broken["note"]
     assert re.search(r"\(options\.py:\d+\)$", broken["note"]) and "Traceback" in err
-    assert any(r["part"].startswith("tiny wan") and r["passed"] for r in report["rows"])
-    assert any(r["part"].startswith("layer") and r["passed"] for r in report["rows"])
     assert report["passed"] is False
 
 

@@ -22,8 +22,6 @@ script set for the model (:func:`full_fp32_matmul`).
 from __future__ import annotations
 
 import math
-import time
-import warnings
 
 import torch
 
@@ -32,6 +30,7 @@ from .checks import RowProbe
 from .passes import full_fp32_matmul
 from .planner import TilePlan, all_rows
 from .reducers import Reducer
+from .timing import TimedChoice
 
 __all__ = [
     "TimedChoice",
@@ -41,68 +40,6 @@ __all__ = [
     "pooled_pass",
     "row_pass",
 ]
-
-
-TIMED_ROWS = 16_384  # query rows the timed passes take at least (all their heads'): enough blocks to fill a GPU
-
-
-class TimedChoice:
-    """Which of the ``sdpa`` and ``triton`` passes is faster for each shape, measured at its first capture.
-
-    ``chosen`` maps ``(device, dtype, S, heads, D, key groups, lse given)`` to ``"sdpa"`` or ``"triton"``;
-    a recording owns one, so its choices last as long as it does."""
-
-    def __init__(self):
-        self.chosen: dict[tuple, str] = {}
-
-    def choose(self, q: passes.HeadView, k: passes.HeadView, multi, plan: TilePlan, scale: float, lse) -> str:
-        """Time both passes on the multi-key groups (into scratch results) on first sight of a shape and
-        keep the faster; the kernel failing to build or run means ``sdpa``. They are timed on the first heads of
-        the pass's first chunk that hold :data:`TIMED_ROWS` query rows (one head at a real shape): the cost is
-        per head, and three whole passes would make a long layer's first capture four times as long."""
-        D = q.shape[2]
-        if not multi or D < 16 or D & (D - 1):
-            return "sdpa"  # single-key columns are the same work on both; the kernel needs D a power of two
-        key = (
-            str(q.device),
-            q.x.dtype,
-            q.shape[1],
-            q.shape[0],
-            D,
-            tuple(r.key_groups.num_groups for r, _ in multi),
-            lse is not None,
-        )
-        if key not in self.chosen:
-            n = max(1, min(q.shape[0], plan.pooled_heads, -(-TIMED_ROWS // q.shape[1])))
-            first = torch.arange(n) if q.heads is None else q.heads[:n]  # the pass's first chunk of the selection
-            qn, kn = passes.HeadView(q.x, first), passes.HeadView(k.x, first)
-            lse_n = None if lse is None else lse[:n]
-
-            def run(fused: bool) -> float:
-                scratch = [(r, torch.zeros(r.shape(1)[1:], device=q.device)) for r, _ in multi]
-                _synchronize(q.device)
-                t0 = time.perf_counter()
-                pooled_pass(qn, kn, scratch, [], plan, scale, lse_n, fused=fused)
-                _synchronize(q.device)
-                return time.perf_counter() - t0
-
-            try:
-                run(True)  # compiles the kernel
-                t_triton = run(True)
-            except Exception as err:
-                warnings.warn(
-                    f"the Triton pooled-sum kernel failed ({type(err).__name__}: {err}); using method 'sdpa'.",
-                    stacklevel=2,
-                )
-                self.chosen[key] = "sdpa"
-            else:
-                self.chosen[key] = "triton" if t_triton < run(False) else "sdpa"
-        return self.chosen[key]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -208,7 +145,7 @@ def capture(
         given = None if sums is None else passes.HeadView(sums, heads)
         method = plan.method
         if method == "timed":
-            method = (timed or TimedChoice()).choose(q, k, multi, plan, scale, lse)
+            method = (timed or TimedChoice()).choose(q, k, multi, plan, scale, lse, pooled_pass)
         fused = method == "triton"
         pooled_pass(q, k, multi, single, plan, scale, lse, fused, given, probe, stats, keys)
         return method
