@@ -17,8 +17,8 @@ VAE decodes L latent frames to 4(L − 1) + 1 pixel frames; CogVideoX's decodes 
 the first three together, as Wan would), so an even L gives 4L pixel frames, 4 per latent frame from
 frame 0. No decoded video has 4k + 2 or 4k + 3 frames: a call's ``num_frames`` is rounded (Wan's
 pipelines to ``num_frames // 4 * 4 + 1``; CogVideoX's make ``(num_frames - 1) // 4 + 1`` latent frames).
-With ``patch_size_t = p`` (CogVideoX 1.5) the pipeline pads latent frames at the start up to a multiple
-of p and drops them before decoding.
+With ``patch_size_t = p`` (CogVideoX 1.5) the pipeline pads latent frames at the start up to a multiple of p.
+An audio-video model's audio tokens are a sequence of their own (``TokenLayout.audio``, :mod:`cogattn.audio`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from .audio import AudioAxis
 
 __all__ = ["KeyGroups", "TokenLayout", "VAE_SPATIAL", "VAE_TEMPORAL"]
 
@@ -63,6 +65,8 @@ class TokenLayout:
         text_parts (`tuple[tuple[str, int], ...]`, defaults to ``()``): parts packed per item, their padded sizes in
             order (HunyuanVideo 1.5's image, glyph, prompt); each item's own spans: ``Recording.text_spans``.
         prompt_crop (`int`, defaults to 0): template tokens the pipeline crops before the prompt (HunyuanVideo 1.5).
+        audio (`AudioAxis | None`, defaults to `None`): the audio stream of an audio-video model (LTX-2), a sequence
+            of its own beside this one's video (and text); `None` for a model without one.
     """
 
     text_len: int
@@ -79,6 +83,7 @@ class TokenLayout:
     causal_vae: bool = True
     text_parts: tuple[tuple[str, int], ...] = ()
     prompt_crop: int = 0
+    audio: AudioAxis | None = None
 
     def __post_init__(self):
         if self.text_position not in ("start", "end"):
@@ -315,20 +320,15 @@ class TokenLayout:
         frame ``l ≥ 1`` covers pixel frames ``4(l - 1) + 1 … 4l`` (Wan; CogVideoX with L odd). ``N = 4L``
         with L even is CogVideoX's VAE decoding pairs of latent frames: latent frame ``l`` covers
         ``4l … 4l + 3``. No VAE decodes other counts. Without a causal VAE (``causal_vae=False``, Allegro's) latent
-        frame ``l`` covers ``4l … 4l + 3`` whatever L, and the pipeline crops the last to ``N``, so
-        ``4(L − 1) < N ≤ 4L``. With ``patch_size_t = p`` the pipeline pads
-        ``(-L) % p`` latent frames at the start; temporal patch ``k`` covers padded latent frames
-        ``kp … kp + p - 1``.
+        frame ``l`` covers ``4l … 4l + 3`` whatever L, the last cropped to ``N``. With ``patch_size_t = p`` the
+        pipeline pads ``(-L) % p`` latent frames at the start; temporal patch ``k`` covers ``kp … kp + p - 1``.
 
         Args:
-            num_pixel_frames (`int`): frames N of the decoded video (``num_frames`` of the call when that is
-                4k + 1; the pipelines round other counts, see :meth:`decoded_frames`).
-            temporal_compression (`int | None`): the VAE's ``vae_scale_factor_temporal``; defaults to the
-                layout's (4; Mochi's 6).
+            num_pixel_frames (`int`): frames N of the decoded video (the call's 4k + 1; see :meth:`decoded_frames`).
+            temporal_compression (`int | None`): the VAE's ``vae_scale_factor_temporal``; defaults to the layout's.
 
         Returns:
             `list[range]`: F ranges of pixel-frame indices, in order, together covering ``0 … N - 1``.
-
         Raises:
             ValueError: no VAE decodes N frames, or N frames are not F latent frames (temporal patches).
         """

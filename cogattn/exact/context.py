@@ -1,4 +1,5 @@
-"""Kinds of a separate cross-attention (Wan's ``attn2``): video queries attending to the text or image context.
+"""Kinds of a separate attention beside the self-attention: a cross-attention's (Wan's ``attn2``: video queries
+attending to the text or image context) and an audio stream's (LTX-2: :mod:`cogattn.exact.reducers.audio`).
 
 A cross-attention's softmax runs over its context keys alone (512 text tokens, 257 image tokens), so
 its probabilities are small rows: :func:`context_pass` forms them exactly, in float32, in tiles of
@@ -12,10 +13,19 @@ import math
 
 import torch
 
+from .memory import context_tile
 from .passes import full_fp32_matmul
 from .reducers import REDUCERS, Reducer
+from .reducers.audio import AUDIO_REDUCERS
 
-__all__ = ["ContextReducer", "VideoToImageReducer", "context_pass", "CONTEXT_REDUCERS"]
+__all__ = [
+    "CONTEXT_REDUCERS",
+    "ContextReducer",
+    "VideoToImageReducer",
+    "context_pass",
+    "context_reducers",
+    "plan_context_tiles",
+]
 
 
 class ContextReducer(Reducer):
@@ -26,6 +36,12 @@ class ContextReducer(Reducer):
     kind = "video_to_text"
     dims = ("text token", "latent frame", "patch row", "patch column")
     source = "text"
+    video_queries = True  # the queries are the grid's video tokens (a history before it is left out)
+
+    @property
+    def query_len(self) -> int:
+        """Query rows of the attention, in order: the grid's."""
+        return self.layout.video_len - self.layout.history_len
 
     @property
     def context_len(self) -> int:
@@ -53,7 +69,7 @@ class VideoToImageReducer(ContextReducer):
         return self.layout.image_len
 
 
-CONTEXT_REDUCERS = {cls.kind: cls for cls in (ContextReducer, VideoToImageReducer)}
+CONTEXT_REDUCERS = {cls.kind: cls for cls in (ContextReducer, VideoToImageReducer)} | AUDIO_REDUCERS
 
 
 @torch.no_grad()
@@ -70,8 +86,8 @@ def context_pass(
     reducer.
 
     Args:
-        query (`torch.Tensor`): the grid's video queries ``(B, H, V, D)``.
-        key (`torch.Tensor`): context keys ``(B, H, C, D)``.
+        query (`torch.Tensor`): the queries ``(B, H, V, D)`` (the grid's video queries; an audio kind's own).
+        key (`torch.Tensor`): the keys ``(B, H, C, D)``.
         items: batch items of ``query`` to compute.
         reducers (`list[ContextReducer]`): the kinds of this context.
         heads (`torch.Tensor | None`): the selected heads, `None` for all.
@@ -81,7 +97,7 @@ def context_pass(
             LTX-Video's padded text, 0 or −10000), as the attention adds it.
 
     Returns:
-        `list[torch.Tensor]`: one float32 ``(len(items), H_out, C, F, Hp, Wp)`` result per reducer.
+        `list[torch.Tensor]`: one float32 result per reducer (``(len(items), H_out, C, F, Hp, Wp)`` for ``video_to_text``).
     """
     _, H, V, D = query.shape
     n_heads = H if heads is None else len(heads)
@@ -108,4 +124,37 @@ def context_pass(
 
 # Registered beside the self-attention kinds (options, the store and plots read a kind's class there);
 # `cogattn` imports this module whenever it imports the reducers.
-REDUCERS.setdefault(VideoToImageReducer.kind, VideoToImageReducer)
+for _cls in (VideoToImageReducer, *AUDIO_REDUCERS.values()):
+    REDUCERS.setdefault(_cls.kind, _cls)
+
+
+def context_reducers(options, res, sources: dict[str, str], shapes: dict, sizes: dict):
+    """The reducers of the kinds ``options`` asks of attentions other than the self-attention (``sources``: kind →
+    source), and source → the selected heads of each (``shapes``: source → ``(heads, head dim)`` where its heads are
+    not the self-attention's; ``"all"`` and ``"mean"`` take all of its own). Raises `ValueError` for a kind whose
+    attention this generation lacks, or a listed head a source does not have."""
+    context, heads_of = [], {}
+    for k in [k for k in options.kinds if k in sources]:
+        src, count = sources[k], shapes.get(sources[k], (len(res.heads),))[0]
+        heads_of[src] = tuple(range(count)) if isinstance(options.heads, str) else res.heads
+        if max(heads_of[src]) >= count:
+            raise ValueError(f"heads={list(res.heads)}; the {src} attention has {count} heads, 0..{count - 1}.")
+        red = CONTEXT_REDUCERS[k](res.layout, len(heads_of[src]), res.mean_heads, **sizes)
+        if red.context_len == 0:
+            why = " (Wan 2.1 image-to-video has one; Wan 2.2 puts the image in the latents)" * (k == "video_to_image")
+            raise ValueError(
+                f"kind {k!r} needs the cross-attention to {src} tokens, which this generation does not have{why}."
+            )
+        context.append(red)
+    return context, heads_of
+
+
+def plan_context_tiles(context: list, heads_of: dict, shapes: dict, head_dim: int, budget: int, device):
+    """``(source → (heads, query rows) per tile, peak bytes)`` of the ``context`` reducers' passes within ``budget``
+    (:func:`cogattn.exact.memory.context_tile`; ``shapes``: a source's own ``(heads, head dim)``)."""
+    tiles, peak = {}, 0
+    for r in context:
+        dim = shapes.get(r.source, (0, head_dim))[1]
+        h, rows, held = context_tile(len(heads_of[r.source]), r.query_len, r.context_len, dim, budget, device)
+        tiles[r.source], peak = (h, rows), max(peak, held)
+    return tiles, peak

@@ -21,8 +21,8 @@ from ..options import STORAGE_DTYPES, CaptureOptions, Resolved
 from ..runs.record_file import record_file_bytes
 from . import kernels, memory, passes
 from .attention import fused_lse_supported, joint_extra_bytes
-from .context import CONTEXT_REDUCERS
-from .memory import CPU_ROW_TILE, context_tile, too_small, usable
+from .context import context_reducers, plan_context_tiles
+from .memory import CPU_ROW_TILE, too_small, usable
 from .reducers import REDUCERS, Reducer
 
 __all__ = [
@@ -250,8 +250,8 @@ class CapturePlan:
             the stock call (:func:`cogattn.exact.attention.joint_extra_bytes`); 0 otherwise.
         context (`list[Reducer]`): one per cross-attention kind (Wan's ``video_to_text``, ``video_to_image``).
         context_bytes (`int`): peak bytes of a cross-attention tile (:func:`cogattn.exact.memory.context_tile`).
-        context_tiles (`dict[str, tuple[int, int]]`): heads and query rows per cross-attention tile, by
-            context (``"text"``, ``"image"``).
+        context_tiles (`dict[str, tuple[int, int]]`): heads and query rows per tile of each other attention, by
+            source (``"text"``, ``"image"``, ``"audio"``, ...).
         waiting_bytes (`int`): results that wait in host memory for the step's last call (Wan under
             guidance, a selection spanning both halves): the earlier calls' items of every captured layer
             (:mod:`cogattn.exact.memory` says how they are bounded).
@@ -271,6 +271,7 @@ class CapturePlan:
     waiting_bytes: int = 0
     tile_budget: int = 0
     device_type: str = "cpu"
+    context_heads: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a source's own heads (LTX-2's audio)
 
     @property
     def layout(self) -> TokenLayout:
@@ -313,12 +314,14 @@ class CapturePlan:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The model facts a plan needs: its blocks, its attention heads and head dim, its dtype."""
+    """The model facts a plan needs: its blocks, its attention heads and head dim, its dtype, and source →
+    ``(heads, head dim)`` of the attentions whose heads differ (``ModelSpec.shapes``: LTX-2's audio stream)."""
 
     num_layers: int
     num_heads: int
     head_dim: int
     dtype: torch.dtype
+    sources: dict = field(default_factory=dict)
 
 
 def plan_capture(
@@ -355,22 +358,9 @@ def plan_capture(
     res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
     sizes = {name: getattr(options, name) for name in ("block_size", "topk", "tile_shape", "patterns", "top_p")}
     sources = sources or {}
-    reducers, context = [], []
-    for k in options.kinds:
-        if k in sources:
-            red = CONTEXT_REDUCERS[k](layout, len(res.heads), res.mean_heads, **sizes)
-            if red.context_len == 0:
-                raise ValueError(
-                    f"kind {k!r} needs the cross-attention to {sources[k]} tokens, which this generation does not have"
-                    + (
-                        " (Wan 2.1 image-to-video has one; Wan 2.2 puts the image in the latents)."
-                        if k == "video_to_image"
-                        else "."
-                    )
-                )
-            context.append(red)
-        else:
-            reducers.append(REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries, **sizes))
+    own = [k for k in options.kinds if k not in sources]
+    reducers = [REDUCERS[k](layout, len(res.heads), res.mean_heads, res.queries, **sizes) for k in own]
+    context, heads_of = context_reducers(options, res, sources, model.sources, sizes)
     copies = dtype != torch.float32 or res.heads != tuple(range(num_heads))
     method = "joint" if options.layer_output == "joint" else options.method
     lse = options.layer_output == "lse"
@@ -385,10 +375,7 @@ def plan_capture(
         tiles = TilePlan("none", 0, 0, 0, 0, 0)  # cross-attention kinds only: no self-attention pass
         if reducers:
             tiles = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, budget, method, device, copies, lse)
-        context_tiles, context_bytes = {}, 0
-        for r in context:
-            h, rows, peak = context_tile(len(res.heads), layout.video_len, r.context_len, head_dim, budget, device)
-            context_tiles[r.source], context_bytes = (h, rows), max(context_bytes, peak)
+        context_tiles, context_bytes = plan_context_tiles(context, heads_of, model.sources, head_dim, budget, device)
         return tiles, context_tiles, context_bytes
 
     try:
@@ -416,4 +403,5 @@ def plan_capture(
         waiting,
         budget,
         torch.device(device).type,
+        heads_of,
     )

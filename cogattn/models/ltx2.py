@@ -3,9 +3,11 @@
 Each LTX-2 block runs six attentions (``cogattn.models._ltx2_attention``): the video's self-attention (``attn1``) and
 cross-attention to its text (``attn2``), which a recording captures as LTX-Video's (the self-attention kinds with no
 text in the sequence, and ``video_to_text`` with the text's key bias added as the model adds it), and the audio
-stream's four (its self-attention, its text cross-attention, and the audio ↔ video cross-attentions), which run
-stock: their kinds and the layout's audio axis are the next step. The per-head output gates act after P·V, so the
-maps are the softmax's.
+stream's four, each its own kind: ``audio`` (its self-attention), ``audio_to_text`` (its text cross-attention, under
+the same bias), ``frame_audio`` (video queries over audio keys, per latent frame) and ``audio_frame`` (audio queries
+over video keys, per latent frame), all with the audio heads; a block's layer is named by its ``attn1``. The audio
+axis is ``TokenLayout.audio`` (one token per latent bin, 25 a second). The per-head output gates act after P·V, so
+the maps are the softmax's.
 
 The video sequence is the packed latents, one token per latent pixel (patch size 1), its grid from the call's
 ``num_frames``, ``height`` and ``width`` (latent sizes); the VAE compresses 32 × 32 pixels and 8 frames after the
@@ -17,8 +19,11 @@ for the conditional items: those perturb the model and are left out (:func:`extr
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ..audio import AudioAxis
 from ..layout import TokenLayout
 from .prompt_text import PromptText, kept, tokenize
 from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
@@ -51,6 +56,7 @@ except ImportError as missing:
 __all__ = ["SPEC", "KNOWN", "TEXT_LEN", "extra_call", "layout_for_video", "read_call"]
 
 TEXT_LEN = 1024  # text tokens of the pipelines' calls (max_sequence_length)
+FPS = 24.0  # the pipelines' default frame_rate
 
 
 def _vae_factors(config) -> tuple[int, int]:
@@ -59,10 +65,34 @@ def _vae_factors(config) -> tuple[int, int]:
     return int(factors[0]), int(factors[1])
 
 
+def audio_axis(config, tokens: int, fps: float) -> AudioAxis:
+    """The audio axis of ``tokens`` latent bins of a transformer with ``config`` in a call at ``fps``: bins per second
+    and mel frames per bin from its audio sampling rate, hop and scale factor (25 and 4 in every release)."""
+    factor = int(config.get("audio_scale_factor", 4))
+    rate = config.get("audio_sampling_rate", 16000) / config.get("audio_hop_length", 160) / factor
+    return AudioAxis(int(tokens), float(rate), factor, float(fps))
+
+
+def _audio_of_call(config, args: tuple, kwargs: dict) -> AudioAxis:
+    """The call's audio axis: ``audio_hidden_states`` ``(B, A, C)`` and ``fps``; its ``audio_coords``, where given,
+    must be the axis' seconds (a shifted window's are not)."""
+    audio = call_argument(args, kwargs, 1, "audio_hidden_states")
+    fps = call_argument(args, kwargs, 13, "fps")
+    axis = audio_axis(config, audio.shape[1], 24.0 if fps is None else fps)
+    coords = call_argument(args, kwargs, 16, "audio_coords")
+    if coords is not None and not torch.allclose(coords[0, 0].double().cpu(), axis.seconds(), atol=1e-5):
+        raise ValueError(
+            "this LTX-2 call's audio_coords are not the audio bins' seconds from 0 (25 a second, each shifted one mel "
+            "frame); cogattn records calls whose audio starts at 0, as the pipelines make them."
+        )
+    return axis
+
+
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``LTX2VideoTransformer3DModel`` call: packed video latents
     ``(B, S, C)``, the grid from ``num_frames``, ``height`` and ``width`` (latent sizes), the text of the video's
-    cross-attention ``encoder_hidden_states`` ``(B, T, C)``; image-to-video's timestep per token: its largest."""
+    cross-attention ``encoder_hidden_states`` ``(B, T, C)``, the audio axis from ``audio_hidden_states`` ``(B, A, C)``
+    and ``fps``; image-to-video's timestep per token: its largest."""
     hidden = call_argument(args, kwargs, 0, "hidden_states")
     text = call_argument(args, kwargs, 2, "encoder_hidden_states")
     t = call_argument(args, kwargs, 4, "timestep")
@@ -92,16 +122,20 @@ def read_call(config, args: tuple, kwargs: dict):
         patch_size_t=p_t if p_t > 1 else None,
         context_len=int(text.shape[1]),
         temporal_compression=_vae_factors(config)[0],
+        audio=_audio_of_call(config, args, kwargs),
     )
     return layout, hidden.shape[0], t, hidden.device
 
 
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
-    """The layout of an LTX-2 pipeline call: ``(num_frames − 1) // 8 + 1`` latent frames of ``height / 32`` ×
-    ``width / 32`` latent pixels, and ``text_len`` (1024) text tokens in the cross-attention."""
+    """The layout of an LTX-2 pipeline call at its default 24 frames a second: ``(num_frames − 1) // 8 + 1`` latent
+    frames of ``height / 32`` × ``width / 32`` latent pixels, ``text_len`` (1024) text tokens in the cross-attentions,
+    and ``round(num_frames / 24 · 25)`` audio bins (the pipeline's count)."""
     p, p_t = int(config.get("patch_size", 1)), int(config.get("patch_size_t", 1))
     temporal, spatial = _vae_factors(config)
-    return TokenLayout.for_video(
+    rate = audio_axis(config, 1, FPS).rate
+    audio = audio_axis(config, round(int(num_frames) / FPS * rate), FPS)
+    layout = TokenLayout.for_video(
         num_frames,
         height,
         width,
@@ -112,6 +146,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         context_len=text_len or TEXT_LEN,
         temporal_compression=temporal,
     )
+    return dataclasses.replace(layout, audio=audio)
 
 
 def extra_call(args: tuple, kwargs: dict) -> str | None:
@@ -144,17 +179,19 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
     return kept(enc, PromptText([], prompt, (0, len(prompt))), keep)
 
 
-# the audio stream's attentions, not recorded yet (a layer is named by its video self-attention)
-_AUDIO = {
-    "audio_attn1": "audio self-attention",
-    "audio_attn2": "audio cross-attention to the text",
-    "audio_to_video_attn": "cross-attention from the video to the audio",
-    "video_to_audio_attn": "cross-attention from the audio to the video",
-}
-_COMING = (
-    "the audio attentions are not recorded yet (their kinds audio, audio_to_text, frame_audio and audio_frame "
-    "come next); name the block by its video self-attention, transformer_blocks.<i>.attn1."
+# the audio stream's attentions: source, block attribute, what it is, its kind (a layer is named by its attn1)
+_AUDIO = (
+    ("audio", "audio_attn1", "audio self-attention", "audio"),
+    ("audio_text", "audio_attn2", "audio cross-attention to the text", "audio_to_text"),
+    ("a2v", "audio_to_video_attn", "cross-attention of the video queries to the audio", "frame_audio"),
+    ("v2a", "video_to_audio_attn", "cross-attention of the audio queries to the video", "audio_frame"),
 )
+
+
+def _audio_shapes(config) -> dict[str, tuple[int, int]]:
+    """The audio attentions' ``(heads, head dim)``: the audio stream's (the cross-modal ones' too)."""
+    shape = int(config["audio_num_attention_heads"]), int(config["audio_attention_head_dim"])
+    return dict.fromkeys((source for source, *_ in _AUDIO), shape)
 
 
 def _guidance(pipeline) -> bool | None:
@@ -168,7 +205,7 @@ def _guidance(pipeline) -> bool | None:
 SPEC = ModelSpec(
     "ltx2",
     (LTX2VideoTransformer3DModel,),
-    (Site("transformer_blocks", "attn1", context="attn2"),),
+    (Site("transformer_blocks", "attn1", context="attn2", others=tuple((s, attr) for s, attr, *_ in _AUDIO)),),
     {stock: ours for stock, ours in PROCESSORS.items()},
     read_call,
     layout_for_video,
@@ -178,7 +215,7 @@ SPEC = ModelSpec(
     tiny_tasks=("text-to-video", "image-to-video"),
     known=KNOWN,
     text_len=TEXT_LEN,
-    context_kinds={"video_to_text": "text"},
+    context_kinds={"video_to_text": "text", **{kind: source for source, _, _, kind in _AUDIO}},
     refused={
         "text_to_video": text_never_queries("LTX-2"),
         "video_to_image": "LTX-2 has no image attention: an image to animate is the video's first latent frame.",
@@ -189,5 +226,9 @@ SPEC = ModelSpec(
     pipelines={"text-to-video": "LTX2Pipeline", "image-to-video": "LTX2ImageToVideoPipeline"},
     extra_call=extra_call,
     prompt_text=prompt_text,
-    uncaptured={attr: f"{what}, which runs stock: {_COMING}" for attr, what in _AUDIO.items()},
+    uncaptured={
+        attr: f"{what}, no layer of its own: its maps are kind {kind!r} of the block's layer, transformer_blocks.<i>.attn1"
+        for _, attr, what, kind in _AUDIO
+    },
+    source_shapes=_audio_shapes,
 )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..exact.reducers import REDUCERS  # every kind is registered once cogattn is imported
+from ..exact.reducers.audio import AUDIO_KINDS
 
 __all__ = ["ModelSpec", "Site", "StepTime", "Unavailable", "call_argument", "text_never_queries"]
 
@@ -90,12 +91,15 @@ class Site:
         context (`str | None`): attribute of a block holding its cross-attention to the text, if any (Wan).
         count_key (`str`): the transformer config's key holding the number of these blocks (or a list of
             one entry per block: Wan VACE's ``vace_layers``).
+        others (`tuple[tuple[str, str], ...]`): ``(source, attribute)`` of a block's other captured attentions, each
+            its processor told its source (LTX-2's audio stream: ``("audio", "audio_attn1")``, ...).
     """
 
     blocks: str
     attention: str
     context: str | None = None
     count_key: str = "num_layers"
+    others: tuple[tuple[str, str], ...] = ()
 
     def count(self, config: dict) -> int:
         """The number of these blocks in a transformer with ``config``."""
@@ -128,7 +132,8 @@ class ModelSpec:
         known (`dict[str, dict]`): the released checkpoints' transformer configs (the attention shapes),
             for plans made offline.
         text_len (`int`): the text tokens of a pipeline call (its ``max_sequence_length`` default).
-        context_kinds (`dict[str, str]`): kinds made by the cross-attention → ``"text"`` or ``"image"``.
+        context_kinds (`dict[str, str]`): kinds made by an attention other than the self-attention → its source
+            (``"text"``, ``"image"``, or a ``Site.others`` source); a family without ``"audio"`` refuses the audio kinds.
         refused (`dict[str, str]`): kinds the family has no attention for → why.
         experts (`tuple[str, ...]`): pipeline attributes holding transformers that take turns by step.
         guidance_calls (`int`): transformer calls per step under classifier-free guidance (1: the batch
@@ -144,21 +149,18 @@ class ModelSpec:
         pipelines (`dict[str, str]`): task → the diffusers pipeline class the batch tool loads a checkpoint
             with (:meth:`load_pipeline`; other tasks are refused); left out: diffusers' names,
             ``<title>Pipeline`` and ``<title>ImageToVideoPipeline``, for the ``tiny_tasks``.
-        float32 (`tuple[str, ...]`): pipeline components :meth:`load_pipeline` keeps in float32 whatever the
-            dtype (Wan's VAE and image encoder, as its model cards load them).
+        float32 (`tuple[str, ...]`): pipeline components :meth:`load_pipeline` keeps in float32 (Wan's VAE).
         call_rules (`Callable | None`): ``(cfg, config)`` → raises `ValueError` (one line for the user) where a
             batch tool config ``cfg`` (``cogattn.dump.config.DumpConfig``) breaks a rule of the family's
             pipeline call for a transformer with ``config``, beyond the common ones (4k + 1 frames, pixels in
             whole patches, the tasks of ``pipelines``, ``guidance_scale_2`` for two experts only).
-        tiny_name (`str`): the batch tool's ``model:`` name of the tiny pipeline; left out:
-            ``"tiny-<family>"``, ``_`` written ``-`` (``"tiny-hunyuan-video"``).
+        tiny_name (`str`): the batch tool's ``model:`` name of the tiny pipeline; left out: ``"tiny-<family>"``.
         tiny_options (`dict[str, tuple[str, tuple, str]]`): batch tool config keys of the tiny pipeline →
             ``(its tiny_pipeline keyword, the choices, the first the default, what it sets)``; a keyword
             ``experts`` sets the number of expert transformers.
         tiny_prompt_arguments (`dict`): pipeline call arguments the tiny pipeline needs with a text prompt
             (HunyuanVideo: a prompt template the tiny word-level tokenizer reads as it is).
-        empty_negative (`bool`): whether its pipeline needs a negative prompt under guidance (EasyAnimate's
-            reads it unguarded): the batch tool then passes the empty one where a prompt has none.
+        empty_negative (`bool`): whether the batch tool passes an empty negative prompt under guidance (EasyAnimate).
         prompt_text (`Callable | None`): ``(pipeline, prompt, length, template, offsets)`` → the
             `cogattn.models.prompt_text.PromptText` of the ``length`` text tokens the transformer reads for ``prompt``, as
             the family's pipeline makes them (its template and crop; ``template`` is the call's
@@ -167,20 +169,20 @@ class ModelSpec:
         batch_refusal (`str | Callable`): why the batch tool plans (``--dry-run``) but does not run the family's
             checkpoints (Wan Animate: its call needs videos a prompts file does not give), or ``config`` → why for
             a checkpoint with that transformer config (Cosmos: the 2.5 ones alone); empty: it runs them.
-        window (`Callable | None`): ``pipeline`` → ``(index, count)`` of the window running in its call, where
-            the pipeline makes a long video in windows, each a denoising loop of its own (SkyReels-V2's
-            diffusion forcing); `None` outside such a call.
-        call_windows (`Callable | None`): ``num_frames`` → the windows a pipeline call for that many frames makes,
-            each a denoising loop of ``num_inference_steps`` on the same grid (Helios's chunks), for plans made
-            offline (``estimate`` counts their steps); left out: one.
+        window (`Callable | None`): ``pipeline`` → ``(index, count)`` of the window running in its call, where the
+            pipeline makes a long video in windows, each a denoising loop (SkyReels-V2); `None` outside such a call.
+        call_windows (`Callable | None`): ``num_frames`` → the windows (denoising loops on one grid) a pipeline call
+            makes (Helios's chunks), for plans made offline; left out: one.
         extra_call (`Callable | None`): ``(args, kwargs)`` of a transformer call → what perturbs the model in it
             (LTX-2's spatio-temporal guidance and modality-isolation calls, made after each step's guidance call), or
             `None` for a call of the model itself; a perturbed call is left out, as a guider's.
-        uncaptured (`dict[str, str]`): block attributes of attentions the family does not record (yet) → what each
-            is and why, for the refusal of a layer name that names one (LTX-2's audio attentions).
+        uncaptured (`dict[str, str]`): block attributes of attentions that name no layer → what each is, for the
+            refusal of a layer name that names one (LTX-2's audio attentions, recorded under the block's layer).
         head_shape (`Callable | None`): ``config`` → ``(heads, head dim)`` of the captured attention, where the
             transformer's config names them otherwise (Kandinsky 5: ``model_dim`` and ``axes_dims``); left out:
             its ``num_attention_heads`` and ``attention_head_dim``, and a module's ``heads`` and ``inner_dim``.
+        source_shapes (`Callable | None`): ``config`` → source → ``(heads, head dim)`` of the attentions whose heads
+            are not the self-attention's (LTX-2's audio stream); left out: none.
         glyph_text (`Callable | None`): ``(pipeline, prompt, length, offsets)`` → the `PromptText` of the ``length``
             tokens of a second encoder that the model packs as the text's ``glyph`` part (HunyuanVideo 1.5: the
             ByT5 bytes of the prompt's quoted words, named by ``pipeline.tokenizer_2``); `None`: no such part.
@@ -226,6 +228,7 @@ class ModelSpec:
     extra_call: Callable | None = None
     uncaptured: dict[str, str] = field(default_factory=dict)
     head_shape: Callable | None = None
+    source_shapes: Callable | None = None
     glyph_text: Callable | None = None
     text_spans: Callable | None = None
 
@@ -238,6 +241,9 @@ class ModelSpec:
             named = {"text-to-video": "Pipeline", "image-to-video": "ImageToVideoPipeline"}
             pipelines = {task: self.title + named[task] for task in self.tiny_tasks if task in named}
             object.__setattr__(self, "pipelines", pipelines)
+        if "audio" not in self.context_kinds.values():  # one line for every family without an audio stream
+            no_audio = dict.fromkeys(AUDIO_KINDS, f"{self.title} has no audio stream (the audio kinds are LTX-2's).")
+            object.__setattr__(self, "refused", {**no_audio, **self.refused})
 
     def guidance_on(self, pipeline) -> bool | None:
         """Whether classifier-free guidance is on in ``pipeline``'s running call; `None` without a pipeline."""
@@ -270,21 +276,22 @@ class ModelSpec:
 
     def matches_config(self, config: dict) -> bool:
         """Whether a transformer config is this family's (its ``_class_name``, else keys only it has)."""
-        name = config.get("_class_name")
-        if name is not None:
+        if (name := config.get("_class_name")) is not None:
             return name in {cls.__name__ for cls in self.transformers}
         return any(key in config for key in self.config_keys)
 
     def kinds(self, source: str | None = None) -> tuple[str, ...]:
-        """The kinds this family makes (of one ``source``: ``"self"``, ``"text"``, ``"image"``), in
-        ``cogattn.KINDS`` order."""
-
+        """The kinds this family makes (of one ``source``: ``"self"``, ``"text"``, ...), in ``cogattn.KINDS`` order."""
         made = [k for k in REDUCERS if k not in self.refused]
         return tuple(k for k in made if source is None or self.source(k) == source)
 
     def source(self, kind: str) -> str:
-        """Which attention makes ``kind``: ``"self"``, or the cross-attention's ``"text"`` / ``"image"``."""
+        """Which attention makes ``kind``: ``"self"``, or another's source (``"text"``, ``"image"``, ``"audio"``)."""
         return self.context_kinds.get(kind, "self")
+
+    def shapes(self, config: dict) -> dict[str, tuple[int, int]]:
+        """Source → ``(heads, head dim)`` of the attentions whose heads are not the self-attention's."""
+        return {} if self.source_shapes is None else dict(self.source_shapes(config))
 
     def check_kinds(self, kinds) -> None:
         """Raise `ValueError` for a kind this family has no attention for."""
@@ -301,8 +308,7 @@ class ModelSpec:
         return sum(site.count(config) for site in self.sites)
 
     def check_options(self, options) -> None:
-        """Raise `ValueError` for options the family cannot serve (an output call it cannot make, a layer name of an
-        attention it does not record)."""
+        """Raise `ValueError` for options the family cannot serve (an output call it cannot make, a bad layer name)."""
         for name in options.layers if isinstance(options.layers, tuple) else ():
             blocks, _, attr = name.rpartition(".") if isinstance(name, str) else ("", "", "")
             if attr in self.uncaptured and any(blocks.rpartition(".")[0] == site.blocks for site in self.sites):
@@ -333,29 +339,35 @@ class ModelSpec:
         return [attn for _, attn, _ in self.layers(transformer)]
 
     def roles(self, transformer) -> dict[int, tuple[int, str]]:
-        """``id(module)`` → ``(layer, "self" or "context")`` for every attention module captured."""
-        out = {}
-        for i, (_, attn, context) in enumerate(self.layers(transformer)):
-            out[id(attn)] = (i, "self")
-            if context is not None:
-                out[id(context)] = (i, "context")
+        """``id(module)`` → ``(layer, "self" or "context")`` for every attention module captured (a site's
+        ``others`` are ``"context"``: each hands its maps on with its source)."""
+        out, layer = {}, 0
+        for site in self.sites:
+            for block in getattr(transformer, site.blocks, None) or ():
+                out[id(getattr(block, site.attention))] = (layer, "self")
+                for attr in [site.context] * bool(site.context) + [a for _, a in site.others]:
+                    out[id(getattr(block, attr))] = (layer, "context")
+                layer += 1
         return out
 
-    def site_modules(self, transformer) -> dict[str, object]:
-        """Every captured attention module (self- and cross-attention) by its path in the transformer."""
+    def site_modules(self, transformer, sources: bool = False) -> dict[str, object]:
+        """Every captured attention module (self- and cross-attention, ``others``) by its path in the transformer;
+        with ``sources``: ``(module, source)``, the source `None` but for a site's ``others``."""
         out = {}
         for site in self.sites:
+            attrs = [(None, site.attention), (None, site.context), *site.others]
             for i, block in enumerate(getattr(transformer, site.blocks, None) or ()):
-                for attr in (site.attention, site.context):
+                for source, attr in attrs:
                     if attr is not None:
-                        out[f"{site.blocks}.{i}.{attr}"] = getattr(block, attr)
+                        module = getattr(block, attr)
+                        out[f"{site.blocks}.{i}.{attr}"] = (module, source) if sources else module
         return out
 
     def map_processors(self, transformer, sink) -> dict[str, object]:
         """cogattn processors feeding ``sink`` for every captured attention module, by its path; refuses
         processors that are not stock."""
         replacement = {}
-        for name, module in self.site_modules(transformer).items():
+        for name, (module, source) in self.site_modules(transformer, sources=True).items():
             proc = module.processor
             if isinstance(proc, tuple(self.processors.values())):
                 raise ValueError(f"{name} already runs a cogattn processor; close the other recording first.")
@@ -365,7 +377,7 @@ class ModelSpec:
                     f"{name} runs a {type(proc).__name__}; cogattn captures through the stock {' or '.join(stock)}. "
                     f"Reset with `transformer.set_attn_processor({stock[0]}())`."
                 )
-            replacement[name] = self.processors[type(proc)](sink)
+            replacement[name] = self.processors[type(proc)](*(sink, source)[: 1 + (source is not None)])
             for attr in ("_attention_backend", "_parallel_config"):  # set_attention_backend(...) and the like
                 if hasattr(proc, attr):
                     setattr(replacement[name], attr, getattr(proc, attr))
@@ -382,10 +394,8 @@ class ModelSpec:
         (``pipelines``) or, with ``tiny``, its tiny pipeline (``tiny_tasks``)."""
         tasks = self.tiny_tasks if tiny else tuple(self.pipelines)
         if not tasks:
-            raise ValueError(
-                f"the batch tool does not load {self.title} checkpoints yet (the family names no pipeline class); "
-                f"try its tiny pipeline, model: {self.tiny_name}."
-            )
+            no = f"the batch tool does not load {self.title} checkpoints yet (the family names no pipeline class)"
+            raise ValueError(f"{no}; try its tiny pipeline, model: {self.tiny_name}.")
         if task not in tasks:
             which = f"{self.tiny_name} (the tiny {self.title} pipeline)" if tiny else f"{self.title} checkpoints"
             raise ValueError(f"task: {task!r}; the batch tool runs {which} for {' or '.join(tasks)} only.")

@@ -240,21 +240,21 @@ class Capture:
     def capture_context(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str, bias: torch.Tensor | None = None
     ) -> None:
-        """Compute the cross-attention kinds of ``context`` (``"text"`` or ``"image"``) for ``layer`` from
-        the video queries ``query`` ``(B, H, V, D)`` (the grid's, or every video token's: the history's, off the
-        grid, are left out) and the context keys ``key`` ``(B, H, C, D)``, with the
-        key mask ``bias`` ``(B, C)`` added to the scores (:func:`cogattn.recorder.processor.context_bias`)."""
+        """Compute the kinds of the attention ``context`` (a cross-attention's ``"text"`` or ``"image"``, an audio
+        stream's ``"audio"``, ``"audio_text"``, ``"a2v"``, ``"v2a"``) for ``layer`` from its queries ``query``
+        ``(B, H, Q, D)`` (video queries: the grid's, or every video token's: the history's, off the grid, are left
+        out) and keys ``key`` ``(B, H, C, D)``, with the key mask ``bias`` ``(B, C)`` added to the scores
+        (:func:`cogattn.recorder.processor.context_bias`)."""
         reducers = [r for r in self.plan.context if r.source == context]
         if not reducers:
             return
-        layout, res = self.plan.layout, self.plan.resolved
-        grid = layout.video_len - layout.history_len
-        if layout.history_len and query.shape[2] == layout.video_len:  # history queries: no (f, y, x), left out
+        layout, res, red = self.plan.layout, self.plan.resolved, reducers[0]
+        if red.video_queries and layout.history_len and query.shape[2] == layout.video_len:  # no (f, y, x)
             query = query[:, :, layout.history_len :]
-        if query.shape[2] != grid or key.shape[2] != reducers[0].context_len:
+        if query.shape[2] != red.query_len or key.shape[2] != red.context_len:
             raise RuntimeError(
-                f"the cross-attention has {query.shape[2]} queries and {key.shape[2]} {context} keys, but the "
-                f"layout {layout} of this generation says {grid} and {reducers[0].context_len}; the "
+                f"the {context} attention has {query.shape[2]} queries and {key.shape[2]} keys, but the "
+                f"layout {layout} of this generation says {red.query_len} and {red.context_len}; the "
                 f"{context} kinds need the same {context} length in every call (prompt_embeds and "
                 "negative_prompt_embeds of one length)."
             )
@@ -263,7 +263,8 @@ class Capture:
         if (whole := self._whole(query.shape[0])) is None:
             return
         items, slots = whole
-        heads = None if res.heads == tuple(range(query.shape[1])) else torch.tensor(res.heads, device=query.device)
+        chosen = self.plan.context_heads.get(context, res.heads)
+        heads = None if chosen == tuple(range(query.shape[1])) else torch.tensor(chosen, device=query.device)
         outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[context], bias)
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "context")

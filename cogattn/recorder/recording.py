@@ -9,7 +9,6 @@ the processors hand it q and k of the captured layer calls (:class:`cogattn.reco
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 import weakref
 
@@ -22,6 +21,7 @@ from ..exact.checks import SpotCheck
 from ..exact.planner import CapturePlan, ModelShape, plan_capture
 from ..layout import TokenLayout
 from ..options import CaptureOptions
+from ..runs.run_values import layout_json
 from ..runs.skips import Skips, cache_in_use
 from ..runs.store import MemoryStore, RunWriter, StoreError
 from ..version import __version__
@@ -58,7 +58,8 @@ class Recording:
         self._spec.check_options(self.options)
         modules = self._spec.attention_modules(self.transformer)
         heads, head_dim = self._spec.module_shape(self.transformer)
-        self._shape = ModelShape(len(modules), heads, head_dim, self.transformer.dtype)
+        config = self.transformer.config
+        self._shape = ModelShape(len(modules), heads, head_dim, self.transformer.dtype, self._spec.shapes(config))
         self.layer_names = self._spec.layer_names(self.transformer)
         self.options.check_model(len(modules), heads, self.layer_names)
         self._sources = {k: self._spec.source(k) for k in self.options.kinds}
@@ -240,7 +241,7 @@ class Recording:
             "status": self._status,
             "complete": self._status == "finished",
             "steps": len(self.timesteps),
-            "layout": None if self.layout is None else dataclasses.asdict(self.layout),
+            "layout": layout_json(self.layout),
             "timesteps": self.timesteps,
             "windows": self.windows,
             "selection": {

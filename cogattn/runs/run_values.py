@@ -1,7 +1,8 @@
 """The values of a run folder's files, checked before a reader uses them: a run folder may come from anyone.
 
 :func:`checked_layout` builds run.json's ``layout`` field by field (whole numbers, positive where a size, the
-text's position, no unknown field), refusing a bad one with a `StoreError` that names run.json and the field;
+text's position, no unknown field, an audio axis' counts and rates), refusing a bad one with a `StoreError` that
+names run.json and the field (:func:`layout_json` writes it: no ``audio`` for a model without an audio stream);
 :func:`line_problem` says why a manifest line's numbers or file cannot be a record (a step or layer out of
 range, a negative shape, a file outside the run folder), so :class:`cogattn.runs.run.Run` skips that line as it
 skips other damaged ones; :func:`checked_call_stats` reads run.json's per-call statistics (Kandinsky 5's
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..audio import AudioAxis
 from ..errors import StoreError
 from ..layout import TokenLayout
 
@@ -28,6 +30,7 @@ __all__ = [
     "checked_layout",
     "checked_text_spans",
     "checked_windows",
+    "layout_json",
     "line_problem",
 ]
 
@@ -63,20 +66,45 @@ def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
         elif name == "causal_vae":
             if type(value) is not bool:
                 raise refuse(f"layout.causal_vae = {shown}; it is true or false")
-        elif name == "text_parts":
-            continue  # checked whole below, once text_len is known
+        elif name in ("text_parts", "audio"):
+            continue  # checked whole below
         elif not (type(value) is int and value >= _MIN[name]) and not (name == "patch_size_t" and value is None):
             raise refuse(f"layout.{name} = {shown}; it is a whole number, {_MIN[name]} or more")
     for name in ("text_len", "frames", "height", "width"):
         if name not in lay:
             raise refuse(f"layout.{name} is missing")
     lay = {**lay, "text_parts": _checked_parts(lay.get("text_parts", []), lay["text_len"], refuse)}
+    lay["audio"] = _checked_audio(lay.get("audio"), refuse)
     layout = TokenLayout(**lay)
     if layout.text_len and layout.image_len > layout.text_len:
         raise refuse(f"layout.image_len = {layout.image_len} is more than layout.text_len = {layout.text_len}")
     if layout.seq_len > MAX_TOKENS:
         raise refuse(f"layout.frames × height × width = {layout.seq_len - layout.text_len} tokens, over {MAX_TOKENS}")
     return layout
+
+
+def layout_json(layout: TokenLayout | None) -> dict | None:
+    """run.json's ``layout`` of ``layout``: its fields, ``audio`` only where the model has an audio stream."""
+    if layout is None:
+        return None
+    out = dataclasses.asdict(layout)
+    return out if out["audio"] is not None else {k: v for k, v in out.items() if k != "audio"}
+
+
+def _checked_audio(audio, refuse) -> AudioAxis | None:
+    """run.json's ``layout.audio``: `None`, or ``{"tokens", "rate", "compression", "fps"}``, counts whole and positive
+    (tokens at most :data:`MAX_TOKENS`), rates finite and positive."""
+    if audio is None:
+        return None
+    if not isinstance(audio, dict) or set(audio) - {"tokens", "rate", "compression", "fps"} or "tokens" not in audio:
+        raise refuse(f"layout.audio = {repr(audio)[:80]}; it is an object of tokens, rate, compression and fps")
+    for name, value in audio.items():
+        whole = name in ("tokens", "compression")
+        ok = type(value) is int if whole else type(value) in (int, float) and math.isfinite(value)
+        if not ok or not 0 < value <= (MAX_TOKENS if name == "tokens" else 1e6):
+            kind = "a whole number" if whole else "a finite number"
+            raise refuse(f"layout.audio.{name} = {repr(value)[:60]}; it is {kind}, above 0 and at most the axis' limit")
+    return AudioAxis(**{k: v if k in ("tokens", "compression") else float(v) for k, v in audio.items()})
 
 
 def _checked_parts(parts, text_len: int, refuse) -> tuple[tuple[str, int], ...]:
