@@ -17,6 +17,7 @@ from .errors import NotRecordedError, StoreError
 from .estimate import Estimate, estimate
 from .exact.context import VideoToImageReducer  # noqa: F401  (registers the video_to_image kind)
 from .exact.reducers import REDUCERS
+from .audio import AudioAxis
 from .layout import TokenLayout
 from .models import wan as _wan
 from .models.cogvideox import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor
@@ -29,6 +30,7 @@ KINDS = tuple(REDUCERS)  # every kind; a family refuses those it has no attentio
 WanAttnMapProcessor = None if _wan is None else _wan.WanAttnMapProcessor  # None: diffusers < 0.35
 
 __all__ = [
+    "AudioAxis",
     "KINDS",
     "CaptureOptions",
     "CogVideoXAttnMapProcessor",

@@ -140,10 +140,12 @@ def estimate(
     spec.check_kinds(options.kinds)
     spec.check_options(options)
     (num_heads, head_dim), num_layers = spec.attention_shape(cfg), spec.num_layers(cfg)
-    options.check_model(num_layers, num_heads, spec.layer_names_for_config(cfg))
+    model = ModelShape(num_layers, num_heads, head_dim, dtype, spec.shapes(cfg))
+    options.check_model(
+        num_layers, model.fewest_heads(options.kinds, spec.context_kinds), spec.layer_names_for_config(cfg)
+    )
     layout = spec.layout_for_video(cfg, num_frames, height, width, text_len)
     guidance = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}[spec.guidance_argument] > 1
-    model = ModelShape(num_layers, num_heads, head_dim, dtype, spec.shapes(cfg))
     # a call made in windows (Helios's chunks) runs the loop once per window, its steps numbered on
     num_steps = num_inference_steps * (spec.call_windows(num_frames) if spec.call_windows else 1)
     plan = plan_capture(

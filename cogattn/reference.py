@@ -16,7 +16,16 @@ from .exact.checks import error_units  # the units of the documented bounds: the
 
 TOP_P_MARGIN = 1e-6  # how near p a row's float32 cumulative mass may come and still count as either side
 
-__all__ = ["kind_error", "naive_context", "naive_kind", "naive_lse", "naive_pattern", "naive_probs", "select"]
+__all__ = [
+    "kind_error",
+    "naive_audio",
+    "naive_context",
+    "naive_kind",
+    "naive_lse",
+    "naive_pattern",
+    "naive_probs",
+    "select",
+]
 
 
 def _scores(q, k, scale, key_mask):
@@ -196,6 +205,24 @@ def naive_context(P: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
     (video queries, context keys): ``(B, H, C, F, Hp, Wp)``."""
     B, H, _, C = P.shape
     return P.permute(0, 1, 3, 2).reshape(B, H, C, *grid)
+
+
+def naive_audio(P: torch.Tensor, kind: str, grid: tuple[int, int, int]) -> torch.Tensor:
+    """An audio kind from its attention's probabilities ``P`` ``(B, H, Q, K)``: ``audio`` (audio queries and keys)
+    as it is; ``audio_to_text`` (audio queries, text keys) transposed, ``(B, H, T, A)``; ``frame_audio`` (video
+    queries, audio keys) each latent frame's rows averaged, ``(B, H, F, A)``; ``audio_frame`` (audio queries, video
+    keys) each latent frame's columns summed, ``(B, H, A, F)``. ``grid``: the video's ``(F, Hp, Wp)``."""
+    B, H, Q, K = P.shape
+    F = grid[0]
+    if kind == "audio":
+        return P
+    if kind == "audio_to_text":
+        return P.transpose(-1, -2)
+    if kind == "frame_audio":
+        return torch.stack([P[:, :, f * Q // F : (f + 1) * Q // F].mean(2) for f in range(F)], 2)
+    if kind == "audio_frame":
+        return torch.stack([P[..., f * K // F : (f + 1) * K // F].sum(-1) for f in range(F)], -1)
+    raise ValueError(f"kind {kind!r} is not an audio kind")
 
 
 def select(x: torch.Tensor, batch, heads) -> torch.Tensor:

@@ -337,6 +337,7 @@ def test_a_call_is_read_as_the_video_grid_alone_and_the_perturbed_calls_are_name
 
     config = {"patch_size": 1, "patch_size_t": 1, "vae_scale_factors": [8, 32, 32]}
     call = dict(hidden_states=torch.zeros(2, 24, 4), encoder_hidden_states=torch.zeros(2, 8, 16))
+    call["audio_hidden_states"] = torch.zeros(2, 18, 4)  # round(17 / 24 · 25) bins, as the pipeline makes them
     call.update(timestep=torch.tensor([900.0, 900.0]), num_frames=3, height=2, width=4)
     layout, batch, t, _ = family.read_call(config, (), call)
     assert (layout.grid, layout.text_len, layout.context_len, layout.temporal_compression) == ((3, 2, 4), 0, 8, 8)
@@ -352,14 +353,14 @@ def test_a_call_is_read_as_the_video_grid_alone_and_the_perturbed_calls_are_name
     assert family.extra_call((), dict(spatio_temporal_guidance_blocks=None, isolate_modalities=False)) is None
 
 
-def test_a_layer_name_of_an_audio_attention_is_refused_saying_what_comes(pipes):
+def test_a_layer_name_of_an_audio_attention_is_refused_naming_its_kind_and_layer(pipes):
     import cogattn
 
     pipe = pipes()
-    with pytest.raises(ValueError, match="'transformer_blocks.1.audio_attn1' is LTX-2's audio self-attention, which "
-                       "runs stock: the audio attentions are not recorded yet .* frame_audio and audio_frame"):  # fmt: skip
+    with pytest.raises(ValueError, match="'transformer_blocks.1.audio_attn1' is LTX-2's audio self-attention, no layer "
+                       "of its own: its maps are kind 'audio' of the block's layer, transformer_blocks.<i>.attn1"):  # fmt: skip
         cogattn.Recording(pipe, kinds=("entropy",), layers=["transformer_blocks.1.audio_attn1"])
-    with pytest.raises(ValueError, match="cross-attention from the audio to the video"):
+    with pytest.raises(ValueError, match="cross-attention of the audio queries to the video.*'audio_frame'"):
         cogattn.estimate("Lightricks/LTX-2", num_frames=121, height=512, width=768, num_inference_steps=30,
                          kinds=("entropy",), layers=["transformer_blocks.0.video_to_audio_attn"])  # fmt: skip
     rec = cogattn.Recording(pipe, kinds=("entropy",), layers=["transformer_blocks.1.attn1"])

@@ -239,6 +239,8 @@ def head_positions(head_ids: Sequence[int] | None, num_slots: int, heads: str | 
             "heads; use heads='mean', or record with heads='all' (or a list) for single heads."
         )
     ids = list(head_ids)
+    if len(ids) != num_slots:  # heads="all" of an attention with heads of its own (LTX-2's audio): all of them
+        ids = list(range(num_slots))
     positions = []
     for h in [heads] if isinstance(heads, int) else list(heads):
         if h not in ids:

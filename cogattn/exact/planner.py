@@ -323,6 +323,11 @@ class ModelShape:
     dtype: torch.dtype
     sources: dict = field(default_factory=dict)
 
+    def fewest_heads(self, kinds, sources: dict[str, str]) -> int:
+        """The fewest heads among the attentions making ``kinds`` (``sources``: kind → its attention's source, for
+        those not of the self-attention): a ``heads`` list selects heads of each."""
+        return min(self.sources.get(sources.get(k, "self"), (self.num_heads,))[0] for k in kinds)
+
 
 def plan_capture(
     options: CaptureOptions,

@@ -77,6 +77,8 @@ def _audio_of_call(config, args: tuple, kwargs: dict) -> AudioAxis:
     """The call's audio axis: ``audio_hidden_states`` ``(B, A, C)`` and ``fps``; its ``audio_coords``, where given,
     must be the axis' seconds (a shifted window's are not)."""
     audio = call_argument(args, kwargs, 1, "audio_hidden_states")
+    if audio is None:
+        raise ValueError("cogattn reads LTX-2's audio bins from the call's audio_hidden_states (B, A, C); pass them.")
     fps = call_argument(args, kwargs, 13, "fps")
     axis = audio_axis(config, audio.shape[1], 24.0 if fps is None else fps)
     coords = call_argument(args, kwargs, 16, "audio_coords")

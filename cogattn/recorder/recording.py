@@ -61,7 +61,8 @@ class Recording:
         config = self.transformer.config
         self._shape = ModelShape(len(modules), heads, head_dim, self.transformer.dtype, self._spec.shapes(config))
         self.layer_names = self._spec.layer_names(self.transformer)
-        self.options.check_model(len(modules), heads, self.layer_names)
+        fewest = self._shape.fewest_heads(self.options.kinds, self._spec.context_kinds)  # of every attention asked
+        self.options.check_model(len(modules), fewest, self.layer_names)
         self._sources = {k: self._spec.source(k) for k in self.options.kinds}
         if self.options.batch in ("cond", "uncond") and self.pipeline is None:
             raise ValueError(

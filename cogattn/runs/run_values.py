@@ -96,14 +96,15 @@ def _checked_audio(audio, refuse) -> AudioAxis | None:
     (tokens at most :data:`MAX_TOKENS`), rates finite and positive."""
     if audio is None:
         return None
+    shown = f"layout.audio = {repr(audio)[:80]}"
     if not isinstance(audio, dict) or set(audio) - {"tokens", "rate", "compression", "fps"} or "tokens" not in audio:
-        raise refuse(f"layout.audio = {repr(audio)[:80]}; it is an object of tokens, rate, compression and fps")
+        raise refuse(f"{shown}; it is an object of tokens (and rate, compression, fps)")
     for name, value in audio.items():
         whole = name in ("tokens", "compression")
         ok = type(value) is int if whole else type(value) in (int, float) and math.isfinite(value)
         if not ok or not 0 < value <= (MAX_TOKENS if name == "tokens" else 1e6):
-            kind = "a whole number" if whole else "a finite number"
-            raise refuse(f"layout.audio.{name} = {repr(value)[:60]}; it is {kind}, above 0 and at most the axis' limit")
+            what = "a whole number" if whole else "a finite number"
+            raise refuse(f"{shown}; its {name} is {what} above 0 (at most {MAX_TOKENS if name == 'tokens' else 1e6:g})")
     return AudioAxis(**{k: v if k in ("tokens", "compression") else float(v) for k, v in audio.items()})
 
 

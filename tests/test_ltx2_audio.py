@@ -1,0 +1,184 @@
+"""LTX-2's audio stream recorded: the kinds ``audio``, ``audio_to_text``, ``frame_audio`` and ``audio_frame`` of the
+tiny pipelines (text- and image-to-video) and of a bare transformer, against the naive float64 softmax of each audio
+attention module's own q and k (RoPE applied by the model, caught by tests/test_ltx2.py's spy, whose P·V proof holds
+them to the module's output); the layout's audio axis against the model's own positions; run.json's audio axis
+written, read back and refused when hostile; the readers of the new kinds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("cogattn.models._ltx2_attention", reason="this diffusers lacks LTX-2")
+from test_ltx2 import Spy, _direct_call, _run, _stock
+
+import cogattn
+from cogattn.analysis import aggregate
+from cogattn.models import FAMILIES, _ltx2_tiny, ltx2
+from cogattn.reference import naive_audio, naive_probs
+
+AUDIO = ("audio", "audio_to_text", "frame_audio", "audio_frame")
+ATTR = {"audio": "audio_attn1", "audio_to_text": "audio_attn2", "frame_audio": "audio_to_video_attn"}
+ATTR["audio_frame"] = "video_to_audio_attn"
+TOL = 1e-5
+
+
+def _reference(spied, kind, grid):
+    """The naive float64 ``kind`` ``(B, H, ...)`` of one spied call of its attention (the text's bias added)."""
+    _, _, q, k, _, mask, _, _ = spied
+    bias = None if mask is None else mask[:, 0, 0]
+    return naive_audio(naive_probs(q, k, key_mask=bias), kind, grid)
+
+
+@pytest.fixture(scope="module", params=["text-to-video", "image-to-video"])
+def recorded(request, tmp_path_factory):
+    """One stock run under the spy and one recorded run (saved) of the tiny pipeline with 3 audio heads (2 video
+    heads): ``(pipe, stock output, spied calls, recording, output, run folder)``."""
+    monkeypatch = pytest.MonkeyPatch()
+    task = request.param
+    pipe = _ltx2_tiny.tiny_pipeline(task, audio_heads=3)
+    stock, calls = _stock(pipe, monkeypatch, task=task)
+    folder = tmp_path_factory.mktemp("ltx2a") / "run"
+    kinds = (*AUDIO, "frame", "video_to_text")
+    with cogattn.record(pipe, kinds=kinds, heads="all", batch="all", save_dir=folder) as rec:
+        out = _run(pipe, task=task)
+    return pipe, stock, calls, rec, out, folder
+
+
+def test_each_audio_kind_is_the_naive_softmax_of_its_module_and_the_output_is_bit_identical(recorded):
+    pipe, stock, calls, rec, out, _ = recorded
+    assert torch.equal(out.frames, stock.frames) and torch.equal(out.audio, stock.audio)
+    layout = rec.layout
+    assert layout.audio == cogattn.AudioAxis(18, 25.0, 4, 24.0) and layout.grid == (3, 2, 4)
+    F, A, T = 3, 18, _ltx2_tiny.TEXT_LEN
+    shapes = {"audio": (2, 3, A, A), "audio_to_text": (2, 3, T, A), "frame_audio": (2, 3, F, A)}
+    shapes["audio_frame"] = (2, 3, A, F)
+    for step in range(2):
+        for layer in range(2):
+            for kind in AUDIO:
+                got = rec.get(kind, step, layer)
+                assert tuple(got.shape) == shapes[kind], kind
+                want = _reference(calls[step][(layer, ATTR[kind])], kind, layout.grid)
+                assert (got.double() - want).abs().max().item() < TOL, (kind, step, layer)
+                sums = got.sum(-2) if kind == "audio_to_text" else got.sum(-1)  # each query's (frame's) row
+                assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5), kind
+            # the video's kinds as before: the self-attention's frame map and video_to_text, 2 video heads
+            _, _, q, k, *_ = calls[step][(layer, "attn1")]
+            P = naive_probs(q, k)
+            frame = P.view(2, 2, 24, 3, 8).sum(-1).view(2, 2, 3, 8, 3).mean(-2)
+            assert (rec.get("frame", step, layer).double() - frame).abs().max().item() < TOL
+            _, _, q, k, *_ = calls[step][(layer, "attn2")]
+            want = naive_probs(q, k).transpose(-1, -2).reshape(2, 2, T, *layout.grid)
+            assert (rec.get("video_to_text", step, layer).double() - want).abs().max().item() < TOL
+
+
+def test_the_audio_axis_is_the_models_own_time(recorded):
+    pipe = recorded[0]
+    layout, rope = recorded[3].layout, pipe.transformer.audio_rope
+    coords = rope.prepare_audio_coords(1, layout.audio.tokens, torch.device("cpu"))[0, 0].double()
+    assert torch.allclose(layout.audio.seconds(), coords, atol=1e-6)
+    assert layout.audio.seconds()[:2].tolist() == [[0.0, 0.01], [0.01, 0.05]]  # bin i: [max(0, i − ¾), i + ¼) / 25
+    video = pipe.transformer.rope.prepare_video_coords(1, 3, 2, 4, torch.device("cpu"), fps=24.0)[0, 0].double()
+    assert torch.allclose(layout.audio.frame_seconds(layout), video[:: 2 * 4], atol=1e-6)
+    mid, spans, owner = (
+        layout.audio.seconds().mean(-1),
+        layout.audio.frame_seconds(layout),
+        layout.audio.frame_of_bin(layout),
+    )
+    for i, f in enumerate(owner.tolist()):  # each bin's midpoint in its frame's span (the last frame's after it)
+        assert spans[f, 0] <= mid[i] and (mid[i] < spans[f, 1] or f == layout.frames - 1)
+    released = ltx2.layout_for_video(ltx2.KNOWN["Lightricks/LTX-2"], 121, 512, 768, 1024)
+    assert (released.audio.tokens, released.grid, released.audio.frame_of_bin(released)[-1].item()) == (
+        126,
+        (16, 16, 24),
+        15,
+    )
+
+
+def test_the_run_folder_keeps_the_audio_axis_and_reads_the_audio_kinds(recorded):
+    rec, folder = recorded[3], recorded[5]
+    meta = json.loads((folder / "run.json").read_text())
+    assert meta["layout"]["audio"] == {"tokens": 18, "rate": 25.0, "compression": 4, "fps": 24.0}
+    run = cogattn.load(folder)
+    assert run.layout == rec.layout
+    for kind in AUDIO:
+        assert torch.equal(run.get(kind, 1, 1), rec.get(kind, 1, 1)), kind
+        mean = aggregate(run, kind, steps=[1], layers=[1], heads="mean", batch=1)
+        assert torch.allclose(mean, rec.get(kind, 1, 1)[1].mean(0), atol=1e-6), kind
+
+
+@pytest.mark.parametrize(
+    "audio",
+    [
+        {"tokens": 0},
+        {"tokens": -18, "rate": 25.0},
+        {"tokens": 18.5},
+        {"tokens": True},
+        {"tokens": 18, "rate": "25"},
+        {"tokens": 18, "fps": float("nan")},
+        {"tokens": 18, "compression": 0},
+        {"tokens": 18, "bins": 4},
+        {"rate": 25.0},
+        [18, 25.0],
+        "18",
+    ],
+)
+def test_a_hostile_audio_axis_is_refused_in_one_line(recorded, tmp_path, audio):
+    import shutil
+
+    folder = tmp_path / "run"
+    shutil.copytree(recorded[5], folder)
+    meta = json.loads((folder / "run.json").read_text())
+    meta["layout"]["audio"] = audio
+    (folder / "run.json").write_text(json.dumps(meta))
+    with pytest.raises(cogattn.StoreError) as err:
+        cogattn.load(folder)
+    said = str(err.value)
+    assert len(said.splitlines()) == 1 and "run.json" in said and "layout.audio" in said
+
+
+def test_a_bare_transformer_records_the_audio_kinds_the_text_bias_added(recorded, monkeypatch):
+    from diffusers.models.transformers import transformer_ltx2
+
+    transformer = recorded[0].transformer
+    inputs = _direct_call(transformer, text_mask=torch.tensor([[0, 1, 1, 0]]))
+    spy = Spy(transformer, monkeypatch, transformer_ltx2)
+    try:
+        stock = transformer(**inputs, return_dict=False)
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    (call,) = spy.calls
+    with cogattn.record(transformer, kinds=AUDIO, heads=[2, 0]) as rec:
+        got = transformer(**inputs, return_dict=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, stock))
+    assert rec.layout.audio.tokens == 5 and rec.layout.grid == (1, 2, 3)
+    for layer in range(2):
+        for kind in AUDIO:
+            want = _reference(call[(layer, ATTR[kind])], kind, rec.layout.grid)[:, [2, 0]]
+            assert (rec.get(kind, 0, layer).double() - want).abs().max().item() < TOL, kind
+        assert bool((rec.get("audio_to_text", 0, layer)[:, :, [0, 3]] == 0).all())  # a masked text key: exactly 0
+
+
+def test_audio_heads_are_checked_per_source(recorded):
+    pipe = recorded[0]  # 2 video heads, 3 audio heads
+    with pytest.raises(ValueError, match=r"heads index 2 is out of range"):
+        cogattn.Recording(pipe, kinds=("frame", "audio"), heads=[2])
+    with cogattn.record(pipe, kinds=("audio",), heads="mean", steps=[0]) as rec:
+        _run(pipe, task="text-to-video" if recorded[0].__class__.__name__ == "LTX2Pipeline" else "image-to-video")
+    assert tuple(rec.get("audio", 0, 0).shape) == (1, 1, 18, 18)
+
+
+def test_every_other_family_refuses_the_audio_kinds_in_one_line():
+    for spec in FAMILIES:
+        name = spec.family
+        if name == "ltx2":
+            assert set(AUDIO) <= set(spec.kinds())
+            continue
+        for kind in AUDIO:
+            with pytest.raises(ValueError) as err:
+                spec.check_kinds([kind])
+            said = str(err.value)
+            assert "has no audio stream" in said and len(said.splitlines()) == 1 and repr(kind) in said, name
