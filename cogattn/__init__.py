@@ -13,11 +13,11 @@ option), :func:`load` and :class:`Run` (runs on disk), :func:`estimate` (costs b
 Figures are in :mod:`cogattn.plot`, the numbers behind them in :mod:`cogattn.analysis`.
 """
 
+from .audio import AudioAxis
 from .errors import NotRecordedError, StoreError
 from .estimate import Estimate, estimate
 from .exact.context import VideoToImageReducer  # noqa: F401  (registers the video_to_image kind)
 from .exact.reducers import REDUCERS
-from .audio import AudioAxis
 from .layout import TokenLayout
 from .models import wan as _wan
 from .models.cogvideox import CogVideoXAttnMapProcessor, FusedCogVideoXAttnMapProcessor

@@ -90,7 +90,8 @@ def assert_topk(got, P: torch.Tensor, tol: float) -> None:
 
 class AttentionSpy:
     """Every ``scaled_dot_product_attention`` call inside a capture site of a stock run: ``calls[n][(layer,
-    role)]`` is the list of ``(q, k, v, mask, out)`` of transformer call ``n``."""
+    role)]`` is the list of ``(q, k, v, mask, out)`` of transformer call ``n`` (role ``"self"``, ``"context"``, or
+    the source of a site's other attention: LTX-2's ``"audio"``, ``"audio_text"``, ``"a2v"``, ``"v2a"``)."""
 
     def __init__(self, pipe, spec, monkeypatch, dispatch=None):
         self.calls: list[dict] = []
@@ -102,6 +103,11 @@ class AttentionSpy:
                 if module is not None:
                     self.handles.append(module.register_forward_pre_hook(self._enter(layer, role)))
                     self.handles.append(module.register_forward_hook(self._leave))
+        blocks = [(b, site.others) for site in spec.sites for b in getattr(transformer, site.blocks, None) or ()]
+        for layer, (block, others) in enumerate(blocks):  # a site's other attentions (LTX-2's audio): by source
+            for source, attr in others:
+                self.handles.append(getattr(block, attr).register_forward_pre_hook(self._enter(layer, source)))
+                self.handles.append(getattr(block, attr).register_forward_hook(self._leave))
         # dispatch: a module whose dispatch_attention_fn the processors call, to spy there ((B, S, H, D)
         # tensors), whatever backend it runs; else torch's scaled_dot_product_attention
         owner, name = (

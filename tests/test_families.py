@@ -22,7 +22,7 @@ from reference import AttentionSpy, assert_topk, spy_probs
 
 import cogattn
 from cogattn.models import FAMILIES, cogvideox
-from cogattn.reference import kind_error, naive_context, naive_kind
+from cogattn.reference import kind_error, naive_audio, naive_context, naive_kind
 
 SIZES = dict(
     block_size=7,
@@ -1021,6 +1021,8 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(pipes, re
                     want = torch.stack(
                         [_item_kind(P, kind, lay, tokens, result.shape[1:], v) for P, v in zip(items, values)]
                     )
+                elif (step, layer, source) in ref:  # an attention of its own (LTX-2's audio stream), one call a step
+                    want = naive_audio(torch.cat(ref[(step, layer, source)]), kind, lay.grid)
                 else:
                     want = naive_context(_context_probs(ref[(step, layer, "context")], source, lay), lay.grid)
                 assert result.shape == want.shape, (kind, result.shape, want.shape)
