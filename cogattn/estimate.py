@@ -71,6 +71,8 @@ class Estimate:
         else:  # Wan: the video alone, and the context of the cross-attention
             image = f" + {lay.image_len} image" if lay.image_len else ""
             layout = f"layout: {video}; cross-attention to {lay.context_len} text{image} tokens"
+        if lay.audio is not None:  # LTX-2: a sequence of its own beside the video
+            layout += f"; audio: {lay.audio.tokens} bins ({lay.audio.rate:g} a second)"
         lines = [
             layout,
             f"{'kind':>14}  {'shape':<28} {'bytes/record':>14} {'records':>8} {'bytes':>16}",

@@ -182,3 +182,49 @@ def test_every_other_family_refuses_the_audio_kinds_in_one_line():
                 spec.check_kinds([kind])
             said = str(err.value)
             assert "has no audio stream" in said and len(said.splitlines()) == 1 and repr(kind) in said, name
+
+
+@pytest.mark.parametrize("kind", ["frame_audio", "audio_frame"])
+def test_the_audio_sync_figure_shows_frames_by_bins_in_seconds(recorded, kind):
+    from cogattn.plot import audio_sync
+    from cogattn.plot.style import MAP_GID
+
+    run = cogattn.load(recorded[5])
+    fig = audio_sync(run, kind, heads="all")
+    images = [im for ax in fig.axes for im in ax.get_images() if im.get_gid() == MAP_GID]
+    want = aggregate(run, kind, heads="all")
+    want = want.transpose(1, 2) if kind == "audio_frame" else want  # frames × bins either way
+    assert len(images) == 3 and all(torch.allclose(torch.tensor(im.get_array()), w) for im, w in zip(images, want))
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks[0] == "0.00" and ticks[-1] == f"{(4 * 17 - 3) / 4 / 25:.2f}"  # bin 17 starts at 0.65 s
+    assert "seconds" in fig.axes[0].get_xlabel() and fig.axes[0].get_ylabel() == "video: latent frame"
+    with pytest.raises(ValueError, match="kind='audio'; audio_sync draws"):
+        audio_sync(run, "audio")
+
+
+def test_the_viewer_and_the_previews_take_a_run_with_the_audio_kinds(recorded, tmp_path):
+    from urllib.request import urlopen
+
+    from cogattn.dump.previews import write_previews
+    from cogattn.view import ViewServer, export
+
+    folder, out = recorded[5], recorded[4]
+    server = ViewServer(folder).start()
+    try:
+        summary = json.loads(urlopen(f"{server.url}api/summary").read())
+        assert set(AUDIO) <= set(summary["kinds"])
+        assert urlopen(server.url).status == 200
+        frame = json.loads(urlopen(f"{server.url}api/map?kind=frame&step=0&layer=mean&head=mean").read())
+        assert frame["shape"] == [3, 3]
+        run = cogattn.load(folder)
+        for kind in AUDIO:  # each map the analysis' own
+            got = json.loads(urlopen(f"{server.url}api/map?kind={kind}&step=1&layer=mean&head=mean").read())
+            want = aggregate(run, kind, steps=1)
+            assert got["shape"] == list(want.shape) and torch.allclose(torch.tensor(got["values"]), want.flatten())
+    finally:
+        server.stop()
+    page = export(folder, tmp_path / "view.html")
+    assert page.stat().st_size > 0
+    video = out.frames[0].permute(0, 2, 3, 1).mul(255).byte().numpy()  # (F, H, W, 3)
+    written = write_previews(folder, tmp_path / "previews", video)
+    assert {p.name for p in written} >= {"frame.png", "video_to_text.png"}

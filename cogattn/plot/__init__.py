@@ -32,12 +32,14 @@ MP4 files), :mod:`~cogattn.plot.animation` (animations and notebook sliders), :m
 received attention on the video, block maps with a mask's outline and recall), :mod:`~cogattn.plot.decay`
 (the ``offset`` map per latent-frame offset, and the decay with temporal and spatial distance with its fit),
 :mod:`~cogattn.plot.density` (keys needed against mass p, from ``top_p``), :mod:`~cogattn.plot.tracks` (a
-point's track on the video and the motion field between two frames, from ``frame_max``).
+point's track on the video and the motion field between two frames, from ``frame_max``), :mod:`~cogattn.plot.audio`
+(LTX-2's audio ↔ video maps, latent frames × audio bins in seconds).
 """
 
 from __future__ import annotations
 
 from .animation import animate, explore
+from .audio import audio_sync
 from .decay import distance_decay, offset_map
 from .density import density_curves
 from .frames import frame_heatmap, layer_step_grid
@@ -50,6 +52,7 @@ from .video import upsample_to_video
 __all__ = [
     "LABEL_COLORS",
     "animate",
+    "audio_sync",
     "block_map",
     "decay_curves",
     "density_curves",
