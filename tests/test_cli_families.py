@@ -445,3 +445,32 @@ def test_every_shipped_tiny_config_runs_end_to_end(config, tmp_path, dump):
     spec = cfg.spec()  # a call made in windows (Helios's chunks) runs the steps once per window
     windows = spec.call_windows(cfg.num_frames) if spec.call_windows else 1
     assert run.family == cfg.family and len(run.timesteps) == cfg.num_inference_steps * windows and run.records()
+
+
+def test_ltx2_s_audio_kinds_run_through_the_batch_tool_and_the_released_config_plans_them(tmp_path, dump):
+    """The tiny LTX-2 config records the audio kinds end to end (the maps a direct recording of the same call makes);
+    the released config plans them offline at 126 audio bins (121 frames at 24 fps, 25 bins a second)."""
+    if cogattn.models.ltx2 is None:
+        pytest.skip("this diffusers lacks LTX-2")
+    from cogattn.models.ltx2 import tiny_pipeline
+
+    dry = dump(ROOT / "configs" / "ltx2.yaml", "--dry-run", "--set", f"save_dir={tmp_path / 'x'}", check=0)
+    assert "S = 6,144; cross-attention to 1024 text tokens; audio: 126 bins (25 a second)" in dry.stdout
+    records = 48 * 4 * 3  # layers × captured steps × prompts
+    shapes = {"audio": (126, 126), "audio_to_text": (1024, 126), "frame_audio": (16, 126), "audio_frame": (126, 16)}
+    for kind, (rows, cols) in shapes.items():  # float16 records of 32 heads' mean
+        assert re.search(rf"{kind}  \(1, 1, {rows}, {cols}\) +[\d,]+ +{records:,} ", dry.stdout), kind
+    tiny, out = ROOT / "configs" / "tiny-ltx2.yaml", tmp_path / "runs"
+    dry = dump(tiny, "--dry-run", "--set", f"save_dir={out}", check=0)
+    dump(tiny, "--set", f"save_dir={out}", "--set", "previews=false", check=0)
+    assert sum(f.stat().st_size for f in out.rglob("records/**/*.safetensors")) == _total(dry.stdout)
+    folder = _prompt_dirs(out)[0]
+    meta, run = json.loads((folder / "prompt.json").read_text()), cogattn.load(folder / "maps")
+    assert run.layout.audio == cogattn.AudioAxis(18) and run.get("frame_audio", 1, 1).shape == (1, 1, 3, 18)
+    pipe, kinds = tiny_pipeline(), ("audio", "audio_to_text", "frame_audio", "audio_frame")
+    with cogattn.record(pipe, kinds=kinds, batch="cond", heads="mean") as rec:
+        pipe(prompt=meta["prompt"], num_frames=17, height=64, width=128, num_inference_steps=2, guidance_scale=3.0,
+             max_sequence_length=8, generator=torch.Generator("cpu").manual_seed(meta["seed"]), output_type="latent")  # fmt: skip
+    for kind in kinds:
+        for step, layer in ((0, 0), (1, 1)):
+            torch.testing.assert_close(run.get(kind, step, layer), rec.get(kind, step, layer), rtol=0, atol=1e-6)
