@@ -18,9 +18,10 @@ import torch
 from .exact.attention import fused_lse_supported
 from .exact.checks import TOLERANCE, bound, made_from_output
 from .exact.kernels import available as triton_available
+from .exact.reducers.audio import AUDIO_KINDS
 from .models import FAMILIES, cogvideox, transformer_config
 from .recorder.recording import record
-from .reference import kind_error, naive_context, naive_kind, naive_lse, naive_probs, select
+from .reference import kind_error, naive_audio, naive_context, naive_kind, naive_lse, naive_probs, select
 
 __all__ = [
     "JOINT_KINDS",
@@ -307,9 +308,10 @@ def family_rows(
             pipe.transformer.set_attention_backend(backend)
             part += f", {backend} backend"
         call = spec.tiny_call(pipe, task, torch.Generator().manual_seed(0), True)
-        # the image kinds where the transformer has an image context (Wan 2.1 image-to-video, Cosmos Transfer2.5)
+        # the image kinds where the transformer has an image context (Wan 2.1 image-to-video, Cosmos Transfer2.5);
+        # the audio kinds of an audio stream (LTX-2)
         image = spec.layout_for_video(transformer_config(pipe.transformer), 1, 4096, 4096, 1).image_len > 0
-        context = [k for k in spec.context_kinds if spec.context_kinds[k] == "text" or image]
+        context = [k for k in spec.context_kinds if spec.context_kinds[k] != "image" or image]
 
         def generate(pipe=pipe, call=call):
             gen = torch.Generator(device).manual_seed(1)
@@ -353,7 +355,8 @@ def family_rows(
                     bias = None if any(b is None for b in biases) else torch.cat(biases)
                     P = naive_probs(q, k, key_mask=bias)
                     for kind in [c for c in context if spec.source(c) == source]:
-                        ref = select(naive_context(P, lay.grid), rec.batch_items, "all")
+                        made = naive_audio(P, kind, lay.grid) if kind in AUDIO_KINDS else naive_context(P, lay.grid)
+                        ref = select(made, rec.batch_items, "all")
                         worst = max(worst, (rec.get(kind, step, layer).double() - ref).abs().max().item())
                     continue
                 items = [n for qc, _, counts, _ in found for n in _item_counts(counts, len(qc))]

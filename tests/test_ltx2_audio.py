@@ -228,3 +228,16 @@ def test_the_viewer_and_the_previews_take_a_run_with_the_audio_kinds(recorded, t
     video = out.frames[0].permute(0, 2, 3, 1).mul(255).byte().numpy()  # (F, H, W, 3)
     written = write_previews(folder, tmp_path / "previews", video)
     assert {p.name for p in written} >= {"frame.png", "video_to_text.png"}
+
+
+def test_the_self_test_rows_of_ltx2_hold_the_audio_kinds_to_the_reference(monkeypatch):
+    from cogattn import selftest_pipelines
+
+    compared = []
+    real = selftest_pipelines.naive_audio
+    monkeypatch.setattr(
+        selftest_pipelines, "naive_audio", lambda P, kind, grid: compared.append(kind) or real(P, kind, grid)
+    )
+    rows = selftest_pipelines.family_rows(ltx2.SPEC, torch.device("cpu"), torch.float32, quick=True)
+    assert len(rows) == 2 and all(r.passed for r in rows), rows  # text- and image-to-video, row tiles
+    assert set(compared) == set(AUDIO) and len(compared) == 2 * 2 * 2 * len(AUDIO)  # tasks × steps × layers
