@@ -31,6 +31,7 @@ NEEDS = {
     "docs/models/hunyuan-video.md": "hunyuan_video",
     "docs/models/hunyuan-video-1-5.md": "hunyuan_video15",
     "docs/models/cosmos.md": "cosmos",
+    "docs/models/ltx2.md": "ltx2",
 }
 
 
@@ -135,6 +136,14 @@ def _check_cosmos(scope, tmp_path):
     assert (rec.layout.context_len, rec.layout.image_len, rec.batch_roles) == (8, 5, ("cond",))
 
 
+def _check_ltx2(scope, tmp_path):
+    rec = scope["lx_rec"]
+    assert rec.layout.audio == cogattn.AudioAxis(tokens=18, rate=25.0, compression=4, fps=24.0)
+    assert tuple(rec.get("frame_audio", step=0, layer=1).shape) == (1, 2, 3, 18) and rec.batch_roles == ("cond",)
+    assert rec.layout.audio.frame_of_bin(rec.layout).tolist() == [0] * 2 + [1] * 8 + [2] * 8
+    assert (tmp_path / "ltx2_sync.png").stat().st_size > 0
+
+
 # The pages with Python snippets, each with what its comments promise
 CHECKS = {
     "README.md": _check_readme,
@@ -149,6 +158,7 @@ CHECKS = {
     "docs/models/hunyuan-video-1-5.md": _check_hunyuan_video15,
     "docs/models/wan.md": _check_wan,
     "docs/models/cosmos.md": _check_cosmos,
+    "docs/models/ltx2.md": _check_ltx2,
 }
 
 
