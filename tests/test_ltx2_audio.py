@@ -241,3 +241,20 @@ def test_the_self_test_rows_of_ltx2_hold_the_audio_kinds_to_the_reference(monkey
     rows = selftest_pipelines.family_rows(ltx2.SPEC, torch.device("cpu"), torch.float32, quick=True)
     assert len(rows) == 2 and all(r.passed for r in rows), rows  # text- and image-to-video, row tiles
     assert set(compared) == set(AUDIO) and len(compared) == 2 * 2 * 2 * len(AUDIO)  # tasks × steps × layers
+
+
+def test_the_estimate_plans_the_audio_kinds_at_the_released_shape():
+    """121 frames of 512 × 768 at 24 fps: 16 latent frames, A = 126 bins, T = 1,024, 32 audio heads of 64; one float32
+    record per layer and step is 126² × 32 × 4 B (2.0 MB) for ``audio``, 1,024 × 126 × 32 × 4 B (16.5 MB) for
+    ``audio_to_text``, 16 × 126 × 32 × 4 B (0.26 MB) for each cross-modal kind."""
+    est = cogattn.estimate("Lightricks/LTX-2", num_frames=121, height=512, width=768, num_inference_steps=30,
+                           kinds=AUDIO, heads="all", batch="cond", storage_dtype="float32")  # fmt: skip
+    shapes = {kind: shape for kind, shape, _, _ in est.records}
+    assert shapes == {"audio": (1, 32, 126, 126), "audio_to_text": (1, 32, 1024, 126), "frame_audio": (1, 32, 16, 126),
+                      "audio_frame": (1, 32, 126, 16)}  # fmt: skip
+    for kind, shape, size, count in est.records:
+        assert 4 * torch.Size(shape).numel() <= size < 4 * torch.Size(shape).numel() + 4096 and count == 48 * 30, kind
+    plan = est.plan  # v2a's rows are 6,144 video keys long: its tiles fit the budget
+    heads, rows = plan.context_tiles["v2a"]
+    assert plan.context_heads["v2a"] == tuple(range(32)) and 4 * heads * rows * (6144 + 64) <= plan.tile_budget
+    assert est.layout.audio == cogattn.AudioAxis(126) and "audio: 126 bins (25 a second)" in est.table()

@@ -237,6 +237,14 @@ def _set_meta(folder: Path, change) -> None:
         ("temporal_compression", 0),
         ("text_position", "middle"),
         ("seq_len_typo", 5),
+        ("audio", {"tokens": 0}),
+        ("audio", {"tokens": 2**30}),
+        ("audio", {"tokens": 18, "rate": -25.0}),
+        ("audio", {"tokens": 18, "fps": "24"}),
+        ("audio", {"tokens": 18, "compression": 4.5}),
+        ("audio", {"tokens": 18, "shift": 1}),
+        ("audio", [18, 25.0]),
+        ("audio", "18"),
     ],
 )
 def test_a_layout_with_a_bad_value_is_refused_naming_run_json_and_the_field(folder, field, value):
@@ -245,6 +253,11 @@ def test_a_layout_with_a_bad_value_is_refused_naming_run_json_and_the_field(fold
         load(folder / "maps")
     said = str(err.value)
     assert len(said.splitlines()) == 1 and "run.json" in said and f"layout.{field}" in said and repr(value) in said
+
+
+def test_a_model_without_an_audio_stream_writes_no_audio_axis_and_reads_back_none(folder):
+    meta = json.loads((folder / "maps" / "run.json").read_text())
+    assert "audio" not in meta["layout"] and load(folder / "maps").layout.audio is None
 
 
 def test_a_layout_that_is_not_an_object_is_refused(folder):
