@@ -107,6 +107,8 @@ def test_the_run_folder_keeps_the_audio_axis_and_reads_the_audio_kinds(recorded)
         assert torch.equal(run.get(kind, 1, 1), rec.get(kind, 1, 1)), kind
         mean = aggregate(run, kind, steps=[1], layers=[1], heads="mean", batch=1)
         assert torch.allclose(mean, rec.get(kind, 1, 1)[1].mean(0), atol=1e-6), kind
+        row = aggregate(run, kind, steps=[1], layers=[1], heads=[2, 0], batch=1, row=2)  # read from disk alone
+        assert torch.equal(row, rec.get(kind, 1, 1)[1, [2, 0], 2]), kind
 
 
 @pytest.mark.parametrize(
@@ -258,3 +260,19 @@ def test_the_estimate_plans_the_audio_kinds_at_the_released_shape():
     heads, rows = plan.context_tiles["v2a"]
     assert plan.context_heads["v2a"] == tuple(range(32)) and 4 * heads * rows * (6144 + 64) <= plan.tile_budget
     assert est.layout.audio == cogattn.AudioAxis(126) and "audio: 126 bins (25 a second)" in est.table()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_the_audio_kinds_are_the_reference_and_the_output_is_bit_identical(monkeypatch, dtype):
+    pipe = _ltx2_tiny.tiny_pipeline(audio_heads=3, dtype=dtype).to("cuda")
+    stock, calls = _stock(pipe, monkeypatch)
+    with cogattn.record(pipe, kinds=(*AUDIO, "frame"), heads="all", batch="all") as rec:
+        out = _run(pipe)
+    assert torch.equal(out.frames, stock.frames) and torch.equal(out.audio, stock.audio)
+    for step in range(2):
+        for layer in range(2):
+            for kind in AUDIO:
+                spied = [x.cpu() if torch.is_tensor(x) else x for x in calls[step][(layer, ATTR[kind])]]
+                want = _reference(spied, kind, rec.layout.grid)
+                assert (rec.get(kind, step, layer).double() - want).abs().max().item() < TOL, (kind, step, layer)
