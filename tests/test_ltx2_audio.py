@@ -276,3 +276,20 @@ def test_on_cuda_the_audio_kinds_are_the_reference_and_the_output_is_bit_identic
                 spied = [x.cpu() if torch.is_tensor(x) else x for x in calls[step][(layer, ATTR[kind])]]
                 want = _reference(spied, kind, rec.layout.grid)
                 assert (rec.get(kind, step, layer).double() - want).abs().max().item() < TOL, (kind, step, layer)
+
+
+def test_the_pipeline_s_perturbed_calls_are_left_out_of_the_audio_kinds(monkeypatch):
+    """Under the pipeline's spatio-temporal guidance and modality isolation (blocks of ``LTX2PerturbedAttnProcessor``)
+    the audio kinds are each step's guidance call's."""
+    pipe = _ltx2_tiny.tiny_pipeline(perturbed=True)
+    extra = dict(stg_scale=1.0, audio_stg_scale=1.0, modality_scale=3.0, audio_modality_scale=3.0)
+    extra["spatio_temporal_guidance_blocks"] = [1]
+    stock, calls = _stock(pipe, monkeypatch, **extra)
+    assert len(calls) == 6  # each step: the guidance call, then STG's and modality isolation's
+    with cogattn.record(pipe, kinds=AUDIO, batch="all", heads="all") as rec:
+        out = _run(pipe, **extra)
+    assert torch.equal(out.frames, stock.frames) and torch.equal(out.audio, stock.audio)
+    for step in range(2):
+        for kind in AUDIO:
+            want = _reference(calls[3 * step][(1, ATTR[kind])], kind, rec.layout.grid)
+            assert (rec.get(kind, step, 1).double() - want).abs().max().item() < TOL, (kind, step)

@@ -1,6 +1,6 @@
 """LTX-2's map processors: diffusers' ``LTX2AudioVideoAttnProcessor`` and ``LTX2PerturbedAttnProcessor`` line for
 line, plus the lines that hand each attention's q and k to a recording (:mod:`cogattn.models.ltx2` installs them
-on the video's two attentions; the audio stream's four keep the stock processor until their kinds exist).
+on all six attentions of every block, each told its source).
 
 Each LTX-2 block has six ``LTX2Attention`` modules, one processor class for all of them: the video self-attention
 (``attn1``, 3-D RoPE), the audio self-attention (``audio_attn1``, 1-D RoPE over time), a cross-attention from each
