@@ -262,10 +262,18 @@ def test_the_estimate_plans_the_audio_kinds_at_the_released_shape():
     assert est.layout.audio == cogattn.AudioAxis(126) and "audio: 126 bins (25 a second)" in est.table()
 
 
+def test_in_bfloat16_the_audio_kinds_are_the_reference_of_the_bfloat16_q_and_k(monkeypatch):
+    _check_on(monkeypatch, "cpu", torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_cuda_the_audio_kinds_are_the_reference_and_the_output_is_bit_identical(monkeypatch, dtype):
-    pipe = _ltx2_tiny.tiny_pipeline(audio_heads=3, dtype=dtype).to("cuda")
+    _check_on(monkeypatch, "cuda", dtype)
+
+
+def _check_on(monkeypatch, device, dtype):
+    pipe = _ltx2_tiny.tiny_pipeline(audio_heads=3, dtype=dtype).to(device)
     stock, calls = _stock(pipe, monkeypatch)
     with cogattn.record(pipe, kinds=(*AUDIO, "frame"), heads="all", batch="all") as rec:
         out = _run(pipe)
