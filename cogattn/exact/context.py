@@ -135,10 +135,13 @@ def context_reducers(options, res, sources: dict[str, str], shapes: dict, sizes:
     attention this generation lacks, or a listed head a source does not have."""
     context, heads_of = [], {}
     for k in [k for k in options.kinds if k in sources]:
-        src, count = sources[k], shapes.get(sources[k], (len(res.heads),))[0]
-        heads_of[src] = tuple(range(count)) if isinstance(options.heads, str) else res.heads
-        if max(heads_of[src]) >= count:
-            raise ValueError(f"heads={list(res.heads)}; the {src} attention has {count} heads, 0..{count - 1}.")
+        src = sources[k]
+        heads_of[src] = res.heads  # the self-attention's heads, already checked, unless the source has its own
+        if src in shapes:
+            count = shapes[src][0]
+            heads_of[src] = tuple(range(count)) if isinstance(options.heads, str) else res.heads
+            if max(heads_of[src]) >= count:
+                raise ValueError(f"heads={list(res.heads)}; the {src} attention has {count} heads, 0..{count - 1}.")
         red = CONTEXT_REDUCERS[k](res.layout, len(heads_of[src]), res.mean_heads, **sizes)
         if red.context_len == 0:
             why = " (Wan 2.1 image-to-video has one; Wan 2.2 puts the image in the latents)" * (k == "video_to_image")
