@@ -196,11 +196,11 @@ def _direct_call(transformer, text_mask=None):
     )
 
 
-def test_a_text_key_mask_is_added_as_the_model_adds_it_and_handed_over(pipes, monkeypatch):
+def _masked_direct_call(transformer, monkeypatch):
+    """A direct call of ``transformer`` under a text key mask: its inputs, its stock output and what each attention
+    module got (the spy's one call)."""
     from diffusers.models.transformers import transformer_ltx2
 
-    transformer = pipes().transformer
-    blocks = transformer.transformer_blocks
     inputs = _direct_call(transformer, text_mask=torch.tensor([[0, 1, 1, 0]]))
     spy = Spy(transformer, monkeypatch, transformer_ltx2)
     try:
@@ -209,6 +209,13 @@ def test_a_text_key_mask_is_added_as_the_model_adds_it_and_handed_over(pipes, mo
         spy.remove()
         monkeypatch.undo()
     (call,) = spy.calls
+    return inputs, stock, call
+
+
+def test_a_text_key_mask_is_added_as_the_model_adds_it_and_handed_over(pipes, monkeypatch):
+    transformer = pipes().transformer
+    blocks = transformer.transformer_blocks
+    inputs, stock, call = _masked_direct_call(transformer, monkeypatch)
     for (layer, attr), record in call.items():
         P = _check(blocks, layer, attr, record, _lengths(6, 5, 4))
         if attr in ("attn2", "audio_attn2"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("cogattn.models._ltx2_attention", reason="this diffusers lacks LTX-2")
-from test_ltx2 import Spy, _direct_call, _run, _stock
+from test_ltx2 import _masked_direct_call, _run, _stock
 
 import cogattn
 from cogattn.analysis import aggregate
@@ -142,17 +142,8 @@ def test_a_hostile_audio_axis_is_refused_in_one_line(recorded, tmp_path, audio):
 
 
 def test_a_bare_transformer_records_the_audio_kinds_the_text_bias_added(recorded, monkeypatch):
-    from diffusers.models.transformers import transformer_ltx2
-
     transformer = recorded[0].transformer
-    inputs = _direct_call(transformer, text_mask=torch.tensor([[0, 1, 1, 0]]))
-    spy = Spy(transformer, monkeypatch, transformer_ltx2)
-    try:
-        stock = transformer(**inputs, return_dict=False)
-    finally:
-        spy.remove()
-        monkeypatch.undo()
-    (call,) = spy.calls
+    inputs, stock, call = _masked_direct_call(transformer, monkeypatch)
     with cogattn.record(transformer, kinds=AUDIO, heads=[2, 0]) as rec:
         got = transformer(**inputs, return_dict=False)
     assert all(torch.equal(a, b) for a, b in zip(got, stock))
