@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
 
-from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
+from .tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_text_encoder, tiny_tokenizer
 
 __all__ = [
     "IMAGE_LEN",
@@ -293,27 +293,10 @@ def _tiny_qwen_tokenizer():
 
 def _tiny_qwen(tokenizer, seed: int, dtype: torch.dtype):
     """A random ``QWEN_LAYERS``-layer ``Qwen2_5_VLTextModel`` of the tiny text width over the tiny tokenizer,
-    multimodal RoPE sections (1, 1, 2) of its 8-wide heads, positions for the 512 tokens of a prompt."""
+    positions for the 512 tokens of a prompt (:func:`cogattn.models.tiny_text.qwen_text_config`)."""
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-    if hasattr(Qwen2_5_VLTextConfig, "rope_parameters"):  # transformers 5; 4 spells it rope_scaling
-        rope = dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]})
-    else:
-        rope = dict(rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, rope_theta=1e6)
-    config = Qwen2_5_VLTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=TEXT_DIM,
-        intermediate_size=32,
-        num_hidden_layers=QWEN_LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        use_cache=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        **rope,
-    )
+    config = Qwen2_5_VLTextConfig(**qwen_text_config(tokenizer, QWEN_LAYERS, 512))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2_5_VLTextModel(config)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
 
-from .tiny_text import TEXT_DIM, cast, tiny_siglip, tiny_text_encoder, tiny_tokenizer
+from .tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_siglip, tiny_text_encoder, tiny_tokenizer
 
 __all__ = [
     "GLYPH_DIM",
@@ -111,28 +111,10 @@ def _tiny_qwen_tokenizer():
 
 def _tiny_qwen(tokenizer):
     """A random 3-layer ``Qwen2_5_VLTextModel`` of the tiny text width (the pipeline takes its hidden states 3
-    from the end), multimodal RoPE sections (1, 1, 2) of its 8-wide heads; transformers 5 spells the RoPE
-    options ``rope_parameters``, 4 ``rope_scaling``."""
+    from the end; :func:`cogattn.models.tiny_text.qwen_text_config`)."""
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-    if hasattr(Qwen2_5_VLTextConfig, "rope_parameters"):
-        rope = dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]})
-    else:
-        rope = dict(rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, rope_theta=1e6)
-    config = Qwen2_5_VLTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=TEXT_DIM,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        use_cache=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        **rope,
-    )
+    config = Qwen2_5_VLTextConfig(**qwen_text_config(tokenizer, 3, 128))
     return Qwen2_5_VLTextModel(config)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
+from .tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_tokenizer
 
 __all__ = ["CLIP_DIM", "TINY_TEXT_LEN", "tiny_call", "tiny_pipeline", "tiny_transformer"]
 
@@ -45,29 +45,11 @@ def _prompt_crop(tokenizer, template: str) -> int:
 
 
 def _tiny_qwen(tokenizer):
-    """A random ``Qwen2_5_VLForConditionalGeneration``: a 2-layer text model of the tiny text width (multimodal
-    RoPE sections (1, 1, 2) of its 8-wide heads) and a 1-block vision tower; transformers 5 spells the RoPE options
-    ``rope_parameters``, 4 ``rope_scaling``."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLTextConfig
+    """A random ``Qwen2_5_VLForConditionalGeneration``: a 2-layer text model of the tiny text width
+    (:func:`cogattn.models.tiny_text.qwen_text_config`) and a 1-block vision tower."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    if hasattr(Qwen2_5_VLTextConfig, "rope_parameters"):
-        rope = dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]})
-    else:
-        rope = dict(rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, rope_theta=1e6)
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=TEXT_DIM,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        use_cache=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        **rope,
-    )
+    text = qwen_text_config(tokenizer, 2, 512)
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM)
     vision.update(fullatt_block_indexes=[0], patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     ids = {name: len(tokenizer) - 1 for name in ("image_token_id", "video_token_id", "vision_start_token_id")}

@@ -2,8 +2,9 @@
 
 Each family module builds its tiny pipeline (``cogvideox.tiny_pipeline``, ``wan.tiny_pipeline``, ...) from a
 config at toy size, with these for its text: a word-level tokenizer and a 1-layer T5 encoder whose
-embeddings have ``TEXT_DIM`` channels; and, for the families that read an image with SigLIP (FramePack,
-HunyuanVideo 1.5), a 1-layer SigLIP vision tower (:func:`tiny_siglip`).
+embeddings have ``TEXT_DIM`` channels; for the families whose text encoder is Qwen2.5-VL (HunyuanVideo 1.5,
+Kandinsky 5, Cosmos 2.5), its text model's config (:func:`qwen_text_config`); and, for the families that read an
+image with SigLIP (FramePack, HunyuanVideo 1.5), a 1-layer SigLIP vision tower (:func:`tiny_siglip`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ import importlib.util
 
 import torch
 
-__all__ = ["TEXT_DIM", "TINY_TEXT_LEN", "cast", "masked_text", "tiny_siglip", "tiny_text_encoder", "tiny_tokenizer"]
+__all__ = [
+    "TEXT_DIM",
+    "TINY_TEXT_LEN",
+    "cast",
+    "masked_text",
+    "qwen_text_config",
+    "tiny_siglip",
+    "tiny_text_encoder",
+    "tiny_tokenizer",
+]
 
 TINY_TEXT_LEN = 8  # text tokens (max_sequence_length) of the tiny CogVideoX pipeline; pass it to its call
 TEXT_DIM = 16
@@ -55,6 +65,32 @@ def tiny_tokenizer():
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512
+    )
+
+
+def qwen_text_config(tokenizer, num_layers: int, positions: int) -> dict:
+    """The keyword arguments of a ``Qwen2_5_VLTextConfig`` at toy size over ``tokenizer`` (its chat tokens
+    added): ``num_layers`` layers of ``TEXT_DIM`` channels in two 8-wide heads, multimodal RoPE sections (1, 1, 2),
+    ``positions`` positions; transformers 5 spells the RoPE options ``rope_parameters``, 4 ``rope_scaling``."""
+    from transformers import Qwen2_5_VLTextConfig
+
+    if hasattr(Qwen2_5_VLTextConfig, "rope_parameters"):
+        rope = dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]})
+    else:
+        rope = dict(rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, rope_theta=1e6)
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,
+        intermediate_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        use_cache=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        **rope,
     )
 
 
