@@ -69,7 +69,7 @@ def audio_sync(
     ncols = min(n, 2)
     nrows = math.ceil(n / ncols)
     width, height = min(12.0, 2.0 + 0.08 * A), 1.2 + 0.32 * F
-    fig = new_figure(fig, (width * ncols + 1.0, height * nrows + 0.8))
+    fig = new_figure(fig, (max(width * ncols + 1.0, 7.0), height * nrows + 0.8))  # wide enough for the title
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     arrays = [maps[i].numpy() for i in range(n)]
     norms = color_norms(arrays, scale, limits)
