@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("cogattn.models._ltx2_attention", reason="this diffusers lacks LTX-2")
 from test_ltx2 import _masked_direct_call, _run, _stock
+from test_view import _page, _redrawn, _values, browser  # noqa: F401  (browser: that module's fixture, used here)
 
 import cogattn
 from cogattn.analysis import aggregate
@@ -292,3 +293,37 @@ def test_the_pipeline_s_perturbed_calls_are_left_out_of_the_audio_kinds(monkeypa
         for kind in AUDIO:
             want = _reference(calls[3 * step][(1, ATTR[kind])], kind, rec.layout.grid)
             assert (rec.get(kind, step, 1).double() - want).abs().max().item() < TOL, (kind, step)
+
+
+def test_the_viewer_page_draws_each_audio_kind_live_and_exported(recorded, browser, tmp_path):  # noqa: F811
+    """The page's audio panel: each audio kind the run holds, its map the analysis' own (the mean over layers at
+    the page's step), a cell read out with its axes (bins in seconds); the same in the exported page."""
+    from cogattn.view import ViewServer, export
+
+    folder = recorded[5]
+    run = cogattn.load(folder)
+    step = len(run.timesteps) - 1  # the page opens at the last step
+    want = {kind: aggregate(run, kind, steps=step) for kind in AUDIO}
+    seconds = run.layout.audio.seconds()
+    server = ViewServer(folder).start()
+    pages = [server.url, export(folder, tmp_path / "view.html").as_uri()]
+    problems = []
+    try:
+        for url in pages:
+            page = _page(browser, url, problems)
+            options = page.eval_on_selector_all("#audio-kind option", "os => os.map(o => o.value)")
+            assert options == list(AUDIO)  # the kinds' order
+            for kind in AUDIO:
+                if page.input_value("#audio-kind") != kind:
+                    _redrawn(page, lambda page=page, kind=kind: page.select_option("#audio-kind", kind))
+                got = torch.tensor(_values(page, "audio"), dtype=torch.float64)
+                assert torch.allclose(got, want[kind].double().flatten(), atol=1e-4), (url, kind)
+            box = page.locator("#audio canvas").first.bounding_box()  # audio_frame: rows are audio bins
+            page.mouse.move(box["x"] + 2, box["y"] + 2)
+            assert page.inner_text("#audio-panel .readout").startswith(
+                f"audio query bin 0 ({seconds[0, 0]:.2f}–{seconds[0, 1]:.2f} s), latent frame 0:"
+            )
+            page.close()
+    finally:
+        server.stop()
+    assert not problems, problems

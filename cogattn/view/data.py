@@ -146,6 +146,9 @@ class RunView:
             "layout": None
             if layout is None
             else {"frames": layout.frames, "height": layout.height, "width": layout.width},
+            "audio_seconds": None  # each audio bin's [start, end) in seconds (LTX-2), for the audio panel's readout
+            if layout is None or layout.audio is None
+            else [[round(float(t), 4) for t in span] for span in layout.audio.seconds()],
             "groups": _group_names(layout),
             "tokens": self.tokens(),
             "video": None if files.video is None else files.video.suffix.lstrip("."),

@@ -30,6 +30,7 @@ import torch
 from ..analysis.head_stats import TABLE_KINDS
 from ..analysis.maps import aggregate
 from ..analysis.words import item_spans
+from ..exact.reducers.audio import AUDIO_KINDS
 from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 from .files import finite, prompt_of
 from .sparse import decay, density, tile
@@ -95,6 +96,9 @@ def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tup
             m = aggregate(view.run, kind, steps=step, layers=view.layers_at(kind, step, "mean"), row=rows)
             for i, token in enumerate(tokens):
                 maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[i], side)
+    for kind in AUDIO_KINDS:  # LTX-2's audio stream: the mean over layers at each step
+        for step in summary["steps"].get(kind, []):
+            maps[f"{kind}|{step}|mean|mean|"] = _rounded(view.map(kind, step, "mean"))
     for step in summary["steps"].get("block", []):
         for mask in MASKS:
             maps[f"block|{step}|mean|mean|{mask}"] = _rounded(view.block(step, "mean", "mean", mask))
@@ -105,7 +109,7 @@ def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tup
     summary["items"] = [it for it in summary["items"] if it["slot"] == summary["item"]]  # the one exported
     summary["export"] = {
         "item": summary["items"][0]["label"] if summary["items"] else "batch item 0",
-        "layers": "frame: every layer and their mean; word kinds and block: the mean over layers",
+        "layers": "frame: every layer and their mean; word kinds, audio kinds and block: the mean over layers",
         "heads": "the mean over heads",
         "tokens": len(tokens),
         "word_steps": word_steps,

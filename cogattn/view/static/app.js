@@ -88,6 +88,13 @@ const HEAD_UNITS = {
   entropy_mean: "entropy (nats, mean over video queries)",
   sink_share: "share of all received mass on the sink tokens",
 };
+// The audio stream's kinds (LTX-2): what their rows and columns are, as the kinds' docs name them.
+const AUDIO_AXES = {
+  audio: ["audio query bin", "audio key bin"],
+  audio_to_text: ["text token", "audio query bin"],
+  frame_audio: ["latent frame (its video queries averaged)", "audio key bin"],
+  audio_frame: ["audio query bin", "latent frame (its video keys summed)"],
+};
 const unitOf = (kind) => (S.units || {})[kind] || ""; // the reducers' `unit`, as on the plots' colour bars
 
 // A number as the page writes it: `digits` significant digits, exponent form outside [0.001, 10000).
@@ -230,7 +237,7 @@ function draw(target, payload, opts = {}) {
 
 // -- the viewer --------------------------------------------------------------------------------------------
 // The controls the page's address keeps, so a link opens the same view (`?run=…&step=…&point=f,r,c`).
-const KEPT = ["item", "step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "head-column", "mask", "pattern"];
+const KEPT = ["item", "step", "layer", "head", "scale", "limits", "word-kind", "token", "stat-kind", "audio-kind", "head-column", "mask", "pattern"];
 
 function restore() {
   for (const id of KEPT) {
@@ -314,6 +321,19 @@ async function redraw() {
     const captions = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
     const opts = { captions, onClick: choosePoint, unit: unitOf(statKind), where: onVideo };
     jobs.push(api("/api/map", { ...sel, kind: statKind }).then((p) => draw("stat", p, opts)));
+  }
+  const audioKind = $("audio-kind").value;
+  $("audio-panel").hidden = !audioKind;
+  if (audioKind) {
+    const [rows, cols] = AUDIO_AXES[audioKind];
+    $("audio-axes").textContent = `(rows: ${rows}, columns: ${cols})`;
+    const bin = (i) => {
+      const s = (S.audio_seconds || [])[i];
+      return s ? `${i} (${s[0].toFixed(2)}–${s[1].toFixed(2)} s)` : `${i}`;
+    };
+    const name = (axis, i) => (axis.includes("audio") ? `${axis} ${bin(i)}` : axis.includes("text") ? `${axis} ${i}: ${S.tokens[i] ?? ""}` : `${axis.split(" (")[0]} ${i}`);
+    const where = (f, r, c) => `${name(rows, r)}, ${name(cols, c)}`;
+    jobs.push(api("/api/map", { ...sel, kind: audioKind }).then((p) => draw("audio", p, { unit: unitOf(audioKind), where })));
   }
   if (S.kinds.includes("block")) {
     $("block-panel").hidden = false;
@@ -709,6 +729,7 @@ async function openRun() {
   for (const h of S.heads || []) option($("head"), h, `head ${h}`);
   for (const k of ["video_to_text", "text_to_video"]) if (kinds.includes(k)) option($("word-kind"), k);
   for (const k of ["entropy", "received"]) if (kinds.includes(k)) option($("stat-kind"), k);
+  for (const k of Object.keys(AUDIO_AXES)) if (kinds.includes(k)) option($("audio-kind"), k);
   for (const c of S.head_columns) option($("head-column"), c);
   for (const m of S.masks) option($("mask"), m);
   for (const p of ["none", ...((S.sparse && S.sparse.patterns) || [])]) option($("pattern"), p);
