@@ -257,14 +257,20 @@ def test_a_nabla_call_on_another_grid_is_refused_before_any_block_runs():
 
 def test_nabla_heads_in_another_order_and_the_recall_in_run_json(nabla, monkeypatch, tmp_path):
     """Heads [2, 0] of the conditional item: the per-head mask follows the selected heads; the recall of every head
-    is run.json's ``call_stats``, one slot (the conditional call's)."""
+    is run.json's ``call_stats``, one slot (the conditional call's), its tiles fitted to ``memory_budget`` (1 MiB:
+    151 query rows of the 768 keys at a time, 2.25 · rows · S float32s)."""
     import json
 
     mode, pipe, video, ref = nabla
     if mode == "blocks":
         _skipping_blocks(monkeypatch)
-    with cogattn.record(pipe, kinds=("full", "entropy"), batch="cond", heads=[2, 0], save_dir=tmp_path / "run") as rec:
+    rows = []
+    real = k5.kept_mass
+    monkeypatch.setattr(k5, "kept_mass", lambda q, k, keep, r: rows.append(r) or real(q, k, keep, r))
+    options = dict(batch="cond", heads=[2, 0], save_dir=tmp_path / "run", memory_budget="1MiB")
+    with cogattn.record(pipe, kinds=("full", "entropy"), **options) as rec:
         _generate(pipe, True)
+    assert rows == [2**20 // (9 * 768)] * 4 == [151] * 4  # each captured call: 2 steps × 2 layers
     P, keep, _, dense = ref[(2, 1, "self")]  # step 1's conditional call, layer 1
     want = P[:, [2, 0]]
     assert (rec.get("full", 1, 1).double() - want).abs().max() < 1e-5

@@ -36,9 +36,8 @@ processor hands the recording q, k and v put back in the video's order (:func:`v
   on the keys NABLA's mask keeps, ``exp(lse_kept − lse_all)`` per row (:func:`kept_mass`), whichever attention ran:
   how much of the dense attention the production sparse mask keeps. It lives in ``Recording.call_stats``
   (``(step, layer, "nabla_recall")`` → ``(slots, H)``, NaN for a slot whose call was not captured) and run.json's
-  ``call_stats`` (null for NaN). It costs one more pass over q·kᵀ per captured layer.
-
-Under NABLA the layer's output call is always the stock one (``layer_output`` other than ``"stock"`` is not used).
+  ``call_stats`` (null for NaN). It costs one more pass over q·kᵀ per captured layer, its tiles within
+  ``memory_budget``. Under NABLA the layer's output call is always the stock one (``layer_output`` is not used).
 """
 
 from __future__ import annotations
@@ -161,7 +160,7 @@ def kept_mass(query: torch.Tensor, key: torch.Tensor, keep: torch.Tensor, rows: 
     mask ``keep`` ``(B, H, N, N)`` keeps, ``exp(lse_kept − lse_all)`` per query row, the float32 log-sum-exps of each
     row's scores over the kept keys and over all of them, from ``query``, ``key`` ``(B, S, H, D)`` in the model's
     token order, one head and ``rows`` query rows at a time: about ``2.25 · rows · S · 4`` bytes of tiles (216 MB
-    at S = 93,696, the 10 s checkpoints' 241 frames at 512×768), outside the recording's ``memory_budget``."""
+    at S = 93,696 and 256 rows), which the processor fits to the recording's ``memory_budget``."""
     B, S, H, D = query.shape
     scale, total = D**-0.5, torch.zeros(B, H, dtype=torch.float64, device=query.device)
     for b in range(B):
@@ -291,7 +290,8 @@ class Kandinsky5AttnMapProcessor:
             mask = None
             if attn_mask is not None:  # the blocks NABLA keeps, where the kernel skipped the others
                 keep = kept_blocks(attn_mask)
-                self.sink.capture_stat(layer, "nabla_recall", kept_mass(query, key, keep))
+                rows = max(1, min(256, self.sink.options.memory_budget // (9 * query.shape[1])))  # 2.25·rows·S·4 B
+                self.sink.capture_stat(layer, "nabla_recall", kept_mass(query, key, keep, rows))
                 if mask_in_output(query, key, value, hidden_states, keep):
                     mask = GroupMask(keep, order // NABLA_BLOCK)
             self.sink.capture(layer, q, k, lse, sums, mask=mask, value=v)

@@ -6,16 +6,22 @@ line, plus a few calls on a :class:`MapSink`; it knows the recording only throug
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ..options import CaptureOptions
 
 __all__ = ["GroupMask", "MapSink", "context_bias", "key_counts", "query_key_mask"]
 
 
 class MapSink(Protocol):
     """What a map processor hands its captures to (a :class:`cogattn.Recording`); CogVideoX's and Wan's
-    processors (:mod:`cogattn.wan`) both use it."""
+    processors (:mod:`cogattn.wan`) both use it. ``options`` (`CaptureOptions`): what the recording was asked,
+    ``memory_budget`` among them, for a processor's own passes (Kandinsky 5's NABLA recall)."""
+
+    options: CaptureOptions
 
     def layer_to_capture(self, attn) -> int | None:
         """The block index of the module ``attn`` when this call is captured, else `None`."""
