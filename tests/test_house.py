@@ -52,7 +52,16 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """cogattn modules that ``name`` imports, at module level or inside a function."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {  # `if TYPE_CHECKING:` imports never run: an annotation names its type without a cycle
+        id(n)
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for n in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
