@@ -57,8 +57,8 @@ class TokenLayout:
         temporal_compression (`int`, defaults to 4): pixel frames per latent frame after the first, the
             VAE's ``vae_scale_factor_temporal`` (Mochi's is 6).
         history_len (`int`, defaults to 0): video tokens off the latent grid, before the grid's first
-            (HunyuanVideo FramePack's clean and 2×/4× downsampled history latents); they are video tokens
-            (``video_len`` counts them) of no latent frame, so the layout has no frame groups.
+            (FramePack's clean and 2×/4× downsampled history latents; LTX-2's keyframe and reference tokens,
+            moved first for the capture); video tokens (``video_len`` counts them) of no frame: no frame groups.
         causal_vae (`bool`, defaults to `True`): whether the VAE keeps pixel frame 0 as latent frame 0 (Wan,
             CogVideoX and the others), or packs every ``temporal_compression`` frames from frame 0 and decodes that
             many per latent frame, the pipeline cropping the last (Allegro's).
@@ -260,7 +260,7 @@ class TokenLayout:
         frame ``f`` (``f`` without text in the sequence). Refused with video tokens off the grid."""
         if self.history_len:
             raise ValueError(
-                f"{self.history_len} video tokens of this layout are off the latent grid (history latents): "
+                f"{self.history_len} video tokens of this layout are off the latent grid (history latents, or keyframe and reference tokens): "
                 "they belong to no latent frame, so the sequence has no frame groups."
             )
         text = torch.zeros(self.text_len, dtype=torch.long, device=device)
@@ -279,7 +279,7 @@ class TokenLayout:
         tokens off the grid. ``tile_shape=(1, Hp, Wp)`` gives :meth:`group_of_token`."""
         if self.history_len:
             raise ValueError(
-                f"{self.history_len} video tokens of this layout are off the latent grid (history latents): "
+                f"{self.history_len} video tokens of this layout are off the latent grid (history latents, or keyframe and reference tokens): "
                 "they belong to no tile, so the sequence has no tile groups."
             )
         t, h, w = tile_shape

@@ -89,7 +89,9 @@ def capture(
         mask (`torch.Tensor | None`): any other mask of this item (SkyReels-V2's block-causal one): boolean
             ``(S, S)``, `True` where a query attends a key, or one per head over token groups
             (``cogattn.recorder.processor.GroupMask``, Kandinsky 5's NABLA); every kind then comes from row tiles
-            with the masked scores at −inf (probability exactly 0), which needs ``plan.method == "rows"``.
+            with the masked scores at −inf (probability exactly 0), which needs ``plan.method == "rows"``; or an
+            additive one (``cogattn.recorder.processor.QueryKeyBias``, LTX-2's IC-LoRA), added to the scaled scores
+            in the same row tiles.
         value (`torch.Tensor | None`): the values ``(H, S, D)`` of this item, for the reducers that need them
             (``needs_value``: ``pattern_error``), which fold row tiles with them.
     """
@@ -221,7 +223,8 @@ def row_pass(
     """Row tiles over ``rows`` (all S when `None`), folded into row kinds and, when every row is formed,
     into key-pooled kinds (a gather of single keys, sums over runs of keys, else a product with the
     indicator) and the row statistics; scores of keys from ``kept`` on, and where the boolean ``mask``
-    (``passes.mask_rows``) is `False`, are masked (−inf: probability 0)."""
+    (``passes.mask_rows``) is `False`, are masked (−inf: probability 0); an additive ``mask``
+    (``QueryKeyBias``) is added to the scaled scores, as the model adds it (``passes.apply_mask_``)."""
     H, S, D = q.shape
     kept = S if kept is None else kept
     mask = None if mask is None else mask.to(q.device)
@@ -245,13 +248,12 @@ def row_pass(
             scores = torch.matmul(q_rows, kt, out=tile.take(h1 - h0, r1 - r0, S)).mul_(scale)  # (h, r, S)
             if kept < S:
                 scores[..., kept:] = -math.inf
-            if mask is not None:  # inverted per tile: the model's (S, S) mask is not copied whole
-                scores.masked_fill_(passes.mask_rows(mask, idx, h0, h1).logical_not(), -math.inf)
+            bias = None if mask is None else passes.apply_mask_(scores, mask, idx, h0, h1)
             if wants_entropy:
-                probs, entropy = passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale)
+                probs, entropy = passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale, bias)
             else:
                 probs, entropy = passes.softmax_(scores), None
-            del scores, q_rows
+            del scores, q_rows, bias
             for red, out in row_kinds:
                 red.fold_rows(out, h0, r0, probs)
             for (red, out), keys, run, ind in zip(pooled, gathers, runs, indicators):

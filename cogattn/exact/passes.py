@@ -71,11 +71,12 @@ def softmax_(scores: torch.Tensor) -> torch.Tensor:
     return scores.div_(scores.sum(-1, keepdim=True))
 
 
-def softmax_entropy(scores: torch.Tensor, q_rows: torch.Tensor, k: torch.Tensor, scale: float):
+def softmax_entropy(scores: torch.Tensor, q_rows: torch.Tensor, k: torch.Tensor, scale: float, bias=None):
     """:func:`softmax_` of ``scores`` ``(h, r, S)`` and each row's entropy ``(h, r)``, from the rows' lse
     (``max + ln Σ exp``) and ``P K``: ``H_i = lse_i − scale·q_i·(P K)_i`` (as :func:`entropy_pass`), for the
     tile's float32 query rows ``q_rows`` ``(h, r, D)`` and keys ``k`` ``(h, S, D)``. One more matmul of
-    the tile's size and no logarithm per entry."""
+    the tile's size and no logarithm per entry. ``bias`` ``(1, r, S)``: what the scores were given beyond
+    ``scale·q·k`` (an additive mask), whose ``Σ_j P_ij·bias_ij`` the entropy then also subtracts."""
     top = scores.amax(-1, keepdim=True)
     scores.sub_(top).exp_()
     total = scores.sum(-1, keepdim=True)
@@ -83,7 +84,10 @@ def softmax_entropy(scores: torch.Tensor, q_rows: torch.Tensor, k: torch.Tensor,
     lse = (top + total.log())[..., 0]
     pk = torch.matmul(probs, k)  # (h, r, D)
     dot = torch.matmul(q_rows.unsqueeze(-2), pk.unsqueeze(-1))[..., 0, 0]  # (h, r): q_i·(P K)_i
-    return probs, lse - scale * dot
+    entropy = lse - scale * dot
+    if bias is not None:  # a batched row-by-row product: no (h, r, S) temporary
+        entropy -= torch.matmul(probs.unsqueeze(-2), bias.unsqueeze(-1))[..., 0, 0]
+    return probs, entropy
 
 
 def run_sums(probs: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -247,6 +251,19 @@ class TileBuffer:
         return self.buffer[: h * r * S].view(h, r, S)
 
 
+def apply_mask_(scores: torch.Tensor, mask, rows, h0: int, h1: int) -> torch.Tensor | None:
+    """Apply one item's ``mask`` to the tile ``scores`` ``(h, r, S)`` of query ``rows`` and heads ``h0:h1``, in
+    place: a boolean one (:func:`mask_rows`) sets masked scores to −inf, an additive one
+    (``cogattn.recorder.processor.QueryKeyBias``) adds its float32 rows, which it returns (`None` for a boolean
+    one); inverted or gathered per tile, so the model's ``(S, S)`` mask is never copied whole."""
+    if getattr(mask, "additive", False):
+        bias = mask.rows(rows, h0, h1)
+        scores.add_(bias)
+        return bias
+    scores.masked_fill_(mask_rows(mask, rows, h0, h1).logical_not(), -torch.inf)
+    return None
+
+
 def mask_rows(mask, rows, h0: int, h1: int) -> torch.Tensor:
     """The query ``rows`` of one item's ``mask`` for heads ``h0:h1`` of the selection: ``(r, S)`` of an ``(S, S)``
     tensor (the same for every head), ``(h, r, S)`` of a per-head mask over token groups
@@ -258,7 +275,7 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None, 
     """Head-mean rows of every query, ``(1, r, S)`` per row tile, summed over head chunks in float32 and
     divided by the heads, folded into kinds of the head-mean row (``topk`` with ``heads="mean"``); ``q`` and
     ``k`` are the engine's head views, ``plan`` its tile plan; keys from ``keys`` on, and where the boolean
-    ``mask`` (:func:`mask_rows`) is `False`, are masked."""
+    ``mask`` (:func:`mask_rows`) is `False`, are masked; an additive ``mask`` is added (:func:`apply_mask_`)."""
     H, S, _ = q.shape
     keys = S if keys is None else keys
     mask = None if mask is None else mask.to(q.device)
@@ -275,8 +292,8 @@ def mean_row_pass(q, k, row_kinds, plan, scale: float, keys: int | None = None, 
             scores.mul_(scale)
             if keys < S:
                 scores[..., keys:] = -torch.inf
-            if mask is not None:  # inverted per tile: the model's (S, S) mask is not copied whole
-                scores.masked_fill_(mask_rows(mask, slice(r0, r1), h0, h1).logical_not(), -torch.inf)
+            if mask is not None:
+                apply_mask_(scores, mask, slice(r0, r1), h0, h1)
             probs = softmax_(scores)
             for head in probs:  # no temporary
                 total[0] += head

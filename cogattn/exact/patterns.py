@@ -108,7 +108,7 @@ def _positions(layout: TokenLayout) -> tuple[torch.Tensor, ...]:
     """``(frame, row, col, is_video)`` of every token, ``(S,)`` each; text tokens at frame, row, col −1."""
     if layout.history_len:
         raise ValueError(
-            f"{layout.history_len} video tokens of this layout are off the latent grid (history latents): a "
+            f"{layout.history_len} video tokens of this layout are off the latent grid (history latents, or keyframe and reference tokens): a "
             "pattern over (frame, row, col) has no position for them."
         )
     S, v = layout.seq_len, layout.grid_tokens

@@ -12,6 +12,13 @@ softmax's. The processor hands q and k of each to the sink by its :data:`SOURCES
 ``capture`` (the self-attention kinds; the opt-in output call makes its output), the others to ``capture_context``
 with their source and key bias. A processor told no source reads it from the call: the video self-attention without
 a context, else the video's text cross-attention (the two a recording installs it on).
+
+The video self-attention may take an additive mask (``LTX2InContextPipeline``'s ``video_self_attention_mask``:
+−10000·(1 − strength) between the IC-LoRA reference tokens and the others, made per head by
+``prepare_attention_mask``): capture is handed it as a ``QueryKeyBias``, which row tiles add to the scaled scores
+as the model adds it. Video tokens after the grid (keyframe conditions, references) lead the video in what capture
+is handed (the self-attention's q, k, v and bias, the video queries of the text and audio cross-attentions), the
+layout's ``history_len``; the model's output is the stock call's, in the model's order.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
     apply_split_rotary_emb,
 )
 
-from ..recorder.processor import MapSink, context_bias
+from ..recorder.processor import MapSink, context_bias, query_key_bias
 
 __all__ = ["PROCESSORS", "SOURCES", "LTX2AttnMapProcessor", "LTX2PerturbedAttnMapProcessor", "map_processors"]
 
@@ -42,26 +49,45 @@ SOURCES = {
 
 
 def _source(processor, layer: int | None, cross: bool, mask) -> str:
-    """The source of a call (the processor's, else read from the call); refuses a captured video self-attention
-    under a mask."""
-    source = processor.source or ("text" if cross else "self")
-    if source == "self" and mask is not None and layer is not None:
-        # IC-LoRA's reference tokens: −10000·(1 − strength), a bias, not 0 / −inf
-        raise ValueError(
-            "cogattn does not yet capture LTX-2's video self-attention under an attention mask (IC-LoRA's "
-            "conditioning_attention_strength < 1 or conditioning_attention_mask); record without them."
-        )
-    return source
+    """The source of a call: the processor's, else read from the call."""
+    return processor.source or ("text" if cross else "self")
+
+
+def _stock_output(sink: MapSink, layer: int | None, source: str, mask) -> bool:
+    """Whether a call keeps the stock output call: all but a captured video self-attention over the grid alone
+    without a mask (the opt-in output call takes no mask, and its lse would be in the model's token order)."""
+    return layer is None or source != "self" or mask is not None or bool(sink.layout.history_len)
+
+
+def _leading_extras(sink: MapSink, length: int, device) -> torch.Tensor | None:
+    """The capture's token order of a video sequence of ``length``: the tokens after the grid (keyframe and IC-LoRA
+    reference tokens, the layout's ``history_len``) first, then the grid's; `None` where there are none."""
+    extras = sink.layout.history_len
+    if not extras:
+        return None
+    grid = length - extras
+    return torch.cat([torch.arange(grid, length, device=device), torch.arange(grid, device=device)])
 
 
 def _capture(sink: MapSink, source: str, layer: int, q, key, value, lse, sums, mask) -> None:
     """Hand a captured call's ``q`` ``(B, H, S, D)`` and ``key``, ``value`` ``(B, S, H, D)`` to ``sink`` by
-    ``source``, with the lse and sums of the opt-in output call and the call's additive mask ``(B, H, Q, K)``."""
+    ``source``, with the lse and sums of the opt-in output call and the call's additive mask ``(B, H, Q, K)``: the
+    video self-attention's as a :class:`QueryKeyBias` (IC-LoRA's), a cross-attention's as a key bias. Video tokens
+    after the grid lead the video in what capture is handed (q, k, v and the bias alike): the model's output is
+    the stock call's, in the model's order."""
     if source == "self":
-        v = value.transpose(1, 2) if sink.wants_value else None
-        sink.capture(layer, q, key.transpose(1, 2), lse, sums, value=v)
-    else:
-        sink.capture_context(layer, q, key.transpose(1, 2), source, context_bias(mask, q.shape[0], key.shape[1]))
+        order = _leading_extras(sink, q.shape[2], q.device)
+        bias = query_key_bias(mask, q.shape[0], q.shape[2], order)
+        key, v = key.transpose(1, 2), value.transpose(1, 2) if sink.wants_value else None
+        if order is not None:
+            q, key = q.index_select(2, order), key.index_select(2, order)
+            v = None if v is None else v.index_select(2, order)
+        sink.capture(layer, q, key, lse, sums, mask=bias, value=v)
+        return
+    if source in ("text", "a2v"):  # video queries: the grid's are the kinds' rows, the tokens after it lead
+        order = _leading_extras(sink, q.shape[2], q.device)
+        q = q if order is None else q.index_select(2, order)
+    sink.capture_context(layer, q, key.transpose(1, 2), source, context_bias(mask, q.shape[0], key.shape[1]))
 
 
 class LTX2AttnMapProcessor:
@@ -133,7 +159,7 @@ class LTX2AttnMapProcessor:
         q = None if layer is None else query.transpose(1, 2)  # (B, H, S, D), as the recording takes them
         fused = (  # the opt-in output call: the video self-attention (it takes no mask)
             None
-            if layer is None or source != "self"
+            if _stock_output(self.sink, layer, source, attention_mask)
             else self.sink.attention(layer, q, key.transpose(1, 2), value.transpose(1, 2))
         )
         if fused is None:
@@ -254,7 +280,7 @@ class LTX2PerturbedAttnMapProcessor:
             q = None if layer is None else query.transpose(1, 2)  # (B, H, S, D), as the recording takes them
             fused = (  # the opt-in output call: the video self-attention (it takes no mask)
                 None
-                if layer is None or source != "self"
+                if _stock_output(self.sink, layer, source, attention_mask)
                 else self.sink.attention(layer, q, key.transpose(1, 2), value.transpose(1, 2))
             )
             if fused is None:

@@ -94,7 +94,9 @@ def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``LTX2VideoTransformer3DModel`` call: packed video latents
     ``(B, S, C)``, the grid from ``num_frames``, ``height`` and ``width`` (latent sizes), the text of the video's
     cross-attention ``encoder_hidden_states`` ``(B, T, C)``, the audio axis from ``audio_hidden_states`` ``(B, A, C)``
-    and ``fps``; image-to-video's timestep per token: its largest."""
+    and ``fps``; image-to-video's timestep per token: its largest. Video tokens after the grid (``LTX2ConditionPipeline``'s
+    keyframes, ``LTX2InContextPipeline``'s references) are the layout's ``history_len``: capture's order leads with
+    them (:mod:`cogattn.models._ltx2_attention`)."""
     hidden = call_argument(args, kwargs, 0, "hidden_states")
     text = call_argument(args, kwargs, 2, "encoder_hidden_states")
     t = call_argument(args, kwargs, 4, "timestep")
@@ -108,12 +110,11 @@ def read_call(config, args: tuple, kwargs: dict):
         )
     p, p_t = int(config["patch_size"]), int(config["patch_size_t"])
     grid = (int(frames) // p_t, int(height) // p, int(width) // p)
-    seq_len = hidden.shape[1]
-    if grid[0] * grid[1] * grid[2] != seq_len:
+    extras = hidden.shape[1] - grid[0] * grid[1] * grid[2]  # keyframe and reference tokens after the grid
+    if extras < 0:
         raise ValueError(
-            f"this LTX-2 call has {seq_len} video tokens, but its grid {grid} holds {grid[0] * grid[1] * grid[2]}: "
-            "cogattn records LTX-2 calls whose video is the grid alone (tokens appended after it, keyframe conditions "
-            "or IC-LoRA references, come later)."
+            f"this LTX-2 call has {hidden.shape[1]} video tokens, fewer than its grid {grid} holds "
+            f"({grid[0] * grid[1] * grid[2]}); cogattn reads the grid from num_frames, height and width."
         )
     layout = TokenLayout(
         text_len=0,
@@ -125,6 +126,7 @@ def read_call(config, args: tuple, kwargs: dict):
         context_len=int(text.shape[1]),
         temporal_compression=_vae_factors(config)[0],
         audio=_audio_of_call(config, args, kwargs),
+        history_len=extras,
     )
     return layout, hidden.shape[0], t, hidden.device
 

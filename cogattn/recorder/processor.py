@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from ..layout import TokenLayout
     from ..options import CaptureOptions
 
-__all__ = ["GroupMask", "MapSink", "context_bias", "key_counts", "query_key_mask"]
+__all__ = ["GroupMask", "MapSink", "QueryKeyBias", "context_bias", "key_counts", "query_key_bias", "query_key_mask"]
 
 
 class MapSink(Protocol):
@@ -22,6 +23,7 @@ class MapSink(Protocol):
     ``memory_budget`` among them, for a processor's own passes (Kandinsky 5's NABLA recall)."""
 
     options: CaptureOptions
+    layout: TokenLayout | None  # the generation's, once its first transformer call has made the plan
 
     def layer_to_capture(self, attn) -> int | None:
         """The block index of the module ``attn`` when this call is captured, else `None`."""
@@ -47,7 +49,8 @@ class MapSink(Protocol):
         """Compute the selected maps of ``layer`` from ``query`` and ``key`` ``(B, H, S, D)``; ``key_counts``
         ``(B,)``: each item's kept keys (the first ones), under a key mask; ``query_counts`` ``(B,)``: each
         item's formed query rows (the first ones), where the model never forms the others; ``mask``
-        ``(B or 1, S, S)``: any other mask, from :func:`query_key_mask`; ``value`` ``(B, H, S, D)``: the values,
+        ``(B or 1, S, S)``: any other mask, from :func:`query_key_mask` (or an additive one, a :class:`QueryKeyBias`
+        from :func:`query_key_bias`); ``value`` ``(B, H, S, D)``: the values,
         handed over only where :attr:`wants_value` says a kind needs them (``pattern_error``)."""
 
     def capture_stat(self, layer: int, name: str, values: torch.Tensor) -> None:
@@ -102,6 +105,46 @@ class GroupMask:
         """One item's mask of query ``rows`` (a slice or indices) for heads ``h0:h1``: boolean ``(h, r, S)``."""
         by_query = self.keep[h0:h1].index_select(1, self.group[rows].flatten())  # (h, r, N)
         return by_query.index_select(2, self.group)
+
+
+class QueryKeyBias:
+    """An additive bias of a self-attention's scores, the same for every head, where a model adds one that is no
+    mask (LTX-2's IC-LoRA: −10000·(1 − strength) between reference and generated tokens): query i's score of key j
+    gains ``bias[i, j]`` before the softmax, as the attention adds it. Capture takes it as ``mask``; row tiles add
+    each tile's float32 ``(1, r, S)`` rows (:meth:`rows`), never a copy of the ``(S, S)`` whole.
+
+    Args:
+        bias (`torch.Tensor`): float ``(B or 1, S, S)`` (one item's: ``(S, S)``) in the model's token order.
+        order (`torch.Tensor | None`): ``(S,)`` the model's token at each position of the sequence capture is handed,
+            where the processor reorders it for the capture (LTX-2's tokens after the grid, moved first); `None`:
+            the model's order.
+    """
+
+    additive = True  # row tiles add it to the scores (a boolean mask sets masked scores to −inf)
+
+    def __init__(self, bias: torch.Tensor, order: torch.Tensor | None = None):
+        self.bias, self.order = bias, None if order is None else order.long()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.bias.shape)
+
+    def __getitem__(self, item: int) -> QueryKeyBias:
+        """Batch item ``item``'s bias ``(S, S)``."""
+        return QueryKeyBias(self.bias[item], self.order)
+
+    def select_heads(self, heads: torch.Tensor | None) -> QueryKeyBias:
+        """The same for every head: itself."""
+        return self
+
+    def to(self, device) -> QueryKeyBias:
+        return QueryKeyBias(self.bias.to(device), None if self.order is None else self.order.to(device))
+
+    def rows(self, rows, h0: int, h1: int) -> torch.Tensor:
+        """One item's bias of query ``rows`` (a slice or indices of the capture's order), float32 ``(1, r, S)``."""
+        if self.order is None:
+            return self.bias[rows].float()[None]
+        return self.bias[self.order[rows]].index_select(-1, self.order).float()[None]
 
 
 def key_counts(mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
@@ -181,3 +224,24 @@ def _read_mask(mask: torch.Tensor, batch: int, seq_len: int) -> tuple[bool, torc
     if not bool(keep.any(-1).all()):
         raise ValueError("this call's attention mask leaves a query row no key, whose attention is undefined.")
     return bool(keep.all()), converted
+
+
+def query_key_bias(mask: torch.Tensor | None, batch: int, seq_len: int, order=None) -> QueryKeyBias | None:
+    """The additive mask of a self-attention call as capture takes it, a :class:`QueryKeyBias` (``order``: its
+    argument); `None` where it adds nothing. Takes a float mask ``(B, 1 or H, S, S)`` that is the same for every head
+    (LTX-2's, made per head by ``prepare_attention_mask``); raises `ValueError` for any other."""
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[0] != batch or tuple(mask.shape[2:]) != (seq_len, seq_len):
+        raise ValueError(
+            f"cogattn captures a self-attention under an additive mask (B, H, {seq_len}, {seq_len}); this call's "
+            f"mask is {tuple(mask.shape)}."
+        )
+    if mask.dtype == torch.bool or not mask.is_floating_point():
+        raise ValueError(f"cogattn takes an additive (float) mask here; this call's is {mask.dtype}.")
+    first = mask[:, 0]
+    if not torch.equal(mask, first[:, None].expand_as(mask)):
+        raise ValueError(
+            "cogattn captures an additive self-attention mask that is the same for every head; this one is not."
+        )
+    return QueryKeyBias(first, order) if bool(first.any()) else None

@@ -97,6 +97,15 @@ class AudioFrameReducer(AudioReducer):
     dims = ("audio bin", "latent frame")
     source = "v2a"
 
+    def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
+        super().__init__(layout, num_heads, mean_heads, queries, **sizes)
+        if layout.history_len and self.audio_len:
+            raise ValueError(
+                f"kind 'audio_frame' sums each audio query's probabilities over a latent frame's video keys, but "
+                f"{layout.history_len} video keys of this layout are off the latent grid (LTX-2's keyframe or "
+                "reference tokens after it) and share the softmax; 'audio', 'audio_to_text' and 'frame_audio' are exact."
+            )
+
     @property
     def context_len(self) -> int:
         return self.layout.video_len - self.layout.history_len if self.audio_len else 0

@@ -30,7 +30,7 @@ class OffsetReducer(Reducer):
         if layout.history_len:
             raise ValueError(
                 f"kind 'offset' needs every video token on the latent grid, but {layout.history_len} video tokens "
-                "of this layout are off it (history latents); 'full' or 'query' give their rows."
+                "of this layout are off it (history latents, or keyframe and reference tokens); 'full' or 'query' give their rows."
             )
         self.rows = torch.arange(layout.seq_len)  # every row: the pass is shared with the other row kinds
 
