@@ -141,8 +141,12 @@ class AttentionSpy:
 
 def spy_probs(q, k, mask):
     """The naive float64 probabilities of one spied call: ``mask`` a key mask ``(B, 1, 1, S)`` or a query-key
-    mask ``(B, 1, S, S)`` (masked scores at −inf), or an additive key mask ``(B, H, 1, S)``, the same for every head
-    (added to the scores), as the call was given it."""
+    mask ``(B, 1, S, S)`` (masked scores at −inf), or an additive key mask ``(B, H, 1, S)`` or query-key bias
+    ``(B, H, S, S)``, the same for every head (added to the scores), as the call was given it."""
+    if mask is not None and mask.shape[-2] > 1 and mask.dtype != torch.bool:  # a bias (LTX-2's IC-LoRA), every head's
+        assert torch.equal(mask, mask[:, :1].expand_as(mask)), mask.shape
+        scores = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
+        return (scores + mask[:, :1].double()).softmax(-1)
     if mask is not None and mask.shape[-2] > 1:  # a query-key mask (diffusion forcing): masked scores at -inf
         assert mask.dtype == torch.bool and mask.shape[1] == 1, mask.shape
         scores = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5

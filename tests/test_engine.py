@@ -252,6 +252,58 @@ def test_a_mask_per_head_over_token_groups_follows_the_selected_heads(mean):
         assert bool((outs[kinds.index("full")][~mask] == 0).all())
 
 
+@pytest.mark.parametrize("mean", [False, True])
+def test_an_additive_bias_is_added_to_the_scaled_scores_in_the_captures_token_order(mean):
+    """An additive bias (``processor.QueryKeyBias``: LTX-2's IC-LoRA, −10000·(1 − strength)), given in the model's
+    token order with the order capture is handed its tokens in, heads [2, 0] selected: every kind equals the naive
+    softmax of ``q·kᵀ·scale + bias`` (the bias reordered, entropy with its term); methods but rows refuse it."""
+    from cogattn.recorder.processor import QueryKeyBias
+
+    torch.manual_seed(5)
+    layout = TokenLayout(0, 4, 2, 3)
+    H, S, D = 3, layout.seq_len, 16
+    q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2
+    bias = -3 * torch.rand(S, S)  # the model's order
+    bias[:, :4] = -10000.0  # keys no query reaches but by e^−10000: probability 0, as the model's
+    order = torch.cat([torch.arange(S - 5, S), torch.arange(S - 5)])  # the last 5 tokens lead, as LTX-2's extras
+    heads = torch.tensor([2, 0])
+    kinds = [kd for kd in KINDS if kd not in ("video_to_text", "text_to_video")]
+    reducers = [REDUCERS[kd](layout, 2, mean, torch.tensor([0, 9]), **SIZES) for kd in kinds]
+    plan = plan_tiles(reducers, S, 2, D, 40_000, "rows", q.device)
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    capture(q, k, reducers, outs, plan, heads, mask=QueryKeyBias(bias[None], order)[0], value=_value(q))
+    scores = q[heads][None].double() @ k[heads][None].double().transpose(-1, -2) / D**0.5
+    P = (scores + bias[order][:, order].double()).softmax(-1)
+    for kind, got in zip(kinds, outs):
+        if kind in RANKED:
+            assert _ranked_error(got, P, kind, layout, mean) <= 1e-5, kind
+            continue
+        if kind == "topk":
+            assert_topk(REDUCERS[kind].unpack(got[None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
+            continue
+        ref = naive_kind(P, kind, 0, layout.grid, [0, 9], v=_value(q)[heads][None], **SIZES)[0]
+        ref = ref.mean(0, keepdim=True) if mean else ref
+        assert (got.double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
+    sdpa = plan_tiles(reducers, S, 2, D, 40_000, "sdpa", q.device)
+    with pytest.raises(ValueError, match="row tiles only"):
+        capture(q, k, reducers, outs, sdpa, heads, mask=QueryKeyBias(bias[None])[0])
+
+
+def test_the_additive_masks_capture_takes_and_those_it_refuses():
+    from cogattn.recorder.processor import query_key_bias
+
+    bias = -2 * torch.rand(1, 1, 6, 6)
+    got = query_key_bias(bias.expand(2, 3, 6, 6), 2, 6)  # per head as prepare_attention_mask makes it: the same
+    assert torch.equal(got.bias, bias.expand(2, 1, 6, 6)[:, 0]) and got.order is None
+    assert query_key_bias(torch.zeros(2, 3, 6, 6), 2, 6) is None  # adds nothing
+    with pytest.raises(ValueError, match="the same for every head"):
+        query_key_bias(torch.cat([bias, 2 * bias], 1).expand(2, 2, 6, 6), 2, 6)
+    with pytest.raises(ValueError, match=r"\(B, H, 6, 6\); this call's mask is \(2, 3, 1, 6\)"):
+        query_key_bias(bias[:, :, :1].expand(2, 3, 1, 6), 2, 6)
+    with pytest.raises(ValueError, match="additive \\(float\\) mask"):
+        query_key_bias(torch.ones(2, 1, 6, 6, dtype=torch.bool), 2, 6)
+
+
 def test_the_masks_capture_takes_and_those_it_refuses():
     from cogattn.recorder.processor import query_key_mask
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 ltx2 = pytest.importorskip("cogattn.models._ltx2_attention", reason="this diffusers lacks LTX-2")
+from cogattn.layout import TokenLayout  # noqa: E402
 from cogattn.models import _ltx2_tiny  # noqa: E402  (after the skip: it needs the same diffusers)
 
 SOURCES = ltx2.SOURCES
@@ -67,9 +68,11 @@ class Spy:
 
 
 class Sink:
-    """A `MapSink` that keeps what the map processors hand over: ``(layer, source, q, k, bias)`` in call order."""
+    """A `MapSink` that keeps what the map processors hand over: ``(layer, source, q, k, bias)`` in call order (the
+    self-attention's bias: its ``QueryKeyBias``)."""
 
     wants_value = False
+    layout = TokenLayout(0, 1, 2, 3)  # the direct calls' grid: no tokens after it
 
     def __init__(self, transformer, active=lambda: True):
         self.layers = {id(getattr(b, a)): i for i, b in enumerate(transformer.transformer_blocks) for a in SOURCES}
@@ -82,7 +85,7 @@ class Sink:
         return None
 
     def capture(self, layer, q, k, lse, sums, key_counts=None, query_counts=None, mask=None, value=None):
-        self.seen.append((layer, "self", q.clone(), k.clone(), None))
+        self.seen.append((layer, "self", q.clone(), k.clone(), mask))
 
     def capture_context(self, layer, q, k, context, bias=None):
         self.seen.append((layer, context, q.clone(), k.clone(), None if bias is None else bias.clone()))
@@ -302,14 +305,43 @@ def test_refusals(pipes):
     try:
         with pytest.raises(TypeError, match="runs a LTX2AttnMapProcessor"):
             ltx2.map_processors(transformer, sink)
-        inputs = _direct_call(transformer)
-        inputs["video_self_attention_mask"] = torch.ones(1, 6, 6).tril()  # IC-LoRA's kind of mask
-        with pytest.raises(ValueError, match="IC-LoRA"):
-            transformer(**inputs)
-        inputs["video_self_attention_mask"] = None
-        transformer(**inputs)  # the same call without the mask runs
     finally:
         _restore(transformer, saved)
+
+
+def test_the_ic_lora_mask_is_handed_over_as_the_bias_the_model_adds(pipes, monkeypatch):
+    """``video_self_attention_mask`` (IC-LoRA's strengths in [0, 1]) is added by the video self-attention as
+    −10000·(1 − m), per head: the float64 reference with it reproduces the call's output, the map processors keep the
+    output bit-identical and hand over that bias once for every head, as a ``QueryKeyBias`` in the model's order."""
+    from diffusers.models.transformers import transformer_ltx2
+
+    transformer = pipes().transformer
+    inputs = _direct_call(transformer)
+    strength = torch.ones(1, 6, 6)
+    strength[:, :4, 4:], strength[:, 4:, :4] = 0.9998, 0.9998  # 2 tokens as references: a bias of −2
+    inputs["video_self_attention_mask"] = strength
+    spy = Spy(transformer, monkeypatch, transformer_ltx2)
+    try:
+        stock = transformer(**inputs, return_dict=False)
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    (call,) = spy.calls
+    sink = Sink(transformer)
+    saved = _install(transformer, sink)
+    try:
+        mapped = transformer(**inputs, return_dict=False)
+    finally:
+        _restore(transformer, saved)
+    assert all(torch.equal(a, b) for a, b in zip(mapped, stock))
+    selfs = [(layer, got) for layer, source, *_, got in sink.seen if source == "self"]
+    assert len(selfs) == 2
+    for layer, got in selfs:
+        x, context, q, k, v, mask, out, module_out = call[(layer, "attn1")]
+        assert torch.equal(mask, mask[:, :1].expand_as(mask)) and got.order is None
+        assert torch.equal(got.bias, mask[:, 0]) and abs(float(mask.min()) + 2.0) < 1e-2
+        P = (q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5 + mask.double()).softmax(-1)
+        assert (P @ v.double() - out.double()).abs().max().item() < TOL  # the reference is the model's attention
 
 
 @pytest.mark.parametrize("perturbed", [False, True])
@@ -353,7 +385,10 @@ def test_a_call_is_read_as_the_video_grid_alone_and_the_perturbed_calls_are_name
     call["timestep"] = torch.tensor([[0.0] * 8 + [900.0] * 16] * 2)  # image-to-video: 0 on the image's frame
     assert float(family.read_call(config, (), call)[2]) == 900.0
     call["hidden_states"] = torch.zeros(2, 24 + 8, 4)  # a keyframe condition's tokens appended after the grid
-    with pytest.raises(ValueError, match="has 32 video tokens, but its grid \\(3, 2, 4\\) holds 24"):
+    keyframe = family.read_call(config, (), call)[0]
+    assert (keyframe.history_len, keyframe.grid, keyframe.video_len) == (8, (3, 2, 4), 32)
+    call["hidden_states"] = torch.zeros(2, 20, 4)
+    with pytest.raises(ValueError, match="has 20 video tokens, fewer than its grid \\(3, 2, 4\\) holds \\(24\\)"):
         family.read_call(config, (), call)
     assert family.extra_call((), dict(spatio_temporal_guidance_blocks=[28])) == "spatio-temporal guidance"
     assert family.extra_call((), dict(isolate_modalities=True)) == "modality isolation"
@@ -375,9 +410,20 @@ def test_a_layer_name_of_an_audio_attention_is_refused_naming_its_kind_and_layer
     rec.close()
 
 
-def test_a_condition_placed_after_frame_0_is_refused_in_one_line(pipes):
+@pytest.mark.parametrize(
+    "kind, says",
+    [
+        ("frame", "off the latent grid"),
+        ("offset", "off it"),
+        ("frame_max", "off the latent grid"),
+        ("pattern_recall", "off the latent grid"),
+        ("audio_frame", "share the softmax"),
+    ],
+)
+def test_kinds_that_need_the_grid_refuse_a_keyframe_s_tokens_in_one_line(pipes, kind, says):
     """LTX2ConditionPipeline appends the latents of a condition placed after frame 0 to the video's tokens (a
-    condition at frame 0 is the grid's first frame: tests/test_families.py's ltx2_condition case records it)."""
+    condition at frame 0 is the grid's first frame; every kind of both is tests/test_families.py's): the kinds that
+    place every video token on the grid, or sum the video keys per latent frame, refuse the call in one line."""
     import PIL.Image
     from diffusers import LTX2ConditionPipeline
     from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
@@ -389,7 +435,7 @@ def test_a_condition_placed_after_frame_0_is_refused_in_one_line(pipes):
     image = PIL.Image.new("RGB", (128, 64), (200, 40, 40))
     call = _ltx2_tiny.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), True)
     condition = LTX2VideoCondition(frames=image, index=2, crf=0)
-    with pytest.raises(ValueError, match="has 32 video tokens, but its grid \\(3, 2, 4\\) holds 24") as err:
-        with cogattn.record(pipe, kinds=("frame",)):
+    with pytest.raises(ValueError, match=f"8 video (tokens|keys) of this layout.*{says}") as err:
+        with cogattn.record(pipe, kinds=(kind,)):
             pipe(conditions=[condition], **call, num_inference_steps=1, output_type="latent")
     assert "\n" not in str(err.value)

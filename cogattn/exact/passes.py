@@ -85,8 +85,8 @@ def softmax_entropy(scores: torch.Tensor, q_rows: torch.Tensor, k: torch.Tensor,
     pk = torch.matmul(probs, k)  # (h, r, D)
     dot = torch.matmul(q_rows.unsqueeze(-2), pk.unsqueeze(-1))[..., 0, 0]  # (h, r): q_i·(P K)_i
     entropy = lse - scale * dot
-    if bias is not None:  # a batched row-by-row product: no (h, r, S) temporary
-        entropy -= torch.matmul(probs.unsqueeze(-2), bias.unsqueeze(-1))[..., 0, 0]
+    if bias is not None:  # a batched row-by-row product, no (h, r, S) temporary; P = 0 where the bias is −inf
+        entropy -= torch.matmul(probs.unsqueeze(-2), bias.nan_to_num(neginf=0.0).unsqueeze(-1))[..., 0, 0]
     return probs, entropy
 
 
