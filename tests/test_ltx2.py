@@ -439,3 +439,25 @@ def test_kinds_that_need_the_grid_refuse_a_keyframe_s_tokens_in_one_line(pipes, 
         with cogattn.record(pipe, kinds=(kind,)):
             pipe(conditions=[condition], **call, num_inference_steps=1, output_type="latent")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("pipeline", ["LTX2InContextPipeline", "LTX2ConditionPipeline"])
+def test_the_batch_tool_refuses_a_checkpoint_of_a_conditioned_pipeline_in_one_line(tmp_path, pipeline):
+    """A checkpoint folder whose ``model_index.json`` names the in-context (IC-LoRA) or condition pipeline: the batch
+    tool passes no reference or keyframe conditions from a config, so its config is refused before anything loads;
+    the same folder as an ``LTX2Pipeline`` checkpoint is taken."""
+    import json
+
+    from cogattn.dump.config import ConfigError, load_config
+    from cogattn.models import ltx2 as family
+
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(family.KNOWN["Lightricks/LTX-2"]))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    config = tmp_path / "ltx2.yaml"
+    config.write_text(f"model: {tmp_path}\nnum_frames: 121\nheight: 512\nwidth: 768\n")
+    with pytest.raises(ConfigError, match=f"is a {pipeline} checkpoint; .* record {pipeline} from Python") as err:
+        load_config(config)
+    assert "\n" not in str(err.value)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "LTX2Pipeline"}))
+    assert load_config(config).family == "ltx2"

@@ -14,12 +14,17 @@ The video sequence is the packed latents, one token per latent pixel (patch size
 first (``vae_scale_factors`` of the transformer's config). The text is the connectors' output: each prompt's valid
 tokens first, then learnable registers, every key kept. A step makes one guidance call (``[uncond..., cond...]``
 under guidance), then, with the pipeline's defaults, a spatio-temporal guidance call and a modality-isolation call
-for the conditional items: those perturb the model and are left out (:func:`extra_call`).
+for the conditional items: those perturb the model and are left out (:func:`extra_call`). Video tokens after the
+grid (``LTX2ConditionPipeline``'s keyframes, ``LTX2InContextPipeline``'s IC-LoRA references) are the layout's
+``history_len``, leading the video in what capture is handed; the kinds that place every video token on the grid
+refuse them. IC-LoRA's ``video_self_attention_mask`` is added as the model adds it (``QueryKeyBias``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 
@@ -53,7 +58,7 @@ except ImportError as missing:
     needs = "LTX-2 needs a diffusers with LTX2VideoTransformer3DModel and LTX2PerturbedAttnProcessor (0.42 has them)"
     raise Unavailable("ltx2", needs, ("LTX2VideoTransformer3DModel",), (), KNOWN) from missing
 
-__all__ = ["SPEC", "KNOWN", "TEXT_LEN", "extra_call", "layout_for_video", "read_call"]
+__all__ = ["SPEC", "KNOWN", "PYTHON_ONLY", "TEXT_LEN", "call_rules", "extra_call", "layout_for_video", "read_call"]
 
 TEXT_LEN = 1024  # text tokens of the pipelines' calls (max_sequence_length)
 FPS = 24.0  # the pipelines' default frame_rate
@@ -198,6 +203,24 @@ def _audio_shapes(config) -> dict[str, tuple[int, int]]:
     return dict.fromkeys((source for source, *_ in _AUDIO), shape)
 
 
+# pipelines whose calls take conditions a config cannot give (keyframes, IC-LoRA's reference videos and adapter)
+PYTHON_ONLY = ("LTX2ConditionPipeline", "LTX2InContextPipeline")
+
+
+def call_rules(cfg, config: dict) -> None:
+    """The batch tool's LTX-2 rule (``ModelSpec.call_rules``): a checkpoint whose ``model_index.json`` names a pipeline
+    of :data:`PYTHON_ONLY` is refused; the batch tool runs ``LTX2Pipeline`` and ``LTX2ImageToVideoPipeline`` and
+    passes no keyframe or reference conditions from a config."""
+    index = Path(cfg.model) / "model_index.json"
+    name = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
+    if name in PYTHON_ONLY:
+        raise ValueError(
+            f"model: {cfg.model} is a {name} checkpoint; the batch tool runs LTX2Pipeline and "
+            f"LTX2ImageToVideoPipeline and passes no keyframe or reference conditions from a config: record {name} "
+            "from Python with cogattn.record."
+        )
+
+
 def _guidance(pipeline) -> bool | None:
     """Whether the running call batches ``[uncond..., cond...]``: either stream's guidance scale above 1."""
     try:
@@ -230,6 +253,7 @@ SPEC = ModelSpec(
     pipelines={"text-to-video": "LTX2Pipeline", "image-to-video": "LTX2ImageToVideoPipeline"},
     extra_call=extra_call,
     prompt_text=prompt_text,
+    call_rules=call_rules,
     uncaptured={
         attr: f"{what}, no layer of its own: its maps are kind {kind!r} of the block's layer, transformer_blocks.<i>.attn1"
         for _, attr, what, kind in _AUDIO
