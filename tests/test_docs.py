@@ -142,6 +142,8 @@ def _check_ltx2(scope, tmp_path):
     assert tuple(rec.get("frame_audio", step=0, layer=1).shape) == (1, 2, 3, 18) and rec.batch_roles == ("cond",)
     assert rec.layout.audio.frame_of_bin(rec.layout).tolist() == [0] * 2 + [1] * 8 + [2] * 8
     assert (tmp_path / "ltx2_sync.png").stat().st_size > 0
+    ic_rec = scope["ic_rec"]  # an IC-LoRA reference's 16 tokens lead the video's
+    assert ic_rec.layout.history_len == 16 and tuple(ic_rec.get("full", step=0, layer=1).shape) == (1, 1, 40, 40)
 
 
 # The pages with Python snippets, each with what its comments promise
