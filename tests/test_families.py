@@ -315,7 +315,7 @@ def _ltx2_call(pipe, g, guided):
 
 def _ltx2_condition_call(pipe, g, guided):
     """LTX2ConditionPipeline: one video conditioned on an image at frame 0 (its latents are the grid's first frame;
-    a condition placed later is appended after the grid, which the family refuses: tests/test_ltx2.py)."""
+    a condition placed later is appended after the grid: the ltx2_keyframe case)."""
     from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
 
     call = _ltx2_call(pipe, g, guided)

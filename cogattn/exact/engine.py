@@ -174,7 +174,8 @@ def capture_items(
     call's ``lse`` ``(B, H, S)`` and ``sums`` ``(B, H, S, C)`` when given), in full float32 matmuls; with
     ``key_counts`` (per batch item of the call), each item's keys past its count are masked, and with
     ``query_counts`` its query rows past its count are never formed; ``mask`` ``(B or 1, S, S)``: any other
-    mask, boolean, `True` where a query attends a key (row tiles apply it), or a ``GroupMask`` per head;
+    mask, boolean, `True` where a query attends a key (row tiles apply it), a ``GroupMask`` per head, or an
+    additive ``QueryKeyBias`` (row tiles add it);
     ``value`` ``(B, H, S, D)``: the values, for the reducers that need them.
 
     Returns:

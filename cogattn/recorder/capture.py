@@ -183,8 +183,8 @@ class Capture:
         ``(B, H, S, C)`` when it gave them); spot-check the method that served them. ``key_counts``
         ``(B,)``: a key mask keeping each item's first keys (padded text at the end), their number;
         ``query_counts`` ``(B,)``: where the model forms only each item's first query rows (Mochi), their
-        number; ``mask`` ``(B or 1, S, S)``: any other mask (``processor.query_key_mask``), which row tiles
-        apply, whatever the method; ``value`` ``(B, H, S, D)``: the values, for the kinds that need them."""
+        number; ``mask`` ``(B or 1, S, S)``: any other mask (``processor.query_key_mask``), or an additive one
+        (``processor.QueryKeyBias``), which row tiles apply, whatever the method; ``value`` ``(B, H, S, D)``: the values, for the kinds that need them."""
         res, reducers = self.plan.resolved, self.plan.reducers
         if value is None and self.wants_value:
             raise RuntimeError("pattern_error needs the attention's values; this family's processor hands over none.")
