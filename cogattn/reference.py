@@ -8,6 +8,7 @@ units of the bounds from :mod:`cogattn.exact.checks`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -173,6 +174,15 @@ def naive_pattern(spec, grid: tuple[int, int, int], tile_shape=(4, 4, 4)) -> tor
     if callable(spec):
         f, y, x = (torch.tensor([p[a] for p in pos]) for a in range(3))
         return torch.as_tensor(spec(f[:, None], y[:, None], x[:, None], f[None], y[None], x[None])).expand(len(pos), -1)
+    return _named_pattern(spec, tuple(grid), tuple(tile_shape)).clone()
+
+
+@functools.lru_cache(maxsize=256)
+def _named_pattern(spec: str, grid: tuple[int, int, int], tile_shape: tuple[int, int, int]) -> torch.Tensor:
+    """:func:`naive_pattern` of a pattern named by a string, built once per pattern, grid and tile shape (the pairs
+    one at a time are slow in Python: the suite asks for the same masks for every step, layer and item)."""
+    F, Hp, Wp = grid
+    pos = [(f, y, x) for f in range(F) for y in range(Hp) for x in range(Wp)]
     name, _, arg = spec.partition(":")
 
     def sta_axis(q, k, w, t, n):  # the window of w tiles centred on q's tile, moved inside the n tiles
