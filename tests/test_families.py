@@ -948,9 +948,10 @@ def same_reference():
     memo.clear()
 
 
-def generate(pipe, family, guided, seed=0):
+def generate(pipe, family, guided, seed=0, output_type="pt"):
+    """The case's call; ``output_type="latent"`` where the test looks at no video (no VAE decode)."""
     g = torch.Generator().manual_seed(seed)
-    call = {"output_type": "pt", **CASES[family].call(pipe, g, guided)}  # a case may keep its latents
+    call = {"output_type": output_type, **CASES[family].call(pipe, g, guided)}  # a case may keep its latents
     return pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(seed + 1))
 
 
@@ -1191,7 +1192,7 @@ def test_refusals_and_estimates(pipes, family):
             pytest.raises(ValueError, match="true_cfg_scale <= 1"),
             cogattn.record(pipe, kinds=("entropy",), batch="cond"),
         ):
-            generate(pipe, family, False)
+            generate(pipe, family, False, output_type="latent")
     # the estimate of a released checkpoint: its sequence, from the released config alone
     if case.released:
         name, call, seq_len = case.released
@@ -1216,7 +1217,7 @@ def test_refusals_and_estimates(pipes, family):
         batch=[0],  # the estimate plans a video per call; the tiny call makes two
     )
     with cogattn.record(pipe, kinds=kinds, batch=[0]) as rec:
-        generate(pipe, family, False)
+        generate(pipe, family, False, output_type="latent")
     # the layout, but for the image tokens: the tiny CLIP makes 17 where the released ViT-H/14 makes 257; and
     # HunyuanVideo 1.5's parts and crop, its pipeline's instance sizes, which a plan of another length leaves out
     named = {"image_len": est.layout.image_len}
@@ -1233,7 +1234,7 @@ def test_layer_names_select_layers(pipes, family):
     pipe = pipes(family)
     names = _spec(family).layer_names(pipe.transformer)
     with cogattn.record(pipe, kinds=("entropy",), layers=[names[-1], 0]) as rec:
-        generate(pipe, family, False)
+        generate(pipe, family, False, output_type="latent")
     assert rec.layer_names == names and sorted({layer for _, _, layer in rec.keys()}) == [0, len(names) - 1]
 
 
