@@ -128,7 +128,7 @@ def test_capture_keeps_the_users_float32_matmul_setting(setting, monkeypatch):
         monkeypatch.setattr(cogattn.exact.engine, "capture", spy)
         pipe = tiny_pipeline()
         with cogattn.record(pipe, kinds="frame"):
-            generate(pipe, steps=1)
+            generate(pipe, steps=1, output_type="latent")
         assert seen and set(seen) == {"ieee"}  # capture's matmuls ran in full float32
         assert (torch.backends.fp32_precision, *(b.fp32_precision for b in saved)) == before
         torch.set_float32_matmul_precision("high")  # the user's own later call still works
@@ -158,7 +158,7 @@ def test_a_kind_first_served_by_a_later_recording_is_checked(monkeypatch):
     spy = QKSpy(pipe.transformer)
     with pytest.warns(UserWarning, match="spot check failed: sdpa"):
         with cogattn.record(pipe, kinds="entropy", heads="all", method="sdpa") as later:
-            generate(pipe, steps=2)
+            generate(pipe, steps=2, output_type="latent")
     spy.remove()
     assert [c.passed for c in later.checks] == [False] and later.checks[0].max_error > 0.1
     assert_matches_naive(later, spy, [1], "all", kinds=("entropy",))
@@ -172,7 +172,7 @@ def test_the_lse_received_takes_from_another_pass_is_checked(monkeypatch):
     spy = QKSpy(pipe.transformer)
     with pytest.warns(UserWarning, match="spot check failed: sdpa"):
         with cogattn.record(pipe, kinds="received", heads="all", method="sdpa") as rec:
-            generate(pipe, steps=2)
+            generate(pipe, steps=2, output_type="latent")
     spy.remove()
     (check,) = rec.checks
     assert not check.passed and check.max_error > 1e-3
@@ -229,7 +229,7 @@ def test_received_from_a_16_bit_output_calls_lse_is_held_to_its_bound(monkeypatc
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with cogattn.record(pipe, kinds="received", heads="all", layer_output="lse", method="sdpa") as rec:
-            generate(pipe, steps=2)
+            generate(pipe, steps=2, output_type="latent")
     spy.remove()
     maps = [c for c in rec.checks if c.what != "layer_output=lse"]
     assert [c.what for c in maps] == ["sdpa, lse of the output call"] and maps[0].tolerance == 2**-8

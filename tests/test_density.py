@@ -26,7 +26,7 @@ OPTIONS = dict(kinds=("full", "top_p", "block", "tile"), batch="cond", block_siz
 def rec():
     pipe = tiny_pipeline()
     with cogattn.record(pipe, heads="all", **OPTIONS) as recording:
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     return recording
 
 
@@ -72,7 +72,7 @@ def test_head_table_keys_columns_are_the_full_maps_counts(rec):
 def test_head_mean_columns_are_the_mean_of_the_heads(rec):
     pipe = tiny_pipeline()
     with cogattn.record(pipe, heads="mean", **{**OPTIONS, "kinds": ("top_p",)}) as mean_rec:
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     columns = [keys_column(p) for p in PS]
     mean = head_table(mean_rec)
     assert set(mean["head"]) == {"mean"} and {"text_mass", "entropy_mean"} <= set(mean.columns)

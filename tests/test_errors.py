@@ -73,7 +73,7 @@ def test_bad_selection_for_this_call_refused_before_any_block(pipe, kwargs, call
     hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *a: calls.append(1))
     with pytest.raises(ValueError, match=match):
         with cogattn.record(pipe, **kwargs):
-            generate(pipe, **call)
+            generate(pipe, **call, output_type="latent")
     hook.remove()
     assert calls == []  # refused before the first block ran
     _assert_clean(pipe, originals)
@@ -120,16 +120,16 @@ def test_processors_restored_after_exception_mid_generation(pipe, exc):
 
     with pytest.raises(exc):
         with cogattn.record(pipe, kinds=("frame",)) as rec:
-            generate(pipe, steps=3, callback_on_step_end=boom)
+            generate(pipe, steps=3, callback_on_step_end=boom, output_type="latent")
     assert len(rec.timesteps) == 2 and ("frame", 1, 1) in rec  # what ran is kept
     _assert_clean(pipe, originals)
 
 
 def test_second_generation_is_not_mixed(pipe):
     with cogattn.record(pipe, kinds=("frame",)) as rec:
-        generate(pipe)
+        generate(pipe, output_type="latent")
         with pytest.raises(RuntimeError, match="a second generation started inside one recording"):
-            generate(pipe)
+            generate(pipe, output_type="latent")
     assert len(rec.timesteps) == 2
 
 
@@ -137,20 +137,20 @@ def test_steps_beyond_a_bare_transformer_run_warn():
     pipe = tiny_pipeline()
     with pytest.warns(UserWarning, match=r"steps \[4\] were selected but the generation ran 2 steps"):
         with cogattn.record(pipe.transformer, steps=[0, 4]) as rec:
-            generate(pipe)
+            generate(pipe, output_type="latent")
     assert [k[1] for k in rec.keys()] == [0, 0]
 
 
 def test_batch_auto_is_cond_under_guidance_and_all_without():
     pipe = tiny_pipeline()
     with cogattn.record(pipe, kinds="frame") as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     assert rec.batch_items == (1,) and rec.get("frame", 0, 0).shape[0] == 1
     with cogattn.record(pipe, kinds="frame") as rec:
-        generate(pipe, steps=1, guidance=1.0)
+        generate(pipe, steps=1, guidance=1.0, output_type="latent")
     assert rec.batch_items == (0,)
     with cogattn.record(pipe.transformer, kinds="frame") as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     assert rec.batch_items == (0, 1)  # a bare transformer cannot know: everything
 
 
@@ -165,7 +165,7 @@ def test_cond_needs_an_even_guidance_batch():
 def test_queries_zero_is_a_token_index(pipe):
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds="query", queries=0) as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     spy.remove()
     assert rec.get("query", 0, 0).shape == (1, 1, 1, 53)
     assert_matches_naive(rec, spy, [1], "mean", kinds=("query",), queries=[0])
@@ -177,9 +177,11 @@ def test_closed_recording_captures_nothing_even_if_its_processor_stays(pipe, tmp
     rec = cogattn.Recording(pipe, kinds=("frame",), save_dir=tmp_path / "run")
     pipe.transformer.set_attn_processor(cogattn.CogVideoXAttnMapProcessor(rec))
     try:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
         rec.close()
-        generate(pipe, steps=2)  # the processor is still installed: it must neither capture nor hang
+        generate(
+            pipe, steps=2, output_type="latent"
+        )  # the processor is still installed: it must neither capture nor hang
         assert rec.keys() == [("frame", 0, 0), ("frame", 0, 1)]
     finally:
         pipe.transformer.set_attn_processor(CogVideoXAttnProcessor2_0())

@@ -69,7 +69,7 @@ def pipe():
 @pytest.fixture(scope="module")
 def expected(pipe):
     with cogattn.record(pipe, kinds=KINDS) as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     return {key: rec.get(*key) for key in rec.keys()}
 
 
@@ -105,7 +105,7 @@ def test_a_failing_write_never_masks_the_user_and_never_serves_half_a_record(
         warnings.simplefilter("always")
         try:
             with cogattn.record(pipe, kinds=KINDS, save_dir=folder):
-                generate(pipe, steps=1)
+                generate(pipe, steps=1, output_type="latent")
                 reached = True  # capture stops the generation with StoreError when a write fails in it
                 if users_error:
                     raise ValueError("the user's own error")

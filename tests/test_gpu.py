@@ -54,7 +54,7 @@ def test_cuda_auto_times_the_kernel_and_matches_naive():
     pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", layer_output="lse") as rec:
-        generate(pipe)
+        generate(pipe, output_type="latent")
     spy.remove()
     assert rec.plan.tiles.method == "timed"
     assert rec.chosen_methods and set(rec.chosen_methods.values()) <= {"sdpa", "triton"}
@@ -73,7 +73,7 @@ def test_cuda_joint_output_close_to_stock_and_maps_within_bf16():
     pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), batch="cond", heads="all", layer_output="joint") as rec:
-        generate(pipe)
+        generate(pipe, output_type="latent")
     spy.remove()
     assert_matches_naive(rec, spy, [1], "all", kinds=("frame",), tol=2**-8)
     assert_matches_naive(rec, spy, [1], "all", kinds=("video_to_text",), tol=1e-5)

@@ -262,10 +262,10 @@ def test_tiny_recording_against_its_full_map(tmp_path):
     pipe = tiny_pipeline()
     kinds = ("frame", "entropy", "received", "full")
     with cogattn.record(pipe, kinds=kinds, heads="all", batch="cond", save_dir=tmp_path / "run") as rec:
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     on_disk = head_table(cogattn.load(tmp_path / "run"))
     with cogattn.record(pipe, kinds=kinds, heads="all", batch="cond") as rec:
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     assert on_disk.equals(head_table(rec))  # a run on disk gives the same table as the recording in memory
     lay = rec.layout
     table = head_table(rec, rule=LabelRule())

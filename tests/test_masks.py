@@ -252,7 +252,7 @@ def test_bad_masks_and_sources_are_refused(probs):
 def test_tiny_recording_against_its_full_map():
     pipe = tiny_pipeline()
     with cogattn.record(pipe, kinds=("block", "full"), heads="all", batch="cond", block_size=6) as rec:
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     lay, S = rec.layout, rec.layout.seq_len
     assert rec.block_size == 6 and S % 6 and lay.text_len % 6  # a short last block, a block of text and video
     mask = temporal_window_mask(lay, 6, 1, text=False) | spatial_window_mask(lay, 6, 0)

@@ -33,7 +33,7 @@ def _hooks(pipe) -> int:
 def test_an_open_run_is_locked_against_a_second_recording(pipe, tmp_path):
     run_dir = tmp_path / "run"
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir, info={"who": "first"}) as first:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
         with pytest.raises(cogattn.StoreError, match=r"is being written by another recording \(process \d+\)"):
             cogattn.record(tiny_pipeline(), kinds="frame", save_dir=run_dir, overwrite=True)
         with pytest.raises(ValueError, match="close the other recording first"):  # the same pipeline: refused sooner
@@ -43,7 +43,7 @@ def test_an_open_run_is_locked_against_a_second_recording(pipe, tmp_path):
     for key in run.keys():
         assert torch.equal(run.get(*key), first.get(*key))
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True, info={"who": "second"}):
-        generate(pipe, steps=2)  # closed runs can be replaced
+        generate(pipe, steps=2, output_type="latent")  # closed runs can be replaced
     assert cogattn.load(run_dir).info == {"who": "second"} and len(cogattn.load(run_dir)) == 4
 
 
@@ -58,7 +58,7 @@ def _hold_the_lock(run_dir, locked) -> None:
 def test_the_lock_of_a_killed_writer_is_released(pipe, tmp_path):
     run_dir = tmp_path / "run"
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir):
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     locked = forked.event()
     holder = forked.start(_hold_the_lock, run_dir, locked)
     try:
@@ -69,14 +69,14 @@ def test_the_lock_of_a_killed_writer_is_released(pipe, tmp_path):
     finally:
         forked.kill(holder)
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True):
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
 
 
 def test_batch_and_head_lists_keep_their_order(pipe, tmp_path):
     pipe = tiny_pipeline(num_heads=4)
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds="frame", batch=[1, 0], heads=[3, 0], save_dir=tmp_path / "r") as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     spy.remove()
     assert rec.batch_items == (1, 0) and rec.head_ids == (3, 0)
     assert_matches_naive(rec, spy, [1, 0], [3, 0], kinds=("frame",))
@@ -90,7 +90,7 @@ def test_every_head_in_another_order_is_not_taken_for_all_heads():
     pipe = tiny_pipeline(num_heads=3)
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=("frame", "query"), queries=[5], heads=[2, 1, 0], method="sdpa") as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     spy.remove()
     assert rec.head_ids == (2, 1, 0)
     assert_matches_naive(rec, spy, [1], [2, 1, 0], kinds=("frame", "query"), queries=[5])
@@ -109,12 +109,12 @@ def test_an_interrupted_generation_is_marked_interrupted(pipe, tmp_path):
         return kw
 
     with cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "r") as rec:
-        generate(pipe, steps=4, callback_on_step_end=stop_after_two)
+        generate(pipe, steps=4, callback_on_step_end=stop_after_two, output_type="latent")
     run = cogattn.load(tmp_path / "r")
     assert rec.status == run.status == "interrupted" and not run.complete
     assert run.num_steps == run.meta["steps"] == 2 and len(run) == 2 * 2
     with cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "s") as rec:
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     assert cogattn.load(tmp_path / "s").status == "finished" and rec.status == "finished"
 
 
@@ -127,7 +127,7 @@ def test_failed_and_ctrl_c_generations_say_so(pipe, tmp_path):
             return kw
 
         with pytest.raises(exc), cogattn.record(pipe, kinds="frame", save_dir=tmp_path / status):
-            generate(pipe, steps=3, callback_on_step_end=boom)
+            generate(pipe, steps=3, callback_on_step_end=boom, output_type="latent")
         run = cogattn.load(tmp_path / status)
         assert run.status == status and run.num_steps == 2 and len(run) == 4
 
@@ -167,7 +167,7 @@ def test_a_recording_left_open_closes_at_the_next_generation(pipe):
 def test_a_refused_first_call_leaves_the_recording_usable(pipe):
     rec = cogattn.record(pipe, kinds="frame", steps=[3])  # no `with`: the refusal leaves it open
     with pytest.raises(ValueError, match="asks for step 3"):
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     assert rec.timesteps == [] and rec.layout is None  # as if the refused call never happened
     captured = generate(pipe, steps=4)
     rec.close()
@@ -201,11 +201,11 @@ def test_run_json_failing_at_close_never_masks_the_users_error(pipe, tmp_path, m
     monkeypatch.setattr(store, "write_json_atomic", full_disk_at_close)
     with pytest.warns(UserWarning, match="closing the recording after ValueError also failed"):
         with pytest.raises(ValueError, match="mine"), cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "a"):
-            generate(pipe, steps=1)
+            generate(pipe, steps=1, output_type="latent")
             raise ValueError("mine")
     with pytest.raises(cogattn.StoreError, match="No space left") as err:
         with cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "b"):
-            generate(pipe, steps=1)
+            generate(pipe, steps=1, output_type="latent")
     assert isinstance(err.value.__cause__, OSError)
     for folder in ("a", "b"):
         assert not list((tmp_path / folder).rglob("*.tmp"))
@@ -215,7 +215,7 @@ def test_run_json_failing_at_close_never_masks_the_users_error(pipe, tmp_path, m
 
 def test_damaged_manifest_lines_are_skipped_and_reported(pipe, tmp_path):
     with cogattn.record(pipe, kinds="frame", save_dir=tmp_path) as rec:
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     expected = {key: rec.get(*key) for key in rec.keys()}
     manifest = tmp_path / "manifest.jsonl"
     lines = manifest.read_bytes().split(b"\n")[:-1]
@@ -232,7 +232,7 @@ def test_damaged_manifest_lines_are_skipped_and_reported(pipe, tmp_path):
 
 def test_a_damaged_record_file_is_named(pipe, tmp_path):
     with cogattn.record(pipe, kinds="frame", save_dir=tmp_path):
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     run = cogattn.load(tmp_path)
     info = run.record_info("frame", 0, 1)
     (tmp_path / info.file).write_bytes(b"\x05" * 20)
@@ -274,7 +274,7 @@ def test_free_space_counts_whole_blocks(pipe, tmp_path, monkeypatch):
     monkeypatch.setattr(store.shutil, "disk_usage", lambda path: usage(free, 0, free))
     with pytest.raises(cogattn.StoreError, match=rf"{4 * record_bytes:,} bytes .* bytes of disk in whole blocks"):
         with cogattn.record(pipe, kinds="full", save_dir=tmp_path / "r"):
-            generate(pipe, steps=2)
+            generate(pipe, steps=2, output_type="latent")
     assert not (tmp_path / "r").exists()
 
 
@@ -312,19 +312,19 @@ def test_save_dir_that_cannot_be_a_folder_is_a_store_error(pipe, tmp_path):
 def test_save_dir_expands_the_home_folder(pipe, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     with cogattn.record(pipe, kinds="frame", save_dir="~/runs/fox"):
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     assert cogattn.load("~/runs/fox").complete and not Path("~").exists()
 
 
 def test_a_refused_run_leaves_no_folder_behind(pipe, tmp_path):
     with pytest.raises(ValueError, match="asks for step 5"):
         with cogattn.record(pipe, steps=[5], save_dir=tmp_path / "new" / "run"):
-            generate(pipe, steps=2)
+            generate(pipe, steps=2, output_type="latent")
     assert not (tmp_path / "new").exists()  # nor the parent it made
     (tmp_path / "mine").mkdir()  # a folder the user made stays, empty
     with pytest.raises(ValueError, match="asks for step 5"):
         with cogattn.record(pipe, steps=[5], save_dir=tmp_path / "mine"):
-            generate(pipe, steps=2)
+            generate(pipe, steps=2, output_type="latent")
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
 
 
@@ -334,7 +334,7 @@ def test_a_refused_record_call_touches_no_folder(pipe, tmp_path, cause):
 
     old = tmp_path / "old"  # a closed run the user keeps: overwrite=True must not replace it when refused
     with cogattn.record(pipe, kinds="frame", save_dir=old, info={"who": "old"}):
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     (tmp_path / "empty").mkdir()
     new, empty = tmp_path / "new" / "run", tmp_path / "empty"
     error, match = (ValueError, "close the other recording") if cause == "another recording" else (TypeError, "stock")
@@ -352,7 +352,7 @@ def test_a_refused_record_call_touches_no_folder(pipe, tmp_path, cause):
         other.close()
     for save_dir in (new, empty):  # the same folders now take a run
         with cogattn.record(pipe, kinds="frame", save_dir=save_dir):
-            generate(pipe, steps=1)
+            generate(pipe, steps=1, output_type="latent")
         assert cogattn.load(save_dir).complete and len(cogattn.load(save_dir)) == 2
 
 
@@ -368,11 +368,11 @@ def test_a_bare_triple_of_ints_is_no_query_and_a_point_means_the_same_everywhere
     assert cogattn.CaptureOptions.build(opts, topk=3).queries == [2, 1, 4]  # rebuilt, still tokens
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds="query", heads="all", queries=[2, 1, 4]) as tokens:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     spy.remove()
     assert_matches_naive(tokens, spy, [1], "all", kinds=("query",), queries=[2, 1, 4])
     with cogattn.record(pipe, kinds="query", heads="all", queries=[(2, 1, 4)]) as point:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     # tiny layout: T = 8 text tokens, then latent frames of 3 × 5 patches: (2, 1, 4) is token 8 + 30 + 5 + 4
     assert (point.layout.text_len, point.layout.height, point.layout.width) == (8, 3, 5)
     assert locate_query(point, (2, 1, 4)) == ("query", 0, 47)
@@ -385,14 +385,14 @@ def test_warnings_point_at_the_users_code(pipe):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with cogattn.record(pipe.transformer, steps=[0, 4]):
-            generate(pipe)
+            generate(pipe, output_type="latent")
     (w,) = [w for w in seen if "were selected but the generation ran" in str(w.message)]
     assert w.filename == __file__
 
 
 def test_run_json_says_how_many_steps_it_holds(pipe, tmp_path):
     with cogattn.record(pipe, kinds="frame", save_dir=tmp_path):
-        generate(pipe, steps=3)
+        generate(pipe, steps=3, output_type="latent")
     meta = json.loads((tmp_path / "run.json").read_text())
     assert meta["status"] == "finished" and meta["steps"] == 3 and meta["complete"] is True
 
@@ -402,7 +402,7 @@ def test_plot_mistakes_are_one_clear_line(pipe):
     from cogattn.analysis.words import word_positions
 
     with cogattn.record(pipe, kinds=("frame", "video_to_text"), info={"prompt": "a red fox, running"}) as rec:
-        generate(pipe, steps=1, prompt="a red fox, running")
+        generate(pipe, steps=1, prompt="a red fox, running", output_type="latent")
     for kwargs, error, match in [
         (dict(limits=(1, 0)), ValueError, r"limits=\(1, 0\): vmin must be below vmax"),
         (dict(limits=(0, 1), scale="log"), ValueError, "a log scale needs a positive vmin"),

@@ -165,7 +165,7 @@ def recording():
 
     pipe = tiny_pipeline()
     with cogattn.record(pipe, kinds=("offset", "full", "frame"), heads="all", batch="all") as rec:
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     return rec
 
 

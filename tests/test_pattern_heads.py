@@ -40,7 +40,7 @@ def recorded(tmp_path_factory):
     pipe = tiny_pipeline()
     folder = tmp_path_factory.mktemp("pattern_heads") / "run"
     with cogattn.record(pipe, **OPTIONS, heads="all", save_dir=folder) as rec:
-        generate(pipe, steps=STEPS)
+        generate(pipe, steps=STEPS, output_type="latent")
     return pipe, rec, cogattn.load(folder)
 
 
@@ -88,7 +88,7 @@ def test_selections_follow_the_readers(recorded):
 def test_a_heads_mean_run_gives_one_mean_head_and_steps_skipped_leave_no_rows(recorded):
     pipe = recorded[0]
     with cogattn.record(pipe, kinds=("pattern_error",), patterns=PATTERNS, steps=(0, 2)) as rec:
-        generate(pipe, steps=3)
+        generate(pipe, steps=3, output_type="latent")
     table = pattern_table(rec)
     assert set(table["head"]) == {"mean"} and "recall_spatial" not in table.columns
     assert sorted(table["step"].unique()) == [0, 2]
@@ -146,7 +146,7 @@ def test_the_rule_is_the_argmin_its_ties_and_margin():
 def test_a_run_without_pattern_error_is_refused_naming_the_kind(recorded):
     pipe = recorded[0]
     with cogattn.record(pipe, kinds=("pattern_recall",), patterns=PATTERNS) as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     with pytest.raises(NotRecordedError) as err:
         pattern_table(rec)
     assert "needs kind 'pattern_error'" in str(err.value) and "\n" not in str(err.value)

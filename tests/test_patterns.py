@@ -180,9 +180,9 @@ def test_bad_patterns_are_refused_with_the_valid_ones():
 def test_without_patterns_the_kinds_take_spatial_and_temporal_and_run_json_names_them(tmp_path):
     pipe = tiny_pipeline()
     with cogattn.record(pipe, kinds=("pattern_recall",), save_dir=tmp_path / "run") as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     with cogattn.record(pipe, kinds=("pattern_recall",), patterns=("spatial", "temporal")) as named:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     assert json.loads((tmp_path / "run" / "run.json").read_text())["selection"]["patterns"] == ["spatial", "temporal"]
     assert torch.equal(rec.get("pattern_recall", 0, 0), named.get("pattern_recall", 0, 0))
 
@@ -200,7 +200,7 @@ def test_mask_recall_of_a_pattern_on_block_and_tile_maps_is_the_token_mass_of_it
     pipe = tiny_pipeline()
     options = dict(kinds=("block", "tile", "full", "pattern_recall"), heads="all", batch="cond", block_size=6)
     with cogattn.record(pipe, **options, tile_shape=(1, 2, 3), patterns=("spatial", "sta:1,3,1")) as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     layout, S = rec.layout, rec.layout.seq_len
     full = rec.get("full", 0, 1).double()  # (1, H, S, S)
     for spec, column in (("spatial", 0), ("sta:1,3,1", 1)):

@@ -323,7 +323,7 @@ def test_heads_recorded_as_their_mean_and_kinds_not_recorded(tiny):
 
     pipe = tiny[0]
     with cogattn.record(pipe, kinds=("frame", "block"), steps=[0], block_size=BLOCK) as rec:
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     full = head_table(rec)
     assert list(full["head"].unique()) == ["mean"]
     (ax,) = panels(plot.head_atlas(rec, color="same_frame_mass"))

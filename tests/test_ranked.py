@@ -65,7 +65,7 @@ def test_tiny_generation_matches_its_own_full_map(tmp_path):
     with cogattn.record(
         pipe, kinds=("full", "top_p", "frame_max"), heads="all", top_p=ps, save_dir=tmp_path, steps=[1], layers=[0, 1]
     ):
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     run = cogattn.load(tmp_path)
     lay = run.layout
     assert run.meta["selection"]["top_p"] == list(ps)

@@ -56,7 +56,7 @@ def test_cfg_two_videos_per_prompt_match_naive(path, batch, heads, expect_batch)
     pipe = tiny_pipeline(num_heads=3)
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe, kinds=KINDS, batch=batch, heads=heads, queries=QUERIES, method=path, **SIZES) as rec:
-        generate(pipe, videos=2, width=112)
+        generate(pipe, videos=2, width=112, output_type="latent")
     spy.remove()
     assert rec.layout.grid == (3, 3, 7) and rec.batch_items == tuple(expect_batch)
     assert_matches_naive(rec, spy, expect_batch, heads, queries=QUERIES)
@@ -80,7 +80,7 @@ def test_model_variants_match_naive(task, version, rotary, fused):
     with cogattn.record(
         pipe, kinds=KINDS, batch="cond", heads="mean", queries=QUERIES, memory_budget=budget, **SIZES
     ) as rec:
-        generate(pipe)
+        generate(pipe, output_type="latent")
     spy.remove()
     expected_frames = 2 if version == "1.5" else 3
     assert rec.layout.grid == (expected_frames, 3, 5)
@@ -90,7 +90,7 @@ def test_model_variants_match_naive(task, version, rotary, fused):
 def test_layers_steps_selection_and_timesteps():
     pipe = tiny_pipeline(num_layers=3)
     with cogattn.record(pipe, kinds="frame", layers=[2, 0], steps=[1, 2]) as rec:
-        generate(pipe, steps=3)
+        generate(pipe, steps=3, output_type="latent")
     assert rec.keys() == [("frame", s, layer) for s in (1, 2) for layer in (0, 2)]
     assert len(rec.timesteps) == 3 and rec.timesteps == sorted(rec.timesteps, reverse=True)
     assert rec.timesteps == [float(t) for t in pipe.scheduler.timesteps]
@@ -104,7 +104,7 @@ def test_bf16_maps_are_float32_and_match_naive(path):
     spy = QKSpy(pipe.transformer)
     kinds = ("frame", "video_to_text", "entropy", "received", "query_frame", "block", "topk")
     with cogattn.record(pipe, kinds=kinds, batch="cond", heads="all", method=path, **SIZES) as rec:
-        generate(pipe)
+        generate(pipe, output_type="latent")
     spy.remove()
     assert all(rec.get(k, 0, 0)[0].dtype == torch.float32 for k in kinds)
     assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
@@ -114,7 +114,7 @@ def test_bare_transformer_target():
     pipe = tiny_pipeline()
     spy = QKSpy(pipe.transformer)
     with cogattn.record(pipe.transformer, kinds=("query",), queries=[3, (2, 2, 4)], batch=[1]) as rec:
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     spy.remove()
     assert_matches_naive(rec, spy, [1], "mean", kinds=("query",), queries=[3, (2, 2, 4)])
 

@@ -94,7 +94,7 @@ def test_a_wrong_entropy_pass_is_caught_and_nothing_wrong_is_stored(monkeypatch)
     spy = QKSpy(pipe.transformer)
     with pytest.warns(UserWarning, match=r"spot check failed: sdpa"):
         with cogattn.record(pipe, kinds=("entropy", "frame"), heads="all", method="sdpa") as rec:
-            generate(pipe)
+            generate(pipe, output_type="latent")
     spy.remove()
     (check,) = rec.checks
     assert not check.passed and check.max_error > 1e-4
@@ -105,9 +105,9 @@ def test_stored_statistics_read_back_with_their_sizes_and_topk_keeps_float32(tmp
     pipe = tiny_pipeline()
     kw = dict(kinds=STATS, heads="all", **SIZES)
     with cogattn.record(pipe, **kw) as mem:
-        generate(pipe)
+        generate(pipe, output_type="latent")
     with cogattn.record(pipe, save_dir=tmp_path / "run", storage_dtype="bfloat16", **kw):
-        generate(pipe)
+        generate(pipe, output_type="latent")
     run = cogattn.load(tmp_path / "run")
     assert (run.block_size, run.topk) == (7, 5) == (mem.block_size, mem.topk)
     assert run.meta["selection"]["block_size"] == 7 and run.meta["selection"]["topk"] == 5
@@ -127,7 +127,7 @@ def test_stored_statistics_read_back_with_their_sizes_and_topk_keeps_float32(tmp
 def test_topk_partial_reads_index_values_and_indices_of_shape_b_h_s_k(tmp_path):
     pipe = tiny_pipeline()
     with cogattn.record(pipe, kinds="topk", heads="all", topk=5, save_dir=tmp_path / "run"):
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     run = cogattn.load(tmp_path / "run")
     full = run.get("topk", 0, 0)  # (1, 2, 53, 5) each, sliced by hand below
     indices = [(0, 1, 7, 0), (0, 1, 7, slice(1, 3)), (0, 1, slice(None), 0), (..., 2), (0, slice(None), 3, -1), 0]
@@ -144,7 +144,7 @@ def test_estimate_predicts_the_records_a_run_writes(tmp_path):
     est = cogattn.estimate("tiny", num_frames=9, height=48, width=80, num_inference_steps=2, batch="cond", **kw)
     pipe = tiny_pipeline()
     with cogattn.record(pipe, save_dir=tmp_path / "run", **kw):
-        generate(pipe)
+        generate(pipe, output_type="latent")
     written = sum(f.stat().st_size for f in (tmp_path / "run").rglob("*.safetensors"))
     assert est.num_records == len(cogattn.load(tmp_path / "run")) == len(STATS) * 2 * 2
     assert est.record_bytes == written
@@ -181,7 +181,7 @@ def test_a_wrong_received_pass_is_caught(monkeypatch):
     spy = QKSpy(pipe.transformer)
     with pytest.warns(UserWarning, match=r"spot check failed: sdpa"):
         with cogattn.record(pipe, kinds=("received",), heads="all", method="sdpa") as rec:
-            generate(pipe)
+            generate(pipe, output_type="latent")
     spy.remove()
     (check,) = rec.checks
     assert not check.passed and check.max_error > 1e-4

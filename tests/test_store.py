@@ -70,7 +70,7 @@ def test_record_files_are_standard_safetensors(tmp_path, dtype):
 
 def test_listing_sizes_and_lazy_partial_reads(pipe, tmp_path):
     with cogattn.record(pipe, kinds=("query", "video_to_text"), heads="all", queries=QUERIES, save_dir=tmp_path) as rec:
-        generate(pipe)
+        generate(pipe, output_type="latent")
     run = cogattn.load(tmp_path)
     for info in run.records():
         path = tmp_path / info.file
@@ -93,9 +93,9 @@ def test_non_empty_folder_refused_unless_overwrite(pipe, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     run_dir = tmp_path / "run"
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir):
-        generate(pipe, steps=2)
+        generate(pipe, steps=2, output_type="latent")
     with cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True):
-        generate(pipe, steps=1)
+        generate(pipe, steps=1, output_type="latent")
     assert len(cogattn.load(run_dir)) == 2  # the old run's 4 records are gone
     assert not pipe.transformer._forward_pre_hooks
 
@@ -107,7 +107,7 @@ def test_run_too_big_for_the_disk_is_refused_with_both_numbers(pipe, tmp_path, m
     expected = 2 * 2 * record_file_bytes((2, 2, 53, 53), torch.float32)  # 2 steps x 2 layers, full, heads all
     with pytest.raises(cogattn.StoreError, match=rf"will write {expected:,} bytes .* has {free:,} bytes .* free"):
         with cogattn.record(pipe, kinds="full", heads="all", batch="all", save_dir=tmp_path / "r"):
-            generate(pipe)
+            generate(pipe, output_type="latent")
     assert not (tmp_path / "r").exists()  # a run refused before its first record leaves nothing behind
 
 
@@ -124,7 +124,7 @@ def test_write_failure_mid_run_stops_with_clear_error_and_keeps_committed(pipe, 
     originals = pipe.transformer.attn_processors
     with pytest.raises(cogattn.StoreError, match=r"No space left on device.*the 3 records committed before it"):
         with cogattn.record(pipe, kinds=("frame", "video_to_text"), save_dir=tmp_path):
-            generate(pipe, steps=4)
+            generate(pipe, steps=4, output_type="latent")
     run = cogattn.load(tmp_path)
     assert len(run) == 3 and not run.complete
     for info in run.records():

@@ -18,7 +18,7 @@ def runs(tmp_path_factory):
     for heads in ("all", "mean"):
         folder = tmp_path_factory.mktemp(heads)
         with cogattn.record(pipe, kinds=("full", "frame_max"), heads=heads, steps=[1], layers=[1], save_dir=folder):
-            generate(pipe, steps=2)
+            generate(pipe, steps=2, output_type="latent")
         out[heads] = cogattn.load(folder)
     return out
 

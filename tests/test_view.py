@@ -458,7 +458,7 @@ def cached(tmp_path_factory) -> Path:
     pipe.transformer.enable_cache(diffusers.FirstBlockCacheConfig(threshold=0.3))
     folder = tmp_path_factory.mktemp("view") / "cached"
     with cogattn.record(pipe, kinds=("frame",), layers="all", steps="all", save_dir=folder) as rec:
-        generate(pipe, steps=4)
+        generate(pipe, steps=4, output_type="latent")
     assert rec.skipped.calls
     return folder
 

@@ -9,8 +9,11 @@ from cogattn.models.cogvideox import TINY_TEXT_LEN
 PROMPT = "a red fox running in the snow"  # every word is in the tiny tokenizer's vocabulary
 
 
-def generate(pipe, *, steps=2, videos=1, guidance=6.0, height=48, width=80, prompt=None, seed=0, **extra):
-    """Frames ``(videos, 9, 3, height, width)`` of one seeded call of a tiny pipeline.
+def generate(
+    pipe, *, steps=2, videos=1, guidance=6.0, height=48, width=80, prompt=None, seed=0, output_type="pt", **extra
+):
+    """Frames ``(videos, 9, 3, height, width)`` of one seeded call of a tiny pipeline (``output_type="latent"``:
+    its latents, no VAE decode, for a test that looks at no video).
 
     Without ``prompt``, random text embeddings (negatives: their opposite) stand in for a prompt; with
     ``videos > 1`` a list of prompts gives the transformer batch ``[uncond..., cond...]`` that several
@@ -32,7 +35,7 @@ def generate(pipe, *, steps=2, videos=1, guidance=6.0, height=48, width=80, prom
         height=height,
         width=width,
         max_sequence_length=TINY_TEXT_LEN,
-        output_type="pt",
+        output_type=output_type,
         generator=torch.Generator(device).manual_seed(seed + 1),
         **extra,
     ).frames
