@@ -26,7 +26,7 @@ def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys, monke
         _cogvideox_only(monkeypatch)
     else:  # with one other family (every family's quick rows: .ci/run's plain-install stage runs them all)
         monkeypatch.setattr(selftest, "FAMILIES", [family("cogvideox"), family("mochi")])
-    assert main(["--quick", "--seq-len", "300", "--dtype", dtype, "--json", str(tmp_path / "report.json")]) == 0
+    assert main(["--quick", "--seq-len", "100", "--dtype", dtype, "--json", str(tmp_path / "report.json")]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "torch " in out and "diffusers " in out
     report = json.loads((tmp_path / "report.json").read_text())
@@ -75,7 +75,7 @@ def test_a_wrong_method_fails_the_selftest_with_exit_1(monkeypatch, capsys, tmp_
     monkeypatch.setattr(attention, "sdpa_with_lse", wrong)
     _cogvideox_only(monkeypatch)
     monkeypatch.setattr(selftest, "pipeline_rows", lambda *args: [])  # the synthetic layer calls every method
-    assert main(["--quick", "--seq-len", "300", "--json", str(tmp_path / "r.json")]) == 1
+    assert main(["--quick", "--seq-len", "100", "--json", str(tmp_path / "r.json")]) == 1
     assert "check(s) FAILED" in capsys.readouterr().out
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     failed = {r["method"] for r in rows if r["passed"] is False}
@@ -223,7 +223,7 @@ def test_a_family_that_needs_a_missing_package_is_one_skipped_line_and_the_verdi
     monkeypatch.setattr(selftest, "FAMILIES", [family("cogvideox"), *fakes])
     monkeypatch.setattr(selftest, "layer_rows", lambda *args: [])  # the synthetic layer's rows are other tests'
     report = tmp_path / "r.json"
-    assert main(["--quick", "--seq-len", "300", "--json", str(report)]) == 0
+    assert main(["--quick", "--seq-len", "100", "--json", str(report)]) == 0
     out = capsys.readouterr().out
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("tiny ")}
     assert lines["consisid"].split()[-8:] == "skip needs OpenCV, not installed (pip install opencv-python)".split()
@@ -236,7 +236,7 @@ def test_a_family_that_needs_a_missing_package_is_one_skipped_line_and_the_verdi
     assert f"all checks passed ({len(ran)} checked, {len(rows) - len(ran)} skipped)" in out
     # --strict: a package missing fails the run, naming it (the rows that pass are the same as above)
     monkeypatch.setattr(selftest, "pipeline_rows", lambda *args: [])
-    assert main(["--quick", "--seq-len", "300", "--strict", "--json", str(report)]) == 1
+    assert main(["--quick", "--seq-len", "100", "--strict", "--json", str(report)]) == 1
     failed = [r for r in json.loads(report.read_text())["rows"] if r["passed"] is False]
     assert [(r["part"], r["note"]) for r in failed] == [
         ("tiny consisid i2v", "needs OpenCV, not installed (pip install opencv-python)"),
