@@ -121,7 +121,7 @@ def sparse(runs, tmp_path_factory) -> Path:
     prompts = out.parent / "prompt.txt"
     prompts.write_text(load(_first(runs) / "maps").info["prompt"] + "\n")
     args = ["--set", f"save_dir={out}", "--set", f"prompts={prompts}", "--set", "capture.kinds=[topk,query_frame]"]
-    args += ["--set", "capture.heads=all", "--set", "capture.topk=5"]
+    args += ["--set", "capture.heads=all", "--set", "capture.topk=5", "--set", "previews=false"]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert dump_main(args) == 0
     return _first(out) / "maps"
