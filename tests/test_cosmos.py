@@ -90,7 +90,14 @@ def test_predict2_5_reads_512_qwen_tokens_of_a_prompt():
     layer's normalized hidden states: the cross-attention has 512 keys, the padding attended (no mask)."""
     pipe = tiny25.tiny_pipeline_25(False, num_heads=3)
     with cogattn.record(pipe, kinds=("video_to_text",), batch="cond") as rec:
-        pipe(prompt="a red fox running in the snow", num_frames=9, height=32, width=48, num_inference_steps=1)
+        pipe(
+            prompt="a red fox running in the snow",
+            num_frames=9,
+            height=32,
+            width=48,
+            num_inference_steps=1,
+            output_type="latent",
+        )
     probs = rec.get("video_to_text", 0, 0)
     assert rec.layout.context_len == cosmos.TEXT_LEN == 512 and probs.shape == (1, 1, 512, 3, 2, 3)
     assert (probs.sum(2) - 1).abs().max() <= 1e-5 and probs[:, :, 20:].min() > 0  # padding attended

@@ -226,7 +226,9 @@ def test_aggregate_means_and_head_selection(tiny):
 def test_single_heads_refused_when_recorded_as_mean():
     pipe = tiny_pipeline()
     with cogattn.record(pipe, kinds="frame", steps=[0], batch="cond") as rec:
-        pipe(prompt=PROMPT, num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN, output_type="pt")
+        pipe(
+            prompt=PROMPT, num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN, output_type="latent"
+        )
     with pytest.raises(NotRecordedError, match="heads='mean'"):
         analysis.aggregate(rec, "frame", heads=0)
     with pytest.raises(NotRecordedError, match=r"kind 'query' was not recorded; this source holds \['frame'\]"):
@@ -235,7 +237,9 @@ def test_single_heads_refused_when_recorded_as_mean():
     assert [a.get_title() for a in panels(fig)] == ["mean over heads"]
     assert np.allclose(heat(panels(fig)[0]).get_array(), ref(rec, "frame", steps=(0,)), atol=1e-6)
     with cogattn.record(pipe, kinds="frame", steps=[0], batch="cond", heads=[1]) as one:
-        pipe(prompt=PROMPT, num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN, output_type="pt")
+        pipe(
+            prompt=PROMPT, num_frames=9, num_inference_steps=1, max_sequence_length=TINY_TEXT_LEN, output_type="latent"
+        )
     (ax,) = panels(plot.frame_heatmap(one, heads="all"))
     assert ax.get_title() == "head 1"
     assert np.allclose(heat(ax).get_array(), ref(one, "frame", steps=(0,), head=0), atol=1e-6)

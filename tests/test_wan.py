@@ -270,7 +270,7 @@ def test_video_to_image_refused_without_image_context(pipes):
     pipe = pipes(T2V)
     rec = cogattn.record(pipe, kinds=("video_to_image",))  # the layout is known at the first call only
     with pytest.raises(ValueError, match="cross-attention to image tokens"), rec:
-        generate(pipe)
+        generate(pipe, output="latent")
     assert rec.keys() == [] and _processor_names(pipe) == {"WanAttnProcessor"}
 
 
@@ -338,7 +338,7 @@ def test_estimate_tiny_wan_matches_a_recording(pipes):
     est = cogattn.estimate("tiny-wan", num_frames=9, height=32, width=48, num_inference_steps=2, kinds=kinds)
     pipe = pipes(T2V)
     with cogattn.record(pipe, kinds=kinds) as rec:
-        generate(pipe)
+        generate(pipe, output="latent")
     assert est.layout == rec.layout
     assert {k: s for k, s, _, _ in est.records} == {k: tuple(rec.get(k, 0, 0).shape) for k in kinds}
     assert est.num_records == len(rec.keys())
@@ -502,7 +502,7 @@ def test_results_waiting_for_the_second_call_are_planned_and_held_once(pipes):
         hook = pipe.transformer.register_forward_pre_hook(
             lambda *_: held.append(sum(part.nbytes for parts in rec._capture.pending.values() for _, part in parts[1:]))
         )
-        generate(pipe)
+        generate(pipe, output="latent")
         hook.remove()
     one_item = sum(4 * rec.get(kind, 0, 0)[:1].numel() for kind in kinds if kind != "topk")
     one_item += 4 * 2 * rec.get("topk", 0, 0).values[:1].numel()  # stored as values and indices in float32
@@ -519,7 +519,7 @@ def test_results_waiting_for_the_second_call_are_planned_and_held_once(pipes):
     need = rf"raise memory_budget to at least {budget + layers * one_item} bytes"
     with pytest.raises(ValueError, match=rf"cannot hold the [\d,]+ bytes of results that wait in host .*{need}"):
         with cogattn.record(pipe, kinds=kinds, batch="all", heads="all", memory_budget=budget, **SIZES):
-            generate(pipe)
+            generate(pipe, output="latent")
     with pytest.raises(ValueError, match=r"memory_budget=1000 bytes is too small for one tile"):  # not the waiting
         cogattn.estimate("tiny-wan", batch="all", memory_budget=1000, **tiny)
 

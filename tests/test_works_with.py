@@ -498,7 +498,7 @@ def test_a_callback_that_changes_latents_or_switches_guidance_off_keeps_the_step
         return {"latents": tensors["latents"] * 0.9}
 
     call = wan.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), True)
-    call.update(num_inference_steps=STEPS, output_type="pt", callback_on_step_end=callback)
+    call.update(num_inference_steps=STEPS, output_type="latent", callback_on_step_end=callback)
     for batch in ("cond", "all"):
         with (
             pytest.warns(UserWarning, match="did not run, and no cache was found")
