@@ -180,8 +180,23 @@ def test_a_page_s_python_snippets_run_in_order_and_say_what_they_print(page, tmp
     CHECKS[page](scope, tmp_path)
 
 
+@pytest.fixture(scope="module")
+def quick_tiny(tmp_path_factory):
+    """A quick run of the tiny default (one step, no previews) for the ``cogattn view`` commands, made once."""
+    made = []
+
+    def get():
+        if not made:
+            runs = tmp_path_factory.mktemp("view") / "runs" / "tiny"
+            assert main(["--set", f"save_dir={runs}", "--set", "num_inference_steps=1", "--set", "previews=false"]) == 0
+            made.append(runs)
+        return made[0]
+
+    return get
+
+
 @pytest.mark.parametrize("command", _commands())
-def test_every_command_runs(command, tmp_path, monkeypatch, capsys):
+def test_every_command_runs(command, tmp_path, monkeypatch, capsys, quick_tiny):
     if command == "bash .ci/run":
         return  # this suite
     if command in ("python scripts/dump_maps.py", "python -m cogattn.selftest"):
@@ -210,8 +225,7 @@ def test_every_command_runs(command, tmp_path, monkeypatch, capsys):
         from cogattn.view import ViewServer
         from cogattn.view import main as view
 
-        runs = tmp_path / "runs" / "tiny"
-        assert main(["--set", f"save_dir={runs}", "--set", "num_inference_steps=1", "--set", "previews=false"]) == 0
+        runs = quick_tiny()
         words = [str(runs), *shlex.split(command)[3:]]
         if "--export" in words:
             words[words.index("--export") + 1] = str(tmp_path / "report.html")
