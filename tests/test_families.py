@@ -926,24 +926,29 @@ def references(pipes):
 
 @pytest.fixture(scope="module")
 def same_reference():
-    """``naive_kind`` of the references' probabilities computed once per call for the module: the four output modes
-    of a family compare with the same numbers (the call and its tensors are the key; they are kept alive with it)."""
+    """``naive_kind`` (and ``top_p``'s sort) of the references' probabilities computed once per call for the module:
+    the four output modes of a family compare with the same numbers (the call and its tensors are the key; they are
+    kept alive with it)."""
     import cogattn.reference
 
-    real, memo = cogattn.reference.naive_kind, {}
+    memo = {}
 
-    def naive_kind(P, kind, *args, **kwargs):
-        named = tuple(
-            (n, id(x) if torch.is_tensor(x) else tuple(x) if isinstance(x, list) else x) for n, x in kwargs.items()
-        )
-        key = (id(P), kind, tuple(tuple(a) if isinstance(a, list) else a for a in args), named)
-        if key not in memo:
-            memo[key] = (P, kwargs, real(P, kind, *args, **kwargs))
-        return memo[key][2]
+    def once(real):
+        def call(P, *args, **kwargs):
+            def key(x):
+                return id(x) if torch.is_tensor(x) else tuple(x) if isinstance(x, list) else x
+
+            at = (real.__name__, id(P), tuple(map(key, args)), tuple((n, key(x)) for n, x in kwargs.items()))
+            if at not in memo:
+                memo[at] = (P, kwargs, real(P, *args, **kwargs))
+            return memo[at][2]
+
+        return call
 
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(cogattn.reference, "naive_kind", naive_kind)
-        monkeypatch.setitem(globals(), "naive_kind", naive_kind)
+        for name in ("naive_kind", "_sorted_mass"):
+            monkeypatch.setattr(cogattn.reference, name, once(getattr(cogattn.reference, name)))
+        monkeypatch.setitem(globals(), "naive_kind", cogattn.reference.naive_kind)
         yield
     memo.clear()
 
