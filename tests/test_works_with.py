@@ -40,12 +40,13 @@ def _pipe(family):
     return cogvideox.tiny_pipeline() if family == "cogvideox" else wan.tiny_pipeline()
 
 
-def _run(pipe, family):
-    """The seeded, guided call of the tiny pipeline: frames ``(1, 9, 3, H, W)``."""
+def _run(pipe, family, output_type="pt"):
+    """The seeded, guided call of the tiny pipeline: frames ``(1, 9, 3, H, W)`` (``"latent"``: its latents)."""
     if family == "cogvideox":
-        return generate(pipe, steps=STEPS)
+        return generate(pipe, steps=STEPS, output_type=output_type)
     call = wan.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), True)
-    return pipe(**call, num_inference_steps=STEPS, output_type="pt", generator=torch.Generator().manual_seed(1)).frames
+    g = torch.Generator().manual_seed(1)
+    return pipe(**call, num_inference_steps=STEPS, output_type=output_type, generator=g).frames
 
 
 def _stock(pipe, family, monkeypatch, batch="cond"):
@@ -169,7 +170,7 @@ def test_a_cache_s_skipped_attentions_have_no_record_and_say_so(family, cache, m
         else:  # the cache skipped only unconditional attention: batch='cond' has every map
             _assert_recorded_what_ran(rec, ref, None, len(rec.layer_names))
     with cogattn.record(pipe, kinds=("full",), layers="all", batch="all", heads="all", save_dir=tmp_path) as on_disk:
-        _run(pipe, family)
+        _run(pipe, family, "latent")
     run = cogattn.load(tmp_path)
     assert run.skipped == on_disk.skipped and run.skipped.calls
     s, layer, _ = min(run.skipped.calls)
@@ -181,13 +182,13 @@ def test_faster_cache_s_conditional_half_is_recorded_for_batch_cond_only(monkeyp
     pipe = _pipe("cogvideox")
     pipe.transformer.enable_cache(_caches("cogvideox")["FasterCache"](pipe))
     with cogattn.record(pipe, kinds=("frame",), layers="all", batch="all") as rec:
-        _run(pipe, "cogvideox")
+        _run(pipe, "cogvideox", "latent")
     assert rec.skipped.halves, "FasterCache ran no step on the conditional half: nothing is tested"
     step = min(rec.skipped.halves)
     with pytest.raises(cogattn.NotRecordedError, match=f"conditional half of the batch at step {step}.*batch='all'"):
         rec.get("frame", step, 0)
     with cogattn.record(pipe.transformer, kinds=("frame",), layers="all", batch=[1]) as bare:  # no pipeline
-        _run(pipe, "cogvideox")
+        _run(pipe, "cogvideox", "latent")
     assert bare.skipped.halves == rec.skipped.halves and ("frame", step, 0) in bare.keys()
 
 
@@ -461,7 +462,7 @@ def test_a_backend_set_while_recording_stays_set_after(monkeypatch, active_backe
     pipe.transformer.set_attention_backend("native")
     with cogattn.record(pipe, kinds=("frame",)):
         pipe.transformer.set_attention_backend("_native_math")
-        _run(pipe, "wan")
+        _run(pipe, "wan", "latent")
     assert {p._attention_backend.value for p in pipe.transformer.attn_processors.values()} == {"_native_math"}
 
 
@@ -480,7 +481,7 @@ def test_context_parallelism_is_refused_in_one_line_before_any_block_runs():
     pipe.transformer.blocks[0].register_forward_pre_hook(lambda *a: ran.append(1))
     with pytest.raises(ValueError, match=r"^context parallelism \(ulysses_degree=2, ring_degree=1\) gives each"):
         with cogattn.record(pipe, kinds=("frame",)):
-            _run(pipe, "wan")
+            _run(pipe, "wan", "latent")
     assert not ran and {type(p).__name__ for p in pipe.transformer.attn_processors.values()} == {"WanAttnProcessor"}
     assert all(p._parallel_config is config for p in pipe.transformer.attn_processors.values())
 
