@@ -137,8 +137,8 @@ def test_a_second_call_inside_one_recording_is_still_another_generation(pipe):
     and the recording holds the first call's windows."""
     with pytest.raises(RuntimeError, match=r"a second generation started inside one recording \(it already holds 4"):
         with cogattn.record(pipe, kinds=("entropy",)) as rec:
-            generate(pipe)
-            generate(pipe)
+            generate(pipe, output_type="latent")
+            generate(pipe, output_type="latent")
     assert rec.windows == [0, 0, 1, 1] and {step for _, step, _ in rec.keys()} == {0, 1, 2, 3}
 
 
@@ -148,7 +148,7 @@ def test_a_run_says_each_steps_window(tmp_path):
     run_dir = tmp_path / "run"
     pipe = cogattn.models.skyreels_v2.tiny_diffusion_forcing_pipeline(num_heads=3)
     with cogattn.record(pipe, kinds=("entropy",), save_dir=run_dir):
-        generate(pipe, num_frames=13)  # one window
+        generate(pipe, num_frames=13, output_type="latent")  # one window
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["windows"] == [0, 0] and cogattn.load(run_dir).windows == [0, 0]
     del meta["windows"]
