@@ -42,6 +42,21 @@ def _run(q, k, layout, kinds, heads_mean, budget, path, queries=None):
     return dict(zip(kinds, outs)), plan
 
 
+def _assert_masked_kinds(kinds, outs, P, layout, mean, queries, v):
+    """Each of ``kinds``' results ``outs`` equals the naive kind of the float64 probabilities ``P`` ``(1, H, S, S)``
+    (the ranked kinds and top-k by their own measures), head-averaged where ``mean``."""
+    for kind, got in zip(kinds, outs):
+        if kind in RANKED:
+            assert _ranked_error(got, P, kind, layout, mean) <= 1e-5, kind
+            continue
+        if kind == "topk":
+            assert_topk(REDUCERS[kind].unpack(got[None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
+            continue
+        ref = naive_kind(P, kind, 0, layout.grid, queries, v=v, **SIZES)[0]
+        ref = ref.mean(0, keepdim=True) if mean else ref
+        assert (got.double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"T{lay.text_len}-{lay.frames}x{lay.height}x{lay.width}")
 @pytest.mark.parametrize("path", ["rows", "sdpa"])
 @pytest.mark.parametrize("mean", [False, True])
@@ -200,16 +215,7 @@ def test_a_query_key_mask_gives_masked_pairs_exactly_zero_in_every_kind(mean, bu
     scores = q[None].double() @ k[None].double().transpose(-1, -2) / D**0.5
     P = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     assert bool((P[0][:, ~mask] == 0).all())
-    for kind, got in zip(kinds, outs):
-        if kind in RANKED:
-            assert _ranked_error(got, P, kind, layout, mean) <= 1e-5, kind
-            continue
-        if kind == "topk":
-            assert_topk(REDUCERS[kind].unpack(got[None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
-            continue
-        ref = naive_kind(P, kind, 0, layout.grid, queries.tolist(), v=_value(q)[None], **SIZES)[0]
-        ref = ref.mean(0, keepdim=True) if mean else ref
-        assert (got.double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
+    _assert_masked_kinds(kinds, outs, P, layout, mean, queries.tolist(), _value(q)[None])
     full = outs[kinds.index("full")]
     assert bool((full[:, ~mask] == 0).all()) if not mean else bool((full[0][~mask] == 0).all())
     sdpa = plan_tiles(reducers, S, H, D, budget, "sdpa", q.device)
@@ -238,16 +244,7 @@ def test_a_mask_per_head_over_token_groups_follows_the_selected_heads(mean):
     mask = keep[heads][:, group][:, :, group]  # (2, S, S): each selected head's token mask
     scores = q[heads][None].double() @ k[heads][None].double().transpose(-1, -2) / D**0.5
     P = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    for kind, got in zip(kinds, outs):
-        if kind in RANKED:
-            assert _ranked_error(got, P, kind, layout, mean) <= 1e-5, kind
-            continue
-        if kind == "topk":
-            assert_topk(REDUCERS[kind].unpack(got[None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
-            continue
-        ref = naive_kind(P, kind, 0, layout.grid, [0, 9], v=_value(q)[heads][None], **SIZES)[0]
-        ref = ref.mean(0, keepdim=True) if mean else ref
-        assert (got.double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
+    _assert_masked_kinds(kinds, outs, P, layout, mean, [0, 9], _value(q)[heads][None])
     if not mean:
         assert bool((outs[kinds.index("full")][~mask] == 0).all())
 
@@ -274,16 +271,7 @@ def test_an_additive_bias_is_added_to_the_scaled_scores_in_the_captures_token_or
     capture(q, k, reducers, outs, plan, heads, mask=QueryKeyBias(bias[None], order)[0], value=_value(q))
     scores = q[heads][None].double() @ k[heads][None].double().transpose(-1, -2) / D**0.5
     P = (scores + bias[order][:, order].double()).softmax(-1)
-    for kind, got in zip(kinds, outs):
-        if kind in RANKED:
-            assert _ranked_error(got, P, kind, layout, mean) <= 1e-5, kind
-            continue
-        if kind == "topk":
-            assert_topk(REDUCERS[kind].unpack(got[None]), P.mean(1, keepdim=True) if mean else P, 1e-5)
-            continue
-        ref = naive_kind(P, kind, 0, layout.grid, [0, 9], v=_value(q)[heads][None], **SIZES)[0]
-        ref = ref.mean(0, keepdim=True) if mean else ref
-        assert (got.double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
+    _assert_masked_kinds(kinds, outs, P, layout, mean, [0, 9], _value(q)[heads][None])
     sdpa = plan_tiles(reducers, S, 2, D, 40_000, "sdpa", q.device)
     with pytest.raises(ValueError, match="row tiles only"):
         capture(q, k, reducers, outs, sdpa, heads, mask=QueryKeyBias(bias[None])[0])

@@ -202,9 +202,14 @@ def _direct_call(transformer, text_mask=None):
 def _masked_direct_call(transformer, monkeypatch):
     """A direct call of ``transformer`` under a text key mask: its inputs, its stock output and what each attention
     module got (the spy's one call)."""
+    inputs = _direct_call(transformer, text_mask=torch.tensor([[0, 1, 1, 0]]))
+    return (inputs, *_spied(transformer, inputs, monkeypatch))
+
+
+def _spied(transformer, inputs, monkeypatch):
+    """The stock output of ``transformer(**inputs)`` and what each attention module got (the spy's one call)."""
     from diffusers.models.transformers import transformer_ltx2
 
-    inputs = _direct_call(transformer, text_mask=torch.tensor([[0, 1, 1, 0]]))
     spy = Spy(transformer, monkeypatch, transformer_ltx2)
     try:
         stock = transformer(**inputs, return_dict=False)
@@ -212,7 +217,7 @@ def _masked_direct_call(transformer, monkeypatch):
         spy.remove()
         monkeypatch.undo()
     (call,) = spy.calls
-    return inputs, stock, call
+    return stock, call
 
 
 def test_a_text_key_mask_is_added_as_the_model_adds_it_and_handed_over(pipes, monkeypatch):
@@ -313,20 +318,12 @@ def test_the_ic_lora_mask_is_handed_over_as_the_bias_the_model_adds(pipes, monke
     """``video_self_attention_mask`` (IC-LoRA's strengths in [0, 1]) is added by the video self-attention as
     −10000·(1 − m), per head: the float64 reference with it reproduces the call's output, the map processors keep the
     output bit-identical and hand over that bias once for every head, as a ``QueryKeyBias`` in the model's order."""
-    from diffusers.models.transformers import transformer_ltx2
-
     transformer = pipes().transformer
     inputs = _direct_call(transformer)
     strength = torch.ones(1, 6, 6)
     strength[:, :4, 4:], strength[:, 4:, :4] = 0.9998, 0.9998  # 2 tokens as references: a bias of −2
     inputs["video_self_attention_mask"] = strength
-    spy = Spy(transformer, monkeypatch, transformer_ltx2)
-    try:
-        stock = transformer(**inputs, return_dict=False)
-    finally:
-        spy.remove()
-        monkeypatch.undo()
-    (call,) = spy.calls
+    stock, call = _spied(transformer, inputs, monkeypatch)
     sink = Sink(transformer)
     saved = _install(transformer, sink)
     try:
