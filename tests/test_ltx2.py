@@ -220,6 +220,18 @@ def _spied(transformer, inputs, monkeypatch):
     return stock, call
 
 
+def _mapped_call(transformer, inputs, stock):
+    """A :class:`Sink` of ``transformer(**inputs)`` under the map processors, whose output must be ``stock``'s."""
+    sink = Sink(transformer)
+    saved = _install(transformer, sink)
+    try:
+        mapped = transformer(**inputs, return_dict=False)
+    finally:
+        _restore(transformer, saved)
+    assert all(torch.equal(a, b) for a, b in zip(mapped, stock))
+    return sink
+
+
 def test_a_text_key_mask_is_added_as_the_model_adds_it_and_handed_over(pipes, monkeypatch):
     transformer = pipes().transformer
     blocks = transformer.transformer_blocks
@@ -229,13 +241,7 @@ def test_a_text_key_mask_is_added_as_the_model_adds_it_and_handed_over(pipes, mo
         if attr in ("attn2", "audio_attn2"):
             assert torch.equal(record[5][0, 0, 0], torch.tensor([-10000.0, 0.0, 0.0, -10000.0]))
             assert bool((P[..., [0, 3]] == 0).all())  # a masked text key: exactly 0
-    sink = Sink(transformer)
-    saved = _install(transformer, sink)
-    try:
-        mapped = transformer(**inputs, return_dict=False)
-    finally:
-        _restore(transformer, saved)
-    assert all(torch.equal(a, b) for a, b in zip(mapped, stock))
+    sink = _mapped_call(transformer, inputs, stock)
     for ((layer, attr), record), (got_layer, source, q, k, bias) in zip(call.items(), sink.seen, strict=True):
         assert (got_layer, source) == (layer, SOURCES[attr]) and torch.equal(q, record[2]) and torch.equal(k, record[3])
         mask = record[5]
@@ -324,13 +330,7 @@ def test_the_ic_lora_mask_is_handed_over_as_the_bias_the_model_adds(pipes, monke
     strength[:, :4, 4:], strength[:, 4:, :4] = 0.9998, 0.9998  # 2 tokens as references: a bias of −2
     inputs["video_self_attention_mask"] = strength
     stock, call = _spied(transformer, inputs, monkeypatch)
-    sink = Sink(transformer)
-    saved = _install(transformer, sink)
-    try:
-        mapped = transformer(**inputs, return_dict=False)
-    finally:
-        _restore(transformer, saved)
-    assert all(torch.equal(a, b) for a, b in zip(mapped, stock))
+    sink = _mapped_call(transformer, inputs, stock)
     selfs = [(layer, got) for layer, source, *_, got in sink.seen if source == "self"]
     assert len(selfs) == 2
     for layer, got in selfs:
