@@ -342,3 +342,33 @@ def test_auto_times_the_two_passes_on_the_first_of_the_selected_heads(monkeypatc
     for _, q_n, k_n, lse_n in seen:
         first = heads[:timed]
         assert torch.equal(q_n, q[first]) and torch.equal(k_n, k[first]) and torch.equal(lse_n, lse[:timed])
+
+
+@pytest.mark.parametrize("gpu_tiles", [False, True])
+def test_a_masks_rows_count_in_the_tiles_budget(gpu_tiles):
+    """The rows of a mask a tile applies are counted in its budget: an additive bias's gathered and float32 rows
+    (shared by the heads), a boolean mask's rows and their inverse, a group mask's per head; the tiles then fit the
+    budget with them, where the same plan without them would not. (A CUDA capture's measured peak: test_gpu.py.)"""
+    from cogattn.exact import memory, passes
+    from cogattn.exact.planner import size_tiles
+    from cogattn.recorder.processor import GroupMask, QueryKeyBias
+
+    layout = TokenLayout(0, 8, 16, 16)
+    H, S, D = 4, layout.seq_len, 64
+    reducers = [REDUCERS["frame"](layout, H, False)]
+    cap = None if gpu_tiles else 4 * 64 * S  # a GPU's tiles as large as the budget, or the CPU's cache-sized ones
+    budget = 8 * 2**20
+    plain = size_tiles("rows", reducers, S, H, D, budget, True, cap)
+    bias = QueryKeyBias(torch.zeros(1, S, S, dtype=torch.bfloat16))
+    groups = GroupMask(torch.ones(H, 4, 4, dtype=torch.bool), torch.arange(S) % 4)
+    expected = {"bias": (0, 8), "bool": (0, 2), "groups": (2, 0)}
+    for name, mask in (("bias", bias), ("bool", torch.ones(1, S, S, dtype=torch.bool)), ("groups", groups)):
+        cost = passes.mask_cost(mask)
+        assert cost == expected[name], name
+        plan = size_tiles("rows", reducers, S, H, D, budget, True, cap, cost)
+        held = cost[0] * plan.row_heads * plan.row_rows * S + cost[1] * plan.row_rows * S
+        assert held + 4 * plan.row_heads * plan.row_rows * S <= plan.peak_bytes <= memory.usable(budget), name
+        assert plan.row_rows <= plain.row_rows, name
+        missed = cost[0] * plain.row_heads * plain.row_rows * S + cost[1] * plain.row_rows * S
+        if gpu_tiles:  # tiles as large as the budget: without the mask's rows they would overrun it
+            assert plain.peak_bytes + missed > memory.usable(budget), name

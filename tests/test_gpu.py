@@ -132,3 +132,34 @@ def test_cuda_sparse_kinds_in_a_generation_bit_identical():
     spy.remove()
     assert torch.equal(out, stock)
     assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
+
+
+def test_cuda_capture_under_a_bias_stays_within_its_budget():
+    """Row tiles under an additive bias (LTX-2's IC-LoRA, bfloat16, reordered as LTX-2's tokens after the grid):
+    the capture's measured peak above its inputs and outputs stays within the budget the tiles were planned for,
+    the mask's rows counted (``passes.mask_cost``), and its frame sums equal the naive reference's."""
+    from cogattn.exact import passes
+    from cogattn.recorder.processor import QueryKeyBias
+
+    torch.manual_seed(0)
+    layout = TokenLayout(0, 8, 24, 32)
+    H, S, D = 4, layout.seq_len, 64
+    q, k = ((torch.randn(H, S, D) * 2).to("cuda", torch.bfloat16) for _ in range(2))
+    bias = torch.zeros(S, S)
+    bias[:, :512] = -2.0  # IC-LoRA's −10000·(1 − strength) at strength 0.9998
+    order = torch.cat([torch.arange(S - 512, S), torch.arange(S - 512)])
+    mask = QueryKeyBias(bias[None].to("cuda", torch.bfloat16), order.cuda())[0]
+    reducers = [REDUCERS["frame"](layout, H, False)]
+    budget = 64 * 2**20
+    plan = plan_tiles(reducers, S, H, D, budget, "rows", "cuda", mask_cost=passes.mask_cost(mask))
+    outs = [torch.zeros(r.shape(1)[1:], device="cuda") for r in reducers]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    capture(q, k, reducers, outs, plan, mask=mask)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= budget
+    qd, kd = q.cpu().double(), k.cpu().double()
+    P = (qd @ kd.transpose(-1, -2) / D**0.5 + bias[order][:, order].double())[None].softmax(-1)
+    ref = naive_kind(P, "frame", 0, layout.grid)[0]
+    assert (outs[0].cpu().double() - ref).abs().max() <= 1e-5

@@ -89,12 +89,16 @@ def usable(budget: int) -> int:
     return budget - min(budget // 32, _RESERVE)
 
 
-def row_tile_bytes(h: int, r: int, S: int, D: int, C: int, copies: bool, received=False, mean_heads: int = 0) -> int:
+def row_tile_bytes(
+    h: int, r: int, S: int, D: int, C: int, copies: bool, received=False, mean_heads: int = 0, mask=(0, 0)
+) -> int:
     # float32 K of the head chunk (when the input must be copied; of all ``mean_heads`` heads for head-mean
     # rows, which revisit every head per row tile), the q rows, the scores (the softmax runs in place), the
-    # pooled sums, a column sum per head (received), the head-mean rows (topk of the mean)
+    # pooled sums, a column sum per head (received), the head-mean rows (topk of the mean); and the tile's rows
+    # of a mask, ``mask`` bytes per score of each head and per score shared by the heads (passes.mask_cost)
     k_copy = max(h, mean_heads) * S * D * copies
-    return _F32 * (k_copy + h * r * D + h * r * S + h * r * C + h * S * received + r * S * bool(mean_heads))
+    held = _F32 * (k_copy + h * r * D + h * r * S + h * r * C + h * S * received + r * S * bool(mean_heads))
+    return held + mask[0] * h * r * S + mask[1] * r * S
 
 
 def pooled_bytes(

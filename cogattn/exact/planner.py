@@ -139,6 +139,7 @@ def size_tiles(
     budget: int,
     copies_inputs: bool = True,
     tile_cap: int | None = None,
+    mask_cost: tuple[int, int] = (0, 0),
 ) -> TilePlan:
     """Chunk sizes for ``reducers`` on ``method`` (from :func:`choose_method`) within ``budget`` bytes;
     raises `ValueError` when no tile fits.
@@ -152,6 +153,8 @@ def size_tiles(
             chunk (not for contiguous float32 inputs with every head selected).
         tile_cap (`int | None`): largest row tile of scores in bytes, one head at a time (the CPU's
             :data:`CPU_ROW_TILE`); `None` makes tiles as large as the budget allows (GPUs).
+        mask_cost (`tuple[int, int]`): what a call's mask holds per row tile (``passes.mask_cost``): bytes per
+            score of each head, and per score shared by the heads.
     """
     budget, asked = usable(budget), budget  # less the headroom (cogattn.exact.memory)
     pooled = pooled_kinds(reducers)
@@ -170,7 +173,7 @@ def size_tiles(
     n_multi = sum(g.num_groups for g in groups if not g.single_keys)
 
     def row_bytes(h: int, r: int) -> int:
-        return memory.row_tile_bytes(h, r, S, D, row_cols, copies_inputs, received, mean_row * H)
+        return memory.row_tile_bytes(h, r, S, D, row_cols, copies_inputs, received, mean_row * H, mask_cost)
 
     def pooled_bytes(h: int, r: int) -> int:
         return memory.pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, method == "joint", stats)
@@ -216,11 +219,13 @@ def plan_tiles(
     device,
     copies_inputs: bool = True,
     lse_given: bool = False,
+    mask_cost: tuple[int, int] = (0, 0),
 ) -> TilePlan:
-    """:func:`choose_method`, then :func:`size_tiles` (``lse_given``: the output call gives every row's lse)."""
+    """:func:`choose_method`, then :func:`size_tiles` (``lse_given``: the output call gives every row's lse;
+    ``mask_cost``: what a call's mask holds per row tile, ``passes.mask_cost``)."""
     cap = CPU_ROW_TILE if torch.device(device).type == "cpu" else None
     method = choose_method(method, reducers, S, device, D, lse_given)
-    return size_tiles(method, reducers, S, H, D, budget, copies_inputs, cap)
+    return size_tiles(method, reducers, S, H, D, budget, copies_inputs, cap, mask_cost)
 
 
 def _largest(fits, upper: int) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..exact import engine
+from ..exact import engine, passes
 from ..exact.attention import attention_joint_for, attention_with_lse
 from ..exact.checks import SpotCheck, Verifier, probe_rows
 from ..exact.context import context_pass
@@ -203,7 +203,8 @@ class Capture:
             method = "auto"
         if mask is not None:  # the fused passes take no mask: row tiles apply it
             method = "rows"
-        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None)
+        cost = passes.mask_cost(mask)  # the mask's rows of a tile count in the budget
+        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None, cost)
         heads = None if all_heads else torch.tensor(res.heads, device=query.device)
         kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
         checked = tiles.method != "rows" and self.verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
@@ -304,9 +305,11 @@ class Capture:
         """The spot checks made so far."""
         return list(self.verifier.checks)
 
-    def _tiles_for(self, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False) -> TilePlan:
-        key = (S, D, torch.device(device).type, copies, method, lse)
+    def _tiles_for(
+        self, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False, mask_cost=(0, 0)
+    ) -> TilePlan:
+        key = (S, D, torch.device(device).type, copies, method, lse, mask_cost)
         if key not in self.tiles:
             budget = self.plan.tile_budget  # memory_budget less the results waiting for a step's last call
-            self.tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse)
+            self.tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse, mask_cost)
         return self.tiles[key]
