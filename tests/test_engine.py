@@ -277,7 +277,8 @@ def test_an_additive_bias_is_added_to_the_scaled_scores_in_the_captures_token_or
         capture(q, k, reducers, outs, sdpa, heads, mask=QueryKeyBias(bias[None])[0])
 
 
-def test_the_additive_masks_capture_takes_and_those_it_refuses():
+def test_the_additive_masks_capture_takes_and_those_it_refuses(monkeypatch):
+    from cogattn.recorder import processor
     from cogattn.recorder.processor import query_key_bias
 
     bias = -2 * torch.rand(1, 1, 6, 6)
@@ -286,6 +287,14 @@ def test_the_additive_masks_capture_takes_and_those_it_refuses():
     assert query_key_bias(torch.zeros(2, 3, 6, 6), 2, 6) is None  # adds nothing
     with pytest.raises(ValueError, match="the same for every head"):
         query_key_bias(torch.cat([bias, 2 * bias], 1).expand(2, 2, 6, 6), 2, 6)
+    monkeypatch.setattr(processor, "_SLAB", 2 * 6)  # compared a row at a time: a difference in the last row is seen
+    late = bias.expand(2, 3, 6, 6).clone()
+    late[1, 2, 5, 0] += 1
+    with pytest.raises(ValueError, match="the same for every head"):
+        query_key_bias(late, 2, 6)
+    tail = torch.zeros(2, 3, 6, 6)
+    tail[:, :, 5, 1] = -2.0  # a bias in the last row only: found
+    assert query_key_bias(tail, 2, 6) is not None
     with pytest.raises(ValueError, match=r"\(B, H, 6, 6\); this call's mask is \(2, 3, 1, 6\)"):
         query_key_bias(bias[:, :, :1].expand(2, 3, 1, 6), 2, 6)
     with pytest.raises(ValueError, match="additive \\(float\\) mask"):

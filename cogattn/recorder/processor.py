@@ -226,6 +226,9 @@ def _read_mask(mask: torch.Tensor, batch: int, seq_len: int) -> tuple[bool, torc
     return bool(keep.all()), converted
 
 
+_SLAB = 2**24  # entries of the mask query_key_bias compares at a time
+
+
 def query_key_bias(mask: torch.Tensor | None, batch: int, seq_len: int, order=None) -> QueryKeyBias | None:
     """The additive mask of a self-attention call as capture takes it, a :class:`QueryKeyBias` (``order``: its
     argument); `None` where it adds nothing. Takes a float mask ``(B, 1 or H, S, S)`` that is the same for every head
@@ -239,9 +242,11 @@ def query_key_bias(mask: torch.Tensor | None, batch: int, seq_len: int, order=No
         )
     if mask.dtype == torch.bool or not mask.is_floating_point():
         raise ValueError(f"cogattn takes an additive (float) mask here; this call's is {mask.dtype}.")
-    first = mask[:, 0]
-    if not torch.equal(mask, first[:, None].expand_as(mask)):
+    first = mask[:, 0]  # a view: the model's mask is not copied
+    rows = max(1, _SLAB // (batch * seq_len))  # compared in slabs: no (B, H, S, S) temporary
+    slabs = [slice(r0, r0 + rows) for r0 in range(0, seq_len, rows)]
+    if not all(torch.equal(mask[:, h, r], first[:, r]) for h in range(1, mask.shape[1]) for r in slabs):
         raise ValueError(
             "cogattn captures an additive self-attention mask that is the same for every head; this one is not."
         )
-    return QueryKeyBias(first, order) if bool(first.any()) else None
+    return QueryKeyBias(first, order) if any(bool(first[:, r].any()) for r in slabs) else None
