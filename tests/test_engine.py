@@ -249,8 +249,9 @@ def test_a_mask_per_head_over_token_groups_follows_the_selected_heads(mean):
         assert bool((outs[kinds.index("full")][~mask] == 0).all())
 
 
+@pytest.mark.parametrize("rotated", [True, False])
 @pytest.mark.parametrize("mean", [False, True])
-def test_an_additive_bias_is_added_to_the_scaled_scores_in_the_captures_token_order(mean):
+def test_an_additive_bias_is_added_to_the_scaled_scores_in_the_captures_token_order(mean, rotated):
     """An additive bias (``processor.QueryKeyBias``: LTX-2's IC-LoRA, −10000·(1 − strength)), given in the model's
     token order with the order capture is handed its tokens in, heads [2, 0] selected: every kind equals the naive
     softmax of ``q·kᵀ·scale + bias`` (the bias reordered, entropy with its term); methods but rows refuse it."""
@@ -263,6 +264,8 @@ def test_an_additive_bias_is_added_to_the_scaled_scores_in_the_captures_token_or
     bias = -3 * torch.rand(S, S)  # the model's order
     bias[:, :4] = -10000.0  # keys no query reaches but by e^−10000: probability 0, as the model's
     order = torch.cat([torch.arange(S - 5, S), torch.arange(S - 5)])  # the last 5 tokens lead, as LTX-2's extras
+    order = order if rotated else torch.randperm(S, generator=torch.Generator().manual_seed(1))
+    assert (QueryKeyBias(bias[None], order).shift is not None) == rotated  # a rotation's rows: two slices
     heads = torch.tensor([2, 0])
     kinds = [kd for kd in KINDS if kd not in ("video_to_text", "text_to_video")]
     reducers = [REDUCERS[kd](layout, 2, mean, torch.tensor([0, 9]), **SIZES) for kd in kinds]

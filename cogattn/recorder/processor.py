@@ -124,6 +124,11 @@ class QueryKeyBias:
 
     def __init__(self, bias: torch.Tensor, order: torch.Tensor | None = None):
         self.bias, self.order = bias, None if order is None else order.long()
+        self.shift = None  # where the order is a rotation (LTX-2's: the last tokens first), its first token
+        if self.order is not None and len(self.order):
+            first, n = int(self.order[0]), len(self.order)
+            rotated = torch.arange(first, first + n, device=self.order.device) % n
+            self.shift = first if torch.equal(self.order, rotated) else None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -144,7 +149,14 @@ class QueryKeyBias:
         """One item's bias of query ``rows`` (a slice or indices of the capture's order), float32 ``(1, r, S)``."""
         if self.order is None:
             return self.bias[rows].float()[None]
-        return self.bias[self.order[rows]].index_select(-1, self.order).float()[None]
+        picked = self.bias[self.order[rows]]  # (r, S): the rows, in the model's column order
+        if self.shift is None:
+            return picked.index_select(-1, self.order).float()[None]
+        out = torch.empty(1, *picked.shape, dtype=torch.float32, device=picked.device)
+        cut = picked.shape[-1] - self.shift  # a rotation: two slices, copied and made float32 at once
+        out[0, :, :cut].copy_(picked[:, self.shift :])
+        out[0, :, cut:].copy_(picked[:, : self.shift])
+        return out
 
 
 def key_counts(mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
