@@ -119,6 +119,8 @@ def context_pass(
                     probs.div_(probs.sum(-1, keepdim=True))
                     for red, out in zip(reducers, outs):
                         red.fold_rows(out[i], h0, r0, probs)
+                    del q, probs  # freed before the next tile is made: one tile held, as planned, not two
+                del k
     return outs
 
 
