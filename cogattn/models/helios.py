@@ -34,15 +34,14 @@ first, as Wan's.
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import sys
-from pathlib import Path
 
 import torch
 
 from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
 from ..recorder.processor import MapSink
+from ._checkpoint import pipeline_name
 from .spec import ModelSpec, Site, Unavailable, call_argument, text_never_queries
 
 # Attention shapes of the released checkpoints (their transformer/config.json: diffusers' defaults, Wan 2.1
@@ -248,8 +247,7 @@ def call_rules(cfg, config: dict) -> None:
     """The batch tool's Helios rule (``ModelSpec.call_rules``): a checkpoint made for ``HeliosPyramidPipeline`` (its
     ``model_index.json`` names it; offline, ``Helios-Distilled``) is refused: the batch tool runs ``HeliosPipeline``,
     and a recording of the pyramid holds its first stage only."""
-    index = Path(cfg.model) / "model_index.json"
-    name = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else cfg.model
+    name = pipeline_name(cfg.model)
     if "Pyramid" in name or "Helios-Distilled" in name:
         raise ValueError(
             f"model: {cfg.model} is a pyramid checkpoint; the batch tool runs HeliosPipeline only: record "

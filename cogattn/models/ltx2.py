@@ -23,13 +23,12 @@ refuse them. IC-LoRA's ``video_self_attention_mask`` is added as the model adds 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
 
 from ..audio import AudioAxis
 from ..layout import TokenLayout
+from ._checkpoint import pipeline_name
 from .prompt_text import PromptText, kept, tokenize
 from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
 
@@ -211,8 +210,7 @@ def call_rules(cfg, config: dict) -> None:
     """The batch tool's LTX-2 rule (``ModelSpec.call_rules``): a checkpoint whose ``model_index.json`` names a pipeline
     of :data:`PYTHON_ONLY` is refused; the batch tool runs ``LTX2Pipeline`` and ``LTX2ImageToVideoPipeline`` and
     passes no keyframe or reference conditions from a config."""
-    index = Path(cfg.model) / "model_index.json"
-    name = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
+    name = pipeline_name(cfg.model)
     if name in PYTHON_ONLY:
         raise ValueError(
             f"model: {cfg.model} is a {name} checkpoint; the batch tool runs LTX2Pipeline and "

@@ -20,12 +20,11 @@ it keeps the windows before it and warns.
 from __future__ import annotations
 
 import inspect
-import json
 import sys
-from pathlib import Path
 
 import torch
 
+from ._checkpoint import pipeline_name
 from .spec import ModelSpec, Site, Unavailable
 
 # Attention shapes of the released checkpoints (their transformer/config.json): Wan 2.1's 1.3B and 14B.
@@ -145,8 +144,7 @@ def call_rules(cfg, config: dict) -> None:
     """The batch tool's SkyReels-V2 rule (``ModelSpec.call_rules``): a diffusion-forcing checkpoint (its
     ``model_index.json`` names ``SkyReelsV2DiffusionForcingPipeline``; offline, ``-DF-`` in its hub id) is
     refused: the batch tool would run it through the plain pipeline, without diffusion forcing."""
-    index = Path(cfg.model) / "model_index.json"
-    name = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else cfg.model
+    name = pipeline_name(cfg.model)
     if "DiffusionForcing" in name or "-DF-" in name:
         raise ValueError(
             f"model: {cfg.model} is a diffusion-forcing checkpoint; the batch tool runs SkyReels-V2's text- and "
