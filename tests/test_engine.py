@@ -358,8 +358,8 @@ def test_auto_times_the_two_passes_on_the_first_of_the_selected_heads(monkeypatc
 
 @pytest.mark.parametrize("gpu_tiles", [False, True])
 def test_a_masks_rows_count_in_the_tiles_budget(gpu_tiles):
-    """The rows of a mask a tile applies are counted in its budget: an additive bias's gathered and float32 rows
-    (shared by the heads), a boolean mask's rows and their inverse, a group mask's per head; the tiles then fit the
+    """The rows of a mask a tile applies are counted in its budget: an additive bias's rows in its dtype (twice under
+    an order that is no rotation) and in float32 (shared by the heads), a boolean mask's rows and their inverse, a group mask's per head; the tiles then fit the
     budget with them, where the same plan without them would not. (A CUDA capture's measured peak: test_gpu.py.)"""
     from cogattn.exact import memory, passes
     from cogattn.exact.planner import size_tiles
@@ -371,12 +371,20 @@ def test_a_masks_rows_count_in_the_tiles_budget(gpu_tiles):
     cap = None if gpu_tiles else 4 * 64 * S  # a GPU's tiles as large as the budget, or the CPU's cache-sized ones
     budget = 8 * 2**20
     plain = size_tiles("rows", reducers, S, H, D, budget, True, cap)
-    bias = QueryKeyBias(torch.zeros(1, S, S, dtype=torch.bfloat16))
-    groups = GroupMask(torch.ones(H, 4, 4, dtype=torch.bool), torch.arange(S) % 4)
-    expected = {"bias": (0, 8), "bool": (0, 2), "groups": (2, 0)}
-    for name, mask in (("bias", bias), ("bool", torch.ones(1, S, S, dtype=torch.bool)), ("groups", groups)):
+    bias = torch.zeros(1, S, S, dtype=torch.bfloat16)
+    rotated = torch.cat([torch.arange(S - 5, S), torch.arange(S - 5)])
+    masks = {  # bfloat16 rows, once or twice (an order's column gather), then float32; booleans and their inverse
+        "bias": (QueryKeyBias(bias), (0, 6)),
+        "rotated bias": (QueryKeyBias(bias, rotated), (0, 6)),
+        "permuted bias": (QueryKeyBias(bias, torch.randperm(S, generator=torch.Generator().manual_seed(0))), (0, 8)),
+        "bool": (torch.ones(1, S, S, dtype=torch.bool), (0, 2)),
+        "groups": (GroupMask(torch.ones(H, 4, 4, dtype=torch.bool), torch.arange(S) % 4), (2, 0)),
+    }
+    for name, (mask, expected) in masks.items():
         cost = passes.mask_cost(mask)
-        assert cost == expected[name], name
+        assert cost == expected, name
+        if isinstance(mask, QueryKeyBias):  # an item's bias, moved, keeps its order's kind
+            assert passes.mask_cost(mask[0].to("cpu")) == cost and mask[0].shift == mask.shift, name
         plan = size_tiles("rows", reducers, S, H, D, budget, True, cap, cost)
         held = cost[0] * plan.row_heads * plan.row_rows * S + cost[1] * plan.row_rows * S
         assert held + 4 * plan.row_heads * plan.row_rows * S <= plan.peak_bytes <= memory.usable(budget), name

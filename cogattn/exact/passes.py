@@ -267,11 +267,11 @@ def apply_mask_(scores: torch.Tensor, mask, rows, h0: int, h1: int) -> torch.Ten
 def mask_cost(mask) -> tuple[int, int]:
     """What :func:`apply_mask_` holds per score of a row tile for ``mask``, in bytes: ``(per head, shared by the
     heads)``. A boolean ``(S, S)`` mask: its rows and their inverse, shared; a ``GroupMask``: the same per head; an
-    additive ``QueryKeyBias``: its rows gathered in its dtype (twice, where reordered) and as float32, shared."""
+    additive ``QueryKeyBias``: its ``row_bytes``, shared."""
     if mask is None:
         return 0, 0
     if getattr(mask, "additive", False):
-        return 0, 4 + 2 * mask.bias.element_size()
+        return 0, mask.row_bytes
     return (0, 2) if isinstance(mask, torch.Tensor) else (2, 0)
 
 

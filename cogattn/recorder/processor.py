@@ -122,10 +122,10 @@ class QueryKeyBias:
 
     additive = True  # row tiles add it to the scores (a boolean mask sets masked scores to −inf)
 
-    def __init__(self, bias: torch.Tensor, order: torch.Tensor | None = None):
+    def __init__(self, bias: torch.Tensor, order: torch.Tensor | None = None, shift: int | None = None):
         self.bias, self.order = bias, None if order is None else order.long()
-        self.shift = None  # where the order is a rotation (LTX-2's: the last tokens first), its first token
-        if self.order is not None and len(self.order):
+        self.shift = shift  # where the order is a rotation (LTX-2's: the last tokens first), its first token
+        if shift is None and self.order is not None and len(self.order):
             first, n = int(self.order[0]), len(self.order)
             rotated = torch.arange(first, first + n, device=self.order.device) % n
             self.shift = first if torch.equal(self.order, rotated) else None
@@ -134,16 +134,24 @@ class QueryKeyBias:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.bias.shape)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes :meth:`rows` holds per score: the rows in the bias's dtype (twice, under an order that is no
+        rotation: the column gather) and in float32."""
+        gathers = 2 if self.order is not None and self.shift is None else 1
+        return 4 + gathers * self.bias.element_size()
+
     def __getitem__(self, item: int) -> QueryKeyBias:
         """Batch item ``item``'s bias ``(S, S)``."""
-        return QueryKeyBias(self.bias[item], self.order)
+        return QueryKeyBias(self.bias[item], self.order, self.shift)
 
     def select_heads(self, heads: torch.Tensor | None) -> QueryKeyBias:
         """The same for every head: itself."""
         return self
 
     def to(self, device) -> QueryKeyBias:
-        return QueryKeyBias(self.bias.to(device), None if self.order is None else self.order.to(device))
+        order = None if self.order is None else self.order.to(device)
+        return QueryKeyBias(self.bias.to(device), order, self.shift)
 
     def rows(self, rows, h0: int, h1: int) -> torch.Tensor:
         """One item's bias of query ``rows`` (a slice or indices of the capture's order), float32 ``(1, r, S)``."""
