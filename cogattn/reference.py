@@ -15,7 +15,7 @@ import torch
 
 from .exact.checks import error_units  # the units of the documented bounds: the spot checks' own
 
-TOP_P_MARGIN = 1e-6  # how near p a row's float32 cumulative mass may come and still count as either side
+TOP_P_MARGIN = 1e-6  # how near p a row's cumulative share of its total may come and still count as either side
 
 __all__ = [
     "kind_error",
@@ -75,8 +75,9 @@ def naive_kind(
     is text), group ``f + 1`` frame f; tile group 0 the text, then the tiles in (t, y, x) order; ``offset``
     bins each pair of video tokens by its offset (Δf, Δy, Δx), over the V video queries; ``pattern_recall`` and
     ``pattern_error`` take ``patterns`` (:func:`naive_pattern`) and, for the error, the values ``v`` ``(B, H, S, D)``;
-    ``top_p`` counts, for each p of ``top_p``, the keys of a full descending sort until the float64 cumulative sum
-    reaches p (at most the keys of nonzero probability); ``frame_max`` is ``(B, H, S, G, 2)``, each frame group's
+    ``top_p`` counts, for each p of ``top_p``, the keys of a full descending sort of the row's float32 probabilities
+    until their float64 cumulative sum reaches p times the row's float64 total (p = 1: every key of nonzero float32
+    probability); ``frame_max`` is ``(B, H, S, G, 2)``, each frame group's
     largest P[i, j] and its key token (−1 where the group's keys all have probability 0), as stored."""
     B, H, S, _ = P.shape
     F, Hp, Wp = grid
@@ -165,13 +166,19 @@ def naive_kind(
 
 
 def _sorted_mass(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's float64 cumulative sum of its probabilities sorted largest first, and its count of nonzero ones."""
-    return P.sort(-1, descending=True).values.cumsum(-1), (P > 0).sum(-1)
+    """Each row's probabilities rounded to float32 (what a capture ranks), sorted largest first, as their float64
+    cumulative sum, and the count of nonzero ones."""
+    x = P.float().double()
+    return x.sort(-1, descending=True).values.cumsum(-1), (x > 0).sum(-1)
 
 
 def _top_p_counts(mass: torch.Tensor, nonzero: torch.Tensor, top_p) -> torch.Tensor:
-    """``top_p``'s counts from :func:`_sorted_mass`: the keys until the cumulative sum reaches each p."""
-    return torch.stack([torch.minimum((mass < p).sum(-1) + 1, nonzero) for p in top_p], -1)
+    """``top_p``'s counts from :func:`_sorted_mass`: the keys until the cumulative sum reaches each p times the row's
+    total (its last cumulative sum), at most the nonzero ones; p ≥ 1 every nonzero key (a float64 sum can reach
+    the total before the smallest keys, far below its epsilon, are added)."""
+    total = mass[..., -1:]
+    counts = [nonzero if p >= 1 else torch.minimum((mass < p * total).sum(-1) + 1, nonzero) for p in top_p]
+    return torch.stack(counts, -1)
 
 
 def naive_pattern(spec, grid: tuple[int, int, int], tile_shape=(4, 4, 4)) -> torch.Tensor:
@@ -272,13 +279,17 @@ def kind_error(
     ``received``; for ``topk`` the values, and the probabilities at the returned key tokens (equal
     probabilities may come in either order); for ``frame_max`` the values, the probabilities at the returned
     key tokens, and 1 for a token outside its group; for ``top_p`` how many keys a count lies outside the
-    counts for p ∓ :data:`TOP_P_MARGIN` (0 inside: float32 cannot tell p from a mass that close to it).
+    counts for p ∓ :data:`TOP_P_MARGIN` (0 inside: float32 cannot tell p from a mass that close to it), and for
+    p = 1 from the count of nonzero float32 probabilities (no margin: that count is exact).
     ``mean_heads``: ``got`` is of ``heads="mean"``: ``P`` is then each head's (``top_p``: the mean of the
     heads' counts), or, for ``topk`` and ``frame_max``, the head-mean row's."""
     if kind == "top_p":
         ps = sizes.pop("top_p", (0.5, 0.9, 0.95, 0.99))
         sorted_mass = _sorted_mass(P)  # one sort for both sides
-        lo, hi = (_top_p_counts(*sorted_mass, [p + sign * TOP_P_MARGIN for p in ps]).to(P.dtype) for sign in (-1, 1))
+        lo, hi = (
+            _top_p_counts(*sorted_mass, [p if p >= 1 else p + sign * TOP_P_MARGIN for p in ps]).to(P.dtype)
+            for sign in (-1, 1)
+        )
         if mean_heads:
             lo, hi = lo.mean(1, keepdim=True), hi.mean(1, keepdim=True)
         return max(0.0, (lo - got.double()).max().item(), (got.double() - hi).max().item())

@@ -19,10 +19,12 @@ PS = (0.05, 0.5, 0.9, 0.99, 1.0)
 
 
 def _sorted_counts(x, ps, margin=0.0):
-    """Fewest entries reaching each p by a full descending sort and a float64 cumulative sum."""
+    """Fewest entries reaching each p of the row's total by a full descending sort and a float64 cumulative sum;
+    p = 1: every nonzero entry."""
     mass = x.double().sort(-1, descending=True).values.cumsum(-1)
-    nonzero = (x > 0).sum(-1)
-    return torch.stack([torch.minimum((mass < p + margin).sum(-1) + 1, nonzero) for p in ps], -1).float()
+    total, nonzero = mass[..., -1:], (x > 0).sum(-1)
+    counts = [nonzero if p >= 1 else torch.minimum((mass < (p + margin) * total).sum(-1) + 1, nonzero) for p in ps]
+    return torch.stack(counts, -1).float()
 
 
 def _hard_rows(S):
@@ -57,6 +59,40 @@ def test_top_p_counts_equal_a_full_sort(S, way):
     assert got[5, 1] == pytest.approx(round(S / 2), abs=1)  # equal entries: half of them for half the mass
 
 
+def _peaked_rows(S, n=48):
+    """Float32 softmax rows whose tails lie far below float32's epsilon: a first key at score 0, keys at −30, −40
+    and −60, the rest spread over [−70, −5] (half the rows with a few keys near the top too), a third of them scaled
+    by 1 − 4e-7 and a third by 1 + 4e-7 (the sums of exp(s − lse) with the lse a few ulps off)."""
+    g = torch.Generator().manual_seed(2)
+    scores = torch.rand(n, S, generator=g) * -65 - 5
+    scores[:, :4] = torch.tensor([0.0, -30.0, -40.0, -60.0])
+    scores[n // 2 :, 1:6] = -torch.rand(n - n // 2, 5, generator=g) * 3
+    return scores.softmax(-1) * torch.tensor([1 - 4e-7, 1.0, 1 + 4e-7]).repeat(n // 3)[:, None]
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("S", [72, 700, 17776])
+def test_top_p_of_peaked_rows_counts_every_nonzero_key_at_1_and_a_share_of_the_rows_total_below(S, way):
+    """Rows whose float32 sum is a few ulps above or below 1: p = 1 counts every key (none is 0), where a running
+    sum compared with 1 stops early on rows above 1 (it reaches 1 before the smallest keys are added) and never
+    reaches p = 1 − 1e-7 on rows below it; p just below 1 counts the keys reaching p of the row's total."""
+    x = _peaked_rows(S)
+    assert bool((x > 0).all())
+    ps = (0.5, 0.999, 1 - 1e-7, 1.0)
+    got = WAYS[way](x, ps)
+    assert got[:, 3].tolist() == [float(S)] * len(x)
+    lo, hi = _sorted_counts(x, ps, -1e-12), _sorted_counts(x, ps, 1e-12)
+    decided = lo == hi  # p · total not within 1e-12 of a running sum (near 1 − 1e-7 the keys add ~1e-11 each)
+    assert torch.equal(got[decided], lo[decided]) and bool(((got >= lo) & (got <= hi)).all())
+    assert decided.float().mean() > 0.9
+    running = x.double().sort(-1, descending=True).values.cumsum(-1)
+    total = running[:, -1]
+    # what the rows test: some reach 1 before their last key, some never reach 1 − 1e-7
+    assert bool((running[:, -2] >= 1).any()) and bool((total < 1 - 1e-7).any()) and bool((total > 1).any())
+    assert bool((got[:, 2] < S).all())  # 1 − 1e-7 of the total needs fewer keys than every one
+    assert float(running.gather(1, got[:, 2:3].long() - 1).div(total[:, None]).min()) >= 1 - 1e-7
+
+
 def test_tiny_generation_matches_its_own_full_map(tmp_path):
     """frame_max and top_p of each recorded map, read back from disk, against the same run's ``full`` rows
     (the same float32 probabilities): argmax of each frame group and a float64 sort of each row."""
@@ -85,6 +121,27 @@ def test_tiny_generation_matches_its_own_full_map(tmp_path):
         aggregate(run, "frame_max")
     mean = aggregate(run, "top_p", steps=[1], layers=[0])  # a mean count of keys
     assert torch.allclose(mean, run.get("top_p", 1, 0)[0].mean(0))
+
+
+def test_a_peaked_tiny_generation_counts_every_key_at_p_1(tmp_path):
+    """A tiny CogVideoX whose q norm's weight is ×4: rows with tails near 1e-11, none 0, whose float32 sums miss 1 by
+    up to ~2e-7 (a third of a layer's rows reach 1 before their smallest key). Read back from disk, p = 1 counts
+    every key and p just below 1 a share of each row's total, against the same run's ``full`` rows."""
+    pipe = tiny_pipeline()
+    with torch.no_grad():
+        for block in pipe.transformer.transformer_blocks:
+            block.attn1.norm_q.weight.mul_(4)
+    ps = (0.5, 0.999, 1 - 1e-7, 1.0)
+    with cogattn.record(pipe, kinds=("full", "top_p"), heads="all", top_p=ps, save_dir=tmp_path, steps=[1]):
+        generate(pipe, steps=2, output_type="latent")
+    run = cogattn.load(tmp_path)
+    for layer in (0, 1):
+        P, counts = run.get("full", 1, layer), run.get("top_p", 1, layer)
+        running = P.double().sort(-1, descending=True).values.cumsum(-1)
+        assert bool((P > 0).all()) and (running[..., -2] >= 1).double().mean() > 0.15
+        assert bool((counts[..., 3] == P.shape[-1]).all())
+        lo, hi = _sorted_counts(P, ps, -1e-12), _sorted_counts(P, ps, 1e-12)
+        assert torch.equal(counts[lo == hi], lo[lo == hi]) and bool(((counts >= lo) & (counts <= hi)).all())
 
 
 @pytest.mark.parametrize("bad", [(), 0, (0.5, 0.0), 1.5, (0.9, -1), ("0.9",), True, (0.5, float("nan"))])

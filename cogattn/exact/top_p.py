@@ -1,6 +1,11 @@
 """Exact ``top_p`` counts of probability rows without sorting a row: for every row, the fewest entries whose
-largest values sum to at least each mass p (:func:`top_p_counts`, the ``top_p`` kind's computation): a histogram of
-each row, then a sort of the few entries in the bins where each p is crossed."""
+largest values sum to at least each share p of the row's own total (:func:`top_p_counts`, the ``top_p`` kind's
+computation): a histogram of each row, then a sort of the few entries in the bins where each p is crossed.
+
+p is a share of the row's float64 total, not of 1: a float32 probability row sums to 1 only within its rounding
+(a peaked row, whose tail lies far below float32's epsilon, can sum to just above 1 and so reach 1 before its
+smallest keys). Taking p of the row's own total, p = 1 is every key of nonzero probability and p < 1 does not
+move with the row's rounding."""
 
 from __future__ import annotations
 
@@ -18,12 +23,12 @@ def top_p_columns(seq_len: int, cpu: bool = True) -> int:
     """The working memory of :func:`top_p_counts` per row of ``seq_len`` entries, in float32-sized columns. On a CPU:
     every entry's int32 bin, a chunk's int64 bins, float64 weights and byte marks (at most a row each), the
     crossing bins' entries with their positions, bins, bits, sort order and running sums at about 11 columns each,
-    every entry at worst (near-uniform rows), and per bin the float64 histogram, its counts, the bins' lookup and their indices. On a
-    GPU, the sort's: int64 bins, float64 weights, int32 marks and the sorted share of the entries, and its float64
-    histograms."""
+    every entry at worst (near-uniform rows), per bin the float64 histogram, its counts, the bins' lookup and their
+    indices, and per row its float64 total and its count of nonzero entries. On a GPU, the sort's: int64 bins, float64
+    weights, int32 marks and the sorted share of the entries, and its float64 histograms."""
     if cpu:
         shift = _level1_shift(seq_len)
-        return 17 * seq_len + 7 * ((_ONE >> shift) - (_LOW >> shift) + 2)
+        return 17 * seq_len + 7 * ((_ONE >> shift) - (_LOW >> shift) + 2) + 3
     return 6 * seq_len + 13 * _bins(seq_len)[1]
 
 
@@ -36,8 +41,8 @@ def _level1_shift(seq_len: int) -> int:
 
 def top_p_counts(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
     """For every row of ``probs`` ``(n, S)`` (float32, ≥ 0 and below 1 + 2⁻⁶), the fewest entries whose largest
-    values sum to at least each ``p`` of ``ps``: ``(n, len(ps))`` float32 counts; a row that never reaches p (p = 1
-    and its float32 sum just below 1, or a row of zeros) counts its nonzero entries. Exact without sorting a row: a
+    values sum to at least each ``p`` of ``ps`` times the row's float64 total: ``(n, len(ps))`` float32 counts
+    (exact integers); p = 1 counts the nonzero entries, a row of zeros 0 for every p. Exact without sorting a row: a
     float32 ≥ 0 orders as its bits, so a histogram of its top bits finds the bin where p is crossed, and only that
     bin's entries are read again. On a CPU by chunks of rows, into buffers made once (:func:`_counts_in_chunks`:
     no page faults per tile); on a GPU in one go over the tile (:func:`_counts_by_sort`)."""
@@ -47,9 +52,9 @@ def top_p_counts(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
 
 
 def _counts_in_chunks(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
-    """For every row of ``probs`` ``(n, S)`` (float32, ≥ 0 and below 1 + 2⁻⁶), the fewest entries whose largest
-    values sum to at least each ``p`` of ``ps``: ``(n, len(ps))`` float32 counts; a row that never reaches p (p = 1
-    and its float32 sum just below 1, or a row of zeros) counts its nonzero entries.
+    """:func:`top_p_counts` on a CPU: for every row of ``probs`` ``(n, S)`` (float32, ≥ 0 and below 1 + 2⁻⁶), the
+    fewest entries whose largest values sum to at least each ``p`` of ``ps`` times the row's float64 sum:
+    ``(n, len(ps))`` float32 counts; p = 1 counts the nonzero entries, a row of zeros 0.
 
     Exact without sorting: a float32 ≥ 0 orders as its bits. A histogram of the top bits (up to 64 bins to an
     octave, one bin for all values below 2⁻³²) gives each bin's count and float64 mass; their cumulative sums from
@@ -60,8 +65,11 @@ def _counts_in_chunks(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tenso
     ``mass = sum − 2·count`` (a bin's mass is below 2). The mass so carries the rounding of a sum whose magnitude is
     ``2·count``: below ``count · ulp(2·count) / 2`` per bin, about 1e-13 for a bin of 1000 entries, 1e-9 for
     all masses above p together in the worst case (every entry above p in bins of thousands) and ~1e-12 in real
-    rows; a full sort's float64 cumulative sum differs from the exact sum by as much. Only a p within that of a
-    cumulative sum can get another count, far inside the 1e-6 at which float32 entries cannot tell."""
+    rows; a full sort's float64 cumulative sum differs from the exact sum by as much. The row's total is its own
+    float64 sum, taken in the same pass (the bins' total would carry the rounding of every bin, the lowest's of
+    thousands of tiny entries, ~1e-10). Only a p within that of a cumulative sum's share of the total can get
+    another count, far inside the 1e-6 at which float32 entries cannot tell. p = 1 is no search: its count is the
+    row's nonzero entries, counted in the same pass."""
     n, S = probs.shape
     device = probs.device
     P = len(ps)
@@ -77,18 +85,27 @@ def _counts_in_chunks(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tenso
     bins = torch.empty(rows, S, dtype=torch.int64, device=device)  # a chunk's bins as an index
     weights = torch.empty(rows, S, dtype=torch.float64, device=device)
     hist = torch.zeros(n, nbins, dtype=torch.float64, device=device)
+    total = torch.empty(n, 1, dtype=torch.float64, device=device)
+    whole = [j for j, p in enumerate(ps) if p >= 1]  # p = 1: every nonzero entry, counted here
+    nonzero = torch.empty(n if whole else 0, dtype=torch.int32, device=device)
     for a in range(0, n, rows):
         b = min(n, a + rows)
         k = torch.bitwise_right_shift(bits[a:b], shift, out=keys[a:b]).clamp_(low, top).neg_().add_(top)
-        w = weights[: b - a].copy_(probs[a:b]).add_(2.0)  # float64: 2 + x exactly (x ≥ 2⁻²⁹; below, lost under 2⁻⁵²)
+        w = weights[: b - a].copy_(probs[a:b])
+        # the row's own float64 sum: the bins' 2 + x sums round by up to ulp(2·count) / 2 per entry, ~1e-10 over a
+        # row's many tiny entries, which would move p · total past several of the smallest keys near p = 1
+        torch.sum(w, 1, keepdim=True, out=total[a:b])
+        w.add_(2.0)  # float64: 2 + x exactly (x ≥ 2⁻²⁹; below, lost under 2⁻⁵²)
         hist[a:b].scatter_add_(1, bins[: b - a].copy_(k), w)
+        if whole:
+            nonzero[a:b] = (probs[a:b] > 0).sum(-1, dtype=torch.int32)
     del weights
     count = hist.mul(0.5).floor_()
     mass = hist.sub_(count, alpha=2)
     above_mass = mass.cumsum_(1)  # [d]: the mass of the top d + 1 bins
     above_count = count.cumsum_(1)  # float64 sums of integers: exact
-    targets = torch.tensor(ps, dtype=torch.float64, device=device).expand(n, P).contiguous()
-    cross = torch.searchsorted(above_mass, targets)  # (n, P): p's bin, nbins where the row never reaches p
+    targets = _targets(total, ps, above_mass[:, -1:])
+    cross = torch.searchsorted(above_mass, targets)  # (n, P): p's bin, nbins for p = 1 and rows of zeros
     reached = cross < nbins
     before = (cross - 1).clamp_(0, nbins - 1)
     first = cross == 0
@@ -121,11 +138,18 @@ def _counts_in_chunks(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tenso
         del e_at, seg_of, row_bin
         q_out = _finish_by_sort(e_bits, e_val, e_seg, seg_keys.numel(), q_seg, q_rest, q_done)
         counts[q_row, q_p] = q_out.float()
-    if not bool(reached.all()):  # rows that never reach p: their nonzero entries
-        missed = (~reached).any(1).nonzero().flatten()
-        nonzero = (probs.index_select(0, missed) > 0).sum(-1, dtype=torch.int32).float()
-        counts[missed] = torch.where(reached[missed], counts[missed], nonzero[:, None])
+    if whole:  # a row of zeros, which reaches no p, holds 0 as it was made
+        counts[:, whole] = nonzero[:, None].float()
     return counts
+
+
+def _targets(total: torch.Tensor, ps: tuple[float, ...], binned: torch.Tensor) -> torch.Tensor:
+    """``(n, len(ps))`` float64: the mass each row's largest entries must reach for each p, p times the row's
+    ``total`` ``(n, 1)`` and at most its bins' sum ``binned`` ``(n, 1)`` (a total summed more exactly than the bins
+    may pass theirs by ~1e-10); infinite (never reached: no search) for p = 1, which counts the nonzero entries, and
+    for a row of zeros, which needs no entry."""
+    p = torch.tensor(ps, dtype=torch.float64, device=total.device)
+    return torch.where((p < 1) & (total > 0), (total * p).minimum(binned), torch.inf)
 
 
 def _finish_by_sort(e_bits, e_val, e_seg, nseg, q_seg, q_rest, q_done) -> torch.Tensor:
@@ -153,9 +177,9 @@ def _bins(seq_len: int) -> tuple[int, int]:
 
 
 def _counts_by_sort(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
-    """For every row of ``probs`` ``(n, S)`` (float32, ≥ 0), the fewest entries whose largest values sum to at
-    least each ``p`` of ``ps``: ``(n, len(ps))`` float32 counts; a row that never reaches p (p = 1 and its
-    float32 sum just below 1, or a row of zeros) counts its nonzero entries.
+    """:func:`top_p_counts` on a GPU: for every row of ``probs`` ``(n, S)`` (float32, ≥ 0), the fewest entries whose
+    largest values sum to at least each ``p`` of ``ps`` times the row's total (its float64 histogram's):
+    ``(n, len(ps))`` float32 counts; p = 1 counts the nonzero entries, a row of zeros 0.
 
     Exact without sorting the row: a float32 ≥ 0 orders as its bits, so a histogram of the top bits (each
     bin's count and float64 mass) finds the bin where the descending cumulative mass crosses p, and only
@@ -173,7 +197,7 @@ def _counts_by_sort(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
     count = torch.zeros(n, nbins, dtype=torch.float64, device=device).scatter_add_(1, bins, ones)
     above_mass = mass.flip(-1).cumsum(-1)  # [i]: the mass of the top i + 1 bins
     above_count = count.flip(-1).cumsum(-1)  # float64 sums of ones: exact
-    targets = torch.tensor(ps, dtype=torch.float64, device=device).expand(n, len(ps)).contiguous()
+    targets = _targets(above_mass[:, -1:], ps, above_mass[:, -1:])
     top = torch.searchsorted(above_mass, targets)  # (n, P): how many top bins come before p's bin
     reached = top < nbins
     before = (top - 1).clamp(min=0, max=nbins - 1)
@@ -194,23 +218,22 @@ def _counts_by_sort(probs: torch.Tensor, ps: tuple[float, ...]) -> torch.Tensor:
     for a, b in zip(edges[:-1], edges[1:]):
         if b > a:
             marked = flags[a:b].gather(1, bins[a:b])
-            _within_bins(probs[a:b], marked, mass_before[a:b], count_before[a:b], ps, counts[a:b])
+            _within_bins(probs[a:b], marked, mass_before[a:b], count_before[a:b], targets[a:b], counts[a:b])
     del bins
-    if not bool(reached.all()):  # rows that never reach p: their nonzero entries
-        missed = (~reached).any(1).nonzero().flatten()
-        nonzero = (probs[missed] > 0).sum(-1).float()
-        counts[missed] = torch.where(reached[missed], counts[missed], nonzero[:, None])
+    if not bool(reached.all()):  # p = 1 and rows of zeros: their nonzero entries (0 in a row of zeros)
+        nonzero = (probs > 0).sum(-1).float()
+        counts.copy_(torch.where(reached, counts, nonzero[:, None]))
     return counts
 
 
-def _within_bins(probs, marked, mass_before, count_before, ps, counts) -> None:
-    """Where inside its crossing bin each row reaches each p: the entries ``marked`` (bit j for p j) sorted by their
-    bits, largest first, and summed on from ``mass_before``; writes ``counts`` ``(n, len(ps))``."""
+def _within_bins(probs, marked, mass_before, count_before, targets, counts) -> None:
+    """Where inside its crossing bin each row reaches each of its ``targets`` ``(n, P)``: the entries ``marked`` (bit
+    j for p j) sorted by their bits, largest first, and summed on from ``mass_before``; writes ``counts`` ``(n, P)``."""
     n = probs.shape[0]
     bits = probs.view(torch.int32)
     all_rows, all_cols = marked.nonzero(as_tuple=True)
     all_flags = marked[all_rows, all_cols]
-    for j, p in enumerate(ps):
+    for j in range(targets.shape[1]):
         pick = (all_flags >> j) & 1 == 1
         rows, cols = all_rows[pick], all_cols[pick]
         del pick
@@ -223,6 +246,6 @@ def _within_bins(probs, marked, mass_before, count_before, ps, counts) -> None:
         csum = values.cumsum(0)
         start = in_bin.cumsum(0) - in_bin  # each row's first entry in the sorted bin entries
         base = torch.cat([csum.new_zeros(1), csum])[start]  # the cumulative sum before each row's first
-        short = mass_before[rows, j] + (csum - base[rows]) < p  # the bin's entries taken before p is reached
+        short = mass_before[rows, j] + (csum - base[rows]) < targets[rows, j]  # the entries taken before it
         need = torch.minimum(torch.bincount(rows, weights=short.double(), minlength=n).long() + 1, in_bin)
         counts[:, j] = (count_before[:, j] + need).float()

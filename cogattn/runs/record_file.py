@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["record_file_bytes", "write_record"]
 
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32"}
 
 
 def _header(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
@@ -21,7 +21,7 @@ def _header(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
     n = 1
     for s in shape:
         n *= s
-    data = n * torch.finfo(dtype).bits // 8
+    data = n * dtype.itemsize
     header = json.dumps(
         {"map": {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [0, data]}}, separators=(",", ":")
     ).encode()

@@ -28,7 +28,6 @@ class Reducer:
     key_groups: KeyGroups | None = None  # key pooling this kind needs for every query
     stat: ClassVar[str | None] = None  # "entropy" or "received": a row statistic the engine computes
     query_limit: int | None = None  # set by the engine per item: query rows from here on are never formed
-    keep_float32: ClassVar[bool] = False  # stored in float32 whatever the storage dtype (indices)
     multi_key: ClassVar[bool] = False  # pools every query's keys in groups of several (frame, block, tile, ...)
     needs_value: ClassVar[bool] = False  # folds the attention's values V too (the engine sets ``value``)
     value = None  # set by the engine per item when ``needs_value``: the values' selected heads (a HeadView)
@@ -59,6 +58,13 @@ class Reducer:
         """Whether :meth:`fold_rows` takes head-mean rows ``(1, r, S)`` (a statistic of the head-mean row)
         instead of each head's rows."""
         return False
+
+    @classmethod
+    def stored_dtype(cls, storage: torch.dtype, mean_heads: bool = False) -> torch.dtype:
+        """The dtype a run folder keeps this kind's records in, given its ``storage_dtype`` ``storage`` and whether
+        heads were averaged: ``storage`` for probabilities and masses (most kinds); a kind of counts, of key indices
+        or of values that pass float16's largest finite 65,504 says otherwise (docs/streaming.md's table)."""
+        return storage
 
     @staticmethod
     def unpack(tensor: torch.Tensor):

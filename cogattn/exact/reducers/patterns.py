@@ -115,6 +115,11 @@ class PatternErrorReducer(PatternRecallReducer):
     unit = "mean squared output error"
     needs_value = True
 
+    @classmethod
+    def stored_dtype(cls, storage, mean_heads=False):
+        # squares of the model's values: any size, above float16's 65,504 or far below its 6.1e-5 (subnormals)
+        return torch.float32 if storage == torch.float16 else storage
+
     def row_columns(self, seq_len, cpu=True):
         return super().row_columns(seq_len, cpu) + 2 * 128  # O and O_pattern of a row: 2 D, D at most 128
 

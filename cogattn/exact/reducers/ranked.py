@@ -32,8 +32,9 @@ def check_top_p(value) -> tuple[float, ...]:
 
 class TopPReducer(Reducer):
     """``top_p``: ``(B, H, S, len(top_p))``, for every query token and each p of ``top_p`` the fewest keys whose
-    largest probabilities sum to at least p (NABLA's and XAttention's criterion; p = 1: the keys of nonzero
-    float32 probability). Counts, exact integers; with heads averaged, the mean of the heads' counts."""
+    largest probabilities sum to at least p times the row's total (NABLA's and XAttention's criterion; p = 1: the keys
+    of nonzero float32 probability). Counts, exact integers, stored as int32; with heads averaged, the mean of the
+    heads' counts, stored as float32."""
 
     kind = "top_p"
     dims = ("query token", "mass p")
@@ -42,6 +43,10 @@ class TopPReducer(Reducer):
     def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
         super().__init__(layout, num_heads, mean_heads, **sizes)
         self.rows = torch.arange(layout.seq_len)
+
+    @classmethod
+    def stored_dtype(cls, storage, mean_heads=False):
+        return torch.float32 if mean_heads else torch.int32  # counts; their mean is no integer
 
     def row_columns(self, seq_len, cpu=True):
         return top_p_columns(seq_len, cpu)
@@ -73,7 +78,6 @@ class FrameMaxReducer(Reducer):
 
     kind = "frame_max"
     dims = ("query token", "key group", "value, key token")
-    keep_float32 = True
 
     def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
         super().__init__(layout, num_heads, mean_heads, **sizes)
@@ -87,6 +91,10 @@ class FrameMaxReducer(Reducer):
     @property
     def mean_rows(self) -> bool:
         return self.mean_heads
+
+    @classmethod
+    def stored_dtype(cls, storage, mean_heads=False):
+        return torch.float32  # values beside key indices, which float32 holds exactly below 2²⁴ tokens
 
     @staticmethod
     def unpack(tensor):

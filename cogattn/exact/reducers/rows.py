@@ -92,7 +92,6 @@ class TopKReducer(Reducer):
 
     kind = "topk"
     dims = ("query token", "rank", "value, key token")
-    keep_float32 = True
 
     def __init__(self, layout, num_heads, mean_heads, queries=None, **sizes):
         super().__init__(layout, num_heads, mean_heads, **sizes)
@@ -102,6 +101,10 @@ class TopKReducer(Reducer):
     @property
     def mean_rows(self) -> bool:
         return self.mean_heads
+
+    @classmethod
+    def stored_dtype(cls, storage, mean_heads=False):
+        return torch.float32  # values beside key indices, which float32 holds exactly below 2²⁴ tokens
 
     @staticmethod
     def unpack(tensor):

@@ -28,12 +28,17 @@ class EntropyReducer(Reducer):
 
 
 class ReceivedReducer(Reducer):
-    """``received``: ``(B, H, S)``, ``Σ_i P[i, j]`` over every query token for every key token (sums to S)."""
+    """``received``: ``(B, H, S)``, ``Σ_i P[i, j]`` over every query token for every key token (sums to S; one key
+    can receive up to S, past float16's 65,504 in long videos: float32 where the storage dtype is float16)."""
 
     kind = "received"
     dims = ("key token",)
     unit = "attention received (sums to S)"
     stat = "received"
+
+    @classmethod
+    def stored_dtype(cls, storage, mean_heads=False):
+        return torch.float32 if storage == torch.float16 else storage
 
     def shape(self, num_batch):
         return (num_batch, self.out_heads, self.layout.seq_len)
