@@ -4,13 +4,19 @@ Under classifier-free guidance the transformer's batch is ``[uncond..., cond...]
 items, then the prompt's. A recording keeps each slot's role (``Recording.batch_roles``, ``run.json``'s
 ``selection.batch_roles``); every reader shows the first conditional item unless told otherwise, so a map
 shown under the prompt's words is the prompt's, and figures name the item they show.
+
+Two numbers meet here: a reader's ``batch=`` is a slot of the recorded batch axis (``rec.get(...)[slot]``), and a
+figure names the item by its number in the transformer's batch, the one ``batch=[...]`` of ``record`` takes
+(``Recording.batch_items``, ``Run.batch_items``): with ``batch="cond"`` of a guidance batch of two, slot 0 holds
+``batch item 1``.
 """
 
 from __future__ import annotations
 
 import operator
+from types import SimpleNamespace
 
-__all__ = ["item_label", "item_role", "pick_item"]
+__all__ = ["item_label", "item_role", "pick_item", "table_source"]
 
 
 def item_role(item: int, batch_size: int, guidance: bool | None) -> str | None:
@@ -51,17 +57,26 @@ def pick_item(source, batch: int | str | None = None) -> int:
 
 def item_label(source, batch: int | str | None = None) -> str:
     """What slot ``batch`` (see :func:`pick_item`) of the results holds, for a figure's title: ``"batch item
-    N"``, and under guidance ``", conditional: '<prompt>'"`` or ``", unconditional: '<negative prompt>'"`` (the
-    texts from ``info`` where the recording kept them)."""
+    N"``, N its transformer batch item (``source.batch_items``; the slot where the source does not say), and under
+    guidance ``", conditional: '<prompt>'"`` or ``", unconditional: '<negative prompt>'"`` (the texts from ``info``
+    where the recording kept them)."""
     slot = pick_item(source, batch)
     roles = getattr(source, "batch_roles", None) or ()
+    items = getattr(source, "batch_items", None) or ()
+    item = items[slot] if 0 <= slot < len(items) else slot
     role = roles[slot] if 0 <= slot < len(roles) else None
     if role is None:
-        return f"batch item {slot}"
-    name = f"batch item {slot}, {'conditional' if role == 'cond' else 'unconditional'}"
+        return f"batch item {item}"
+    name = f"batch item {item}, {'conditional' if role == 'cond' else 'unconditional'}"
     text = (getattr(source, "info", None) or {}).get("prompt" if role == "cond" else "negative_prompt")
     if not isinstance(text, str):
         return name
     text = " ".join(text.split())
     text = text if len(text) <= 48 else text[:47] + "…"
     return f"{name}: {text!r}" if text else f"{name}: the empty prompt"
+
+
+def table_source(attrs: dict) -> SimpleNamespace:
+    """What a table's ``attrs`` keep of its source's batch axis (``batch_roles``, ``batch_items``: the head, decay and
+    pattern tables'), read as :func:`pick_item` and :func:`item_label` read a source."""
+    return SimpleNamespace(batch_roles=attrs.get("batch_roles"), batch_items=attrs.get("batch_items"))

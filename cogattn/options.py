@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .exact.memory import parse_bytes
-from .exact.patterns import DEFAULT_PATTERNS, check_option, resolve
+from .exact.patterns import check_option, resolve
 from .exact.reducers import REDUCERS
 from .exact.reducers.ranked import check_top_p
 from .items import item_role
@@ -69,9 +69,9 @@ class CaptureOptions:
             model's order from token 0; the last may be shorter).
         tile_shape (`tuple[int, int, int]`, defaults to ``(4, 4, 4)``): latent frames × patch rows × patch
             columns of each 3-D tile of the ``tile`` kind (the grid's edge tiles are smaller).
-        patterns (`str | Sequence`, defaults to ``()``): for ``pattern_recall`` and ``pattern_error``, which need
-            them: token patterns (:mod:`cogattn.exact.patterns`): ``"spatial"``, ``"temporal"``, ``"window:w"``, ``"sta:t,h,w"``
-            (a window of tiles of ``tile_shape``), ``"radial"``, `Pattern` objects, or callables over positions.
+        patterns (`str | Sequence`, defaults to ``()``): for ``pattern_recall`` and ``pattern_error``, which refuse
+            to run without them: token patterns (:mod:`cogattn.exact.patterns`), ``"spatial"``, ``"temporal"``,
+            ``"window:w"``, ``"sta:t,h,w"``, ``"radial"``, `Pattern` objects or callables, each name once.
         topk (`int`, defaults to 32): how many of each row's largest probabilities ``topk`` keeps (at
             most S).
         top_p (`float | Sequence[float]`, defaults to ``(0.5, 0.9, 0.95, 0.99)``): the masses p, each in
@@ -103,13 +103,17 @@ class CaptureOptions:
               query row in bf16) and need ``method="auto"``.
 
             On the CPU both opt-in modes gave bit-identical videos in the tests (fp32 and bf16); on CUDA
-            they run another kernel than SDPA may choose, so the output can differ in the last bits.
+            they run another kernel than SDPA may choose, so the output can differ in the last bits. A
+            training forward (the transformer in training mode, or inputs that require grad) keeps the stock
+            call, whose backward gives the stock gradients.
         save_dir (`str | os.PathLike | None`, defaults to `None`): a folder to stream every record to as
             soon as it exists (read it with ``cogattn.load``); `None` keeps results in memory.
         overwrite (`bool`, defaults to `False`): replace a cogattn run already in ``save_dir``; a
             non-empty folder is refused otherwise, and a folder that holds no run is never deleted.
         storage_dtype (`"float32" | "float16" | "bfloat16"`, defaults to ``"float32"``): the dtype on
-            disk; the 16-bit ones halve the size.
+            disk of the records of probabilities and masses; the 16-bit ones halve their size. Counts (``top_p``:
+            int32) and key indices (``topk``, ``frame_max``: float32) stay exact, and float16 keeps ``received`` and
+            ``pattern_error`` in float32 (past its 65,504); docs/streaming.md gives each kind's worst error.
         info (`dict | None`): JSON-able facts to keep with the run (prompt, seed, ...).
         verify (`bool`, defaults to `True`): spot-check the fast methods against exact float32 rows at the
             first capture of each shape (and 1% of the later ones), and fall back to exact row tiles (or the
@@ -211,9 +215,9 @@ class CaptureOptions:
         return dataclasses.replace(options or cls(), **kwargs)
 
     # -- against the model --------------------------------------------------------------------------
-    def check_model(self, num_layers: int, num_heads: int, layer_names: Sequence[str] = ()) -> None:
-        """Raise `ValueError` for layer or head indices outside the model; layer names (``layer_names``: the
-        model's, in layer order) become their indices."""
+    def check_model(self, num_layers: int, num_heads: int | dict[str, int], layer_names: Sequence[str] = ()) -> None:
+        """Raise `ValueError` for layer or head indices outside the model (``num_heads``, or kind → its attention's
+        heads: LTX-2's audio has its own); layer names (``layer_names``, in layer order) become their indices."""
         if isinstance(self.layers, tuple) and any(isinstance(x, str) for x in self.layers):
             index = {name: i for i, name in enumerate(layer_names)}
             unknown = [x for x in self.layers if isinstance(x, str) and x not in index]
@@ -224,9 +228,14 @@ class CaptureOptions:
             if len(set(layers)) < len(layers):
                 raise ValueError(f"layers={list(self.layers)} names one layer twice.")
             object.__setattr__(self, "layers", layers)
-        for name, value, upper in (("layers", self.layers, num_layers), ("heads", self.heads, num_heads)):
-            if isinstance(value, tuple) and max(value) >= upper:
-                raise ValueError(f"{name} index {max(value)} is out of range; valid indices are 0..{upper - 1}.")
+        counts = num_heads if isinstance(num_heads, dict) else dict.fromkeys(self.kinds, num_heads)
+        each = ", ".join(f"{k} 0..{n - 1}" for k, n in counts.items()) if len(set(counts.values())) > 1 else ""
+        for name, value, upper in (("layers", self.layers, num_layers), ("heads", self.heads, min(counts.values()))):
+            if isinstance(value, tuple) and max(value) >= upper:  # LTX-2's audio kinds have heads of their own
+                why = f" (a heads list selects the same heads in each kind's attention: {each})" * (
+                    name == "heads" and bool(each)
+                )
+                raise ValueError(f"{name} index {max(value)} is out of range; valid indices are 0..{upper - 1}{why}.")
 
     def wants_layer(self, layer: int) -> bool:
         return self.layers == "all" or layer in self.layers
@@ -236,25 +245,11 @@ class CaptureOptions:
 
     def selection_meta(self) -> dict:
         """The selection as JSON-able values (what a run's ``run.json`` keeps under ``"selection"``)."""
-        keep = (
-            "kinds",
-            "layers",
-            "steps",
-            "batch",
-            "heads",
-            "queries",
-            "block_size",
-            "tile_shape",
-            "topk",
-            "top_p",
-            "memory_budget",
-            "method",
-        )
+        keep = ("kinds", "layers", "steps", "batch", "heads", "queries", "block_size", "tile_shape", "topk", "top_p")
+        keep += ("memory_budget", "method")
         meta = {k: _jsonable(getattr(self, k)) for k in keep}
         if {"pattern_recall", "pattern_error"} & set(self.kinds):  # by name: a callable's is its __name__
-            meta["patterns"] = [
-                p if isinstance(p, str) else resolve([p])[0].name for p in self.patterns or DEFAULT_PATTERNS
-            ]
+            meta["patterns"] = [p if isinstance(p, str) else resolve([p])[0].name for p in self.patterns]
         return meta
 
     # -- against the call ---------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from cogattn.analysis.head_stats import head_table
 from cogattn.analysis.masks import mask_recall, oracle_curve, same_frame_mask, temporal_window_mask
 from cogattn.analysis.pattern_heads import label_changes, pattern_table
 from cogattn.analysis.tracks import track
-from cogattn.analysis.words import word_positions
+from cogattn.analysis.words import PromptFormat, word_positions
 
 # %%
 MODEL = "tiny"  # or "THUDM/CogVideoX-2b", "THUDM/CogVideoX1.5-5B", or a local folder of a checkpoint
@@ -159,16 +159,14 @@ plot.layer_step_grid(source, "video_to_text", index=(fox[0], F // 2))
 # them.
 
 # %%
-plot.word_heatmap(source, ["fox", "snow"], video, tokenizer=pipe.tokenizer)
+plot.word_heatmap(source, ["fox", "snow"], video, tokenizer=pipe)
 
 # %% [markdown]
 # The reverse direction, `text_to_video`: where each word attends in the video. Attention is
 # heavy-tailed; a log scale with limits per map shows the structure of each one.
 
 # %%
-plot.word_heatmap(
-    source, ["fox", "snow"], video, kind="text_to_video", tokenizer=pipe.tokenizer, scale="log", limits="per-map"
-)
+plot.word_heatmap(source, ["fox", "snow"], video, kind="text_to_video", tokenizer=pipe, scale="log", limits="per-map")
 
 # %% [markdown]
 # ## Where one video point attends
@@ -177,7 +175,7 @@ plot.word_heatmap(
 # attention over every frame, the bar below its attention to each text token.
 
 # %%
-plot.query_map(source, QUERY, video, tokenizer=pipe.tokenizer, scale="log")
+plot.query_map(source, QUERY, video, tokenizer=pipe, scale="log")
 
 # %% [markdown]
 # ## The numbers behind a plot
@@ -206,7 +204,7 @@ gif = plot.animate(
     over="step",
     tokens="fox",
     video=video,
-    tokenizer=pipe.tokenizer,
+    tokenizer=pipe,
 )
 display(Image(filename=str(gif)))
 
@@ -414,9 +412,7 @@ print("expert of each step:", wan_rec.experts)
 plot.frame_heatmap(wan_rec, steps="transformer", layers="all")
 
 # %%
-plot.word_heatmap(
-    wan_rec, ["fox", "snow"], wan_video, tokenizer=wan.tokenizer, prompt=wan_prompt, steps="transformer_2"
-)
+plot.word_heatmap(wan_rec, ["fox", "snow"], wan_video, tokenizer=wan, prompt=wan_prompt, steps="transformer_2")
 
 # %% [markdown]
 # ## HunyuanVideo
@@ -426,16 +422,17 @@ plot.word_heatmap(
 # Its joint sequence is the video *then* the text, padded to 256 tokens with a key mask: padded text
 # keys get exactly 0 attention, and `frame`'s group 0 is the text wherever it sits. Here the tiny
 # random HunyuanVideo, two prompts of different lengths in one batch (the tiny tokenizer's words need
-# the plain prompt template); for a real one,
-# `HunyuanVideoPipeline.from_pretrained("hunyuanvideo-community/HunyuanVideo")`.
+# the plain prompt template, which the word maps then take too: `PromptFormat(pipe, template)`); for a real
+# one, `HunyuanVideoPipeline.from_pretrained("hunyuanvideo-community/HunyuanVideo")` and `tokenizer=pipe`.
 
 # %%
 hunyuan = models.hunyuan_video.tiny_pipeline()
 prompts = ["a red fox running in the snow", "a cat"]
+template = {"template": "{}", "crop_start": 0}
 with cogattn.record(hunyuan, kinds=("frame", "video_to_text", "received"), batch="all") as hv_rec:
     hv_video = hunyuan(
         prompt=prompts,
-        prompt_template={"template": "{}", "crop_start": 0},
+        prompt_template=template,
         max_sequence_length=12,
         num_frames=9,
         height=32,
@@ -450,7 +447,7 @@ received = aggregate(hv_rec, "received", batch=1)
 print("attention the second prompt's padded text keys receive:", received[hv_rec.layout.text_tokens][3:].tolist())
 
 # %%
-plot.word_heatmap(hv_rec, ["fox", "snow"], hv_video[0], tokenizer=hunyuan.tokenizer, prompt=prompts[0])
+plot.word_heatmap(hv_rec, ["fox", "snow"], hv_video[0], tokenizer=PromptFormat(hunyuan, template), prompt=prompts[0])
 
 # %% [markdown]
 # ## Explore
@@ -459,4 +456,4 @@ plot.word_heatmap(hv_rec, ["fox", "snow"], hv_video[0], tokenizer=hunyuan.tokeni
 # Without it, the same call returns a static figure of the last step.
 
 # %%
-plot.explore(source, video, view="word", tokens=["fox", "snow"], tokenizer=pipe.tokenizer)
+plot.explore(source, video, view="word", tokens=["fox", "snow"], tokenizer=pipe)

@@ -186,5 +186,6 @@ def test_density_curves_draw_the_head_table_columns(rec, by):
             np.testing.assert_allclose(line.get_xdata(), PS)
             np.testing.assert_allclose(line.get_ydata(), values, rtol=0, atol=1e-12)
         title = fig.get_suptitle()
-        assert f"one curve per {by}" in title and "steps 0–1" in title and "item 0" in title, title
+        assert f"one curve per {by}" in title and "steps 0–1" in title, title
+        assert "batch item 1, conditional" in title, title  # slot 0 holds the transformer batch's item 1
     assert cogattn.plot.density_curves is density_curves

@@ -1,9 +1,12 @@
 """The engine on random q, k against the naive float64 softmax, on every path and many budgets."""
 
+import re
+
 import pytest
 import torch
 from reference import assert_topk, naive_kind, naive_probs
 
+from cogattn.exact import memory
 from cogattn.exact.engine import capture
 from cogattn.exact.planner import plan_tiles
 from cogattn.exact.reducers import REDUCERS
@@ -104,11 +107,27 @@ def test_budget_splits_heads_and_rows():
     assert plan.row_heads < 4 and plan.row_rows < S and plan.peak_bytes <= 8_000
 
 
-def test_budget_too_small_names_the_minimum():
+@pytest.mark.parametrize(
+    "kinds, method", [(("frame",), "sdpa"), (("full",), "rows"), (("full", "frame"), "sdpa"), (("frame",), "rows")]
+)
+def test_budget_too_small_names_one_budget_the_planner_takes(kinds, method):
+    """One number in one line: the least budget that plans (every pass's smallest tile: the rows of ``full`` and the
+    fused pass of ``frame`` together); a byte less is refused, naming the same number."""
     layout = TokenLayout(8, 3, 3, 5)
-    reducers = [REDUCERS["frame"](layout, 2, True)]
-    with pytest.raises(ValueError, match=r"memory_budget=100 bytes is too small.*at least \d+"):
-        plan_tiles(reducers, layout.seq_len, 2, 16, 100, "sdpa", "cpu")
+    reducers = [REDUCERS[k](layout, 2, True) for k in kinds]
+    with pytest.raises(ValueError, match=r"memory_budget=100 bytes is too small for one tile") as err:
+        plan_tiles(reducers, layout.seq_len, 2, 16, 100, method, "cpu")
+    said = str(err.value)
+    numbers = [int(n) for n in re.findall(r"\d+", said.split("head dim 16")[1].replace("'1GiB'", ""))]
+    assert len(numbers) == 1 and "\n" not in said, said  # no second minimum beside the budget
+    least = numbers[0]
+    plan_tiles(reducers, layout.seq_len, 2, 16, least, method, "cpu")
+    with pytest.raises(ValueError, match=f"memory_budget={least - 1} bytes .* at least {least} bytes"):
+        plan_tiles(reducers, layout.seq_len, 2, 16, least - 1, method, "cpu")
+    # the headroom rule it inverts: usable(b) = b − min(b // 32, 16 MiB)
+    for need in (1, 31, 32, 7384, 31 * 2**24 - 1, 31 * 2**24, 31 * 2**24 + 1, 2**30):
+        budget = memory.least_budget(need)
+        assert budget - min(budget // 32, 2**24) >= need > budget - 1 - min((budget - 1) // 32, 2**24), need
 
 
 def test_auto_prefers_sdpa_for_pooled_kinds_and_rows_with_full():

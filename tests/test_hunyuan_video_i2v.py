@@ -90,7 +90,9 @@ def test_word_lookup_skips_the_image_tokens(pipe):
     from cogattn.plot.overlays import _resolve_tokens
 
     rec = _record(pipe, image=_image(0), prompt=PROMPT)
-    assert _resolve_tokens(rec, "video_to_text", "fox", pipe.tokenizer, PROMPT)[0][0] == [n + 2]
+    assert _resolve_tokens(rec, "video_to_text", "fox", words.PromptFormat(pipe, hv.TINY_I2V_TEMPLATE), PROMPT)[0][
+        0
+    ] == [n + 2]
 
 
 def test_embeddings_of_the_pipeline_s_own_length_are_named_and_others_are_not(pipe):

@@ -15,6 +15,7 @@ import torch
 import cogattn
 from cogattn import plot
 from cogattn.analysis import aggregate
+from cogattn.analysis.head_stats import head_table
 from cogattn.items import item_label, item_role, pick_item
 from cogattn.models.cogvideox import tiny_pipeline
 from tests.tiny_calls import PROMPT, generate
@@ -70,6 +71,20 @@ def test_readers_show_the_conditional_item_by_default_and_name_it(guided, tmp_pa
     assert "unconditional" in _title(plot.head_atlas(run, item="uncond", color="same_frame_mass"))
     with pytest.raises(ValueError, match="batch='uncond', but the recorded items are \\['cond'\\]"):
         aggregate(cond, "frame", batch="uncond")
+
+
+def test_figures_number_an_item_as_the_transformer_batch_does_whatever_was_recorded(guided, tmp_path):
+    """The prompt's item is the transformer batch's item 1 (``[uncond, cond]``): slot 1 of a ``batch="all"`` run,
+    slot 0 of a ``batch="cond"`` one; every title names it ``batch item 1``, and slot 0 of the conditional run
+    holds the same map as slot 1 of the whole one."""
+    guided("all", tmp_path / "all"), guided("cond", tmp_path / "cond")
+    both, cond = cogattn.load(tmp_path / "all"), cogattn.load(tmp_path / "cond")
+    assert both.batch_items == (0, 1) and cond.batch_items == (1,)
+    torch.testing.assert_close(cond.get("frame", 0, 0)[0], both.get("frame", 0, 0)[1], rtol=0, atol=0)
+    for source in (both, cond):
+        assert item_label(source) == f"batch item 1, conditional: {PROMPT!r}"
+        assert f"batch item 1, conditional: {PROMPT!r}" in _title(plot.frame_heatmap(source, steps=0))
+        assert "batch item 1, conditional" in _title(plot.head_atlas(head_table(source), color="same_frame_mass"))
 
 
 def test_without_guidance_the_items_have_no_role_and_the_first_is_shown(tmp_path):

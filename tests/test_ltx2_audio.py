@@ -158,11 +158,31 @@ def test_a_bare_transformer_records_the_audio_kinds_the_text_bias_added(recorded
 
 def test_audio_heads_are_checked_per_source(recorded):
     pipe = recorded[0]  # 2 video heads, 3 audio heads
-    with pytest.raises(ValueError, match=r"heads index 2 is out of range"):
+    with pytest.raises(ValueError, match=r"heads index 2 is out of range; valid indices are 0..1 \(") as err:
         cogattn.Recording(pipe, kinds=("frame", "audio"), heads=[2])
+    said = str(err.value)  # both ranges, in one line
+    assert "each kind's attention: frame 0..1, audio 0..2)" in said and "\n" not in said
+    cogattn.Recording(pipe, kinds=("audio", "frame_audio"), heads=[2]).close()  # the audio's alone: in range
     with cogattn.record(pipe, kinds=("audio",), heads="mean", steps=[0]) as rec:
         _run(pipe, task="text-to-video" if recorded[0].__class__.__name__ == "LTX2Pipeline" else "image-to-video")
     assert tuple(rec.get("audio", 0, 0).shape) == (1, 1, 18, 18)
+
+
+def test_each_attention_s_heads_are_named_on_the_recording_and_the_run(recorded):
+    """``heads="all"`` with 2 video heads and 3 audio heads: ``head_ids`` names the video's, ``source_heads`` and
+    ``head_ids_of`` each attention's, as many as its kinds' head axis holds, the same read back from run.json."""
+    rec, run = recorded[3], cogattn.load(recorded[5])
+    video, audio = (0, 1), (0, 1, 2)
+    want = {"self": video, "text": video, "audio": audio, "audio_text": audio, "a2v": audio, "v2a": audio}
+    for source in (rec, run):
+        assert source.head_ids == video and source.source_heads == want
+        for kind in (*AUDIO, "frame", "video_to_text"):
+            assert len(source.head_ids_of(kind)) == source.get(kind, 0, 0).shape[1], kind
+    assert json.loads((recorded[5] / "run.json").read_text())["selection"]["source_heads"]["v2a"] == [0, 1, 2]
+    assert run.batch_items == rec.batch_items == (0, 1)
+    torch.testing.assert_close(
+        aggregate(run, "audio", steps=0, layers=0, heads=2, batch=1), run.get("audio", 0, 0)[1, 2]
+    )
 
 
 def test_every_other_family_refuses_the_audio_kinds_in_one_line():

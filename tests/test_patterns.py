@@ -177,14 +177,41 @@ def test_bad_patterns_are_refused_with_the_valid_ones():
     assert options.selection_meta()["patterns"] == ["spatial", "after_frame"]  # run.json names them
 
 
-def test_without_patterns_the_kinds_take_spatial_and_temporal_and_run_json_names_them(tmp_path):
+def _named(name):
+    """A user's pattern called ``name``: every key."""
+    return patterns.Pattern(name, lambda *pos: torch.tensor(True))
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        (dict(kinds=("pattern_recall",)), r"kinds \['pattern_recall'\] need patterns=\[\.\.\.\]"),
+        (dict(kinds=("frame", "pattern_error"), patterns=()), r"kinds \['pattern_error'\] need patterns=.*'radial'"),
+        (dict(kinds=("pattern_recall",), patterns=("spatial", "temporal", "spatial")), r"name \['spatial'\] more"),
+        (dict(kinds=("pattern_error",), patterns=(after_frame, _named("after_frame"))), r"name \['after_frame'\]"),
+    ],
+)
+def test_pattern_kinds_without_patterns_or_with_one_twice_are_refused_before_the_pipeline_runs(tmp_path, options, says):
+    """Refused by ``record`` itself, in one line: no processor installed, no run folder made, no model call."""
     pipe = tiny_pipeline()
-    with cogattn.record(pipe, kinds=("pattern_recall",), save_dir=tmp_path / "run") as rec:
+    stock = {name: type(proc) for name, proc in pipe.transformer.attn_processors.items()}
+    with pytest.raises(ValueError, match=says) as err:
+        cogattn.record(pipe, save_dir=tmp_path / "run", **options)
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+    assert {name: type(proc) for name, proc in pipe.transformer.attn_processors.items()} == stock
+
+
+def test_run_json_names_the_patterns_in_order_and_their_slots_hold_them(tmp_path):
+    """The patterns' names in run.json, in the order given, label the slots of the result: each slot equals the
+    pattern recorded alone."""
+    pipe = tiny_pipeline()
+    with cogattn.record(pipe, kinds=("pattern_recall",), patterns=("temporal", "spatial"), save_dir=tmp_path / "run"):
         generate(pipe, steps=1, output_type="latent")
-    with cogattn.record(pipe, kinds=("pattern_recall",), patterns=("spatial", "temporal")) as named:
+    run = cogattn.load(tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["selection"]["patterns"] == ["temporal", "spatial"]
+    with cogattn.record(pipe, kinds=("pattern_recall",), patterns=("spatial",)) as alone:
         generate(pipe, steps=1, output_type="latent")
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["selection"]["patterns"] == ["spatial", "temporal"]
-    assert torch.equal(rec.get("pattern_recall", 0, 0), named.get("pattern_recall", 0, 0))
+    assert torch.equal(run.get("pattern_recall", 0, 0)[..., 1:], alone.get("pattern_recall", 0, 0))
 
 
 def test_a_grid_with_history_tokens_refuses_patterns_before_any_block_runs():

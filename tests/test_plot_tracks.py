@@ -71,7 +71,7 @@ def test_track_markers_are_the_track_at_patch_centres(runs, heads, head, with_vi
             assert not crosses
     title = fig.get_suptitle()
     assert "step 1" in title and "layer 1" in title and ("head 1" if head == 1 else "mean over heads") in title
-    assert "batch item 0" in title
+    assert "batch item 1, conditional" in title  # slot 0 of batch "cond": the transformer batch's item 1
 
 
 def test_every_pixel_frame_shows_the_match_of_the_latent_frame_covering_it(runs):

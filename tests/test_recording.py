@@ -10,6 +10,7 @@ from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 
 QUERIES = [0, (1, 2, 4), (0, 0, 0), 20]
 SIZES = dict(block_size=7, topk=5)  # blocks that do not divide S (the default 128 is one block here)
+PATTERNS = ("spatial", "temporal")  # reference.KINDS holds pattern_recall, which needs them
 
 
 CONFIGS = [
@@ -30,7 +31,9 @@ def test_output_bit_identical_with_every_kind(task, version, dtype, fused):
         pipe.transformer.fuse_qkv_projections()
     stock = generate(pipe)
     originals = pipe.transformer.attn_processors
-    with cogattn.record(pipe, kinds=KINDS, queries=QUERIES, heads="all", memory_budget="64MiB") as rec:
+    with cogattn.record(
+        pipe, kinds=KINDS, queries=QUERIES, heads="all", memory_budget="64MiB", patterns=PATTERNS
+    ) as rec:
         captured = generate(pipe)
     assert torch.equal(captured, stock)
     assert len(rec.keys()) == len(KINDS) * 2 * len(pipe.transformer.transformer_blocks)
@@ -55,7 +58,8 @@ def test_cfg_two_videos_per_prompt_match_naive(path, batch, heads, expect_batch)
     their order in the results."""
     pipe = tiny_pipeline(num_heads=3)
     spy = QKSpy(pipe.transformer)
-    with cogattn.record(pipe, kinds=KINDS, batch=batch, heads=heads, queries=QUERIES, method=path, **SIZES) as rec:
+    options = dict(batch=batch, heads=heads, queries=QUERIES, method=path, patterns=PATTERNS)
+    with cogattn.record(pipe, kinds=KINDS, **options, **SIZES) as rec:
         generate(pipe, videos=2, width=112, output_type="latent")
     spy.remove()
     assert rec.layout.grid == (3, 3, 7) and rec.batch_items == tuple(expect_batch)
@@ -78,7 +82,7 @@ def test_model_variants_match_naive(task, version, rotary, fused):
     spy = QKSpy(pipe.transformer)
     budget = 20_000
     with cogattn.record(
-        pipe, kinds=KINDS, batch="cond", heads="mean", queries=QUERIES, memory_budget=budget, **SIZES
+        pipe, kinds=KINDS, batch="cond", heads="mean", queries=QUERIES, memory_budget=budget, patterns=PATTERNS, **SIZES
     ) as rec:
         generate(pipe, output_type="latent")
     spy.remove()

@@ -203,6 +203,41 @@ def test_easyanimate_labels_hold_the_chat_template_s_role_tokens():
         words.word_positions("helpful", pipe, PROMPT, 256)
 
 
+@pytest.mark.parametrize("family", ["easyanimate", "hunyuan_video"])
+def test_a_word_map_is_the_map_at_the_word_s_token_and_a_bare_tokenizer_is_refused(family):
+    """Recorded through the pipeline with a prompt: ``word_heatmap(..., tokenizer=pipe)`` draws, under "fox", the
+    recorded ``video_to_text`` at the position the transformer's text holds "fox" (after EasyAnimate's 14 tokens of
+    chat template, or where HunyuanVideo's cropped template puts it); the tokenizer alone, whose bare prompt puts
+    "fox" elsewhere, is refused in one line that says to pass ``pipe``."""
+    from cogattn import plot
+    from cogattn.plot.style import MAP_GID
+
+    spec = next((s for s in cogattn.models.FAMILIES if s.family == family), None)
+    if spec is None:
+        pytest.skip(f"this diffusers lacks {family}")
+    pipe = _tiny(spec)
+    pipe.text_encoder.resize_token_embeddings(len(pipe.tokenizer))  # the test tokenizer's ids are all embedded
+    pipe.set_progress_bar_config(disable=True)
+    length = {"max_sequence_length": 32} if family == "hunyuan_video" else {}
+    with cogattn.record(pipe, kinds=("video_to_text",), heads="all") as rec:
+        pipe(prompt=PROMPT, num_frames=9, height=32, width=48, num_inference_steps=1, guidance_scale=1.0,
+             output_type="latent", **length)  # fmt: skip
+    T = rec.layout.prompt_len
+    (fox,) = words.word_positions("fox", pipe, PROMPT, T)
+    assert words.text_tokens(pipe, PROMPT, T)[fox] == "fox"
+    assert words.word_positions("fox", pipe.tokenizer, PROMPT, T) != [fox]  # the bare prompt's: another token
+    with pytest.raises(ValueError, match=r"reads the bare prompt, but .* pass the pipeline, tokenizer=pipe") as err:
+        plot.word_heatmap(rec, ["fox"], tokenizer=pipe.tokenizer, prompt=PROMPT)
+    assert "\n" not in str(err.value)
+    fig = plot.word_heatmap(rec, ["fox"], tokenizer=pipe, prompt=PROMPT)
+    panels = [im.get_array() for ax in fig.axes for im in ax.get_images() if im.get_gid() == MAP_GID]
+    layers = range(len(rec.layer_names))
+    want = torch.stack([rec.get("video_to_text", 0, layer)[0, :, fox] for layer in layers]).double().mean((0, 1))
+    assert len(panels) == rec.layout.frames and f'"fox" (token {fox})' in fig.axes[0].get_ylabel()
+    for f, got in enumerate(panels):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want[f], rtol=0, atol=1e-6)
+
+
 def test_wan_labels_are_of_the_prompt_its_pipeline_cleans():
     from cogattn.models import wan
 

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import torch
 
 from ..errors import NotRecordedError
@@ -41,6 +41,9 @@ from ..layout import TokenLayout
 from ..runs.run import MapSource
 from .head_stats import expert_steps_of
 from .maps import check_one_expert, recorded_maps
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["offset_curves", "decay_table", "fit_decay", "keys_at_distance", "mean_decay", "spatial_bins"]
 
@@ -149,6 +152,8 @@ def decay_table(
         NotRecordedError: ``offset``, or a chosen step or layer, was not recorded.
         ValueError: a malformed selector, or a source without a layout.
     """
+    import pandas as pd  # slow to import: only where a table is made
+
     layout = source.layout
     if layout is None:
         raise ValueError("this source has no token layout (it saw no generation); record a generation first.")
@@ -182,6 +187,7 @@ def decay_table(
         )
     table = _with_fits(pd.concat(frames, ignore_index=True))
     table.attrs["batch_roles"] = list(getattr(source, "batch_roles", None) or ())
+    table.attrs["batch_items"] = list(getattr(source, "batch_items", None) or ())  # what titles number them by
     table.attrs["per_key"] = per_key
     return table
 

@@ -14,8 +14,8 @@ head over the video queries, and :func:`cogattn.plot.density_curves` draws them 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
 
 from ..errors import NotRecordedError
@@ -23,6 +23,9 @@ from ..exact.reducers.ranked import check_top_p
 from ..runs.run import MapSource
 from .maps import choose, head_positions, recorded_kinds
 from .masks import mask_density, mask_recall, top_p_mask
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["kept_keys", "top_p_density", "top_p_values"]
 
@@ -90,6 +93,8 @@ def top_p_density(
         ValueError: ``kind`` or ``p`` is invalid, or ``p`` is not among the recorded ``top_p`` masses.
         NotRecordedError: ``kind``, or a chosen step, layer or head, was not recorded.
     """
+    import pandas as pd  # slow to import: only where a table is made
+
     if kind not in ("block", "tile"):
         raise ValueError(f"kind={kind!r}; top_p_density selects on a 'block' or a 'tile' map.")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:

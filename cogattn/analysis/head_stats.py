@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
 
 from ..errors import NotRecordedError
@@ -29,6 +29,9 @@ from ..layout import TokenLayout
 from ..runs.run import MapSource
 from .density import kept_keys, top_p_values
 from .maps import check_one_expert, expert_steps, pick, recorded, recorded_kinds, steps_of_expert
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["LABELS", "LabelRule", "head_table", "keys_column", "label_row", "temporal_decay"]
 
@@ -140,6 +143,8 @@ def head_table(
         NotRecordedError: none of the kinds, or a chosen step or layer, was recorded.
         ValueError: a malformed selector (or no expert's name), or a source without a layout.
     """
+    import pandas as pd  # slow to import: only where a table is made
+
     if not 0 < sink_fraction <= 1:
         raise ValueError(f"sink_fraction={sink_fraction!r}; use a share of the key tokens in (0, 1].")
     rule = LabelRule() if rule is None else rule
@@ -175,6 +180,7 @@ def head_table(
     table = pd.concat(frames, ignore_index=True)
     table["label"] = [label_row(rule, row) for row in table.to_dict("records")]
     table.attrs["batch_roles"] = list(getattr(source, "batch_roles", None) or ())  # which items are conditional
+    table.attrs["batch_items"] = list(getattr(source, "batch_items", None) or ())  # what titles number them by
     table.attrs["top_p"] = list(density[0] or ())
     return table
 
@@ -246,6 +252,8 @@ def _record_rows(
     """The rows of one (step, layer): every head slot × batch item, from the records ``present``;
     ``where`` is the step, its timestep and its expert; ``density`` the source's ``top_p`` masses (`None`:
     not recorded) and its ``kept_keys``."""
+    import pandas as pd  # slow to import: only where a table is made
+
     step, timestep, expert = where
     B, H = next(iter(present.values())).shape[:2]
     for kind, t in present.items():

@@ -324,7 +324,8 @@ def aggregate(
         t = _item(source, kind, s, layer, batch, row).double()
         total = t if total is None else total + t
     mean = (total / len(pairs)).float()
-    positions = head_positions(source.head_ids, mean.shape[0], heads)
+    ids = source.head_ids_of(kind) if hasattr(source, "head_ids_of") else source.head_ids  # LTX-2 audio: its own
+    positions = head_positions(ids, mean.shape[0], heads)
     if heads == "mean":
         return mean.mean(0)
     if isinstance(heads, int):

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
 
 from ..errors import NotRecordedError
@@ -33,6 +33,9 @@ from ..exact.patterns import Pattern, parse
 from ..layout import TokenLayout
 from ..runs.run import MapSource
 from .maps import choose, expert_steps
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "BlockGrid",
@@ -252,6 +255,8 @@ def mask_recall(
         ValueError: ``mask`` is not (N, N) or (B, H, N, N) of the records, or a record disagrees with the layout.
         NotRecordedError: ``block``, or a chosen step or layer, was not recorded.
     """
+    import pandas as pd  # slow to import: only where a table is made
+
     if kind not in ("block", "tile"):
         raise ValueError(f"kind={kind!r}; mask_recall reads a 'block' or a 'tile' map.")
     grid = _grid(source) if kind == "block" else _TileGrid(source)
@@ -315,6 +320,8 @@ def oracle_curve(
         ValueError: a ``k`` outside 1..N, or a record that disagrees with the layout and block size.
         NotRecordedError: ``block``, or a chosen step or layer, was not recorded.
     """
+    import pandas as pd  # slow to import: only where a table is made
+
     grid = _grid(source)
     N, S = grid.num_blocks, source.layout.seq_len
     ks = list(range(1, N + 1)) if ks is None else [ks] if isinstance(ks, int) else list(ks)
@@ -395,6 +402,8 @@ def _blocks(source: MapSource, grid, steps, layers, kind: str = "block"):
 def _rows(source: MapSource, step: int, layer: int, recall: torch.Tensor, ks: list[int] | None = None) -> pd.DataFrame:
     """The rows of one record in (head slot, item, k) order: ``recall`` is (B, H, K), ``ks`` the K values of
     k (`None`: no ``k`` column, K = 1)."""
+    import pandas as pd  # slow to import: only where a table is made
+
     B, H, K = recall.shape
     heads = ["mean"] * H if source.head_ids is None else [int(source.head_ids[h]) for h in range(H)]
     (expert,) = expert_steps(source, [step])  # the one transformer that ran the step

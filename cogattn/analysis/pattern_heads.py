@@ -22,14 +22,17 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
 
 from ..errors import NotRecordedError, StoreError
 from ..items import pick_item
 from ..runs.run import MapSource
 from .maps import head_positions, recorded_kinds, recorded_maps
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["ErrorLabelRule", "label_changes", "pattern_names", "pattern_table"]
 
@@ -118,12 +121,14 @@ def pattern_table(
         `pandas.DataFrame`: columns ``step, timestep, expert, layer, head, item``, ``error_<name>`` per pattern
         (the mean squared output error over video queries and head dimensions), ``recall_<name>`` per pattern
         where ``pattern_recall`` was recorded (NaN at a (step, layer) it missed), and ``label``. Its
-        ``attrs`` keep ``batch_roles`` and ``label_rule`` (the head atlas relabels averaged rows with it).
+        ``attrs`` keep ``batch_roles``, ``batch_items`` and ``label_rule`` (the head atlas relabels averaged rows with it).
 
     Raises:
         NotRecordedError: ``pattern_error``, or a chosen step, layer or head, was not recorded.
         ValueError: a malformed selector, ``batch`` out of range, or patterns that share a name.
     """
+    import pandas as pd  # slow to import: only where a table is made
+
     rule = ErrorLabelRule() if rule is None else rule
     if not callable(getattr(rule, "label", None)):
         raise TypeError(f"rule={rule!r} has no label(row) method; pass an ErrorLabelRule or an object with one.")
@@ -153,6 +158,7 @@ def pattern_table(
     table = pd.concat(frames, ignore_index=True)
     table["label"] = [rule.label(row) for row in table.to_dict("records")]
     table.attrs["batch_roles"] = list(getattr(source, "batch_roles", None) or ())
+    table.attrs["batch_items"] = list(getattr(source, "batch_items", None) or ())  # what titles number them by
     table.attrs["label_rule"] = rule
     return table
 
@@ -176,6 +182,8 @@ def label_changes(table: pd.DataFrame) -> pd.DataFrame:
     Raises:
         ValueError: ``table`` has no ``step``, ``layer``, ``head`` or ``label`` column, or no rows.
     """
+    import pandas as pd  # slow to import: only where a table is made
+
     missing = [c for c in ("step", "layer", "head", "label") if c not in table.columns]
     if missing or table.empty:
         have = "no rows" if not missing else f"no column(s) {missing}"
@@ -202,6 +210,8 @@ def label_changes(table: pd.DataFrame) -> pd.DataFrame:
 def _record_rows(source, names, where, values: dict[str, torch.Tensor], heads, batch, has_recall) -> pd.DataFrame:
     """The rows of one (step, layer): the chosen head slots × items of ``values`` (``(B, H, M)`` each);
     ``where`` is the step, its timestep, its expert and the layer."""
+    import pandas as pd  # slow to import: only where a table is made
+
     step, timestep, expert, layer = where
     error = values["error"]
     B, H, M = error.shape

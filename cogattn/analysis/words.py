@@ -16,7 +16,8 @@ template's ``crop_start`` tokens (the BOS among them; image-to-video also the as
 prompt); EasyAnimate puts it in its tokenizer's chat template (Qwen2-VL's system and role tokens come
 before it, in the text); Wan's pipelines clean the prompt first (:func:`clean_prompt`); the T5 families
 (CogVideoX, ConsisID, Mochi) tokenize it as it is. A tokenizer passed alone (``pipe.tokenizer``) reads
-the bare prompt: right for those T5 families only.
+the bare prompt: right for those T5 families only, and refused, given ``family=`` (the plots pass the
+recording's), for a family whose pipeline makes its text its own way (``ModelSpec.prompt_text``).
 
 The text length is the T of ``video_to_text``: ``layout.prompt_len`` (226 in CogVideoX, whose text is in
 the sequence; Wan's ``context_len``, 512, whose text is in a separate cross-attention). Where image tokens
@@ -36,7 +37,8 @@ from __future__ import annotations
 import re
 
 from ..items import pick_item
-from ..models import spec_for_module
+from ..models import TABLE, spec_for_module
+from ..models import family as family_spec
 from ..models.prompt_text import PromptText, pipeline_text, plain_text
 
 __all__ = [
@@ -124,10 +126,18 @@ class _Bare:
         return plain_text(self.tokenizer, prompt, length, offsets, clean_prompt if self.clean else None)
 
 
-def _format(source, clean: bool):
+def _format(source, clean: bool, family: str | None = None):
     if isinstance(source, PromptFormat):
         return source
     if hasattr(source, "convert_ids_to_tokens"):
+        spec = family_spec(family) if family in TABLE else None  # imports that family's module alone
+        if spec is not None and spec.prompt_text is not None:  # the bare prompt is not the transformer's text
+            raise ValueError(
+                f"a tokenizer alone ({type(source).__name__}) reads the bare prompt, but {spec.title}'s pipeline "
+                "makes the transformer's text its own way (a template, a crop or cleaning), so the positions would name "
+                "other tokens; pass the pipeline, tokenizer=pipe (or PromptFormat(pipe, prompt_template) for a call's "
+                "own)."
+            )
         return _Bare(source, clean)
     if getattr(source, "tokenizer", None) is not None:
         return PromptFormat(source)
@@ -135,7 +145,14 @@ def _format(source, clean: bool):
 
 
 def text_tokens(
-    tokenizer, prompt: str, text_len: int, *, clean: bool = False, prompt_start: int = 0, spans: dict | None = None
+    tokenizer,
+    prompt: str,
+    text_len: int,
+    *,
+    clean: bool = False,
+    prompt_start: int = 0,
+    spans: dict | None = None,
+    family: str | None = None,
 ) -> list[str]:
     """The ``text_len`` text tokens of ``prompt`` as the pipeline feeds them to the transformer.
 
@@ -152,11 +169,13 @@ def text_tokens(
             (HunyuanVideo image-to-video), each named ``"<image>"``.
         spans (`dict`, *optional*): one item's text spans (:func:`item_spans`), for a text the model packs per
             item (HunyuanVideo 1.5); they replace ``prompt_start``.
+        family (`str`, *optional*): the recording's family (``rec.family``): a tokenizer alone is refused for a
+            family whose pipeline makes the text its own way (``ModelSpec.prompt_text``), saying to pass ``pipe``.
 
     Returns:
         `list[str]`: ``text_len`` token strings, the template's kept tokens and padding included.
     """
-    fmt = _format(tokenizer, clean)
+    fmt = _format(tokenizer, clean, family)
     spans = _spans(spans, prompt_start, text_len)
     pad = getattr(fmt.tokenizer, "pad_token", None) or PAD_TOKEN
     names = [pad] * text_len
@@ -208,6 +227,7 @@ def word_positions(
     prompt_start: int = 0,
     spans: dict | None = None,
     glyph: bool = False,
+    family: str | None = None,
 ) -> list[int]:
     """Text-token positions whose pieces form ``word`` in ``prompt``, for every occurrence of it.
 
@@ -230,17 +250,19 @@ def word_positions(
             ``prompt_start``).
         glyph (`bool`, defaults to `False`): find a quoted word's tokens in the item's ``glyph`` span instead
             (HunyuanVideo 1.5's ByT5 bytes; the pipeline passes a :class:`PromptFormat` or itself).
+        family (`str`, *optional*): the recording's family, as for :func:`text_tokens`.
 
     Returns:
         `list[int]`: sorted token positions in ``0 .. text_len - 1``.
 
     Raises:
-        ValueError: the word is not in the prompt (or not quoted, with ``glyph``), or was cut off.
+        ValueError: the word is not in the prompt (or not quoted, with ``glyph``), or was cut off; a tokenizer alone
+            for a ``family`` whose pipeline makes its text its own way.
     """
     core = re.sub(r"^\W+|\W+$", "", word)  # "Fox," means the word fox: punctuation is not part of a word
     if not core:
         raise ValueError(f"word {word!r} has no letters or digits; pass a word of the prompt.")
-    fmt = _format(tokenizer, clean)
+    fmt = _format(tokenizer, clean, family)
     spans = _spans(spans, prompt_start, text_len)
     if glyph:
         return _glyph_positions(core, word, fmt, prompt, spans)

@@ -82,7 +82,8 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
         folder: where the PNGs go (created).
         video: the decoded frames of the generation (list of PIL images or a tensor).
         tokenizer, prompt: to label text tokens with their words: the pipeline (its template and crop), a
-            ``words.PromptFormat`` (a call's own ``prompt_template``), or its tokenizer (the bare prompt).
+            ``words.PromptFormat`` (a call's own ``prompt_template``), or its tokenizer (the bare prompt: the T5
+            families; refused for a family whose pipeline templates its prompt).
         dpi (`int`, defaults to 90): resolution of the images.
 
     Returns:

@@ -2,8 +2,8 @@
 
 Everything capture holds on its device beyond one layer call's results — the transient tiles of every
 method and a cross-attention's tiles — fits ``memory_budget`` less a headroom of ``min(budget / 32,
-16 MiB)``; a budget too small for the smallest tile is refused with the budget that would do
-(:func:`too_small`). Results that wait in host memory between a step's two calls (Wan under guidance, a
+16 MiB)``; a budget too small for the smallest tile is refused with the least budget that would do
+(:func:`too_small`, :func:`least_budget`). Results that wait in host memory between a step's two calls (Wan under guidance, a
 selection spanning both halves) share the budget with the tiles on a CPU, where they are the same
 memory, and must fit the host's available memory (:func:`host_available`) on an accelerator.
 :mod:`cogattn.exact.planner` sizes the tiles with these functions.
@@ -19,10 +19,13 @@ import torch
 
 __all__ = [
     "CPU_ROW_TILE",
+    "TooSmall",
     "box_columns",
     "check_host",
     "context_tile",
     "host_available",
+    "least_budget",
+    "one_refusal",
     "parse_bytes",
     "pooled_bytes",
     "row_tile_bytes",
@@ -159,15 +162,44 @@ def context_tile(
     return h, r, cost(h, r)
 
 
-def too_small(budget: int, need: int, what: str | int, D: int) -> ValueError:
+def least_budget(need: int) -> int:
+    """The smallest ``memory_budget`` whose :func:`usable` part holds ``need`` bytes (the planner's own rule)."""
+    # below 32 × 16 MiB the headroom is budget // 32, so usable = ⌈31·budget / 32⌉; above, budget − 16 MiB
+    small = 32 * (need - 1) // 31 + 1
+    return small if small // 32 <= _RESERVE else need + _RESERVE
+
+
+class TooSmall(ValueError):
+    """A budget too small for the smallest tile; ``need`` is that tile's bytes, so a plan of several passes
+    refuses once, with the largest (:func:`cogattn.exact.planner.plan_capture`)."""
+
+    def __init__(self, budget: int, need: int, what: str | int, D: int):
+        self.budget, self.need, self.what, self.head_dim = budget, need, what, D
+        where = f"sequence length S={what}" if isinstance(what, int) else what
+        super().__init__(
+            f"memory_budget={budget} bytes is too small for one tile of {where}, head dim {D}; raise memory_budget "
+            f"to at least {least_budget(need)} bytes (e.g. '1GiB')."
+        )
+
+
+def one_refusal(*plans) -> list:
+    """What each of ``plans`` (callables sizing tiles within one budget) returns; a budget too small for several is
+    refused once, with the largest ``need``: the least budget it names holds them all."""
+    done, refused = [], []
+    for plan in plans:
+        try:
+            done.append(plan())
+        except TooSmall as err:
+            refused.append(err)
+    if refused:
+        raise max(refused, key=lambda err: err.need)
+    return done
+
+
+def too_small(budget: int, need: int, what: str | int, D: int) -> TooSmall:
     """The one refusal of a budget too small for the smallest tile of ``what`` (a sequence length, or words),
-    naming the budget that holds ``need`` bytes after the headroom."""
-    where = f"sequence length S={what}" if isinstance(what, int) else what
-    enough = need + _RESERVE if need + _RESERVE > 32 * _RESERVE else -(-need * 32 // 31) + 1
-    return ValueError(
-        f"memory_budget={budget} bytes is too small for one tile of {where}, head dim {D}: "
-        f"the smallest tile needs {need} bytes. Raise memory_budget to at least {enough} (e.g. '1GiB')."
-    )
+    naming one number: the least budget that holds ``need`` bytes after the headroom (:func:`least_budget`)."""
+    return TooSmall(budget, need, what, D)
 
 
 def waiting_bytes(reducers, batch, batch_size: int, calls: int, layers: int) -> int:

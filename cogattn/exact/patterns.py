@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 NAMES = ("spatial", "temporal", "window:w", "sta:t,h,w", "radial")  # the forms a pattern name takes
-DEFAULT_PATTERNS = ("spatial", "temporal")  # Sparse VideoGen's two: what pattern_recall/error take by default
+DEFAULT_PATTERNS = ("spatial", "temporal")  # Sparse VideoGen's two: a bare reducer's, and a run's that names none
 
 
 class Pattern:
@@ -229,12 +229,23 @@ def resolve(specs, tile_shape: Sequence[int] = (4, 4, 4)) -> tuple[Pattern, ...]
 
 
 def check_option(patterns, kinds: Sequence[str], tile_shape: Sequence[int]) -> tuple:
-    """``CaptureOptions.patterns`` as a tuple, each checked (an unknown name refused, naming the valid ones), given
-    only with ``pattern_recall`` or ``pattern_error`` in ``kinds`` (which refuse no patterns when planned: a family
-    that has no such kind says so first)."""
+    """``CaptureOptions.patterns`` as a tuple, each checked: given with ``pattern_recall`` or ``pattern_error`` in
+    ``kinds`` and only then, each name known (an unknown one refused, naming the valid ones), and no two patterns of
+    one name (each labels a slot of the results and a column of the pattern table)."""
     patterns = (patterns,) if isinstance(patterns, (str, Pattern)) or callable(patterns) else tuple(patterns or ())
     asked = [k for k in kinds if k in ("pattern_recall", "pattern_error")]
     if patterns and not asked:
         raise ValueError("patterns were given but neither 'pattern_recall' nor 'pattern_error' is in kinds; add one.")
-    resolve(patterns, tile_shape if len(tile_shape) == 3 else (4, 4, 4))
+    if asked and not patterns:
+        raise ValueError(
+            f"kinds {asked} need patterns=[...], the token patterns to measure: any of {list(NAMES)}, a Pattern or a "
+            f"callable, e.g. patterns={DEFAULT_PATTERNS} (Sparse VideoGen's spatial and temporal heads)."
+        )
+    names = [p.name for p in resolve(patterns, tile_shape if len(tile_shape) == 3 else (4, 4, 4))]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"patterns name {twice} more than once ({names}); each pattern labels its own slot of the results: "
+            "drop the repeat, or give each Pattern its own name."
+        )
     return patterns

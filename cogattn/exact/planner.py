@@ -194,13 +194,14 @@ def size_tiles(
                 if row_rows >= min(64, most_rows) or h == 1:
                     row_heads = h
                     break
-        if row_rows == 0:
-            raise too_small(asked, row_bytes(1, 1), S, D)
+    pooled_pass = bool(pooled) and method in POOLED_METHODS  # the Triton pass holds less than the SDPA pass
     pooled_heads = pooled_rows = 0
-    if pooled and method in POOLED_METHODS:  # the Triton pass holds less than the SDPA pass
+    if pooled_pass:
         pooled_heads = _largest(lambda h: pooled_bytes(h, 1) <= budget, H)
-        if pooled_heads == 0:
-            raise too_small(asked, pooled_bytes(1, 1), S, D)
+    if (row_sets and row_rows == 0) or (pooled_pass and pooled_heads == 0):
+        # one refusal, naming the budget that holds the smallest tile of each pass
+        raise too_small(asked, max(row_bytes(1, 1) * bool(row_sets), pooled_bytes(1, 1) * pooled_pass), S, D)
+    if pooled_heads:
         pooled_rows = _largest(lambda r: pooled_bytes(pooled_heads, r) <= budget, S) if n_single else S
     peak = max(
         row_bytes(row_heads, row_rows) if row_sets else 0,
@@ -293,13 +294,13 @@ class CapturePlan:
         return len([s for s in self.options.steps if num_steps is None or s < num_steps])
 
     def records(self, num_steps: int | None) -> list[tuple[str, tuple[int, ...], int, int]]:
-        """Per kind: ``(kind, shape, bytes of one record file in the storage dtype, records per generation)``."""
+        """Per kind: ``(kind, shape, bytes of one record file in the dtype it is stored in, records per generation)``."""
         storage = STORAGE_DTYPES[self.options.storage_dtype]
         count = self.layers_captured * self.steps_captured(num_steps)
         out = []
         for r in [*self.reducers, *self.context]:
             shape = r.shape(len(self.resolved.batch))
-            dtype = torch.float32 if r.keep_float32 else storage
+            dtype = r.stored_dtype(storage, r.mean_heads)
             out.append((r.kind, shape, record_file_bytes(shape, dtype), count))
         return out
 
@@ -328,10 +329,9 @@ class ModelShape:
     dtype: torch.dtype
     sources: dict = field(default_factory=dict)
 
-    def fewest_heads(self, kinds, sources: dict[str, str]) -> int:
-        """The fewest heads among the attentions making ``kinds`` (``sources``: kind → its attention's source, for
-        those not of the self-attention): a ``heads`` list selects heads of each."""
-        return min(self.sources.get(sources.get(k, "self"), (self.num_heads,))[0] for k in kinds)
+    def heads_of(self, source: str) -> int:
+        """The heads of ``source``'s attention (a cross-attention to the text: the self-attention's; LTX-2's audio)."""
+        return self.sources.get(source, (self.num_heads,))[0]
 
 
 def plan_capture(
@@ -382,10 +382,12 @@ def plan_capture(
     budget = options.memory_budget - waiting * on_host  # on a CPU the waiting results and the tiles share it
 
     def tiles_within(budget: int):
-        tiles = TilePlan("none", 0, 0, 0, 0, 0)  # cross-attention kinds only: no self-attention pass
-        if reducers:
-            tiles = plan_tiles(reducers, layout.seq_len, len(res.heads), head_dim, budget, method, device, copies, lse)
-        context_tiles, context_bytes = plan_context_tiles(context, heads_of, model.sources, head_dim, budget, device)
+        none = TilePlan("none", 0, 0, 0, 0, 0)  # cross-attention kinds only: no self-attention pass
+        S, H = layout.seq_len, len(res.heads)
+        tiles, (context_tiles, context_bytes) = memory.one_refusal(  # one refusal, naming a budget for every pass
+            lambda: plan_tiles(reducers, S, H, head_dim, budget, method, device, copies, lse) if reducers else none,
+            lambda: plan_context_tiles(context, heads_of, model.sources, head_dim, budget, device),
+        )
         return tiles, context_tiles, context_bytes
 
     try:

@@ -14,11 +14,11 @@ in :mod:`cogattn.analysis.masks`.
 from cogattn.analysis import masks
 from cogattn import plot
 plot.frame_heatmap(rec, heads="all")                                   # (G × G) per head
-plot.word_heatmap(rec, ["fox", "snow"], video, tokenizer=pipe.tokenizer, prompt=prompt)
+plot.word_heatmap(rec, ["fox", "snow"], video, tokenizer=pipe, prompt=prompt)  # pipe: its template
 plot.query_map(rec, (1, 1, 2), video, scale="log")
 plot.word_heatmap(rec, [0, 5], video, kind="video_to_image")          # Wan 2.1 I2V: image tokens
 plot.animate(plot.word_heatmap, rec, "fox.gif", over="step", tokens="fox", video=video,
-             tokenizer=pipe.tokenizer, prompt=prompt)
+             tokenizer=pipe, prompt=prompt)
 plot.head_atlas(rec)                                                   # layers × heads, by label
 plot.token_stat(rec, "received", video)                                # attention sinks on the video
 plot.block_map(rec, masks.same_frame_mask(rec.layout, rec.block_size), scale="log")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -17,7 +16,7 @@ from matplotlib.ticker import MaxNLocator
 
 from ..analysis.decay import decay_table, mean_decay
 from ..analysis.maps import aggregate
-from ..items import pick_item
+from ..items import item_label, pick_item, table_source
 from ..runs.run import MapSource
 from .style import CMAP, MAP_GID, add_colorbars, color_norms, describe, frame_unit, new_figure, set_title, single_head
 
@@ -122,16 +121,10 @@ def distance_decay(
         table = source_or_table
     else:
         table = decay_table(source_or_table, steps, layers, per_key=per_key)
-    item = pick_item(SimpleNamespace(batch_roles=table.attrs.get("batch_roles")), batch)
+    item = pick_item(table_source(table.attrs), batch)
     if "item" not in table.columns or item not in set(table["item"]):
         raise ValueError(f"batch={batch!r} is slot {item}; the table holds items {sorted(set(table.get('item', [])))}.")
     per_key = bool(table.attrs.get("per_key", per_key))
-    roles = table.attrs.get("batch_roles") or []
-    role = (
-        f", {'unconditional' if roles[item] == 'uncond' else 'conditional'}"
-        if item < len(roles) and roles[item]
-        else ""
-    )
     curves = mean_decay(table[table["item"] == item], by=by)
     fig = new_figure(fig, (9.6, 4.0))
     axes = fig.subplots(1, 2)
@@ -165,6 +158,7 @@ def distance_decay(
     set_title(
         fig,
         f"attention against distance, fit a·exp(−λ d) dashed, one curve per {by} ({averaged[by]})",
-        f"steps {sorted(set(table['step']))} · layers {sorted(set(table['layer']))} · batch item {item}{role}",
+        f"steps {sorted(set(table['step']))} · layers {sorted(set(table['layer']))} · "
+        + item_label(table_source(table.attrs), item),
     )
     return fig

@@ -16,7 +16,7 @@ from matplotlib.patches import Patch
 
 from ..analysis.head_stats import TABLE_KINDS, LabelRule, expert_steps_of, head_table, label_row, temporal_decay
 from ..analysis.maps import check_one_expert
-from ..items import item_label, pick_item
+from ..items import item_label, pick_item, table_source
 from ..runs.run import MapSource
 from .style import CMAP, MAP_GID, color_norms, frame_unit, new_figure, set_title, span_text
 
@@ -124,13 +124,13 @@ def _items(table, item, source):
         roles = table.attrs.get("batch_roles") or []
         item = next((i for i in have if i >= len(roles) or roles[i] != "uncond"), have[0])
     elif isinstance(item, str):
-        item = pick_item(source, None if item == "cond" else item)
+        item = pick_item(source if source is not None else table_source(table.attrs), None if item == "cond" else item)
     if item not in have:
-        raise ValueError(f"item={item!r} is not in the table; it holds batch items {have}.")
+        raise ValueError(f"item={item!r} is not in the table; it holds the batch slots {have}.")
     return table[table["item"] == item], item
 
 
-def _detail(source, step_list: list[int], experts: list[str], layers: list[int] | None, item, each=False) -> str:
+def _detail(source, step_list: list[int], experts: list[str], layers: list[int] | None, item, each=False, attrs=None):
     steps = span_text("step", step_list, source.timesteps if source is not None else None)
     parts = [steps.removeprefix("mean over ") if each else steps]  # each: one curve per step, none averaged
     if experts:
@@ -140,9 +140,7 @@ def _detail(source, step_list: list[int], experts: list[str], layers: list[int] 
     parts.append(
         "mean over batch items"
         if item is None
-        else item_label(source, item)
-        if source is not None
-        else f"batch item {item}"
+        else item_label(source if source is not None else table_source(attrs or {}), item)
     )
     return " · ".join(parts)
 
@@ -275,7 +273,7 @@ def head_atlas(
     ax.set_xlabel("head", fontsize=8)
     ax.set_ylabel("layer", fontsize=8)
     what = "head atlas: " + ("label of each head" if not numeric else _COLUMN_TEXT.get(color, _dt_text(color)))
-    set_title(fig, what, _detail(source, step_list, experts, None, item))
+    set_title(fig, what, _detail(source, step_list, experts, None, item, attrs=table.attrs))
     return fig
 
 
@@ -369,7 +367,7 @@ def title_curves(fig, ax, what: str, table, by: str, source, step_list, experts,
     set_title(
         fig,
         f"{what}, one curve per {by} ({averaged})",
-        _detail(source, step_list, experts, layer_list if by != "layer" else None, item, each=by == "step"),
+        _detail(source, step_list, experts, layer_list if by != "layer" else None, item, by == "step", table.attrs),
     )
 
 

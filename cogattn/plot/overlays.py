@@ -40,7 +40,8 @@ def _text_ticks(
     T = source.layout.text_len
     spans = item_spans(source, batch)  # the item's image, glyph and prompt tokens (HunyuanVideo: image first)
     named_tokens = tokenizer is not None and prompt is not None
-    names = text_tokens(tokenizer, prompt, T, spans=spans) if named_tokens else None
+    family = getattr(source, "family", None)  # a bare tokenizer is refused where the family templates the prompt
+    names = text_tokens(tokenizer, prompt, T, spans=spans, family=family) if named_tokens else None
     if T <= limit:
         return list(range(T)), names or [str(t) for t in range(T)]
     pad = getattr(tokenizer, "pad_token", None)
@@ -63,9 +64,10 @@ def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt, bat
         raise ValueError(f"tokens is empty; pass {what} indices{'' if image else ' or words of the prompt'}.")
     clean = layout.text_len == 0  # the text is in a cross-attention: Wan, which cleans the prompt first
     spans = None if image else item_spans(source, batch)
+    family = getattr(source, "family", None)  # a bare tokenizer is refused where the family templates the prompt
     names = None
     if not image and tokenizer is not None and prompt is not None:
-        names = text_tokens(tokenizer, prompt, T, clean=clean, spans=spans)
+        names = text_tokens(tokenizer, prompt, T, clean=clean, spans=spans, family=family)
     out = []
     for item in items:
         if isinstance(item, str):
@@ -73,10 +75,10 @@ def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt, bat
                 raise ValueError(f"token {item!r} is a word, but image tokens have none; pass indices 0..{T - 1}.")
             if tokenizer is None or prompt is None:
                 raise ValueError(
-                    f"token {item!r} is a word: pass tokenizer= (pipe.tokenizer) and prompt= (the generation's "
+                    f"token {item!r} is a word: pass tokenizer=pipe (the pipeline) and prompt= (the generation's "
                     f"prompt), or token indices 0..{T - 1}."
                 )
-            pos = word_positions(item, tokenizer, prompt, T, clean=clean, spans=spans)
+            pos = word_positions(item, tokenizer, prompt, T, clean=clean, spans=spans, family=family)
             where = f"token {pos[0]}" if len(pos) == 1 else f"tokens {', '.join(map(str, pos))}"
             out.append((pos, f'"{item}" ({where})'))
         elif isinstance(item, int) and not isinstance(item, bool):
@@ -228,7 +230,9 @@ def word_heatmap(
         video (defaults to `None`): the decoded video of the generation (``pipe(...).frames[0]``, any
             output type), or `None` for maps on the patch grid alone.
         kind (`str`, defaults to ``"video_to_text"``): or ``"text_to_video"``, ``"video_to_image"``.
-        tokenizer (defaults to `None`): the pipeline's tokenizer, to find words and name tokens.
+        tokenizer (defaults to `None`): to find words and name tokens: the pipeline (``pipe``: its family's
+            template and crop), a ``words.PromptFormat``, or a tokenizer alone (the bare prompt: the T5 families;
+            refused where the family's pipeline makes its text its own way, ``cogattn.analysis.words``).
         prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]`` of the
             recording or run.
         frames (`int | Sequence[int] | "all" | None`, defaults to `None`): pixel frames to show (latent
@@ -334,7 +338,8 @@ def query_map(
             video point as a tuple (latent frame, patch row, patch column), as in ``queries=[(f, y, x)]``;
             a list is refused (``queries=`` reads a list of ints as token indices).
         video (defaults to `None`): the decoded video, or `None` for maps on the patch grid alone.
-        tokenizer (defaults to `None`): the pipeline's tokenizer, to name the text tokens.
+        tokenizer (defaults to `None`): to name the text tokens: the pipeline (``pipe``), as for
+            :func:`word_heatmap`.
         prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]``.
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.

@@ -66,7 +66,8 @@ def token_stat(
         kind (`str`, defaults to ``"entropy"``): ``"entropy"`` (nats; ln S for a uniform row) or
             ``"received"`` (Σ over queries; the mean over keys is 1).
         video (defaults to `None`): the decoded video, or `None` for panels on the patch grid alone.
-        tokenizer (defaults to `None`): the pipeline's tokenizer, to name the text tokens.
+        tokenizer (defaults to `None`): to name the text tokens: the pipeline (``pipe``), as for
+            :func:`cogattn.plot.word_heatmap`.
         prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]``.
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged; the steps all of one
             expert's (Wan 2.2 A14B: ``steps="transformer"`` or ``"transformer_2"`` takes its steps).
@@ -153,7 +154,7 @@ def mask_outline(kept) -> np.ndarray:
 
 def _recall(source: MapSource, mask, step_list: list[int], layer_list: list[int], heads, batch) -> float:
     """The mask's recall for the figure's selection: the mean of :func:`cogattn.analysis.masks.mask_recall`'s rows
-    of batch item ``batch`` and the chosen head (all heads for ``"mean"``)."""
+    of batch slot ``batch`` and the chosen head (all heads for ``"mean"``)."""
 
     table = mask_recall(source, mask, steps=step_list, layers=layer_list)
     batch = pick_item(source, batch)
@@ -161,7 +162,7 @@ def _recall(source: MapSource, mask, step_list: list[int], layer_list: list[int]
     if isinstance(heads, int):
         table = table[table["head"] == heads]
     if table.empty:
-        raise ValueError(f"mask_recall returned no row for batch item {batch} and heads={heads!r}.")
+        raise ValueError(f"mask_recall returned no row for batch slot {batch} and heads={heads!r}.")
     return float(table["recall"].mean())
 
 
