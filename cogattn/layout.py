@@ -67,6 +67,7 @@ class TokenLayout:
         prompt_crop (`int`, defaults to 0): template tokens the pipeline crops before the prompt (HunyuanVideo 1.5).
         audio (`AudioAxis | None`, defaults to `None`): the audio stream of an audio-video model (LTX-2), a sequence
             of its own beside this one's video (and text); `None` for a model without one.
+        image_joins_text (`bool`, defaults to `False`): the image tokens lead the text in its cross-attention's softmax.
     """
 
     text_len: int
@@ -84,6 +85,7 @@ class TokenLayout:
     text_parts: tuple[tuple[str, int], ...] = ()
     prompt_crop: int = 0
     audio: AudioAxis | None = None
+    image_joins_text: bool = False
 
     def __post_init__(self):
         if self.text_position not in ("start", "end"):
@@ -374,11 +376,8 @@ class TokenLayout:
 
     def latent_of_pixel(self, num_pixel_frames: int, temporal_compression: int | None = None) -> list[int]:
         """For each pixel frame of the decoded video, the latent frame (temporal patch) that covers it."""
-        owner = [-1] * num_pixel_frames
-        for f, frames in enumerate(self.pixel_frames(num_pixel_frames, temporal_compression)):
-            for n in frames:
-                owner[n] = f
-        return owner
+        ranges = self.pixel_frames(num_pixel_frames, temporal_compression)  # in order, covering 0 … N − 1
+        return [f for f, frames in enumerate(ranges) for _ in frames]
 
 
 @dataclass(frozen=True)

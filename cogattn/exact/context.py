@@ -1,8 +1,9 @@
 """Kinds of a separate attention beside the self-attention: a cross-attention's (Wan's ``attn2``: video queries
 attending to the text or image context) and an audio stream's (LTX-2: :mod:`cogattn.exact.reducers.audio`).
 
-A cross-attention's softmax runs over its context keys alone (512 text tokens, 257 image tokens), so
-its probabilities are small rows: :func:`context_pass` forms them exactly, in float32, in tiles of
+A cross-attention's softmax runs over its context keys alone (512 text tokens, 257 image tokens; both in one
+softmax where the image tokens join the text's, each kind taking its own columns), so its probabilities are
+small rows: :func:`context_pass` forms them exactly, in float32, in tiles of
 heads × query rows that fit the memory budget (:func:`cogattn.exact.memory.context_tile`), and folds them into the result; the full
 ``(B, H, S, T)`` tensor is never held (docs/design.md, "The model seam").
 """
@@ -13,63 +14,15 @@ import math
 
 import torch
 
-from .memory import context_tile
+from .memory import context_tile, one_refusal
 from .passes import full_fp32_matmul
-from .reducers import REDUCERS, Reducer
-from .reducers.audio import AUDIO_REDUCERS
+from .reducers import CONTEXT_REDUCERS, ContextReducer
 
 __all__ = [
-    "CONTEXT_REDUCERS",
-    "ContextReducer",
-    "VideoToImageReducer",
     "context_pass",
     "context_reducers",
     "plan_context_tiles",
 ]
-
-
-class ContextReducer(Reducer):
-    """``video_to_text`` of a cross-attention: ``(B, H, T, F, Hp, Wp)``, ``P[video query (f, y, x), text
-    key t]`` with the softmax over the text keys; the queries are the grid's (a video token off the grid, a
-    history latent's, has no (f, y, x): its row is no part of the kind)."""
-
-    kind = "video_to_text"
-    dims = ("text token", "latent frame", "patch row", "patch column")
-    source = "text"
-    video_queries = True  # the queries are the grid's video tokens (a history before it is left out)
-
-    @property
-    def query_len(self) -> int:
-        """Query rows of the attention, in order: the grid's."""
-        return self.layout.video_len - self.layout.history_len
-
-    @property
-    def context_len(self) -> int:
-        return self.layout.context_len
-
-    def shape(self, num_batch):
-        return (num_batch, self.out_heads, self.context_len, *self.layout.grid)
-
-    def fold_rows(self, out, h0, r0, probs):
-        """``probs`` ``(h, r, C)``: the rows of the grid's queries ``r0 … r0 + r − 1``."""
-        flat = out.view(self.out_heads, self.context_len, self.layout.video_len - self.layout.history_len)
-        self._accumulate(flat[:, :, r0 : r0 + probs.shape[1]], h0, probs.transpose(1, 2))
-
-
-class VideoToImageReducer(ContextReducer):
-    """``video_to_image``: ``(B, H, I, F, Hp, Wp)``, ``P[video query (f, y, x), image key i]`` of Wan 2.1
-    image-to-video's image cross-attention (its own softmax over the I = 257 CLIP tokens)."""
-
-    kind = "video_to_image"
-    dims = ("image token", "latent frame", "patch row", "patch column")
-    source = "image"
-
-    @property
-    def context_len(self) -> int:
-        return self.layout.image_len
-
-
-CONTEXT_REDUCERS = {cls.kind: cls for cls in (ContextReducer, VideoToImageReducer)} | AUDIO_REDUCERS
 
 
 @torch.no_grad()
@@ -124,12 +77,6 @@ def context_pass(
     return outs
 
 
-# Registered beside the self-attention kinds (options, the store and plots read a kind's class there);
-# `cogattn` imports this module whenever it imports the reducers.
-for _cls in (VideoToImageReducer, *AUDIO_REDUCERS.values()):
-    REDUCERS.setdefault(_cls.kind, _cls)
-
-
 def context_reducers(options, res, sources: dict[str, str], shapes: dict, sizes: dict):
     """The reducers of the kinds ``options`` asks of attentions other than the self-attention (``sources``: kind →
     source), and source → the selected heads of each (``shapes``: source → ``(heads, head dim)`` where its heads are
@@ -156,10 +103,14 @@ def context_reducers(options, res, sources: dict[str, str], shapes: dict, sizes:
 
 def plan_context_tiles(context: list, heads_of: dict, shapes: dict, head_dim: int, budget: int, device):
     """``(source → (heads, query rows) per tile, peak bytes)`` of the ``context`` reducers' passes within ``budget``
-    (:func:`cogattn.exact.memory.context_tile`; ``shapes``: a source's own ``(heads, head dim)``)."""
-    tiles, peak = {}, 0
-    for r in context:
+    (:func:`cogattn.exact.memory.context_tile`; ``shapes``: a source's own ``(heads, head dim)``); a budget too small
+    for some is refused once, with the least budget that holds them all."""
+
+    def tile(r):
         dim = shapes.get(r.source, (0, head_dim))[1]
-        h, rows, held = context_tile(len(heads_of[r.source]), r.query_len, r.context_len, dim, budget, device)
+        return context_tile(len(heads_of[r.source]), r.query_len, r.context_len, dim, budget, device)
+
+    tiles, peak = {}, 0
+    for r, (h, rows, held) in zip(context, one_refusal(*[lambda r=r: tile(r) for r in context])):
         tiles[r.source], peak = (h, rows), max(peak, held)
     return tiles, peak

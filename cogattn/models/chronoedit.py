@@ -29,6 +29,7 @@ KNOWN: dict[str, dict] = {
         "in_channels": 36,
         "out_channels": 16,
         "image_dim": 1280,
+        "added_kv_proj_dim": 5120,
     },
 }
 

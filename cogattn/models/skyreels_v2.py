@@ -33,7 +33,12 @@ _SKY_14B = {**_SKY, "num_layers": 40, "num_attention_heads": 40, "in_channels": 
 KNOWN: dict[str, dict] = {
     "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers": _SKY_14B,
     "Skywork/SkyReels-V2-T2V-14B-720P-Diffusers": _SKY_14B,
-    "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers": {**_SKY_14B, "in_channels": 36, "image_dim": 1280},
+    "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers": {
+        **_SKY_14B,
+        "in_channels": 36,
+        "image_dim": 1280,
+        "added_kv_proj_dim": 5120,
+    },
     "Skywork/SkyReels-V2-DF-14B-540P-Diffusers": _SKY_14B,
     "Skywork/SkyReels-V2-DF-14B-720P-Diffusers": _SKY_14B,
     "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers": {
@@ -50,6 +55,7 @@ KNOWN: dict[str, dict] = {
         "in_channels": 36,
         "out_channels": 16,
         "image_dim": 1280,
+        "added_kv_proj_dim": 1536,
     },
 }
 

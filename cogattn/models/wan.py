@@ -15,6 +15,7 @@ as the guidance batch ``[uncond..., cond...]`` CogVideoX has.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -30,8 +31,8 @@ _14B = {**_WAN, "num_layers": 40, "num_attention_heads": 40, "in_channels": 16, 
 KNOWN: dict[str, dict] = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {**_WAN, "num_layers": 30, "num_attention_heads": 12, "out_channels": 16},
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": _14B,
-    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {**_14B, "in_channels": 36, "image_dim": 1280},
-    "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": {**_14B, "in_channels": 36, "image_dim": 1280},
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {**_14B, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
+    "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": {**_14B, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {**_WAN, "num_layers": 30, "num_attention_heads": 24, "out_channels": 48},
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": {**_14B, "experts": 2},
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {**_14B, "in_channels": 36, "experts": 2},
@@ -215,7 +216,11 @@ def read_call(config, args: tuple, kwargs: dict):
     if image is not None and config.get("pos_embed_seq_len"):  # FLF2V: two images, joined by the model
         image_len = int(config["pos_embed_seq_len"])
     layout = TokenLayout.of_video_latents(
-        hidden.shape, config["patch_size"], context_len=int(text.shape[1]), image_len=int(image_len)
+        hidden.shape,
+        config["patch_size"],
+        context_len=int(text.shape[1]),
+        image_len=int(image_len),
+        image_joins_text=bool(image_len) and not config.get("added_kv_proj_dim"),  # no image projections of its own
     )
     return layout, hidden.shape[0], t, hidden.device
 
@@ -224,7 +229,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
     """The layout of a Wan pipeline call for ``num_frames`` frames of ``height`` × ``width`` pixels (the
     pipeline rounds ``num_frames`` to ``num_frames // 4 * 4 + 1``, with a warning, and so does this)."""
     p_t, p_h, _ = (int(p) for p in config["patch_size"])
-    return TokenLayout.for_video(
+    layout = TokenLayout.for_video(
         max(int(num_frames) // VAE_TEMPORAL * VAE_TEMPORAL + 1, 1),
         height,
         width,
@@ -235,6 +240,8 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         context_len=text_len or TEXT_LEN,
         image_len=(config.get("pos_embed_seq_len") or IMAGE_LEN) if config.get("image_dim") else 0,  # FLF2V: 2 images
     )
+    joins = bool(config.get("image_dim")) and not config.get("added_kv_proj_dim")  # no image projections of its own
+    return dataclasses.replace(layout, image_joins_text=joins)
 
 
 # -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------

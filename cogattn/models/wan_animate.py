@@ -84,15 +84,8 @@ _STOCK = getattr(transformer_wan_animate, "WanAttnProcessor", wan.WanAttnProcess
 
 def read_call(config, args: tuple, kwargs: dict):
     """``(layout, batch_size, timestep, device)`` of one ``WanAnimateTransformer3DModel`` call: Wan's
-    (``wan.read_call``), whose latent frames already count the reference frame 0."""
-    image = kwargs.get("encoder_hidden_states_image", args[3] if len(args) > 3 else None)
-    if image is not None and not config.get("added_kv_proj_dim"):
-        # without its own projections the image tokens join the text in one softmax: no kind of cogattn's
-        raise ValueError(
-            "this WanAnimateTransformer3DModel has no added_kv_proj_dim, so its cross-attention takes the image "
-            "and the text tokens in one softmax, which cogattn does not record; the released checkpoint has "
-            "added_kv_proj_dim=5120."
-        )
+    (``wan.read_call``), whose latent frames already count the reference frame 0 (and whose image tokens join the
+    text's softmax where the model has no ``added_kv_proj_dim``: ``TokenLayout.image_joins_text``)."""
     return wan.read_call(config, args, kwargs)
 
 

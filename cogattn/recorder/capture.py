@@ -6,6 +6,11 @@ hands them on): whether a call is captured, the opt-in output call, and the capt
 (:func:`cogattn.exact.context.context_pass`) into the store. It owns what these calls need: the plan once the
 recording has made it, the tile plans, the measured method choices, the spot checks, and the parts of a
 result that wait for a step's second call; it reads the step tracker and the transformers it is given.
+
+Capture stays out of autograd, so a training forward records as an inference one does and its gradients are
+stock's: its passes run under ``torch.no_grad()``, a captured call's output is the stock call's wherever its
+inputs require grad, and a block that runs outside the transformer's forward (gradient checkpointing recomputes
+it during the backward pass) is not captured again.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Capture:
         except KeyError:
             raise ValueError("this processor serves an attention module outside the recorded transformer") from None
         wanted = not self.closed and not self.stopped and self.plan is not None and self.step is not None
+        wanted = wanted and self.steps.running  # not a block's recomputation in the backward pass
         wanted = wanted and self.steps.left_out is None  # a guider's perturbed call: not the model's maps
         wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
         wanted = wanted and bool(self.plan.reducers if role == "self" else self.plan.context)
@@ -152,6 +158,9 @@ class Capture:
         shape = (str(query.device), query.dtype, mode, tuple(query.shape[1:]))
         if mode == "stock" or shape in self.verifier.stock_output or query.shape[0] != self.steps.batch_size:
             return None  # the stock call; also for a batch's conditional half (FasterCache)
+        if self.steps.training or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+            return None  # the stock call, whose backward gives stock gradients (and reentrant checkpointing's no-grad
+            # forward keeps its values, which the backward's recomputation does not redo: it must be stock's)
         if mode == "lse" or self.joint_indicator is None:  # no multi-key kinds: the lse alone is reused
             result = (*attention_with_lse(query, key, value), None)
         else:
@@ -166,6 +175,7 @@ class Capture:
                 return None
         return result
 
+    @torch.no_grad()
     def capture(
         self,
         layer: int,
@@ -238,6 +248,7 @@ class Capture:
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "self")
 
+    @torch.no_grad()
     def capture_context(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, context: str, bias: torch.Tensor | None = None
     ) -> None:
@@ -246,10 +257,13 @@ class Capture:
         ``(B, H, Q, D)`` (video queries: the grid's, or every video token's: the history's, off the grid, are left
         out) and keys ``key`` ``(B, H, C, D)``, with the key mask ``bias`` ``(B, C)`` added to the scores
         (:func:`cogattn.recorder.processor.context_bias`)."""
-        reducers = [r for r in self.plan.context if r.source == context]
+        layout, res = self.plan.layout, self.plan.resolved
+        # where the image tokens join the text's softmax (layout.image_joins_text), both kinds come from its keys
+        sources = ("text", "image") if context == "text" and layout.image_joins_text else (context,)
+        reducers = [r for r in self.plan.context if r.source in sources]
         if not reducers:
             return
-        layout, res, red = self.plan.layout, self.plan.resolved, reducers[0]
+        red = reducers[0]
         if red.video_queries and layout.history_len and query.shape[2] == layout.video_len:  # no (f, y, x)
             query = query[:, :, layout.history_len :]
         if query.shape[2] != red.query_len or key.shape[2] != red.context_len:
@@ -264,12 +278,13 @@ class Capture:
         if (whole := self._whole(query.shape[0])) is None:
             return
         items, slots = whole
-        chosen = self.plan.context_heads.get(context, res.heads)
+        chosen = self.plan.context_heads.get(red.source, res.heads)
         heads = None if chosen == tuple(range(query.shape[1])) else torch.tensor(chosen, device=query.device)
-        outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[context], bias)
+        outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[red.source], bias)
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "context")
 
+    @torch.no_grad()
     def capture_stat(self, layer: int, name: str, values: torch.Tensor) -> None:
         """Keep a statistic of ``layer``'s captured call, ``values`` ``(B, H)`` per batch item of the call and head
         (every head), for the selected items' slots (:class:`cogattn.recorder.processor.MapSink`)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 import weakref
 
-import diffusers
 import torch
 
 from ..errors import NotRecordedError
@@ -61,9 +60,9 @@ class Recording:
         config = self.transformer.config
         self._shape = ModelShape(len(modules), heads, head_dim, self.transformer.dtype, self._spec.shapes(config))
         self.layer_names = self._spec.layer_names(self.transformer)
-        fewest = self._shape.fewest_heads(self.options.kinds, self._spec.context_kinds)  # of every attention asked
-        self.options.check_model(len(modules), fewest, self.layer_names)
         self._sources = {k: self._spec.source(k) for k in self.options.kinds}
+        heads = {k: self._shape.heads_of(source) for k, source in self._sources.items()}  # each attention's own
+        self.options.check_model(len(modules), heads, self.layer_names)
         if self.options.batch in ("cond", "uncond") and self.pipeline is None:
             raise ValueError(
                 f"batch={self.options.batch!r} needs a pipeline to know whether classifier-free guidance "
@@ -84,9 +83,9 @@ class Recording:
                 self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
             )
         self._capture.store = self._store
-        # The hook holds the recording weakly: a recording dropped without close() stops capturing and
-        # its hook goes away with it, instead of outliving it in the transformer.
-        self._hooks = self._models.hook(WeakHook(self._on_forward))
+        # The hooks hold the recording weakly: a recording dropped without close() stops capturing and
+        # its hooks go away with it, instead of outliving it in the transformer.
+        self._hooks = self._models.hook(WeakHook(self._on_forward), WeakHook(self._after_forward))
         self._models.run_eager()
         self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models, self._branches)
 
@@ -121,46 +120,41 @@ class Recording:
     info = property(lambda self: self.options.info, doc="Facts kept with the maps (``info=``).")
 
     @property
-    def head_ids(self) -> tuple[int, ...] | None:
-        """The model head of each slot of the results' head axis; `None` when heads were averaged."""
-        heads = self.options.heads
-        return None if heads == "mean" else tuple(range(self._shape.num_heads)) if heads == "all" else heads
+    def source_heads(self) -> dict[str, tuple[int, ...] | None]:
+        """Source → the model head of each slot of the head axis of its attention's kinds (``"self"``: :attr:`head_ids`;
+        LTX-2's audio sources: the audio heads); `None` each when heads were averaged. :meth:`head_ids_of`: a kind's."""
+        heads, sources = self.options.heads, ["self", *self._sources.values()]
+        own = {s: heads if isinstance(heads, tuple) else tuple(range(self._shape.heads_of(s))) for s in sources}
+        return dict.fromkeys(own) if heads == "mean" else own
+
+    head_ids = property(lambda self: self.source_heads["self"], doc="The self-attention's :attr:`source_heads`.")
+
+    def head_ids_of(self, kind: str) -> tuple[int, ...] | None:
+        """The model head of each slot of ``kind``'s head axis: its attention's (:attr:`source_heads`)."""
+        return self.source_heads.get(self._sources.get(kind), self.head_ids)
 
     block_size = property(lambda self: self.options.block_size, doc="Tokens per block of the ``block`` kind.")
     topk = property(lambda self: self.options.topk, doc="How many of each row's largest probabilities ``topk`` keeps.")
     tile_shape = property(lambda self: self.options.tile_shape, doc="Latent frames × patch rows × columns of a tile.")
+    queries = property(lambda self: tuple(self.options.queries or ()), doc="The ``query`` kind's queries as given.")
+    batch_items = property(  # a CapturePlan is truthy
+        lambda self: self.plan and self.plan.resolved.batch,
+        doc="Transformer batch items of the results' batch axis, `None` before the first transformer call.",
+    )
+    batch_roles = property(
+        lambda self: self.plan and self.plan.resolved.roles,
+        doc="""Per slot of the results' batch axis, ``"cond"`` (the prompt's item) or ``"uncond"`` (the negative
+        prompt's) under classifier-free guidance, `None` without it; `None` before the first transformer call.""",
+    )
 
-    @property
-    def queries(self) -> tuple:
-        """The ``query`` kind's queries as given: token indices or ``(frame, row, col)``."""
-        return tuple(self.options.queries or ())
-
-    @property
-    def batch_items(self) -> tuple[int, ...] | None:
-        """Transformer batch items of the results' batch axis, `None` before the first transformer call."""
-        return None if self.plan is None else self.plan.resolved.batch
-
-    @property
-    def batch_roles(self) -> tuple[str | None, ...] | None:
-        """Per slot of the results' batch axis, ``"cond"`` (the prompt's item) or ``"uncond"`` (the negative
-        prompt's) under classifier-free guidance, `None` without it; `None` before the first transformer call."""
-        return None if self.plan is None else self.plan.resolved.roles
-
-    @property
-    def chosen_methods(self) -> dict[tuple, str]:
-        """What ``method="auto"`` measured on CUDA with Triton: shape → ``"sdpa"`` or ``"triton"``."""
-        return dict(self._capture.timed.chosen)
+    chosen_methods = property(
+        lambda self: dict(self._capture.timed.chosen),
+        doc='What ``method="auto"`` measured on CUDA with Triton: shape → ``"sdpa"`` or ``"triton"``.',
+    )
 
     # -- step tracking -----------------------------------------------------------------------------
-    @property
-    def timesteps(self) -> list[float]:
-        """Timestep value of each step so far."""
-        return self._steps.timesteps
-
-    @property
-    def step(self) -> int | None:
-        """Index of the denoising step now running (or last run), `None` before the first."""
-        return self._steps.step
+    timesteps = property(lambda self: self._steps.timesteps, doc="Timestep value of each step so far.")
+    step = property(lambda self: self._steps.step, doc="The step now running (or last run), `None` before the first.")
 
     family = property(lambda self: self._spec.family, doc='The model family: ``"cogvideox"``, ``"wan"``, ...')
 
@@ -192,6 +186,9 @@ class Recording:
         elif seen == "reshaped" and not self._capture.stopped:
             self._capture.stopped = True  # its maps would not fit this generation's layout: none are mixed in
             warnings.warn(self._steps.went_on(), stacklevel=4)
+
+    def _after_forward(self, module, args, kwargs):
+        self._steps.returned()  # a block run after this is a recomputation (gradient checkpointing), not captured
 
     def _second_generation(self) -> None:
         """A new generation began: one recording holds one generation, so it never mixes them. Inside a
@@ -237,6 +234,8 @@ class Recording:
 
     def _meta(self) -> dict:
         """What run.json says about this recording."""
+        import diffusers  # imported by the model this records; `import cogattn` does not need it
+
         res = None if self.plan is None else self.plan.resolved
         return {
             "status": self._status,
@@ -250,6 +249,7 @@ class Recording:
                 "batch_resolved": res and list(res.batch),
                 "batch_roles": res and list(res.roles),
                 "heads_resolved": res and list(res.heads),
+                "source_heads": {src: ids and list(ids) for src, ids in self.source_heads.items()},
                 "text_lengths": None if self.text_lengths is None else list(self.text_lengths),
                 "text_spans": self.text_spans and [{k: list(v) for k, v in s.items()} for s in self.text_spans],
             },

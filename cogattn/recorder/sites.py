@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import warnings
 
-from ..models import FAMILIES, UNAVAILABLE, ModelSpec, spec_for_module
+from .. import models
+from ..models import ModelSpec, spec_for_module
 
 __all__ = ["EagerWhileRecording", "Transformers", "find_transformer", "uncompiled"]
 
@@ -38,8 +39,8 @@ def find_transformer(target) -> tuple[object, object | None, ModelSpec]:
                 "module for the generation you record (or record the pipeline that holds it)."
             )
         return inner, pipeline, spec
-    known = ", ".join(c.__name__ for spec in FAMILIES for c in spec.transformers)
-    missing = "".join(f"; {why}" for why in UNAVAILABLE.values())
+    known = ", ".join(c.__name__ for spec in models.FAMILIES for c in spec.transformers)  # imports every family
+    missing = "".join(f"; {why}" for why in models.UNAVAILABLE.values())
     raise TypeError(
         f"{type(target).__name__} is not a pipeline or transformer cogattn supports; cogattn supports "
         f"transformers of class {known} (or pipelines holding one as `.transformer`, compiled or not){missing}."
@@ -115,9 +116,11 @@ class Transformers:
         """Run compiled transformers uncompiled until :meth:`restore` (:class:`EagerWhileRecording`)."""
         self._eager = [EagerWhileRecording(self._pipeline, m, a, 5) for m, a in zip(self.modules, self._attrs)]
 
-    def hook(self, hook) -> list:
-        """Register the forward pre-hook ``hook`` on every transformer; returns the handles."""
-        return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.modules]
+    def hook(self, before, after) -> list:
+        """Register the forward pre-hook ``before`` and the forward hook ``after`` (run when the forward raises
+        too) on every transformer; returns the handles."""
+        pre = [m.register_forward_pre_hook(before, with_kwargs=True) for m in self.modules]
+        return pre + [m.register_forward_hook(after, with_kwargs=True, always_call=True) for m in self.modules]
 
     def check_install(self) -> None:
         """Raise what :meth:`install` would raise (a processor that is not stock, another recording's),

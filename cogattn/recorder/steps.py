@@ -1,11 +1,13 @@
 """Which denoising step is running, told by the transformer's own calls.
 
-A recording registers one forward pre-hook on each transformer of the pipeline (Wan 2.2's two experts
+A recording registers a forward pre-hook on each transformer of the pipeline (Wan 2.2's two experts
 take turns by step); every call passes through :meth:`StepTracker.observe`, which reads the latent
 grid, the batch size and the timestep (as the model family's ``read_call`` says) and tells whether the
 call starts the generation, continues it with the next step, is the step's second call (Wan's
 unconditional call under guidance), or starts another generation. It asks the pipeline (when there is one)
 for its guidance scale, its number of steps and its interrupt flag; a bare transformer tells none of them.
+A forward hook after each call (:meth:`StepTracker.returned`) tells a block that runs outside the transformer's
+forward: gradient checkpointing's recomputation during the backward pass, which is neither counted nor recorded.
 
 A pipeline that makes a long video in windows (SkyReels-V2's diffusion forcing) runs a denoising loop per
 window, its timesteps starting over: the family's ``window`` reader tells the call's next window from
@@ -27,13 +29,13 @@ __all__ = ["StepTracker", "WeakHook"]
 
 
 class WeakHook:
-    """A forward pre-hook calling a method of an object it holds weakly: an object dropped without cleaning
-    up stops being called, instead of living on in the module's hooks."""
+    """A forward hook (pre or post) calling a method of an object it holds weakly: an object dropped without
+    cleaning up stops being called, instead of living on in the module's hooks."""
 
     def __init__(self, method):
         self._method = weakref.WeakMethod(method)
 
-    def __call__(self, module, args, kwargs):
+    def __call__(self, module, args, kwargs, *output):
         method = self._method()
         if method is not None:
             method(module, args, kwargs)
@@ -65,6 +67,8 @@ class StepTracker:
         self._guidance_read = False
         self._time: float | None = None  # the timestep of the last call, as read_call gave it (a StepTime too)
         self.spans: list[dict] | None = None  # per item of the running call, its text's parts (spec.text_spans)
+        self.running = False  # a transformer's forward is running (see `returned`)
+        self.training = False  # the running transformer is in training mode (`module.train()`)
 
     @property
     def step(self) -> int | None:
@@ -110,6 +114,7 @@ class StepTracker:
         guidance): ``"extra"``, nothing changes and the call is not captured.
         Raises `RuntimeError` for another call at the timestep of the step before, which is not a
         denoising step of its own."""
+        self.running, self.training = True, module.training
         self.left_out = self.branches.perturbed(module, expert) if self.branches else None
         if self.left_out is None and self.spec.extra_call is not None:  # a pipeline's own perturbed call (LTX-2)
             self.left_out = self.spec.extra_call(args, kwargs)
@@ -168,6 +173,12 @@ class StepTracker:
             )
         self._append(t, expert, time)
         return "next"
+
+    def returned(self) -> None:
+        """A transformer's forward returned (or raised). Its blocks run again only outside one: gradient
+        checkpointing recomputes each block's forward during the backward pass, which is neither a new call
+        nor one to record again."""
+        self.running = False
 
     def _append(self, t: float, expert: int, time: float) -> None:
         """A step begins: its timestep, expert and window kept; its first call running."""

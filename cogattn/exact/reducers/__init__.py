@@ -21,7 +21,9 @@ the class.
 from __future__ import annotations
 
 from ...layout import KeyGroups
+from .audio import AUDIO_REDUCERS
 from .base import Reducer
+from .context import ContextReducer, VideoToImageReducer
 from .offsets import OffsetReducer
 from .patterns import PatternErrorReducer, PatternRecallReducer
 from .pooled import BlockReducer, FrameReducer, QueryFrameReducer, TileReducer, VideoToTextReducer
@@ -50,6 +52,9 @@ __all__ = [
     "TopPReducer",
     "FrameMax",
     "FrameMaxReducer",
+    "ContextReducer",
+    "VideoToImageReducer",
+    "CONTEXT_REDUCERS",
     "REDUCERS",
 ]
 
@@ -75,3 +80,7 @@ REDUCERS: dict[str, type[Reducer]] = {
         PatternErrorReducer,
     )
 }
+# The kinds of the attentions beside the self-attention, by kind (``video_to_text`` is the cross-attention's here)
+CONTEXT_REDUCERS = {cls.kind: cls for cls in (ContextReducer, VideoToImageReducer)} | AUDIO_REDUCERS
+# Every kind the options, the store and the plots know: the self-attention's, and the other attentions' own kinds
+REDUCERS |= {kind: cls for kind, cls in CONTEXT_REDUCERS.items() if kind not in REDUCERS}
