@@ -32,10 +32,10 @@ from report import write_table
 import cogattn
 from cogattn.analysis import aggregate
 from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
-from cogattn.runs.run import MANIFEST, META
+from cogattn.runs.folder import MANIFEST, META
 from cogattn.runs.store import RunWriter
 from cogattn.view.data import RunView
-from cogattn.view.export import export
+from cogattn.view.report import export
 
 LAYOUT = {"text_len": 226, "frames": 13, "height": 30, "width": 45, "patch_size": 2, "temporal_compression": 4}
 GB = 1e9

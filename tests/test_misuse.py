@@ -48,7 +48,7 @@ def test_an_open_run_is_locked_against_a_second_recording(pipe, tmp_path):
 
 
 def _hold_the_lock(run_dir, locked) -> None:
-    from cogattn.runs.run import RunLock
+    from cogattn.runs.folder import RunLock
 
     lock = RunLock(run_dir)  # noqa: F841 (held until the process is killed)
     locked.set()

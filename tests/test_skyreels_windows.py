@@ -144,7 +144,7 @@ def test_a_second_call_inside_one_recording_is_still_another_generation(pipe):
 
 def test_a_run_says_each_steps_window(tmp_path):
     """run.json's ``windows``: every step 0 where it is missing (runs made before it was kept, one window);
-    one clear error where it is not a list of window indices."""
+    one clear error, when the run is opened, where it is not a list of window indices."""
     run_dir = tmp_path / "run"
     pipe = cogattn.models.skyreels_v2.tiny_diffusion_forcing_pipeline(num_heads=3)
     with cogattn.record(pipe, kinds=("entropy",), save_dir=run_dir):
@@ -155,8 +155,8 @@ def test_a_run_says_each_steps_window(tmp_path):
     (run_dir / "run.json").write_text(json.dumps(meta))
     assert cogattn.load(run_dir).windows == [0, 0]
     (run_dir / "run.json").write_text(json.dumps({**meta, "windows": [0, "1"]}))
-    with pytest.raises(ValueError, match=r"run.json's windows is \[0, '1'\]; it should be one window index"):
-        _ = cogattn.load(run_dir).windows
+    with pytest.raises(cogattn.StoreError, match=r"run\.json': windows\[1\] is '1'; it must be a whole number"):
+        cogattn.load(run_dir)
 
 
 def test_video_to_video_windows_are_recorded_exactly(pipe, monkeypatch):

@@ -13,6 +13,7 @@ from tiny_calls import generate
 
 import cogattn
 import cogattn.runs.store as store
+from cogattn.exact.reducers import REDUCERS
 from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 from cogattn.runs.store import RunWriter, record_file_bytes
 
@@ -24,15 +25,25 @@ def pipe():
     return tiny_pipeline()
 
 
+def _stored(kind: str, storage: str) -> str:
+    """The dtype docs/streaming.md says a kind's records keep under ``storage``."""
+    if kind == "top_p":
+        return "int32"
+    if kind in ("topk", "frame_max") or (kind in ("received", "pattern_error") and storage == "float16"):
+        return "float32"
+    return storage
+
+
 @pytest.mark.parametrize("storage_dtype", ["float32", "float16", "bfloat16"])
 def test_round_trip_equals_in_memory_for_every_kind(pipe, tmp_path, storage_dtype):
-    with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES) as mem:
+    with cogattn.record(pipe, kinds=KINDS, heads="all", queries=QUERIES, patterns=("spatial", "temporal")) as mem:
         stock = generate(pipe)
     with cogattn.record(
         pipe,
         kinds=KINDS,
         heads="all",
         queries=QUERIES,
+        patterns=("spatial", "temporal"),  # pattern_recall's
         save_dir=tmp_path / "run",
         storage_dtype=storage_dtype,
         info={"prompt": "random embeddings"},
@@ -42,21 +53,63 @@ def test_round_trip_equals_in_memory_for_every_kind(pipe, tmp_path, storage_dtyp
     run = cogattn.load(tmp_path / "run")
     assert run.keys() == mem.keys() == disk.keys() and len(run) == len(KINDS) * 2 * 2
     for key in mem.keys():
+        stored = _stored(key[0], storage_dtype)
+        assert run.record_info(*key).dtype == stored, key
         if key[0] in ("topk", "frame_max"):  # values and indices, kept in float32 whatever the storage dtype
             assert all(
                 torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(mem.get(*key), run.get(*key), disk.get(*key))
             )
             continue
-        expected = mem.get(*key).to(getattr(torch, storage_dtype)).float()
+        expected = mem.get(*key).to(getattr(torch, stored)).float()
         assert torch.equal(run.get(*key), expected), key
         assert torch.equal(disk.get(*key), expected), key
+        assert run.get(*key).dtype == torch.float32, key
+        if key[0] == "top_p":  # counts come back exactly, whatever the storage dtype
+            assert torch.equal(run.get(*key), mem.get(*key))
     assert run.complete and run.timesteps == mem.timesteps and run.layout == mem.layout
     assert run.meta["info"] == {"prompt": "random embeddings"}
     assert run.meta["model"]["class"] == "CogVideoXTransformer3DModel"
     assert set(run.meta["versions"]) == {"cogattn", "diffusers", "torch"}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("storage_dtype", ["float16", "bfloat16"])
+def test_counts_and_sums_past_the_half_precisions_come_back_exactly(tmp_path, storage_dtype):
+    """top_p's counts up to S = 93,696 (Kandinsky 5 at 10 s; bfloat16 holds integers exactly only up to 256, float16
+    has no finite number above 65,504) come back exactly, as int32 records, or as float32 for the mean over heads;
+    received sums past 65,504 stay finite under float16; a top_p record an older version wrote in the storage dtype
+    still reads."""
+    S = 93_696
+    counts = torch.arange(S, dtype=torch.float32).view(1, 1, S // 4, 4)  # every count up to S − 1
+    mean = counts + 0.25  # a mean of four heads' counts
+    received = torch.linspace(0, S, S).view(1, 1, S)
+    half = getattr(torch, storage_dtype)
+    assert not torch.equal(counts.to(half).float(), counts)  # what storing counts in the storage dtype did
+    for mean_heads, result in ((False, counts), (True, mean)):
+        folder = tmp_path / f"mean{mean_heads}"
+        writer = RunWriter(store.prepare_folder(folder, False), storage_dtype, mean_heads=mean_heads)
+        writer.put("top_p", 0, 0, 999.0, result)
+        writer.put("received", 0, 0, 999.0, received)
+        writer.close()
+        run = cogattn.load(folder)
+        assert run.record_info("top_p", 0, 0).dtype == ("float32" if mean_heads else "int32")
+        assert run.get("top_p", 0, 0).dtype == torch.float32 and torch.equal(run.get("top_p", 0, 0), result)
+        assert torch.equal(run.get("top_p", 0, 0, index=(0, 0, slice(100, 103))), result[0, 0, 100:103])
+        got = run.get("received", 0, 0)
+        want = received if storage_dtype == "float16" else received.to(half).float()
+        assert torch.equal(got, want) and bool(got.isfinite().all())
+    # a run written before counts were int32: its top_p record in the storage dtype, read as before
+    older = tmp_path / "older"
+    writer = RunWriter(store.prepare_folder(older, False), storage_dtype)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(REDUCERS["top_p"], "stored_dtype", classmethod(lambda cls, storage, mean_heads=False: storage))
+        writer.put("top_p", 0, 0, 999.0, counts[..., :64, :])
+        writer.close()
+    run = cogattn.load(older)
+    assert run.record_info("top_p", 0, 0).dtype == storage_dtype
+    assert torch.equal(run.get("top_p", 0, 0), counts[..., :64, :].to(half).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])
 def test_record_files_are_standard_safetensors(tmp_path, dtype):
     from safetensors.torch import load_file, save_file
 
@@ -144,7 +197,7 @@ def test_writer_memory_is_bounded_while_the_disk_is_slow(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store, "write_record", slow)
     writer = RunWriter(store.prepare_folder(tmp_path, False), max_pending_bytes=3 * 2**20)
-    t = torch.ones(2**18)  # 1 MiB
+    t = torch.ones(1, 1, 2**9, 2**9)  # 1 MiB, shaped as a frame record (B, H, G, G): a reader checks the axes
     t0 = time.perf_counter()
     for step in range(12):
         writer.put("frame", step, 0, 1.0, t * step)

@@ -24,6 +24,7 @@ from cogattn.analysis.masks import mask_recall, same_frame_mask
 from cogattn.dump import main as dump_main
 from cogattn.runs.run import load
 from cogattn.view import RunView, ViewServer, export, find_runs
+from cogattn.view.data import POINT_HINT
 from cogattn.view.server import main
 
 KINDS = "capture.kinds=[frame,video_to_text,text_to_video,full,entropy,block]"
@@ -540,7 +541,7 @@ def test_a_run_still_being_written_shows_what_is_committed_and_picks_up_new_reco
 
 
 def test_the_export_keeps_the_word_kinds_at_ten_steps_at_most_the_first_and_the_last_among_them():
-    from cogattn.view.export import MAX_STEPS, _spread
+    from cogattn.view.report import MAX_STEPS, _spread
 
     kept = _spread(list(range(50)), MAX_STEPS)
     assert len(kept) == MAX_STEPS == 10 and kept[0] == 0 and kept[-1] == 49 and kept == sorted(set(kept))
@@ -599,3 +600,49 @@ def test_an_mp4_this_python_cannot_decode_shows_without_its_overlay_and_says_why
     summary = RunView(folder / "maps").summary()
     assert summary["video"] == "mp4" and summary["video_frames"] == 0 and summary["latent_of_pixel"] == []
     assert "pip install 'cogattn[video]'" in summary["video_note"]
+
+
+@pytest.fixture(scope="module")
+def default_tiny(tmp_path_factory) -> Path:
+    """One prompt of the tiny default as ``scripts/dump_maps.py`` records it (frame and the word kinds, the heads'
+    mean), and beside it the same prompt recording a point's row only as a ``query``."""
+    out = tmp_path_factory.mktemp("default") / "runs"
+    prompts = out.parent / "prompt.txt"
+    prompts.write_text("a red fox\n")
+    common = ["--set", f"prompts={prompts}", "--set", "num_inference_steps=2", "--set", "previews=false"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert dump_main(["--set", f"save_dir={out / 'default'}", *common]) == 0
+        query = ["--set", "capture.kinds=[frame,query]", "--set", "capture.queries=[[2,0,4]]"]
+        assert dump_main(["--set", f"save_dir={out / 'query'}", *common, *query]) == 0
+    return out
+
+
+def test_the_default_page_shows_no_error_and_says_what_to_record(default_tiny, browser):
+    default, query = (next((default_tiny / name).iterdir()) for name in ("default", "query"))
+    view = RunView(default / "maps")
+    assert view.point(1, "mean", "mean", 1, 1, 2) == {"hint": POINT_HINT}  # the page's first point: a hint, once
+    assert POINT_HINT.count("record") == 1 and RunView(query / "maps").summary()["points"] == [[2, 0, 4]]
+    problems = []
+    for folder in (default, query):
+        server = ViewServer(folder).start()
+        try:
+            page = _page(browser, server.url, problems)
+            errors = page.eval_on_selector_all(".error", "es => es.map(e => e.textContent)")
+            assert errors and not any(errors), errors  # no panel says something went wrong
+            run = load(folder / "maps")
+            assert _close(_values(page, "frame"), aggregate(run, "frame", steps=len(run.timesteps) - 1))
+            if folder == default:  # the point panel says what to record, in the hint's grey
+                assert page.inner_text("#point-panel .note") == POINT_HINT
+                assert (
+                    page.eval_on_selector("#point-panel .note", "e => getComputedStyle(e).color")
+                    == "rgb(119, 119, 119)"
+                )
+                assert page.get_attribute("#point", "data-values") == ""
+            else:  # the recorded query is the first point: its row over the video
+                assert json.loads(page.get_attribute("#point", "data-point")) == [2, 0, 4]
+                lay = run.layout
+                row = aggregate(run, "query", steps=len(run.timesteps) - 1)[0][lay.grid_tokens]
+                assert _close(_values(page, "point"), row) and page.inner_text("#point-panel .note") == ""
+        finally:
+            server.stop()
+    assert not problems, problems

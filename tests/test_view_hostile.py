@@ -25,6 +25,7 @@ from cogattn.analysis import aggregate
 from cogattn.dump import main as dump_main
 from cogattn.errors import StoreError
 from cogattn.runs.run import load
+from cogattn.runs.run_values import MAX_SLOTS
 from cogattn.view import RunView, ViewServer, export
 from cogattn.view.data import open_runs
 from cogattn.view.server import main
@@ -317,20 +318,213 @@ def test_every_request_gets_an_answer_an_unexpected_error_a_500_logged_once(fold
     assert len(logged) == 1 and "/api/heads" in logged[0]
 
 
-def test_a_record_whose_shape_does_not_fit_the_layout_answers_an_error(folder):
+# -- run.json checked as a whole, manifest lines against it: a damaged run costs only itself ----------------------
+def _two_runs(made: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A folder of two copies of the prompt, ``good`` and ``bad`` (to damage)."""
+    root = tmp_path / "runs"
+    return root, shutil.copytree(made, root / "good"), shutil.copytree(made, root / "bad")
+
+
+def _set(meta: dict, field: str, value) -> None:
+    *parents, last = field.split(".")
+    for key in parents:
+        meta = meta[key]
+    meta[last] = value
+
+
+HOSTILE_META = [  # (field set, value, the field the refusal names, the value it shows there)
+    ("selection", "all", "selection", "'all'"),
+    ("model", ["x"], "model", "['x']"),
+    ("checks", 5, "checks", "5"),
+    ("info", ["a"], "info", "['a']"),
+    ("skipped", {"by": 5, "calls": []}, "skipped.by", "5"),
+    ("selection.heads", 5, "selection.heads", "5"),
+    ("model.layer_names", 7, "model.layer_names", "7"),
+    ("checks", [{"step": 0, "passed": "yes"}], "checks[0].passed", "'yes'"),
+    ("timesteps", "999", "timesteps", "'999'"),
+    ("windows", [0, -1], "windows[1]", "-1"),
+    ("skipped.calls", [[0, 0]], "skipped.calls[0]", "[0, 0]"),
+    ("selection.tile_shape", [4, 4], "selection.tile_shape", "[4, 4]"),
+    ("selection.top_p", [0.5, 2.0], "selection.top_p[1]", "2.0"),
+    ("selection.batch_roles", ["cond", "cond"], "selection.batch_roles", "['cond', 'cond']"),  # one slot recorded
+    ("selection.queries", [[3, 0, 0]], "selection.queries[0]", "[3, 0, 0]"),  # the latent frames are 0 to 2
+    ("status", "exploded", "status", "'exploded'"),
+    ("model.config.num_attention_heads", "2", "model.config.num_attention_heads", "'2'"),
+]
+
+
+@pytest.mark.parametrize("field, value, named, shown", HOSTILE_META)
+def test_a_run_json_value_of_the_wrong_type_is_refused_naming_the_field(folder, field, value, named, shown):
+    _set_meta(folder, lambda meta: _set(meta, field, value))
+    with pytest.raises(StoreError) as err:
+        load(folder / "maps")
+    said = str(err.value)
+    assert len(said.splitlines()) == 1 and "run.json" in said and f": {named} is " in said
+    assert f"{named} is {shown}; it must be " in said
+
+
+@pytest.mark.parametrize("field, value, named, shown", HOSTILE_META[:7])  # the issue's own, each once
+def test_a_run_with_a_damaged_run_json_is_listed_unreadable_and_the_others_are_served(made, tmp_path, field, value, named, shown, capsys):  # fmt: skip
+    root, good, bad = _two_runs(made, tmp_path)
+    _set_meta(bad, lambda meta: _set(meta, field, value))
+    run = load(good / "maps")
+    want = aggregate(run, "frame", steps=1).flatten().double()
+    with _served(root) as server:
+        status, body = _get(f"{server.url}api/runs")
+        rows = {r["name"]: r for r in _strict_json(body)}
+        assert status == 200 and rows["good"]["status"] == "finished" and rows["bad"]["status"] == "unreadable"
+        why = rows["bad"]["error"]
+        assert len(why.splitlines()) == 1 and "run.json" in why and f": {named} is " in why
+        status, body = _get(f"{server.url}api/map?run=good&kind=frame&step=1")
+        assert status == 200 and torch.allclose(torch.tensor(_strict_json(body)["values"], dtype=torch.float64), want)
+        for api in ("summary", "map?kind=frame&step=1", "heads?step=1"):  # the damaged run: its line, on every endpoint
+            status, body = _get(f"{server.url}api/{api}{'&' if '?' in api else '?'}run=bad")
+            assert status == 200 and f": {named} is " in _strict_json(body)["error"] and "values" not in body.decode()
+    report = tmp_path / "report.html"
+    assert main([str(root), "--export", str(report)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not in the export: bad: left out" in err[0] and f": {named} is " in err[0]
+    data = _embedded(report)
+    assert (
+        list(data["summaries"]) == ["good"] and len(data["left_out"]) == 1 and f": {named} is " in data["left_out"][0]
+    )
+    assert [r["status"] for r in data["runs"]] == ["finished", "unreadable"] and data["runs"][1]["error"] == why
+    got = data["maps"]["good|frame|1|mean|mean|"]["values"]
+    assert torch.allclose(torch.tensor(got, dtype=torch.float64), want, rtol=5e-4)
+
+
+def _manifest_line(folder: Path, kind: str, change) -> tuple[list[bytes], int]:
+    """The manifest with ``change`` made to the first line of ``kind``; its lines before, and that line's index."""
     manifest = folder / "maps" / "manifest.jsonl"
     lines = manifest.read_bytes().splitlines(keepends=True)
-    i = next(i for i, x in enumerate(lines) if json.loads(x)["kind"] == "entropy")
+    i = next(i for i, x in enumerate(lines) if json.loads(x)["kind"] == kind)
     line = json.loads(lines[i])
-    shape = [*line["shape"][:-1], line["shape"][-1] - 3]  # three tokens short of the layout's sequence
-    save_file({"map": torch.rand(shape)}, str(folder / "maps" / line["file"]))
-    lines[i] = json.dumps({**line, "shape": shape}).encode() + b"\n"
-    manifest.write_bytes(b"".join(lines))
+    change(line)
+    manifest.write_bytes(b"".join([*lines[:i], json.dumps(line).encode() + b"\n", *lines[i + 1 :]]))
+    return lines, i
+
+
+@pytest.mark.parametrize(
+    "kind, change, why",
+    [
+        ("frame", lambda line: line.update(kind="frame_of_a_later_version"), "not a kind this version"),
+        ("frame", lambda line: line["shape"].__setitem__(0, 10**12), "batch slot axis"),  # no MemoryError
+        (
+            "frame",
+            lambda line: line["shape"].__setitem__(0, 3),
+            "batch slot axis of a 'frame' record; run.json gives 1",
+        ),
+        ("frame", lambda line: line["shape"].__setitem__(1, 5), "head axis of a 'frame' record; run.json gives 2"),
+        ("frame", lambda line: line.update(shape=line["shape"][:3]), "has 4 axes"),
+        ("entropy", lambda line: line["shape"].__setitem__(2, line["shape"][2] - 3), "query token axis"),
+        ("video_to_text", lambda line: line["shape"].__setitem__(5, 99), "patch column axis"),
+    ],
+)
+def test_a_manifest_line_run_json_does_not_allow_is_skipped_and_the_run_is_served(folder, tmp_path, kind, change, why):
+    lines, i = _manifest_line(folder, kind, change)
+    with pytest.warns(UserWarning, match="cannot be read and were skipped"):
+        run = load(folder / "maps")
+    assert len(run) == len(lines) - 1 and len(run.skipped_lines) == 1
+    said = run.skipped_lines[0]
+    assert said.startswith(f"manifest.jsonl:{i + 1}: ") and why in said and len(said) < 300
+    assert {k for k, _, _ in run.keys()} == {"frame", "video_to_text", "entropy"}
+    step = 3 if kind != "frame" or json.loads(lines[i])["step"] != 3 else 2  # a map the damage left whole
     with _served(folder) as server:
-        url = f"{server.url}api/map?run=prompt&kind=entropy&step={line['step']}&layer={line['layer']}&head=0"
-        status, body = _get(url)
-    error = _strict_json(body)["error"]
-    assert status == 200 and "run.json" in error and "layout" in error
+        status, body = _get(f"{server.url}api/summary")
+        summary = _strict_json(body)
+        assert status == 200 and summary["kinds"] == ["entropy", "frame", "video_to_text"]
+        assert summary["items"] == [{"slot": 0, "label": summary["items"][0]["label"], "role": "cond"}]  # one slot
+        status, body = _get(f"{server.url}api/map?kind=frame&step={step}")
+        want = aggregate(run, "frame", steps=step).flatten().double()
+        assert status == 200 and torch.allclose(torch.tensor(_strict_json(body)["values"], dtype=torch.float64), want)
+    data = _embedded(export(folder, tmp_path / "report.html"))
+    assert list(data["summaries"]) == ["prompt"] and data["left_out"] == []
+
+
+def test_a_batch_axis_is_bounded_where_run_json_does_not_name_the_slots(folder):
+    """A run from before the slots were kept: a line's batch axis is bounded before a reader lists its slots."""
+    _set_meta(folder, lambda meta: [meta["selection"].pop(k) for k in ("batch_roles", "batch_resolved")])
+    _manifest_line(folder, "frame", lambda line: line["shape"].__setitem__(0, 10**12))
+    with pytest.warns(UserWarning):
+        run = load(folder / "maps")
+    assert len(run.skipped_lines) == 1 and f"at most {MAX_SLOTS}" in run.skipped_lines[0]
+    assert RunView(folder / "maps").summary()["items"] == [{"slot": 0, "label": "batch item 0", "role": None}]
+
+
+# -- every endpoint checks its parameters ---------------------------------------------------------------------
+ENDPOINT_QUERIES = {  # a good request of each endpoint that takes an item, from the page's own parameters
+    "map": "kind=frame&step=1",
+    "point": "step=1&frame=1&row=1&col=2",
+    "heads": "step=1",
+    "block": "step=1",
+    "tile": "step=1",
+    "density": "step=1",
+    "decay": "step=1",
+    "track": "step=1&layer=1&head=0&frame=1&row=1&col=2",
+}
+
+
+def test_every_endpoint_answers_a_bad_parameter_400_in_one_line(folder):
+    with _served(folder) as server:
+
+        def answer(api: str, query: str) -> tuple[int, str]:
+            status, body = _get(f"{server.url}api/{api}?{query}")
+            got = _strict_json(body)
+            return status, got.get("error", "")
+
+        for api, query in ENDPOINT_QUERIES.items():
+            assert answer(api, query)[0] == 200, api
+            for item in ("1", "99", "uncond"):  # one slot recorded, the conditional item's
+                status, error = answer(api, f"{query}&item={item}")
+                assert status == 400 and ("out of range" in error or "'uncond'" in error), (api, item, error)
+                assert len(error.splitlines()) == 1 and "item=" in error
+        for bad, words in [
+            ("kind=frame&step=x", "step='x' is not a whole number"),
+            ("kind=frame&step=-1", "step='-1' is not a whole number"),
+            ("kind=frame&step=99999999999", "not a whole number from 0 to"),
+            ("kind=frame&step=1&layer=all", "layer='all'"),
+            ("kind=frame&step=1&head=1.5", "head='1.5'"),
+            ("kind=video_to_text&step=1&token=999", "token=999 is out of range"),
+            ("step=1", "missing parameter 'kind'"),
+        ]:
+            status, error = answer("map", bad)
+            assert status == 400 and words in error, (bad, error)
+        for where in ("frame=3&row=0&col=0", "frame=0&row=3&col=0", "frame=0&row=0&col=5", "frame=0&row=0"):
+            status, error = answer("point", f"step=1&{where}")
+            assert status == 400 and ("out of range" in error or "missing parameter 'col'" in error), where
+        status, error = answer("point", "step=1&frame=0&row=0&col=9")
+        assert "col=9 is out of range: the latent grid is 3 × 3 × 5" in error
+        assert answer("nothing", "step=1")[0] == 404
+
+
+@pytest.mark.parametrize("path", ["file/x", "file/", "file/prompt", "file/nobody/video", "file/prompt/nothing"])
+def test_a_file_path_that_names_no_file_answers_404(folder, path):
+    with _served(folder) as server:
+        status, body = _get(f"{server.url}{path}")
+    assert status == 404 and body == b"not found"
+
+
+def test_only_exact_host_names_are_answered(folder):
+    import socket
+
+    def status(host: bytes) -> int:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as c:
+            c.sendall(b"GET /api/runs HTTP/1.1\r\n" + host + b"Connection: close\r\n\r\n")
+            data = b""
+            while chunk := c.recv(65536):
+                data += chunk
+        return int(data.split(b" ", 2)[1])
+
+    with _served(folder) as server:
+        port = str(server.port).encode()
+        for good in (b"localhost", b"127.0.0.1:" + port, b"[::1]:8000", b"LOCALHOST:9999"):
+            assert status(b"Host: " + good + b"\r\n") == 200, good
+        bad = [b"localhost:80@evil.com", b"127.0.0.1:", b"127.0.0.1 ", b"localhost:123456", b"127.0.0.1:80:80"]
+        bad += [b"evil.com", b"127.0.0.1.evil.com", b"localhost@evil.com", b"[::1]x"]
+        for host in bad:
+            assert status(b"Host: " + host + b"\r\n") == 403, host
+        assert status(b"Host:\r\n 127.0.0.1\r\n") == 403  # a folded header: the value is " 127.0.0.1"
+        assert status(b"") == 403  # no Host at all
 
 
 # -- a damaged video -------------------------------------------------------------------------------------------
@@ -443,6 +637,36 @@ def test_hostile_text_is_text_in_the_export_and_on_the_live_page(hostile, tmp_pa
             with _served(hostile) as server:
                 page = _chromium_page(browser, server.url, problems, dialogs)
                 _shows_the_text_as_text(page, run)
+        finally:
+            browser.close()
+    assert not problems and not dialogs, (problems, dialogs)
+
+
+def test_the_page_lists_an_unreadable_run_with_its_line_live_and_in_the_export(made, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a test dependency")
+    from test_view import _chromium
+
+    root, _, bad = _two_runs(made, tmp_path)
+    _set_meta(bad, lambda meta: meta["selection"].update(heads=5))
+    report = export(root, tmp_path / "report.html")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+        try:
+            problems, dialogs = [], []
+            with _served(root) as server:
+                for url in (server.url, report.as_uri()):
+                    page = _chromium_page(browser, url, problems, dialogs)
+                    rows = page.eval_on_selector_all(
+                        "tr.run", "rs => rs.map(r => [...r.cells].map(c => c.textContent))"
+                    )
+                    assert [r[1] for r in rows] == ["good", "bad"] and [r[3] for r in rows] == [
+                        "finished",
+                        "unreadable",
+                    ]
+                    assert "selection.heads is 5; it must be " in rows[1][2]
+                    assert page.eval_on_selector("tr.run:nth-child(2) td.error", "e => e.textContent") == rows[1][2]
+                    page = _chromium_page(browser, f"{url}?run=bad", problems, dialogs)
+                    assert page.inner_text("#run-name") == f"bad: {rows[1][2]}" and page.is_hidden("#viewer")
         finally:
             browser.close()
     assert not problems and not dialogs, (problems, dialogs)

@@ -25,6 +25,7 @@ from cogattn.analysis.decay import decay_table, mean_decay
 from cogattn.analysis.masks import mask_recall
 from cogattn.analysis.tracks import track
 from cogattn.dump import main as dump_main
+from cogattn.errors import StoreError
 from cogattn.exact.reducers import REDUCERS
 from cogattn.runs.run import load
 from cogattn.view import RunView, ViewServer, export, sparse
@@ -118,8 +119,8 @@ def test_the_answers_are_the_library_s_numbers(folder):
     assert got["positions"] == want.positions.tolist() and _close(got["confidence"], want.confidence)
     of_pixel = lay.latent_of_pixel(view.files.frame_count())
     assert [of_pixel[i] for i in got["under"]] == list(range(lay.frames))
-    assert "choose a layer" in sparse.track(view, step, "mean", 1, 1, 2, 3)["error"]
-    assert "recorded per head" in sparse.track(view, step, 1, "mean", 1, 2, 3)["error"]
+    assert "choose a layer" in sparse.track(view, step, "mean", 1, 1, 2, 3)["hint"]  # a choice to make, not an error
+    assert "recorded per head" in sparse.track(view, step, 1, "mean", 1, 2, 3)["hint"]
     assert "outside the latent grid" in sparse.track(view, step, 1, 1, 9, 2, 3)["error"]
 
 
@@ -130,7 +131,11 @@ def damaged(folder, tmp_path) -> Path:
 
 def test_a_damaged_run_answers_an_error_in_the_panel(damaged):
     meta = json.loads((damaged / "run.json").read_text())
-    meta["selection"].update(top_p="<b>all</b>", patterns=["temporal", 7, "sta:2,2,2", "no such", "window:1"])
+    for field, value in (("top_p", "<b>all</b>"), ("patterns", ["temporal", 7])):  # a type run.json never holds
+        (damaged / "run.json").write_text(json.dumps({**meta, "selection": {**meta["selection"], field: value}}))
+        with pytest.raises(StoreError, match=rf"selection\.{field}(\[1\])? is "):
+            RunView(damaged)
+    meta["selection"].update(top_p=[], patterns=["temporal", "sta:2,2,2", "no such", "window:1"])
     (damaged / "run.json").write_text(json.dumps(meta))
     view = RunView(damaged)
     assert view.summary()["sparse"]["patterns"] == ["temporal", "window:1"]  # what parses, once
@@ -150,21 +155,16 @@ def test_a_damaged_run_answers_an_error_in_the_panel(damaged):
     meta["selection"].update(top_p=[0.5, 0.9])  # two masses, where the records count three
     (damaged / "run.json").write_text(json.dumps(meta))
     assert "the run's files do not agree" in sparse.density(RunView(damaged), 1, 1, 0)["error"]
-    # an offset record a patch short on each spatial axis, its manifest line saying so: an error, not a 500
-    manifest = damaged / "manifest.jsonl"
-    lines = manifest.read_bytes().splitlines(keepends=True)
-    i = next(i for i, x in enumerate(lines) if json.loads(x)["kind"] == "offset" and json.loads(x)["layer"] == 1)
-    line = json.loads(lines[i])
-    shape = [*line["shape"][:-2], line["shape"][-2] - 1, line["shape"][-1] - 1]
-    save_file({"map": torch.rand(shape)}, str(damaged / line["file"]))
-    lines[i] = json.dumps({**line, "shape": shape}).encode() + b"\n"
-    manifest.write_bytes(b"".join(lines))
+    # an offset record a patch short on each spatial axis: its file no longer the record its manifest line names
+    (record,) = [r for r in run.records() if r.kind == "offset" and (r.step, r.layer) == (1, 1)]
+    save_file({"map": torch.rand(*record.shape[:-2], record.shape[-2] - 1, record.shape[-1] - 1)}, str(damaged / record.file))  # fmt: skip
     server = ViewServer(damaged.parent).start()
     try:
-        answer = json.loads(urlopen(f"{server.url}api/decay?step={line['step']}&layer=1&head=0").read())
+        answer = json.loads(urlopen(f"{server.url}api/decay?step=1&layer=1&head=0").read())
     finally:
         server.stop()
-    assert "the offset record of step" in answer["error"] and "do not agree" in answer["error"]
+    assert "cannot be read" in answer["error"] or "the manifest says" in answer["error"]
+    assert "values" not in answer and "dt" not in answer
 
 
 def test_the_page_shows_the_panels_numbers_and_a_click_draws_the_track(folder, browser):
@@ -248,5 +248,6 @@ def test_the_export_carries_the_panels_and_says_the_track_is_live_only(folder, b
     _redrawn(page, lambda: page.select_option("#layer", "1"))
     decay = json.loads(page.get_attribute("#decay", "data-values"))
     assert decay["dt"] == pytest.approx(sparse.decay(RunView(folder / "maps"), 1, 1, "mean")["dt"], abs=1e-12)
-    assert "open the run with `cogattn view`" in page.inner_text("#track-panel .error")
+    assert "open the run with `cogattn view`" in page.inner_text("#track-panel .note")  # a hint: nothing went wrong
+    assert page.inner_text("#track-panel .error") == "" and page.inner_text("#point-panel .error") == ""
     assert not problems, problems

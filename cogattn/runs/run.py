@@ -27,77 +27,17 @@ from safetensors import safe_open
 from ..errors import StoreError
 from ..exact.reducers import REDUCERS
 from ..layout import TokenLayout
-from .run_values import checked_call_stats, checked_layout, checked_text_spans, checked_windows, line_problem
+from .folder import MANIFEST, META, is_locked
+from .run_values import RecordShapes, checked_call_stats, checked_windows, line_problem, shape_problem
+from .schema import read_meta
 from .skips import Skips
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: runs are not locked
-    fcntl = None
-
 __all__ = [
-    "FORMAT",
-    "LOCK",
-    "MANIFEST",
-    "META",
-    "RECORDS",
     "MapSource",
     "RecordInfo",
     "Run",
-    "RunLock",
     "load",
 ]
-
-MANIFEST, META, RECORDS, LOCK = "manifest.jsonl", "run.json", "records", ".lock"
-FORMAT = "cogattn-run/1"
-STATUSES = ("running", "finished", "interrupted", "failed", "stopped")
-
-
-class RunLock:
-    """An exclusive OS lock (``flock``) on a run folder's lock file, held while a recording writes the run.
-
-    The OS releases it when the file is closed or the process dies, so a run whose writer was killed is
-    never locked for good. Raises `StoreError` naming the holder when another writer has the folder."""
-
-    def __init__(self, folder: Path):
-        self.path = Path(folder) / LOCK
-        try:
-            self._file = open(self.path, "a+")
-        except OSError as err:
-            raise StoreError(
-                f"cannot write to {str(folder)!r}: {err.strerror or err}; choose another save_dir."
-            ) from err
-        if fcntl is not None:
-            try:
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                self._file.seek(0)
-                holder = self._file.read().strip() or "another process"
-                self._file.close()
-                raise StoreError(
-                    f"the run in {str(folder)!r} is being written by another recording ({holder}); wait for it to "
-                    "finish, or choose another save_dir."
-                ) from None
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"process {os.getpid()}")
-        self._file.flush()
-
-    def release(self) -> None:
-        if not self._file.closed:
-            self._file.close()  # closing the file releases the lock
-
-
-def is_locked(folder: Path) -> bool:
-    """Whether a recording holds the lock of ``folder`` now."""
-    if fcntl is None or not (Path(folder) / LOCK).exists():
-        return False
-    with open(Path(folder) / LOCK) as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True
-    return False
 
 
 class MapSource(Protocol):
@@ -195,14 +135,13 @@ class Run:
             raise StoreError(
                 f"{str(meta_file)!r} holds {type(self.meta).__name__}, not an object; the run's metadata is lost."
             )
-        self._layout = checked_layout(self.meta.get("layout"), meta_file)
-        self._text_spans = checked_text_spans(self.meta.get("selection"), self._layout, meta_file)
+        self._layout, self._text_spans, shapes = read_meta(self.meta, meta_file)  # every value checked, once
         self._records: dict[tuple[str, int, int], RecordInfo] = {}
         self.skipped_lines: list[str] = []  # "manifest.jsonl:7: why", for every manifest line not served
         with open(self.path / MANIFEST, "rb") as f:
             lines = f.read().split(b"\n")
         for number, raw in enumerate(lines[:-1], 1):  # the part after the last newline was never committed
-            info = _parse_line(raw)
+            info = _parse_line(raw, shapes)
             if isinstance(info, str):
                 self.skipped_lines.append(f"{MANIFEST}:{number}: {info}")
             else:
@@ -289,6 +228,24 @@ class Run:
         return tuple(sel["heads"])
 
     @property
+    def source_heads(self) -> dict[str, tuple[int, ...] | None]:
+        """``Recording.source_heads`` (run.json's ``selection.source_heads``): each attention's heads; a run that does
+        not say has the self-attention's for every attention."""
+        own = dict.fromkeys(["self", *(self.meta.get("sources") or {}).values()], self.head_ids)
+        kept = (self.meta.get("selection") or {}).get("source_heads") or {}  # checked when the run was opened
+        return own | {src: None if ids is None else tuple(ids) for src, ids in kept.items() if src in own}
+
+    def head_ids_of(self, kind: str) -> tuple[int, ...] | None:
+        """``Recording.head_ids_of``: the model head of each slot of ``kind``'s head axis, its attention's."""
+        return self.source_heads.get((self.meta.get("sources") or {}).get(kind), self.head_ids)
+
+    @property
+    def batch_items(self) -> tuple[int, ...] | None:
+        """``Recording.batch_items`` (run.json's ``selection.batch_resolved``); `None` where the run does not say."""
+        items = (self.meta.get("selection") or {}).get("batch_resolved")  # checked when the run was opened
+        return None if items is None else tuple(items)
+
+    @property
     def batch_roles(self) -> tuple[str | None, ...] | None:
         """Per slot of a result's batch axis, ``"cond"`` (the prompt's item) or ``"uncond"`` (the negative
         prompt's) under classifier-free guidance, `None` without it; `None` where the run does not say (runs
@@ -356,7 +313,8 @@ class Run:
             raise self.skipped.error(kind, step, layer, source, batch, missing) from None
 
     def get(self, kind: str, step: int, layer: int, index: tuple | None = None) -> torch.Tensor:
-        """A record as a float32 tensor (``topk``: a :class:`cogattn.exact.reducers.TopK` of values and indices);
+        """A record as a float32 tensor whatever dtype it is stored in (``top_p``'s int32 counts too: exact below 2²⁴;
+        ``topk``: a :class:`cogattn.exact.reducers.TopK` of values and indices);
         ``index`` (ints, slices and ``...``, e.g. ``(0, 3, slice(0, 10))`` for batch item 0, head 3, the first
         10 rows) reads only that part, through memory-mapped slices; it indexes what ``get`` returns (``topk``:
         values and indices of shape (B, H, S, k))."""
@@ -389,8 +347,8 @@ class Run:
         return f"Run({str(self.path)!r}, {len(self)} records, {self.status})"
 
 
-def _parse_line(raw: bytes) -> RecordInfo | str:
-    """A manifest line as a `RecordInfo`, or why it cannot be one."""
+def _parse_line(raw: bytes, shapes: RecordShapes) -> RecordInfo | str:
+    """A manifest line as a `RecordInfo`, or why it cannot be one of this run's (``shapes``: run.json's)."""
     if not raw.strip(b" \t\r\x00"):
         return "empty" if b"\x00" not in raw else "zero bytes (a write cut short by a power loss)"
     try:
@@ -407,7 +365,8 @@ def _parse_line(raw: bytes) -> RecordInfo | str:
         )
     except (ValueError, KeyError, TypeError) as err:
         return f"not a record line ({type(err).__name__}: {str(err)[:60]})"
-    return line_problem(info.step, info.layer, info.shape, info.nbytes, info.file) or info
+    why = line_problem(info.step, info.layer, info.shape, info.nbytes, info.file)
+    return why or shape_problem(info.kind, info.shape, shapes) or info
 
 
 def load(path: str | os.PathLike) -> Run:

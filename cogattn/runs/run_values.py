@@ -4,10 +4,12 @@
 text's position, no unknown field, an audio axis' counts and rates), refusing a bad one with a `StoreError` that
 names run.json and the field (:func:`layout_json` writes it: no ``audio`` for a model without an audio stream);
 :func:`line_problem` says why a manifest line's numbers or file cannot be a record (a step or layer out of
-range, a negative shape, a file outside the run folder), so :class:`cogattn.runs.run.Run` skips that line as it
-skips other damaged ones; :func:`checked_call_stats` reads run.json's per-call statistics (Kandinsky 5's
-``nabla_recall``) as tables of numbers, :func:`checked_text_spans` each slot's text parts (HunyuanVideo 1.5)
-and :func:`checked_windows` each step's window, refusing anything else.
+range, a negative shape, a file outside the run folder) and :func:`shape_problem` why its kind and shape cannot be
+one of this run's (a kind this version does not know, an axis that run.json's layout, slots or heads do not give:
+:class:`RecordShapes`), so :class:`cogattn.runs.run.Run` skips that line as it skips other damaged ones;
+:func:`checked_call_stats` reads run.json's per-call statistics (Kandinsky 5's ``nabla_recall``) as tables of
+numbers, :func:`checked_text_spans` each slot's text parts (HunyuanVideo 1.5) and :func:`checked_windows` each
+step's window, refusing anything else. The types of run.json's other fields are :mod:`cogattn.runs.schema`'s.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import torch
 
 from ..audio import AudioAxis
 from ..errors import StoreError
+from ..exact.reducers import CONTEXT_REDUCERS, REDUCERS
 from ..layout import TokenLayout
 
 __all__ = [
     "MAX_INDEX",
+    "MAX_SLOTS",
     "MAX_TOKENS",
+    "RecordShapes",
     "TEXT_PARTS",
     "checked_call_stats",
     "checked_layout",
@@ -32,6 +37,7 @@ __all__ = [
     "checked_windows",
     "layout_json",
     "line_problem",
+    "shape_problem",
 ]
 
 MAX_INDEX = 2**20  # steps and layers of a manifest line: no generation has more, and a reader lists them all
@@ -63,9 +69,9 @@ def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
         if name == "text_position":
             if value not in ("start", "end"):
                 raise refuse(f"layout.text_position = {shown}; the text sits at the 'start' or the 'end'")
-        elif name == "causal_vae":
+        elif name in ("causal_vae", "image_joins_text"):
             if type(value) is not bool:
-                raise refuse(f"layout.causal_vae = {shown}; it is true or false")
+                raise refuse(f"layout.{name} = {shown}; it is true or false")
         elif name in ("text_parts", "audio"):
             continue  # checked whole below
         elif not (type(value) is int and value >= _MIN[name]) and not (name == "patch_size_t" and value is None):
@@ -204,3 +210,73 @@ def checked_windows(windows) -> list[int]:
         fix = "Fix or remove the field (without it every step reads as window 0)."
         raise ValueError(f"run.json's windows is {str(windows)[:80]}; it should be one window index per step. {fix}")
     return list(windows)
+
+
+MAX_SLOTS = 2**12  # a record's batch axis where run.json does not name the recorded slots (a run from before)
+_AXES = {  # each kind's axes (its reducer's `dims`) whose size the layout fixes
+    "query token": lambda lay: lay.seq_len,
+    "key token": lambda lay: lay.seq_len,
+    "query group": lambda lay: lay.num_groups,
+    "key group": lambda lay: lay.num_groups,
+    "latent frame": lambda lay: lay.frames,
+    "patch row": lambda lay: lay.height,
+    "patch column": lambda lay: lay.width,
+    "frame offset": lambda lay: 2 * lay.frames - 1,
+    "row offset": lambda lay: 2 * lay.height - 1,
+    "column offset": lambda lay: 2 * lay.width - 1,
+    "value, key token": lambda lay: 2,
+    "audio bin": lambda lay: 0 if lay.audio is None else lay.audio.tokens,
+    "audio query bin": lambda lay: 0 if lay.audio is None else lay.audio.tokens,
+    "audio key bin": lambda lay: 0 if lay.audio is None else lay.audio.tokens,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordShapes:
+    """What run.json says a record of each kind holds, for :func:`shape_problem`: the kinds this version knows
+    (``dims``: each kind's axes after B and H), the recorded slots of the batch axis, and the head axis of each attention (``heads``: source → its heads, 1 where
+    heads were averaged; a source run.json does not name is bounded only)."""
+
+    dims: dict[str, tuple[str, ...]]
+    layout: TokenLayout | None = None
+    slots: int | None = None
+    sources: dict = dataclasses.field(default_factory=dict)
+    heads: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, meta: dict, layout: TokenLayout | None) -> RecordShapes:
+        """The shapes of a run whose run.json (checked: :func:`cogattn.runs.schema.check_meta`) is ``meta``."""
+        dims = {kind: cls.dims for kind, cls in (REDUCERS | CONTEXT_REDUCERS).items()}
+        sel = meta.get("selection") or {}
+        roles, items = sel.get("batch_roles"), sel.get("batch_resolved")
+        slots = len(roles) if isinstance(roles, list) else len(items) if isinstance(items, list) else None
+        if sel.get("heads") == "mean":
+            heads = {None: 1}  # every attention's heads averaged into one slot
+        else:
+            heads = dict(sel.get("source_heads") or {})
+            heads.setdefault("self", sel.get("heads_resolved"))
+            heads = {src: len(ids) for src, ids in heads.items() if isinstance(ids, list)}
+        return cls(dims, layout, slots, dict(meta.get("sources") or {}), heads)
+
+
+def shape_problem(kind: str, shape: tuple[int, ...], expected: RecordShapes) -> str | None:
+    """Why a manifest line's ``kind`` and ``shape`` cannot be a record of the run ``expected`` describes (a kind this
+    version does not know, an axis the layout, the recorded slots or heads do not give), or `None` where they can.
+    Every size is checked before anything is made from it: a reader lists a record's batch slots."""
+    dims = expected.dims.get(kind)
+    if dims is None:
+        return f"kind {kind[:40]!r} is not a kind this version of cogattn knows (a later version's, or damage)"
+    names = ("batch slot", "head", *dims)
+    if len(shape) != len(names):
+        return (
+            f"a {kind} record has {len(names)} axes ({', '.join(names)}), not the {len(shape)} of 'shape' {list(shape)}"
+        )
+    heads = expected.heads.get(None, expected.heads.get(expected.sources.get(kind, "self")))
+    lay = expected.layout
+    want = [expected.slots, heads, *(_AXES[n](lay) if lay is not None and n in _AXES else None for n in names[2:])]
+    for name, n, size in zip(names, shape, want):
+        most = MAX_SLOTS if name == "batch slot" else MAX_TOKENS
+        if (size is not None and n != size) or not 0 <= n <= most:
+            told = f"run.json gives {size}" if size is not None else f"at most {most}"
+            return f"'shape' {list(shape)} has {n} along the {name} axis of a {kind!r} record; {told}"
+    return None

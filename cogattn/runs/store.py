@@ -22,8 +22,9 @@ import torch
 from ..errors import NotRecordedError, StoreError
 from ..exact.reducers import REDUCERS
 from ..options import STORAGE_DTYPES
+from .folder import FORMAT, LOCK, MANIFEST, META, RECORDS, RunLock
 from .record_file import record_file_bytes, write_record
-from .run import FORMAT, LOCK, MANIFEST, META, RECORDS, Run, RunLock, missing_message
+from .run import Run, missing_message
 
 __all__ = ["MemoryStore", "RunWriter", "disk_bytes", "prepare_folder", "remove_run", "write_json_atomic"]
 
@@ -83,7 +84,7 @@ def remove_run(path: Path, lock_too: bool = False, folder_too: bool = False) -> 
 
 def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
     """Create ``path``, refusing a non-empty folder unless ``overwrite`` and it holds a cogattn run that no
-    recording is writing now (see :class:`cogattn.runs.run.RunLock`)."""
+    recording is writing now (see :class:`cogattn.runs.lock.RunLock`)."""
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise StoreError(f"output path {str(path)!r} exists and is not a folder.")
@@ -137,7 +138,10 @@ class RunWriter:
 
     Args:
         path (`str | os.PathLike`): the run folder (see :func:`prepare_folder`).
-        storage_dtype (`str`, defaults to ``"float32"``): ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        storage_dtype (`str`, defaults to ``"float32"``): ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype of
+            the records of probabilities and masses; each kind's :meth:`Reducer.stored_dtype` says where its
+            records keep another (``top_p``'s counts int32, ``topk``'s and ``frame_max``'s key indices float32).
+        mean_heads (`bool`, defaults to `False`): the records average the heads (``top_p``'s mean count is float32).
         max_pending_bytes (`int`, defaults to 512 MiB): bytes queued for the disk before :meth:`put` waits
             (a single larger record is still accepted once the queue is empty).
         durable (`bool`, defaults to `False`): fsync every record and manifest line (survives power loss,
@@ -145,12 +149,18 @@ class RunWriter:
     """
 
     def __init__(
-        self, path, storage_dtype: str = "float32", max_pending_bytes: int = 512 * 2**20, durable: bool = False
+        self,
+        path,
+        storage_dtype: str = "float32",
+        max_pending_bytes: int = 512 * 2**20,
+        durable: bool = False,
+        mean_heads: bool = False,
     ):
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype={storage_dtype!r}; choose one of {list(STORAGE_DTYPES)}.")
         self.path = Path(path)
         self.dtype = STORAGE_DTYPES[storage_dtype]
+        self.mean_heads = mean_heads
         self.made_from: Path | None = None  # set by create(): the outermost folder it made, which discard() removes
         self._lock = RunLock(self.path)  # held until close: nobody else writes or replaces this run
         self.durable = durable
@@ -182,7 +192,8 @@ class RunWriter:
         nothing is left behind when that fails."""
         path = Path(save_dir).expanduser().absolute()
         missing = [p for p in (path, *path.parents) if not p.exists()]  # what prepare_folder will make
-        writer = cls(prepare_folder(path, overwrite), storage_dtype)
+        mean_heads = (meta.get("selection") or {}).get("heads") == "mean"
+        writer = cls(prepare_folder(path, overwrite), storage_dtype, mean_heads=mean_heads)
         writer.made_from = missing[-1] if missing else None
         try:
             writer.write_meta(meta)
@@ -238,7 +249,7 @@ class RunWriter:
         if kind not in self._kinds_seen:
             (self.path / RECORDS / kind).mkdir(parents=True, exist_ok=True)
             self._kinds_seen.add(kind)
-        dtype = torch.float32 if kind in REDUCERS and REDUCERS[kind].keep_float32 else self.dtype
+        dtype = REDUCERS[kind].stored_dtype(self.dtype, self.mean_heads) if kind in REDUCERS else self.dtype
         host, ready = self._to_host(tensor.to(dtype))
         n = host.numel() * host.element_size()
         with self._cond:

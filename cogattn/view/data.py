@@ -1,6 +1,6 @@
 """What the viewer shows, read from a run with the same code as the plots (:mod:`cogattn.analysis`).
 
-:func:`find_runs` turns a path into the runs it holds: a run folder (``manifest.jsonl``), a folder the batch
+:func:`cogattn.runs.folder.find_runs` turns a path into the runs it holds: a run folder (``manifest.jsonl``), a folder the batch
 tool wrote for one prompt (``maps/`` beside ``prompt.json`` and the video), or a folder of those. A
 :class:`RunView` answers the page's questions as JSON-ready dicts: the run's summary, and one map at a
 time (``frame`` at a step, layer and head; a word's ``video_to_text`` or ``text_to_video`` over the video;
@@ -8,8 +8,9 @@ a video point's row), each averaged by :func:`cogattn.analysis.aggregate`. Recor
 through the run's lazy reader, so a large run opens at once and the server holds one map at a time.
 
 A run folder may come from anyone, so nothing in it is trusted: the files beside the records are read by
-:mod:`cogattn.view.files` (paths inside the folder only), and a record that does not fit the layout is an
-error in its panel.
+:mod:`cogattn.view.files` (paths inside the folder only), a run whose run.json cannot be read is left out with
+its line (:func:`open_runs`), and a record that does not fit the layout is an ``error`` in its panel. What a run
+did not record, or a choice a panel needs (one layer, one head), is a ``hint``: what to record or choose.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from matplotlib import colormaps
 
 from ..analysis.head_stats import TABLE_KINDS, head_table
 from ..analysis.maps import aggregate, head_positions, locate_query, recorded, recorded_kinds, skipped_pairs
@@ -27,11 +27,12 @@ from ..analysis.masks import mask_recall, same_frame_mask, spatial_window_mask, 
 from ..errors import NotRecordedError, StoreError
 from ..exact.reducers import REDUCERS
 from ..items import item_label, pick_item
-from ..runs.run import MANIFEST, Run
+from ..runs.folder import MANIFEST, find_runs
+from ..runs.run import Run
 from .files import PromptFiles, info
 from .sparse import options as sparse_options
 
-__all__ = ["RunView", "colormap", "find_runs", "open_runs"]
+__all__ = ["RunView", "colormap", "open_runs"]
 
 WORD_KINDS = ("video_to_text", "text_to_video")
 STAT_KINDS = ("entropy", "received")  # per token: a query's entropy, the mass a key receives
@@ -42,43 +43,27 @@ MASKS = {  # the block-sparse masks the block panel outlines (window 1 latent fr
     "spatial_window": lambda layout, size: spatial_window_mask(layout, size, 1),
 }
 HEAD_COLUMNS = ("same_frame_mass", "text_mass", "entropy_mean", "sink_share")  # the head atlas's colourings
+POINT_HINT = "To see where a video point attends, record 'full', 'query', 'topk' or 'query_frame'."  # not an error
 
 
 def colormap(name: str = "viridis", n: int = 256) -> list[list[int]]:
     """The page's colours: ``n`` RGB triples of a matplotlib colormap (the plots' default)."""
+    from matplotlib import colormaps  # slow to import: only where the page asks for its colours
+
     return (np.asarray(colormaps[name](np.linspace(0, 1, n)))[:, :3] * 255).round().astype(int).tolist()
 
 
-def find_runs(path: str | Path) -> dict[str, Path]:
-    """The runs under ``path``, by a name for each: ``path`` itself when it is a run or a batch prompt's
-    folder, else every such folder directly inside it (a batch tool's output). Raises `FileNotFoundError`
-    (one line) when there is none."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"{str(path)!r} is not a folder; pass a run folder or a folder of runs.")
-
-    def run_of(folder: Path) -> Path | None:
-        if (folder / MANIFEST).exists():
-            return folder
-        return folder / "maps" if (folder / "maps" / MANIFEST).exists() else None
-
-    if (own := run_of(path)) is not None:
-        return {path.name: own}
-    runs = {sub.name: run for sub in sorted(path.iterdir()) if sub.is_dir() and (run := run_of(sub)) is not None}
-    if not runs:
-        raise FileNotFoundError(f"{str(path)!r} holds no cogattn run (no {MANIFEST} in it or its subfolders).")
-    return runs
-
-
-def open_runs(path: str | Path, problems: list[str]) -> dict[str, RunView]:
-    """:class:`RunView` of each run under ``path``; a run that cannot be opened (its ``run.json`` damaged)
-    is left out, with one line in ``problems``. Raises `FileNotFoundError` when none is left."""
+def open_runs(path: str | Path, problems: list[str], unreadable: dict[str, str] | None = None) -> dict[str, RunView]:
+    """:class:`RunView` of each run under ``path``; a run that cannot be opened (a damaged ``run.json``) is left out
+    with one line in ``problems`` (and ``unreadable``: name → why). Raises `FileNotFoundError` when none is left."""
     views = {}
     for name, run in find_runs(path).items():
         try:
             views[name] = RunView(run)
         except (StoreError, OSError, ValueError) as err:
             problems.append(f"{name}: left out ({err})")
+            if unreadable is not None:
+                unreadable[name] = str(err)
     if not views:
         raise FileNotFoundError(f"no run under {str(path)!r} can be read: {'; '.join(problems)}")
     return views
@@ -103,6 +88,10 @@ class RunView:
         stat = (self.path / MANIFEST).stat()
         if (stat.st_size, stat.st_mtime_ns) != self._manifest:
             self.run, self._manifest = Run(self.path), (stat.st_size, stat.st_mtime_ns)
+
+    def roles(self) -> list[str | None]:
+        """Each slot's role of the run's batch axis (`None` each where the run does not say), one per slot."""
+        return _roles(self.run)
 
     def tokens(self, key: str = "tokens") -> list[str]:
         """A label for each text token of the word kinds: the batch tool's token strings where it kept them
@@ -178,7 +167,18 @@ class RunView:
             if run.text_spans is None
             else [{k: list(v) for k, v in s.items()} for s in run.text_spans],
             "item": pick_item(run),
+            "points": self.points(),
         }
+
+    def points(self) -> list[list[int]]:
+        """The recorded queries that are video points, as ``[frame, row, col]`` (the page's first point where the
+        run holds no ``full`` row: one it can show)."""
+        lay, out = self.run.layout, []
+        for q in self.run.queries if lay is not None else ():
+            where = lay.coordinates(q) if isinstance(q, int) else tuple(q)
+            if where is not None and list(where) not in out:
+                out.append(list(where))
+        return out
 
     def _gaps(self, kind: str) -> dict[int, list[int]]:
         """The layers of ``kind`` with no record at each step because a cache skipped their attention
@@ -275,8 +275,8 @@ class RunView:
         """Where one video point attends, from whichever kind holds its row: a recorded ``query`` at that
         point or ``full`` (its row over the video, ``frames × height × width``); else ``topk`` (its k
         largest over the video, the rest `None`; one layer, one head or a head mean recorded as such); else
-        ``query_frame`` (its mass to each key group); of batch slot ``item``. Only that row is read. ``error``
-        says what to record when none of them was."""
+        ``query_frame`` (its mass to each key group); of batch slot ``item``. Only that row is read. Where none
+        of them holds it, ``hint`` says what to record or choose (not an error: nothing went wrong)."""
         lay = self.run.layout
         if lay is None:
             return {"error": "run.json has no layout, so a video point cannot be located."}
@@ -294,9 +294,9 @@ class RunView:
                     return answer
             if "query_frame" in kinds:
                 return self._point_groups(step, layer, head, token, item)
-            if refusal is not None:
-                return {"error": refusal}
-            return {"error": f"{err} Record 'full', 'query' (queries=[(frame, row, col)]), 'topk' or 'query_frame'."}
+            if refusal is not None:  # a layer or a head to choose
+                return {"hint": refusal}
+            return {"hint": str(err) if "query" in kinds else POINT_HINT}  # the recorded queries, or what to record
         heads = head if head == "mean" else int(head)
         try:
             layers = self.layers_at(kind, step, layer)

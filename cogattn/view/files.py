@@ -14,11 +14,13 @@ import io
 import json
 import math
 from pathlib import Path
-
-from PIL import Image
+from typing import TYPE_CHECKING
 
 from ..layout import TokenLayout
 from ..runs.run import Run
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 __all__ = ["VIDEOS", "PromptFiles", "finite", "info", "inside", "prompt_of"]
 
@@ -152,6 +154,8 @@ def _count(path: Path) -> tuple[int, str | None]:
     """Frames of the batch tool's video, a GIF's with pillow, an MP4's with imageio (optional), and why
     there are none to overlay when there are none."""
     if path.suffix == ".gif":
+        from PIL import Image  # slow to import: only where a video is read
+
         with Image.open(path) as gif:
             return gif.n_frames, None
     try:
@@ -165,6 +169,8 @@ def _count(path: Path) -> tuple[int, str | None]:
 
 def _frame(path: Path, i: int) -> Image.Image:
     """Frame ``i`` of the video, alone."""
+    from PIL import Image  # slow to import: only where a video is read
+
     if path.suffix == ".gif":
         with Image.open(path) as gif:
             gif.seek(i)

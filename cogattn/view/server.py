@@ -22,15 +22,25 @@ the package (``static/``, no CDN) and a small JSON API that :class:`cogattn.view
     GET /file/NAME/frame/I                     the video's frame I, a PNG (for the maps over the video)
 
 Each request re-reads the run's manifest, so a run still being written shows what is committed. Every
-request gets an answer: what a damaged run causes is a one-line JSON ``error`` in its panel, anything
-unexpected a 500 with a one-line JSON ``error`` (logged once on stderr); files are served only from inside
-the run's folder (:meth:`cogattn.view.files.PromptFiles.file`).
+request gets an answer: its parameters are checked in one place (:mod:`cogattn.view.params`: a missing one, or
+one out of the run's range, is a 400 with a one-line JSON ``error``); what a damaged record causes is a one-line
+JSON ``error`` in its panel, and what a run did not record a ``hint`` saying what to record; a run that cannot
+be opened is listed as unreadable with its one line, and the others are served; anything unexpected is a 500
+with a one-line JSON ``error`` (logged once on stderr). Files are served only from inside the run's folder
+(:meth:`cogattn.view.files.PromptFiles.file`); any other path is a 404.
+
+The server listens, and the command prints its URL, before the viewer's reading side (torch, pandas, the
+analysis: :mod:`cogattn.view.api`) is imported: this module is the HTTP server alone, and it answers the page's
+own files (:mod:`cogattn.view.page`) at once while a thread imports the reading side and opens the runs; an API
+request waits for them (:func:`main`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import re
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,31 +48,42 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
 from ..errors import StoreError
-from .data import RunView, open_runs
-from .export import MAX_SIDE, MAX_STEPS, MAX_TOKENS, export, static_file
-from .files import finite, prompt_of
-from .sparse import decay, density, tile, track
+from ..runs.folder import find_runs
+from .page import page_file
+from .params import MAX_SIDE, MAX_STEPS, MAX_TOKENS, BadRequest
 
 __all__ = ["ViewServer", "main"]
 
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")  # the Host names a browser on this machine (or a tunnel) sends
-_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
-_TYPES.update({".gif": "image/gif", ".png": "image/png", ".mp4": "video/mp4"})
+HOST = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::[0-9]{1,5})?")  # a Host header: a name, then a port or none
 
 
 class ViewServer:
     """The runs under ``path`` served on ``127.0.0.1:port`` (0: a free port), answering requests whose
-    ``Host`` is a loopback name, at any port (an SSH tunnel's), or one of ``allow_hosts`` (a proxy's).
+    ``Host`` is exactly a loopback name, with any port (an SSH tunnel's) or none, or one of ``allow_hosts`` (a
+    proxy's).
 
-    Raises `FileNotFoundError` for a path with no run, `OSError` for a port that cannot be bound."""
+    It listens at once: the page's own files are answered before any run is read, while the runs are opened
+    beside it (torch, the analysis and each run.json), and every API request waits for them. A run that cannot
+    be opened is listed as unreadable (:attr:`unreadable`, :attr:`problems`).
+
+    Raises `FileNotFoundError` for a path that holds no run, `OSError` for a port that cannot be bound,
+    `TypeError`/`ValueError` for ``allow_hosts`` that are not host names."""
 
     def __init__(self, path: str | Path, port: int = 0, allow_hosts: tuple[str, ...] = ()):
-        self.problems: list[str] = []  # runs left out: one line each
-        self.runs = open_runs(path, self.problems)
-        views = self.runs
         if isinstance(allow_hosts, str):
             raise TypeError(f"allow_hosts={allow_hosts!r}: pass a tuple of host names, e.g. ({allow_hosts!r},).")
+        for host in allow_hosts:
+            if not isinstance(host, str) or _hostname(host) is None:
+                raise ValueError(f"allow_hosts: {host!r} is not a host name (hub.example, or hub.example:443).")
         hosts = {*LOOPBACK, *(_hostname(h) for h in allow_hosts)}  # a name given with a port: the name
+        find_runs(path)  # no run there: refused before the server listens (the folders alone, no record read)
+        self._problems: list[str] = []  # runs left out: one line each
+        self._unreadable: dict[str, str] = {}  # name -> why, listed as unreadable
+        self._runs: dict = {}
+        self._opened = threading.Event()
+        self._failure: BaseException | None = None  # what stopped the runs from opening (none readable, a bug)
+        server = self
         logged: set[str] = set()  # unexpected errors already on stderr: each once, however often asked
 
         class Handler(BaseHTTPRequestHandler):
@@ -72,22 +93,18 @@ class ViewServer:
             def do_GET(self):
                 if _hostname(self.headers.get("Host", "")) not in hosts:  # a page of another site, by DNS rebinding
                     body = f"cogattn view answers requests for {sorted(hosts)}; see --allow-host.".encode()
-                    self.send_response(403)
-                    self.send_header("Content-Type", "text/plain")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    self._send(403, body, "text/plain")
                     return
                 url = urlparse(self.path)
                 query = {k: v[-1] for k, v in parse_qs(url.query).items()}
                 try:
-                    status, body, kind = _answer(views, unquote(url.path), query)
-                except KeyError as err:  # a request without a parameter it needs
-                    status, body, kind = (
-                        400,
-                        json.dumps({"error": f"missing parameter {err}"}).encode(),
-                        "application/json",
-                    )
+                    if (page := page_file(unquote(url.path))) is not None:  # the page: before any run is open
+                        status, body, kind = 200, *page
+                    else:
+                        api = server._wait_opened()
+                        status, body, kind = api.answer(server._runs, server._unreadable, unquote(url.path), query)
+                except BadRequest as err:  # a parameter missing, or out of the run's range
+                    status, body, kind = 400, json.dumps({"error": str(err)}).encode(), "application/json"
                 except (StoreError, OSError, ValueError) as err:  # a damaged record: that panel says so
                     status, body, kind = 200, json.dumps({"error": str(err)}).encode(), "application/json"
                 except Exception as err:  # a bug, or a run value nothing checked: an answer all the same
@@ -96,6 +113,9 @@ class ViewServer:
                         logged.add(line)
                         print(f"cogattn view: GET {url.path} failed ({line})", file=sys.stderr, flush=True)
                     status, body, kind = 500, json.dumps({"error": line}).encode(), "application/json"
+                self._send(status, body, kind)
+
+            def _send(self, status: int, body: bytes, kind: str) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
@@ -108,6 +128,48 @@ class ViewServer:
         self.port = self.httpd.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}/"
         self._thread: threading.Thread | None = None
+        threading.Thread(target=self._open, args=(path,), name="cogattn-view-open", daemon=True).start()
+
+    def _open(self, path) -> None:
+        """Open the runs (in a thread of its own: the server answers the page meanwhile)."""
+        try:
+            self._api = _reading_side("api")
+            self._runs = self._api.open_runs(path, self._problems, self._unreadable)
+        except BaseException as err:  # every run unreadable, or a bug: the API answers it, main() reports it
+            self._failure = err
+        finally:
+            self._opened.set()
+
+    def _wait_opened(self):
+        """The API, once the runs are open; raises what kept them from opening."""
+        self._opened.wait()
+        if self._failure is not None and not self._unreadable:
+            raise self._failure
+        return self._api
+
+    @property
+    def runs(self) -> dict:
+        """The runs served, by name (waits until they are open)."""
+        self._opened.wait()
+        return self._runs
+
+    @property
+    def problems(self) -> list[str]:
+        """One line per run left out (waits until the runs are open)."""
+        self._opened.wait()
+        return self._problems
+
+    @property
+    def unreadable(self) -> dict[str, str]:
+        """The runs listed as unreadable: name → why (waits until the runs are open)."""
+        self._opened.wait()
+        return self._unreadable
+
+    def opened(self) -> BaseException | None:
+        """Wait until the runs are open; what kept every run from opening (`FileNotFoundError` where none can be
+        read), else `None`."""
+        self._opened.wait()
+        return self._failure
 
     def start(self) -> ViewServer:
         """Serve in a background thread (tests, notebooks); :meth:`stop` ends it."""
@@ -120,76 +182,24 @@ class ViewServer:
         self.httpd.server_close()
 
 
-def _hostname(host: str) -> str:
-    """The name in a ``Host`` header, without its port (``[::1]:8000`` → ``[::1]``)."""
-    host = host.strip().lower()
-    return host if host.endswith("]") else host.rsplit(":", 1)[0]
+def _hostname(host: str) -> str | None:
+    """The name in a ``Host`` header, without its port (``[::1]:8000`` → ``[::1]``); `None` where the header is not
+    exactly a name and a port or none (``localhost:80@evil.com``, ``" 127.0.0.1"``)."""
+    match = HOST.fullmatch(host.lower())
+    return None if match is None else match.group(1)
 
 
-def _answer(views: dict[str, RunView], path: str, query: dict) -> tuple[int, bytes, str]:
-    """``(status, body, content type)`` of one GET."""
-    if path in ("/", "/index.html"):
-        return 200, static_file("index.html"), _TYPES[".html"]
-    if path.startswith("/static/") and Path(path).name in ("app.js", "style.css"):
-        return 200, static_file(Path(path).name), _TYPES[Path(path).suffix]
-    if path == "/api/runs":
-        rows = [
-            {
-                "name": n,
-                "prompt": prompt_of(v.run),
-                "status": v.run.status,
-                "thumbnail": v.files.thumbnail is not None,
-            }
-            for n, v in views.items()
-        ]
-        return 200, json.dumps(finite(rows)).encode(), "application/json"
-    if path.startswith("/file/"):
-        _, _, name, what = path.split("/", 3)
-        view = views.get(name)
-        if view is not None and what.startswith("frame/") and what[6:].isdigit():  # one video frame, a PNG
-            png = view.files.frame_png(int(what[6:]))
-            return (200, png, _TYPES[".png"]) if png is not None else (404, b"not found", "text/plain")
-        file = None if view is None else view.files.file(what)
-        if file is None:
-            return 404, b"not found", "text/plain"
-        return 200, file.read_bytes(), _TYPES.get(file.suffix, "application/octet-stream")
-    view = views.get(query.get("run", next(iter(views))))
-    if view is None or not path.startswith("/api/"):
-        return 404, json.dumps({"error": f"no such page or run: {path}"}).encode(), "application/json"
-    view.refresh()
-    item = query.get("item") or None  # a batch slot; none: the first conditional item
-    item = int(item) if item is not None and item.isdigit() else item  # "cond"/"uncond" pass as words
-    if path == "/api/summary":
-        body = view.summary()
-    elif path == "/api/map":
-        token = query.get("token")
-        args = (query["kind"], int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"))
-        body = view.map(*args, None if token is None else int(token), item=item)
-    elif path == "/api/block":
-        args = (int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), query.get("mask", "none"))
-        body = view.block(*args, item=item)
-    elif path in ("/api/tile", "/api/density", "/api/decay"):
-        sel = (int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"))
-        if path == "/api/tile":
-            body = tile(view, *sel, query.get("pattern", "none"), item=item)
-        else:
-            body = (density if path == "/api/density" else decay)(view, *sel, item=item)
-    elif path == "/api/track":
-        where = (int(query[k]) for k in ("frame", "row", "col"))
-        body = track(view, int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), *where, item=item)
-    elif path == "/api/heads":
-        body = view.heads(int(query["step"]), query.get("column", "same_frame_mass"), item=item)
-    elif path == "/api/point":
-        where = (int(query[k]) for k in ("frame", "row", "col"))
-        body = view.point(int(query["step"]), query.get("layer", "mean"), query.get("head", "mean"), *where, item=item)
-    else:
-        return 404, json.dumps({"error": f"no such page: {path}"}).encode(), "application/json"
-    return 200, json.dumps(finite(body)).encode(), "application/json"
+def _reading_side(name: str):
+    """A module of the viewer's reading side (torch, pandas, the analysis: :mod:`cogattn.view.api`,
+    :mod:`cogattn.view.report`), imported beside a listening server or for an export, so :func:`main` prints first."""
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``cogattn view PATH [--port N] [--export FILE]``: serve the runs under PATH until Ctrl-C, or write
-    one self-contained HTML file. Bad input (no run there, a port in use) is one line and exit code 2."""
+    one self-contained HTML file. Bad input (no run there, a port in use) is one line and exit code 2; a run that
+    cannot be read is one line on stderr, and the others are served or exported. Serving prints a line at once,
+    before the reading side (torch, the analysis) is imported, and the URL once the server listens."""
     ap = argparse.ArgumentParser(prog="cogattn view", description="See a run, or a folder of runs, in the browser.")
     ap.add_argument("path", help="a run folder, a batch prompt's folder, or a folder of them")
     ap.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
@@ -208,10 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.export:
-            out = export(args.path, args.export, tokens=args.tokens, steps=args.steps, side=args.side)
+            left_out: list[str] = []
+            out = _reading_side("report").export(
+                args.path, args.export, tokens=args.tokens, steps=args.steps, side=args.side, left_out=left_out
+            )
+            for line in left_out:
+                print(f"cogattn view: not in the export: {line}", file=sys.stderr)
             print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
             return 0
-        server = ViewServer(args.path, args.port, tuple(args.allow_host))
+        server = ViewServer(args.path, args.port, tuple(args.allow_host)).start()
     except (FileNotFoundError, StoreError, ValueError) as err:  # no run there, or a run that cannot be read
         print(f"cogattn view: {err}", file=sys.stderr)
         return 2
@@ -223,13 +238,22 @@ def main(argv: list[str] | None = None) -> int:
             where = f"{args.export!r} cannot be written" if ours else f"{str(failed or 'a run file')!r} cannot be read"
         print(f"cogattn view: {where} ({err.strerror or err}).", file=sys.stderr)
         return 2
-    for problem in server.problems:
-        print(f"cogattn view: {problem}", file=sys.stderr)
-    print(f"cogattn view: {len(server.runs)} run(s) at {server.url}  (Ctrl-C stops)", flush=True)
+    # at once, while the runs open (torch and the analysis take seconds on a busy machine): the page answers already
+    print(f"cogattn view: {server.url}  opening the runs under {args.path} ...", flush=True)
     try:
-        server.httpd.serve_forever()
+        failure = server.opened()
+        if failure is not None and not server.unreadable:  # a bug, not a damaged run: its own traceback
+            raise failure
+        if not server.runs:  # one line, naming each run's problem
+            print(f"cogattn view: {failure}", file=sys.stderr)
+            return 2
+        for problem in server.problems:
+            print(f"cogattn view: {problem}", file=sys.stderr)
+        print(f"cogattn view: {len(server.runs)} run(s) at {server.url}  (Ctrl-C stops)", flush=True)
+        while server._thread.is_alive():
+            server._thread.join(0.5)
     except KeyboardInterrupt:
         pass
     finally:
-        server.httpd.server_close()
+        server.stop()
     return 0

@@ -187,12 +187,18 @@ def decay(view, step: int, layer: int | str, head: int | str, item=None) -> dict
 def track(view, step: int, layer: int | str, head: int | str, frame: int, row: int, col: int, item=None) -> dict:
     """A video point's track from ``frame_max``: :func:`cogattn.analysis.tracks.track` of one map (one layer; one head,
     or the head-mean row of a run recorded with ``heads="mean"``), and ``under``: for each latent frame, the
-    pixel frame of the video drawn under it (the middle of the frames it decodes to; `None` without a video)."""
+    pixel frame of the video drawn under it (the middle of the frames it decodes to; `None` without a video).
+    A mean of layers or of recorded heads is a ``hint`` to choose one (argmaxes do not average), not an error."""
     run, lay = view.run, view.run.layout
     if lay is None:
         return {"error": "run.json has no layout, so a video point cannot be located."}
     if layer == "mean":
-        return {"error": "a track is the argmax of one map, and argmaxes of layers do not average: choose a layer."}
+        return {"hint": "A track is the argmax of one map, and argmaxes of layers do not average: choose a layer."}
+    if head == "mean" and run.head_ids is not None:
+        return {
+            "hint": "A track is the argmax of one head's row, and frame_max was recorded per head: choose a head "
+            "(or record frame_max with heads='mean')."
+        }
     point = (int(frame), int(row), int(col))
     heads = head if head == "mean" else int(head)
     try:

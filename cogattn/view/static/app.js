@@ -28,18 +28,18 @@ function cellUnder(canvas, e, rows, cols) {
 
 function embedded(path, q) {
   if (path === "/api/runs") return EMBEDDED.runs;
-  if (path === "/api/summary") return EMBEDDED.summaries[q.run];
-  if (path === "/api/point") return { error: EMBEDDED.summaries[q.run].export.points };
-  if (path === "/api/block") return EMBEDDED.maps[[q.run, "block", q.step, q.layer, q.head, q.mask].join("|")] || { error: "not in this export" };
-  if (path === "/api/heads") return EMBEDDED.maps[[q.run, "heads", q.step, q.column].join("|")] || { error: "not in this export" };
-  if (path === "/api/track") return { error: EMBEDDED.summaries[q.run].export.tracks };
+  if (path === "/api/summary") return EMBEDDED.summaries[q.run] || { error: (EMBEDDED.runs.find((r) => r.name === q.run) || {}).error || "no such run" };
+  if (path === "/api/point") return { hint: EMBEDDED.summaries[q.run].export.points }; // what the file does not keep: a hint
+  if (path === "/api/block") return EMBEDDED.maps[[q.run, "block", q.step, q.layer, q.head, q.mask].join("|")] || { hint: "not in this export" };
+  if (path === "/api/heads") return EMBEDDED.maps[[q.run, "heads", q.step, q.column].join("|")] || { hint: "not in this export" };
+  if (path === "/api/track") return { hint: EMBEDDED.summaries[q.run].export.tracks };
   const sparse = { "/api/tile": "tile", "/api/density": "top_p", "/api/decay": "offset" }[path];
   if (sparse) {
     const key = [q.run, sparse, q.step, q.layer, q.head, ...(sparse === "tile" ? [q.pattern] : [])].join("|");
-    return EMBEDDED.maps[key] || { error: `not in this export (${EMBEDDED.summaries[q.run].export.sparse})` };
+    return EMBEDDED.maps[key] || { hint: `not in this export (${EMBEDDED.summaries[q.run].export.sparse})` };
   }
   const key = [q.run, q.kind, q.step, q.layer, q.head, q.token ?? ""].join("|");
-  return EMBEDDED.maps[key] || { error: `this export does not hold that map (${key}): ${JSON.stringify(EMBEDDED.summaries[q.run].export)}` };
+  return EMBEDDED.maps[key] || { hint: `this export does not hold that map (${key}): ${JSON.stringify(EMBEDDED.summaries[q.run].export)}` };
 }
 
 function fileUrl(name, what) {
@@ -187,14 +187,13 @@ function colorBar(range, log, unit, width) {
 // value under the pointer.
 function draw(target, payload, opts = {}) {
   const box = $(target);
-  const error = box.parentElement.querySelector(".error");
   const readout = box.parentElement.querySelector(".readout");
   box.replaceChildren();
-  error.textContent = payload.error || "";
   readout.textContent = "";
-  box.dataset.values = payload.error ? "" : JSON.stringify(payload.values);
-  box.dataset.shape = payload.error ? "" : JSON.stringify(payload.shape);
-  if (payload.error) return;
+  const drawn = tell(box, payload);
+  box.dataset.values = drawn ? JSON.stringify(payload.values) : "";
+  box.dataset.shape = drawn ? JSON.stringify(payload.shape) : "";
+  if (!drawn) return;
   const log = $("scale").value === "log";
   const shape = payload.shape;
   const panels = shape.length === 3 ? shape[0] : 1;
@@ -300,7 +299,7 @@ async function redraw() {
     const where = (f, r, c) => `query group ${S.groups[r] ?? r}, key group ${S.groups[c] ?? c}`;
     jobs.push(api("/api/map", { ...sel, kind: "frame" }).then((p) => draw("frame", p, { captions, unit: unitOf("frame"), where })));
   } else {
-    draw("frame", { error: "kind 'frame' was not recorded in this run." });
+    draw("frame", { hint: "To see how each latent frame attends to the others, record kind 'frame'." });
   }
   const wordKind = $("word-kind").value;
   if (wordKind) {
@@ -449,7 +448,7 @@ function drawHeads(payload) {
     return `layer ${payload.layers[r]}, head ${payload.heads[c]}` + (label ? ` (${label})` : "");
   };
   const unit = HEAD_UNITS[payload.column] || payload.column || "";
-  draw("heads", payload, { captions: [payload.column || ""], onClick: payload.error ? null : pick, unit, where });
+  draw("heads", payload, { captions: [payload.column || ""], onClick: payload.layers ? pick : null, unit, where });
 }
 
 // -- the sparse-attention panels: the tile map, top_p's density, offset's decay -----------------------------
@@ -507,9 +506,25 @@ function chart(series, xlabel, ylabel, digits = 4) {
 function answered(target, payload) {
   const box = $(target);
   box.replaceChildren();
-  box.parentElement.querySelector(".error").textContent = payload.error || "";
-  box.dataset.values = payload.error ? "" : JSON.stringify(payload);
-  return !payload.error;
+  const drawn = tell(box, payload);
+  box.dataset.values = drawn ? JSON.stringify(payload) : "";
+  return drawn;
+}
+
+// The lines under a panel's maps: its `error` in red (what went wrong), or its `hint` in grey (what to record or
+// choose to see it: nothing went wrong). Whether the panel has numbers to draw.
+function tell(box, payload) {
+  const panel = box.parentElement;
+  const error = panel.querySelector(".error");
+  let note = panel.querySelector(".note");
+  if (!note) {
+    note = document.createElement("p");
+    note.className = "hint note";
+    error.before(note);
+  }
+  error.textContent = payload.error || "";
+  note.textContent = payload.error ? "" : payload.hint || "";
+  return !payload.error && !payload.hint;
 }
 
 function drawDensity(payload) {
@@ -575,9 +590,9 @@ async function drawTrack() {
   const readout = box.parentElement.querySelector(".readout");
   box.replaceChildren();
   readout.textContent = "";
-  box.parentElement.querySelector(".error").textContent = payload.error || "";
-  box.dataset.track = payload.error ? "" : JSON.stringify({ point: payload.point, positions: payload.positions, confidence: payload.confidence });
-  if (payload.error) return;
+  const drawn = tell(box, payload);
+  box.dataset.track = drawn ? JSON.stringify({ point: payload.point, positions: payload.positions, confidence: payload.confidence }) : "";
+  if (!drawn) return;
   const [frames, rows, cols] = payload.grid;
   const cell = Math.max(4, Math.min(28, Math.floor(240 / Math.max(rows, cols))));
   const figures = document.createElement("div");
@@ -645,7 +660,7 @@ async function drawPoint() {
   $("point").dataset.point = JSON.stringify(point);
   const payload = await api("/api/point", { ...selection(), frame, row, col });
   const frames = Array.from({ length: S.layout.frames }, (_, f) => `f${f}`);
-  const overVideo = !payload.error && payload.shape.length === 3; // a row over the video: click it to move
+  const overVideo = Boolean(payload.shape) && payload.shape.length === 3; // a row over the video: click it to move
   const captions = payload.groups ? [`key groups: ${payload.groups.join(" · ")}`] : frames;
   const where = overVideo ? onVideo : (f, r, c) => (payload.groups ? `key group ${payload.groups[c]}` : `column ${c}`);
   draw("point", payload, { captions, onClick: overVideo ? choosePoint : null, unit: unitOf(payload.kind), where });
@@ -754,7 +769,8 @@ async function openRun() {
     $("video-panel").hidden = false;
     $("video-note").textContent = S.video_note;
   }
-  if (S.layout) point = [S.layout.frames >> 1, S.layout.height >> 1, S.layout.width >> 1]; // the middle, till a click
+  // the middle till a click, or a recorded query's point where no 'full' row holds every point
+  if (S.layout) point = !S.kinds.includes("full") && S.points && S.points.length ? S.points[0] : [S.layout.frames >> 1, S.layout.height >> 1, S.layout.width >> 1];
   restore(); // a link's view
   for (const id of KEPT) $(id).addEventListener("input", redraw);
   $("item").addEventListener("input", labelItem);
@@ -775,11 +791,12 @@ async function listRuns(runs) {
       img.alt = "frame map";
       thumb.append(img);
     }
-    const cells = [r.name, r.prompt || "", r.status].map((text) => {
+    const cells = [r.name, r.error || r.prompt || "", r.status].map((text) => {
       const td = document.createElement("td");
       td.textContent = text;
       return td;
     });
+    if (r.error) cells[1].className = "error"; // a run that cannot be read: why, in one line
     tr.append(thumb, ...cells);
     tr.addEventListener("click", () => (location.search = "?run=" + encodeURIComponent(r.name)));
     body.append(tr);

@@ -14,7 +14,8 @@ point, head and layer, so it is live only, and the page says so.
 What the runs hold is embedded as data, never as markup: every ``<`` in it (and U+2028, U+2029) is written
 as a JSON escape, so no prompt can close or comment out the script it sits in. Only files inside a run's
 folder are embedded (:meth:`cogattn.view.files.PromptFiles.file`), and the report is never written into a run
-folder it reads.
+folder it reads. A run that cannot be read costs itself only: the page lists it as unreadable with its one line
+(``left_out``), and the others are written.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -30,23 +30,18 @@ import torch
 from ..analysis.head_stats import TABLE_KINDS
 from ..analysis.maps import aggregate
 from ..analysis.words import item_spans
+from ..errors import StoreError
 from ..exact.reducers.audio import AUDIO_KINDS
 from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 from .files import finite, prompt_of
+from .page import static_file
+from .params import MAX_SIDE, MAX_STEPS, MAX_TOKENS
 from .sparse import decay, density, tile
 
-__all__ = ["MAX_SIDE", "MAX_STEPS", "MAX_TOKENS", "export", "static_file"]
+__all__ = ["MAX_SIDE", "MAX_STEPS", "MAX_TOKENS", "export"]
 
-MAX_TOKENS = 64  # text tokens of the word kinds kept per step
-MAX_STEPS = 10  # steps of the word kinds kept: the first, the last, and evenly between
-MAX_SIDE = 24  # patches a side kept per frame of a word map (average pooling above it)
 MAX_VIDEO = 32 * 2**20  # bytes of video embedded
 MAX_TILE_GROUPS = 256  # groups a side of a tile map kept (a larger one is left out, and the page says so)
-
-
-def static_file(name: str) -> bytes:
-    """An asset of the page (``index.html``, ``app.js``, ``style.css``), as the package ships it."""
-    return resources.files("cogattn.view").joinpath("static", name).read_bytes()
 
 
 def _kept(m: torch.Tensor, side: int = MAX_SIDE) -> dict:
@@ -140,9 +135,17 @@ def _sparse(view: RunView, summary: dict) -> dict:
 
 
 def export(
-    path: str | Path, out: str | Path, *, tokens: int = MAX_TOKENS, steps: int = MAX_STEPS, side: int = MAX_SIDE
+    path: str | Path,
+    out: str | Path,
+    *,
+    tokens: int = MAX_TOKENS,
+    steps: int = MAX_STEPS,
+    side: int = MAX_SIDE,
+    left_out: list[str] | None = None,
 ) -> Path:
-    """Write the runs under ``path`` as one self-contained HTML file ``out``; returns its path.
+    """Write the runs under ``path`` as one self-contained HTML file ``out``; returns its path. A run that cannot be
+    read (a damaged run.json, a record that cannot be read) is left out, listed on the page as unreadable with
+    its one line, and the others are written.
 
     Args:
         path (`str | Path`): a run, a batch prompt's folder, or a folder of them.
@@ -151,15 +154,19 @@ def export(
         steps (`int`, defaults to :data:`MAX_STEPS`): steps of the word kinds kept (the first, the last,
             evenly between).
         side (`int`, defaults to :data:`MAX_SIDE`): patches kept on the longer side of a word map's frame.
+        left_out (`list[str]`, *optional*): gets one line for each run left out.
 
     Raises:
         ValueError: a size below 1, or ``out`` inside a run folder it reads.
+        FileNotFoundError: no run under ``path`` can be read.
     """
     for name, value in (("tokens", tokens), ("steps", steps), ("side", side)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: the export keeps at least 1; pass a positive whole number.")
     out = Path(out)
-    views = open_runs(path, [])
+    left_out = [] if left_out is None else left_out
+    unreadable: dict[str, str] = {}
+    views = open_runs(path, left_out, unreadable)
     for view in views.values():  # before anything is written: a report over a run's own files destroys them
         if (where := out.resolve()).is_relative_to(folder := view.files.folder.resolve()):
             raise ValueError(
@@ -168,7 +175,12 @@ def export(
             )
     data = {"runs": [], "summaries": {}, "maps": {}, "files": {}}
     for name, view in views.items():
-        summary, maps = _answers(view, tokens, steps, side)
+        try:
+            summary, maps = _answers(view, tokens, steps, side)
+        except (StoreError, OSError, ValueError) as err:  # a damaged run costs itself only
+            left_out.append(f"{name}: left out ({err})")
+            unreadable[name] = str(err)
+            continue
         data["runs"].append({"name": name, "prompt": prompt_of(view.run), "status": view.run.status})
         data["summaries"][name] = summary
         data["maps"].update({f"{name}|{key}": value for key, value in maps.items()})
@@ -176,6 +188,8 @@ def export(
         if video is not None and video.stat().st_size <= MAX_VIDEO:
             mime = "image/gif" if video.suffix == ".gif" else "video/mp4"
             data["files"][f"{name}/video"] = f"data:{mime};base64,{base64.b64encode(video.read_bytes()).decode()}"
+    data["runs"] += [{"name": n, "prompt": None, "status": "unreadable", "error": why} for n, why in unreadable.items()]
+    data["left_out"] = list(left_out)  # the page lists these runs as unreadable, each with its line
     page = static_file("index.html").decode()
     embedded = script_json(data)
     style = f"<style>{static_file('style.css').decode()}</style>"

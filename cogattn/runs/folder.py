@@ -1,0 +1,90 @@
+"""A run folder as files: the names in it, its lock, and the runs under a path. Nothing here reads a record, so
+this module imports neither torch nor the rest of the package: ``cogattn view`` finds its runs before those load.
+
+The lock is the OS lock (``flock``) a recording holds on ``.lock`` while it writes the run, so a second writer is
+refused and a reader can tell an open run from a finished or abandoned one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import StoreError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: runs are not locked
+    fcntl = None
+
+__all__ = ["FORMAT", "LOCK", "MANIFEST", "META", "RECORDS", "RunLock", "find_runs", "is_locked"]
+
+MANIFEST, META, RECORDS, LOCK = "manifest.jsonl", "run.json", "records", ".lock"
+FORMAT = "cogattn-run/1"  # run.json's "format": a reader refuses another (docs/versioning.md)
+
+
+class RunLock:
+    """An exclusive OS lock (``flock``) on a run folder's lock file, held while a recording writes the run.
+
+    The OS releases it when the file is closed or the process dies, so a run whose writer was killed is
+    never locked for good. Raises `StoreError` naming the holder when another writer has the folder."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / LOCK
+        try:
+            self._file = open(self.path, "a+")
+        except OSError as err:
+            raise StoreError(
+                f"cannot write to {str(folder)!r}: {err.strerror or err}; choose another save_dir."
+            ) from err
+        if fcntl is not None:
+            try:
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._file.seek(0)
+                holder = self._file.read().strip() or "another process"
+                self._file.close()
+                raise StoreError(
+                    f"the run in {str(folder)!r} is being written by another recording ({holder}); wait for it to "
+                    "finish, or choose another save_dir."
+                ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"process {os.getpid()}")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            self._file.close()  # closing the file releases the lock
+
+
+def is_locked(folder: Path) -> bool:
+    """Whether a recording holds the lock of ``folder`` now."""
+    if fcntl is None or not (Path(folder) / LOCK).exists():
+        return False
+    with open(Path(folder) / LOCK) as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+    return False
+
+
+def find_runs(path: str | os.PathLike) -> dict[str, Path]:
+    """The runs under ``path``, by a name for each: ``path`` itself when it is a run or a batch prompt's folder
+    (``maps/`` beside ``prompt.json`` and the video), else every such folder directly inside it (a batch tool's
+    output). Raises `FileNotFoundError` (one line) when there is none."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} is not a folder; pass a run folder or a folder of runs.")
+
+    def run_of(folder: Path) -> Path | None:
+        if (folder / MANIFEST).exists():
+            return folder
+        return folder / "maps" if (folder / "maps" / MANIFEST).exists() else None
+
+    if (own := run_of(path)) is not None:
+        return {path.name: own}
+    runs = {sub.name: run for sub in sorted(path.iterdir()) if sub.is_dir() and (run := run_of(sub)) is not None}
+    if not runs:
+        raise FileNotFoundError(f"{str(path)!r} holds no cogattn run (no {MANIFEST} in it or its subfolders).")
+    return runs
