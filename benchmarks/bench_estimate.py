@@ -27,7 +27,7 @@ from diffusers import CogVideoXTransformer3DModel
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 
 import cogattn
-from cogattn.estimate import estimate
+from cogattn.costs import estimate
 
 MiB = 2**20
 

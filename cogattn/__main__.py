@@ -3,11 +3,11 @@ CONFIG`` (the batch tool, also ``cogattn-dump``)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-from . import dump, view
-
-COMMANDS = {"view": view.main, "dump": dump.main}
+# command → the module whose `main` runs it, imported for that command alone (the view needs no model code)
+COMMANDS = {"view": "cogattn.view.server", "dump": "cogattn.dump.cli"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: cogattn {{{','.join(COMMANDS)}}} ...  (cogattn view -h, cogattn dump -h)", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]](argv[1:])
+    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
 
 
 if __name__ == "__main__":

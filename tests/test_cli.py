@@ -18,10 +18,10 @@ import pytest
 from PIL import Image
 
 import cogattn
+from cogattn.costs import estimate
 from cogattn.dump import main
 from cogattn.dump.config import CAPTURE_KEYS, ConfigError, DumpConfig, default_config, load_config
 from cogattn.dump.prompts import read_prompts
-from cogattn.estimate import estimate
 
 pytestmark = pytest.mark.usefixtures("forget_accelerate_state")  # every test of the module (conftest.py)
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,12 +193,14 @@ def test_resume_redoes_an_incomplete_prompt_and_skips_complete_ones(tmp_path, du
     rerun = dump("--set", f"save_dir={out}", *QUICK, check=0)
     assert "2 prompts already complete, skipped" in rerun.stdout
     assert "1 prompts written" in rerun.stdout
+    assert "[process" not in rerun.stdout  # one process: its lines need no name
+    assert rerun.stdout.splitlines()[-1] == f"see the maps in the browser: cogattn view {out}"
     assert (first / "prompt.json").stat().st_mtime_ns == before  # untouched
     assert _meta(second)["complete"] and cogattn.load(second / "maps").complete
 
 
 def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick_run):
-    from cogattn.runs.run import RunLock
+    from cogattn.runs.folder import RunLock
 
     out = shutil.copytree(quick_run, tmp_path / "runs")
     _, second, _ = _prompt_dirs(out)
@@ -248,9 +250,13 @@ def test_resume_after_a_killed_run(tmp_path):
         assert cogattn.load(d / "maps").complete and len(cogattn.load(d / "maps")) == 3 * 20 * 2
 
 
-def _write(path: Path, text: str) -> Path:
-    path.write_text(text)
+def _write(path: Path, text: str | bytes) -> Path:
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     return path
+
+
+BAD_JSONL = '{"prompt": "a red fox"}\n{"prompt": "a cat",}\n'  # line 2: a key expected at column 20
+LATIN1 = "a café at night".encode("latin-1")  # é is byte 5
 
 
 @pytest.mark.parametrize(
@@ -264,6 +270,12 @@ def _write(path: Path, text: str) -> Path:
         ("layer_range", "layers index 9 is out of range; valid indices are 0..1"),
         ("query_grid", r"\(5, 0, 0\) is outside the latent grid"),
         ("missing_image", "image .*nowhere.png' does not exist"),
+        (
+            "bad_jsonl",
+            r"bad\.jsonl:2: not valid JSON at column 20: Expecting property name enclosed in double quotes; write each "
+            r'prompt as one JSON object on its own line, such as \{"prompt": "a red fox"\}\.$',
+        ),
+        ("not_utf8", r"prompts file .*latin1\.txt' is not UTF-8 text \(byte 5: b'\\xe9'\); save it as UTF-8\.$"),
         ("bad_override", "--set 'steps': expected key=value"),
         ("dotted_override", r"--set 'seed.x=1': only capture options have dotted keys"),
         ("unknown_output", r"capture: layer_output='fast' is not one of \['stock', 'lse', 'joint'\]"),
@@ -302,6 +314,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case
             "--set",
             f"prompts={_write(tmp_path / 'p.jsonl', json.dumps({'prompt': 'x', 'image': 'nowhere.png'}))}",
         ],
+        "bad_jsonl": ["--set", f"prompts={_write(tmp_path / 'bad.jsonl', BAD_JSONL)}"],
+        "not_utf8": ["--set", f"prompts={_write(tmp_path / 'latin1.txt', LATIN1)}"],
         "bad_override": ["--set", "steps"],
         "dotted_override": ["--set", "seed.x=1"],
         "unknown_output": ["--set", "capture.layer_output=fast"],
@@ -329,6 +343,21 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case
     assert len(lines) == 1 and lines[0].startswith("dump_maps: "), proc.stderr
     assert re.search(message, lines[0]), lines[0]
     assert not out.exists() and _files(tmp_path) == before
+
+
+def test_a_prompt_may_hold_any_character_but_a_line_end(tmp_path):
+    odd = "a fox\u2028under\u2029the\x85moon\x0bat\x1dnight"  # str.splitlines() would cut at each of these
+    rows = [{"prompt": odd, "seed": 3}, {"prompt": "a cat", "negative_prompt": "blur\u2028ry"}]
+    jsonl = "\ufeff" + "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n\r\n"  # BOM, CRLF
+    assert "\u2028" in jsonl and "\x85" in jsonl  # raw in the file, as JSON allows in a string
+    _write(tmp_path / "p.jsonl", jsonl.encode())
+    _write(tmp_path / "p.txt", f"\ufeff{odd}\r\n\n  a cat  \n".encode())
+    for name in ("p.jsonl", "p.txt"):
+        prompts = read_prompts(load_config(TINY, [f"prompts={tmp_path / name}"]))
+        assert [p.prompt for p in prompts] == [odd, "a cat"], name
+    assert [(p.seed, p.negative_prompt) for p in prompts] == [(None, None)] * 2
+    got = read_prompts(load_config(TINY, [f"prompts={tmp_path / 'p.jsonl'}"]))
+    assert [(p.index, p.seed, p.negative_prompt) for p in got] == [(0, 3, None), (1, None, "blur\u2028ry")]
 
 
 def test_a_failing_prompt_does_not_stop_the_others(tmp_path, dump):

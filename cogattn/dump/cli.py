@@ -11,7 +11,9 @@ Also ``python scripts/dump_maps.py`` from a checkout and ``python -m cogattn.dum
 ``<save_dir>/<index>-<hash>/`` with ``maps/`` (a run: ``cogattn.load`` reads it), the video,
 ``previews/*.png`` and ``prompt.json``, written last; a rerun skips prompts whose ``prompt.json`` says
 complete and redoes the others. A prompt that fails does not stop the rest; failures are listed at the
-end and the exit code is 1. Bad input exits with code 2 and one line on stderr before anything is written.
+end and the exit code is 1. The last line says how to look at the maps (``cogattn view <save_dir>``); under
+``accelerate launch`` each process's lines start with ``[process N]``. Bad input exits with code 2 and one line
+on stderr before anything is written.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import shutil
 import sys
 import traceback
@@ -27,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..estimate import Estimate, estimate
+from ..costs import Estimate, estimate
 from ..runs.store import disk_bytes
 from .config import ConfigError, DumpConfig, default_config, load_config
 from .generate import is_complete, load_pipeline, prompt_meta, run_prompt
@@ -129,14 +132,15 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
     device = str(state.device) if cfg.device == "auto" else cfg.device
     out = Path(cfg.save_dir)
     failures = []
+    process = f"[process {state.process_index}] " if state.num_processes > 1 else ""  # whose line, where several
     with state.split_between_processes(prompts) as mine:
         todo = [p for p in mine if not is_complete(out / p.key())]
         skipped = len(mine) - len(todo)
         if skipped:
-            print(f"[process {state.process_index}] {skipped} prompts already complete, skipped", flush=True)
+            print(f"{process}{skipped} prompts already complete, skipped", flush=True)
         if todo:
             pipe = load_pipeline(cfg, device)
-            for prompt in tqdm(todo, desc=f"prompts [process {state.process_index}]", position=0, disable=None):
+            for prompt in tqdm(todo, desc=f"{process}prompts", position=0, disable=None):
                 try:
                     run_prompt(pipe, cfg, prompt, out / prompt.key(), state.process_index)
                 except Exception as err:  # one prompt's failure must not stop the others
@@ -145,12 +149,11 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
                     if os.environ.get("COGATTN_DEBUG"):
                         traceback.print_exc()
     done = len(todo) - len(failures)
-    print(
-        f"[process {state.process_index}] {done} prompts written, {skipped} skipped, {len(failures)} failed -> {out}",
-        flush=True,
-    )
+    print(f"{process}{done} prompts written, {skipped} skipped, {len(failures)} failed -> {out}", flush=True)
     for prompt, err in failures:
         print(f"  failed: prompt {prompt.index} ({prompt.prompt[:40]!r}): {type(err).__name__}: {err}", file=sys.stderr)
+    if state.is_main_process and any(is_complete(out / p.key()) for p in prompts):  # the last line: where to look
+        print(f"see the maps in the browser: cogattn view {shlex.quote(str(out))}", flush=True)
     return 1 if failures else 0
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from ..models import FAMILIES, ModelSpec, spec_for_config, transformer_config
+from ..models import ModelSpec, spec_for_config, tiny_spec, transformer_config
 from ..options import CaptureOptions
 from .rules import check_call, check_tiny_options
 
@@ -147,7 +147,7 @@ class DumpConfig:
 
     def tiny_spec(self) -> ModelSpec | None:
         """The family whose tiny pipeline ``model`` names (``ModelSpec.tiny_name``), `None` for a checkpoint."""
-        return next((spec for spec in FAMILIES if spec.tiny_name == self.model), None)
+        return tiny_spec(self.model)
 
     def tiny_arguments(self) -> dict:
         """The tiny pipeline's options this config sets, as its ``tiny_pipeline`` keywords."""

@@ -20,7 +20,8 @@ from ..analysis.head_stats import TABLE_KINDS, head_table
 from ..analysis.words import PromptFormat, item_spans, text_tokens
 from ..errors import StoreError
 from ..recorder.recording import record
-from ..runs.run import LOCK, RunLock, load
+from ..runs.folder import LOCK, RunLock
+from ..runs.run import load
 from .config import ConfigError, DumpConfig
 from .previews import write_previews
 from .prompts import Prompt

@@ -1,5 +1,6 @@
 """The prompts file of a ``cogattn-dump`` config: ``.txt`` (one prompt per line) or ``.jsonl`` (objects with
-``prompt`` and optional ``negative_prompt``, ``seed``, ``image``)."""
+``prompt`` and optional ``negative_prompt``, ``seed``, ``image``), UTF-8. A line ends at ``\\n`` (or ``\\r\\n``)
+alone, as JSON Lines says: a prompt may hold any other character, U+2028 and U+2029 included."""
 
 from __future__ import annotations
 
@@ -54,7 +55,10 @@ def _read_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg}).") from None
+            raise ConfigError(
+                f"{path}:{n}: not valid JSON at column {err.colno}: {err.msg}; write each prompt as one JSON "
+                'object on its own line, such as {"prompt": "a red fox"}.'
+            ) from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise ConfigError(f"{path}:{n}: expected an object with a string 'prompt'.")
         extra = sorted(set(obj) - allowed)
@@ -74,6 +78,19 @@ def _read_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
     return prompts
 
 
+def _lines(path: Path) -> list[str]:
+    """The file's lines, split at ``\\n`` alone (``str.splitlines`` also splits at U+2028, U+0085, form feed, ...,
+    which a JSON string may hold raw), each without the ``\\r`` of a ``\\r\\n``; a leading byte-order mark is dropped."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")  # bytes: reading as text would turn a lone \r into a line end
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"prompts file {str(path)!r} is not UTF-8 text (byte {err.start}: {err.object[err.start : err.end]!r}); "
+            "save it as UTF-8."
+        ) from None
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 def read_prompts(cfg: DumpConfig) -> list[Prompt]:
     """Parse the prompts file of ``cfg`` (relative to the config file's folder).
 
@@ -82,7 +99,7 @@ def read_prompts(cfg: DumpConfig) -> list[Prompt]:
     path = cfg.resolve(cfg.prompts)
     if not path.is_file():
         raise ConfigError(f"prompts file {str(path)!r} does not exist.")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = _lines(path)
     if path.suffix == ".jsonl":
         prompts = _read_jsonl(path, lines)
     elif path.suffix == ".txt":

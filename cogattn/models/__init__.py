@@ -1,11 +1,14 @@
 """The model families cogattn knows, one module each, behind one registry (docs/design.md, "The model seam").
 
-``FAMILIES`` holds a :class:`ModelSpec` per family whose attention modules the installed diffusers has;
-``UNAVAILABLE`` says, for the others, which diffusers they need. A module is a family's when the spec's
-``matches`` says so (an instance of one of its transformer classes, diffusers' copies of a model under
-another name included). ``transformer_config`` reads a transformer's config from a pipeline, a local
-folder, the hub cache, or the released shapes the families list, so a plan can be made for a model
-that is not downloaded.
+Which family serves a transformer is read from :data:`TABLE`, plain data: its transformer classes by name
+(diffusers' copies of a model under another name included) and the config keys only it has. A family's
+module, which imports its diffusers modules, is imported the first time a model of that family is asked
+for (``spec_for_module``, ``spec_for_config``, ``family``), so reading runs and ``import cogattn`` import no
+model code. ``FAMILIES`` (a :class:`ModelSpec` per family whose attention modules the installed diffusers
+has), ``UNAVAILABLE`` (for the others, which diffusers they need) and ``KNOWN_MODELS`` import every family
+when first read, as ``cogattn.models.<family>`` imports that one (`None` where this diffusers lacks it).
+``transformer_config`` reads a transformer's config from a pipeline, a local folder, the hub cache, or the
+released shapes the families list, so a plan can be made for a model that is not downloaded.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import pkgutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -22,65 +25,151 @@ from .spec import ModelSpec, Site, Unavailable
 
 __all__ = [
     "FAMILIES",
+    "FamilyRow",
     "KNOWN_MODELS",
     "ModelSpec",
     "Site",
+    "TABLE",
     "UNAVAILABLE",
     "Unavailable",
     "family",
     "spec_for_config",
     "spec_for_module",
+    "tiny_spec",
     "transformer_config",
 ]
 
-FAMILIES: list[ModelSpec] = []
-UNAVAILABLE: dict[str, Unavailable] = {}  # family → what it needs, where this diffusers lacks its attention modules
-for _found in pkgutil.iter_modules(__path__):  # every module of this package but these is a family
-    if _found.name in ("spec", "tiny_text", "prompt_text") or _found.name.startswith("_"):  # a family's private part
-        continue
-    try:
-        _module = importlib.import_module(f"{__name__}.{_found.name}")
-    except Unavailable as missing:
-        UNAVAILABLE[missing.family] = missing
-        globals()[_found.name] = None  # `cogattn.models.wan is None`: this diffusers lacks the family
-    else:
-        globals()[_found.name] = _module
-        FAMILIES.append(_module.SPEC)
-FAMILIES.sort(key=lambda spec: spec.family != "cogvideox")  # the embedded default first, then by name
 
-# the released shapes of every family, those this diffusers lacks too (whose configs then say what they need)
-KNOWN_MODELS: dict[str, dict] = {
-    name: config
-    for known in [m.known for m in UNAVAILABLE.values()] + [s.known for s in FAMILIES]
-    for name, config in known.items()
+class FamilyRow(NamedTuple):
+    """What tells a family's models apart without importing its module.
+
+    Args:
+        classes (`tuple[str, ...]`): its transformer classes' names (a module whose class or a base has one, a
+            config whose ``_class_name`` is one); the spec's ``transformers`` and a checkpoint's own name.
+        config_keys (`tuple[str, ...]`): config keys only it has (a config without ``_class_name``), as its spec's.
+    """
+
+    classes: tuple[str, ...]
+    config_keys: tuple[str, ...] = ()
+
+
+# family (its module's name) → its row; the embedded default first, then by name, the order a config's keys are tried
+TABLE: dict[str, FamilyRow] = {
+    "cogvideox": FamilyRow(("CogVideoXTransformer3DModel",), ("max_text_seq_length",)),
+    "allegro": FamilyRow(("AllegroTransformer3DModel",)),
+    "chronoedit": FamilyRow(("ChronoEditTransformer3DModel",)),
+    "consisid": FamilyRow(("ConsisIDTransformer3DModel",)),
+    "cosmos": FamilyRow(("CosmosTransformer3DModel",)),
+    "easyanimate": FamilyRow(("EasyAnimateTransformer3DModel",), ("mmdit_layers",)),
+    "helios": FamilyRow(("HeliosTransformer3DModel",), ("has_multi_term_memory_patch",)),
+    "hunyuan_video": FamilyRow(("HunyuanVideoTransformer3DModel",), ("num_single_layers",)),
+    "hunyuan_video15": FamilyRow(("HunyuanVideo15Transformer3DModel",), ("text_embed_2_dim",)),
+    "hunyuan_video_framepack": FamilyRow(
+        ("HunyuanVideoFramepackTransformer3DModel", "HunyuanVideoTransformer3DModelPacked"), ("has_clean_x_embedder",)
+    ),
+    "kandinsky5": FamilyRow(("Kandinsky5Transformer3DModel",), ("num_visual_blocks",)),
+    "ltx2": FamilyRow(("LTX2VideoTransformer3DModel",)),
+    "ltx_video": FamilyRow(("LTXVideoTransformer3DModel",)),
+    "mochi": FamilyRow(("MochiTransformer3DModel",), ("max_sequence_length",)),
+    "skyreels_v2": FamilyRow(("SkyReelsV2Transformer3DModel",)),
+    "wan": FamilyRow(("WanTransformer3DModel",), ("text_dim",)),
+    "wan_animate": FamilyRow(("WanAnimateTransformer3DModel",), ("inject_face_latents_blocks",)),
+    "wan_vace": FamilyRow(("WanVACETransformer3DModel",)),
 }
+# Made by importing every family's module the first time one of them is read (a module `__getattr__`):
+FAMILIES: list[ModelSpec]
+"""A :class:`ModelSpec` per family whose attention modules the installed diffusers has, in ``TABLE``'s order."""
+UNAVAILABLE: dict[str, Unavailable]
+"""Family → what it needs, for each family whose attention modules the installed diffusers lacks."""
+KNOWN_MODELS: dict[str, dict]
+"""Hub id → the transformer config of every family's released checkpoints (those this diffusers lacks too)."""
+_EVERY = ("FAMILIES", "UNAVAILABLE", "KNOWN_MODELS")
+_LOADED: dict[str, ModelSpec | Unavailable] = {}
+
+
+def _load(name: str) -> ModelSpec | Unavailable:
+    """The spec of family ``name``, its module imported on first use; its `Unavailable` where this diffusers
+    lacks the family."""
+    if name not in _LOADED:
+        try:
+            _LOADED[name] = importlib.import_module(f"{__name__}.{name}").SPEC
+        except Unavailable as missing:
+            _LOADED[name] = missing
+    return _LOADED[name]
+
+
+def __getattr__(name: str):
+    if name in TABLE:  # `cogattn.models.wan`: the family's module, `None` where this diffusers lacks the family
+        return None if isinstance(_load(name), Unavailable) else importlib.import_module(f"{__name__}.{name}")
+    if name in _EVERY:
+        return _every_family()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _every_family() -> dict:
+    """``FAMILIES``, ``UNAVAILABLE`` and ``KNOWN_MODELS``, made once by importing every family's module."""
+    if "FAMILIES" not in globals():
+        loaded = [_load(family) for family in TABLE]
+        families = [found for found in loaded if isinstance(found, ModelSpec)]
+        unavailable = {found.family: found for found in loaded if isinstance(found, Unavailable)}
+        # the released shapes of every family, those this diffusers lacks too (whose configs then say what they need)
+        known = {
+            n: c for k in [m.known for m in unavailable.values()] + [s.known for s in families] for n, c in k.items()
+        }
+        globals().update(FAMILIES=families, UNAVAILABLE=unavailable, KNOWN_MODELS=known)  # later reads skip __getattr__
+    return {name: globals()[name] for name in _EVERY}
 
 
 def family(name: str) -> ModelSpec:
     """The spec of the family ``name`` (``"cogvideox"``, ``"wan"``, ...); `ValueError` names what it needs."""
-    for spec in FAMILIES:
-        if spec.family == name:
-            return spec
-    if name in UNAVAILABLE:
-        raise ValueError(f"{UNAVAILABLE[name]}; upgrade diffusers.")
-    raise ValueError(f"family {name!r} is not one cogattn supports; supported: {[s.family for s in FAMILIES]}.")
+    if name not in TABLE:
+        raise ValueError(f"family {name!r} is not one cogattn supports; supported: {list(TABLE)}.")
+    spec = _load(name)
+    if isinstance(spec, Unavailable):
+        raise ValueError(f"{spec}; upgrade diffusers.")
+    return spec
 
 
 def spec_for_module(module) -> ModelSpec | None:
-    """The family of a transformer module, `None` when it is no family's."""
-    return next((spec for spec in FAMILIES if spec.matches(module)), None)
+    """The family of a transformer module, `None` when it is no family's; the names of its class and bases say
+    which family's module to import."""
+    names = {cls.__name__ for cls in type(module).__mro__}
+    for name, row in TABLE.items():
+        if not names.isdisjoint(row.classes):
+            spec = _load(name)
+            if isinstance(spec, ModelSpec) and spec.matches(module):
+                return spec
+    return None
 
 
 def spec_for_config(config: dict) -> ModelSpec:
     """The family of a transformer config (its ``_class_name``, else the keys only one family has)."""
-    for spec in FAMILIES:
-        if spec.matches_config(config):
-            return spec
     name = config.get("_class_name")
-    for missing in UNAVAILABLE.values():
-        if name in missing.class_names or (name is None and any(k in config for k in missing.config_keys)):
-            raise ValueError(f"{missing}; upgrade diffusers.")
+    if name is not None:
+        candidates = [family for family, row in TABLE.items() if name in row.classes]
+    else:
+        candidates = [family for family, row in TABLE.items() if any(key in config for key in row.config_keys)]
+    loaded = [_load(family) for family in candidates]
+    spec = next((s for s in loaded if isinstance(s, ModelSpec) and s.matches_config(config)), None)
+    if spec is not None:
+        return spec
+    for missing in loaded:
+        raise ValueError(f"{missing}; upgrade diffusers.")
     raise ValueError(f"a transformer config of class {name!r} is not a model cogattn supports.")
+
+
+def tiny_spec(name: str) -> ModelSpec | None:
+    """The family whose tiny pipeline the batch tool's ``model:`` ``name`` is (its ``tiny_name``: ``"tiny"``,
+    ``"tiny-wan"``), `None` for a name no available family's tiny pipeline has; the family a ``"tiny-<family>"``
+    name spells is imported first."""
+    if not name.startswith("tiny"):
+        return None
+    spelled = name.removeprefix("tiny-").replace("-", "_")
+    for family in sorted(TABLE, key=lambda f: f != spelled):  # stable: then the table's order, the default first
+        spec = _load(family)
+        if isinstance(spec, ModelSpec) and spec.tiny_name == name:
+            return spec
+    return None
 
 
 def _module_config(transformer) -> dict:
@@ -98,7 +187,7 @@ def transformer_config(model) -> dict:
     if hasattr(transformer, "config") and not isinstance(model, (str, os.PathLike)):
         return _module_config(transformer)
     name = str(model)
-    tiny = next((spec for spec in FAMILIES if spec.tiny_name == name), None)  # "tiny", "tiny-wan", ...
+    tiny = tiny_spec(name)  # "tiny", "tiny-wan", ...
     if tiny is not None:
         return _module_config(tiny.tiny_transformer())
     if name.startswith("tiny-"):  # a family by its name ("tiny-cogvideox"), or one this diffusers lacks
@@ -117,12 +206,13 @@ def transformer_config(model) -> dict:
         return json.loads(Path(hf_hub_download(name, "transformer/config.json", local_files_only=True)).read_text())
     except Exception:
         pass
-    if name in KNOWN_MODELS:
-        return dict(KNOWN_MODELS[name])
+    known = _every_family()["KNOWN_MODELS"]  # offline: the released shapes, from every family's module
+    if name in known:
+        return dict(known[name])
     try:
         return json.loads(Path(hf_hub_download(name, "transformer/config.json")).read_text())
     except Exception as err:
         raise ValueError(
             f"cannot read the transformer config of {name!r} ({type(err).__name__}); pass a local folder, or "
-            f"one of {list(KNOWN_MODELS)}."
+            f"one of {list(known)}."
         ) from None

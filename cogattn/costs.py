@@ -71,6 +71,9 @@ class Estimate:
         else:  # Wan: the video alone, and the context of the cross-attention
             image = f" + {lay.image_len} image" if lay.image_len else ""
             layout = f"layout: {video}; cross-attention to {lay.context_len} text{image} tokens"
+            if lay.image_joins_text:  # no image projections of its own: one softmax over both
+                layout = f"layout: {video}; cross-attention to {lay.image_len} image + {lay.context_len} text tokens"
+                layout += " in one softmax"
         if lay.audio is not None:  # LTX-2: a sequence of its own beside the video
             layout += f"; audio: {lay.audio.tokens} bins ({lay.audio.rate:g} a second)"
         lines = [
@@ -144,7 +147,7 @@ def estimate(
     (num_heads, head_dim), num_layers = spec.attention_shape(cfg), spec.num_layers(cfg)
     model = ModelShape(num_layers, num_heads, head_dim, dtype, spec.shapes(cfg))
     options.check_model(
-        num_layers, model.fewest_heads(options.kinds, spec.context_kinds), spec.layer_names_for_config(cfg)
+        num_layers, {k: model.heads_of(spec.source(k)) for k in options.kinds}, spec.layer_names_for_config(cfg)
     )
     layout = spec.layout_for_video(cfg, num_frames, height, width, text_len)
     guidance = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}[spec.guidance_argument] > 1
