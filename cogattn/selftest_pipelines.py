@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .exact.attention import fused_lse_supported
-from .exact.checks import TOLERANCE, bound, made_from_output
+from .exact.checks import TOLERANCE, bound, made_from_output, output_identical
 from .exact.kernels import available as triton_available
 from .exact.reducers.audio import AUDIO_KINDS
 from .models import FAMILIES, cogvideox, transformer_config
@@ -177,8 +177,8 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
                     if err / limit >= worst / limit_of_worst:
                         worst, limit_of_worst = err, limit
             same = bool(torch.equal(video, stock))
-            promised = output == "stock" or device.type == "cpu"
-            note = "" if promised else "another kernel than SDPA's on CUDA: last bits may differ"
+            promised = output_identical(output, device, dtype)
+            note = "" if promised else "not the stock call: its last bits may differ"
             rows.append(
                 Row(
                     part,

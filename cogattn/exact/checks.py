@@ -32,6 +32,7 @@ from .reducers import REDUCERS, Reducer
 __all__ = [
     "OUTPUT_MAPS_TOLERANCE",
     "OUTPUT_RTOL",
+    "output_identical",
     "RECHECK_RATE",
     "TOLERANCE",
     "RowProbe",
@@ -58,6 +59,14 @@ OUTPUT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}
 RECHECK_RATE = 0.01  # after a recording's first check of a shape and kind, the share of captures checked again
 ROWS_ONLY: set[tuple] = set()  # (device, dtype, S, heads, D) whose fast method failed: row tiles from now on
 STOCK_OUTPUT: set[tuple] = set()  # (device, dtype, mode, shape) whose opt-in output failed: the stock call
+
+
+def output_identical(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a layer's output under ``layer_output=mode`` is promised bit-identical to the stock call's: the
+    stock call everywhere, the opt-in calls on a CPU in float32. On a CPU with AMX or AVX-512 BF16 the opt-in calls'
+    16-bit products are summed in other blocks than the stock call's (q and k padded, values widened), and on CUDA
+    they are other kernels: their last bits may differ, within :data:`OUTPUT_RTOL`."""
+    return mode == "stock" or (device.type == "cpu" and dtype == torch.float32)
 
 
 def bound(dtype: torch.dtype, made_from_output: bool) -> float:
