@@ -88,6 +88,8 @@ def test_the_wheel_holds_every_package_and_the_shipped_configs(wheel):
     assert "tiny.yaml" in configs and "prompts/images/gradient.png" in configs
     assert [c for c in configs if f"cogattn/dump/configs/{c}" not in names] == []
     assert not [n for n in names if n.startswith("configs/")]  # inside the package, not beside it
+    (license,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]  # pyproject's license-files
+    assert "Apache License" in zipfile.ZipFile(wheel).read(license).decode()
     # the console script (.ci/run's plain stage runs it from the installed wheel alone, outside the checkout)
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode().split("[console_scripts]")[1].split("[")[0]
