@@ -378,11 +378,15 @@ def test_a_reader_of_an_older_run_gets_what_the_versioning_page_says(tmp_path):
     meta = json.loads(meta_file.read_text())
     assert meta["format"] == "cogattn-run/1"
     older = {k: v for k, v in meta.items() if k not in ("skipped", "windows", "call_stats")}
-    older["selection"] = {k: v for k, v in meta["selection"].items() if k not in ("batch_roles", "text_lengths")}
+    later = ("batch_roles", "text_lengths", "batch_resolved", "source_heads")
+    older["selection"] = {k: v for k, v in meta["selection"].items() if k not in later}
     older["model"] = {k: v for k, v in meta["model"].items() if k not in ("layer_names", "step_experts")}
+    assert "image_joins_text" not in meta["layout"]  # a field at its default is not written: older readers read it
+    older["layout"] = {**meta["layout"], "a_later_layout_field": 3}
     meta_file.write_text(json.dumps({**older, "a_later_field": {"any": [1, 2]}}))
     run = cogattn.load(tmp_path / "run")
-    assert (run.layer_names, run.batch_roles, run.text_lengths) == (None, None, None)
+    assert (run.layer_names, run.batch_roles, run.text_lengths, run.batch_items) == (None, None, None, None)
+    assert run.source_heads == {"self": run.head_ids} and run.layout == rec.layout
     assert run.experts == ["transformer"] * 2 and run.windows == [0, 0] and not run.skipped
     assert torch.equal(run.get("frame", 1, 1), rec.get("frame", 1, 1))  # the records read as written
     meta_file.write_text(json.dumps({**meta, "format": "cogattn-run/2"}))

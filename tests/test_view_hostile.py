@@ -237,7 +237,6 @@ def _set_meta(folder: Path, change) -> None:
         ("history_len", -2),
         ("temporal_compression", 0),
         ("text_position", "middle"),
-        ("seq_len_typo", 5),
         ("audio", {"tokens": 0}),
         ("audio", {"tokens": 2**30}),
         ("audio", {"tokens": 18, "rate": -25.0}),
@@ -363,7 +362,7 @@ def test_a_run_json_value_of_the_wrong_type_is_refused_naming_the_field(folder, 
     assert f"{named} is {shown}; it must be " in said
 
 
-@pytest.mark.parametrize("field, value, named, shown", HOSTILE_META[:7])  # the issue's own, each once
+@pytest.mark.parametrize("field, value, named, shown", HOSTILE_META[:7])  # a wrong type in each part of run.json, once
 def test_a_run_with_a_damaged_run_json_is_listed_unreadable_and_the_others_are_served(made, tmp_path, field, value, named, shown, capsys):  # fmt: skip
     root, good, bad = _two_runs(made, tmp_path)
     _set_meta(bad, lambda meta: _set(meta, field, value))
@@ -497,7 +496,9 @@ def test_every_endpoint_answers_a_bad_parameter_400_in_one_line(folder):
         assert answer("nothing", "step=1")[0] == 404
 
 
-@pytest.mark.parametrize("path", ["file/x", "file/", "file/prompt", "file/nobody/video", "file/prompt/nothing"])
+@pytest.mark.parametrize(
+    "path", ["file/x", "file/", "file/prompt", "file/nobody/video", "file/prompt/nothing", "file/prompt/frame/%C2%B2"]
+)
 def test_a_file_path_that_names_no_file_answers_404(folder, path):
     with _served(folder) as server:
         status, body = _get(f"{server.url}{path}")

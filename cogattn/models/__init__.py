@@ -154,7 +154,8 @@ def spec_for_config(config: dict) -> ModelSpec:
     if spec is not None:
         return spec
     for missing in loaded:
-        raise ValueError(f"{missing}; upgrade diffusers.")
+        if isinstance(missing, Unavailable):  # this diffusers lacks the family the config names
+            raise ValueError(f"{missing}; upgrade diffusers.")
     raise ValueError(f"a transformer config of class {name!r} is not a model cogattn supports.")
 
 

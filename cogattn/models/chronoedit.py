@@ -42,7 +42,7 @@ try:
     from . import wan
 except ImportError as missing:
     needs = "ChronoEdit needs diffusers >= 0.36 (transformer_chronoedit)"
-    raise Unavailable("chronoedit", needs, ("ChronoEditTransformer3DModel",), (), KNOWN) from missing
+    raise Unavailable("chronoedit", needs, KNOWN) from missing
 
 __all__ = ["SPEC", "KNOWN", "tiny_pipeline", "tiny_transformer"]
 

@@ -31,7 +31,7 @@ try:
     from diffusers import ConsisIDTransformer3DModel
 except ImportError as missing:
     needs = "ConsisID needs diffusers >= 0.33"
-    raise Unavailable("consisid", needs, ("ConsisIDTransformer3DModel",), (), KNOWN) from missing
+    raise Unavailable("consisid", needs, KNOWN) from missing
 
 __all__ = ["SPEC", "KNOWN", "tiny_pipeline", "tiny_transformer"]
 

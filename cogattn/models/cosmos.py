@@ -86,7 +86,7 @@ try:
     from ._cosmos_tiny import TRANSFER25, tiny_call, tiny_pipeline, tiny_transformer
 except ImportError as missing:
     needs = "Cosmos needs diffusers >= 0.35 (CosmosAttnProcessor2_0, Cosmos2VideoToWorldPipeline)"
-    raise Unavailable("cosmos", needs, ("CosmosTransformer3DModel",), (), KNOWN) from missing
+    raise Unavailable("cosmos", needs, KNOWN) from missing
 
 # diffusers 0.35's processor calls torch's SDPA on (B, H, S, D); later ones the attention dispatcher on (B, S, H, D)
 _DISPATCH = hasattr(transformer_cosmos, "dispatch_attention_fn")

@@ -60,7 +60,7 @@ try:
     from diffusers.models.transformers.transformer_easyanimate import EasyAnimateAttnProcessor2_0
 except ImportError as missing:
     needs = "EasyAnimate needs diffusers >= 0.33 (EasyAnimateTransformer3DModel)"
-    raise Unavailable("easyanimate", needs, ("EasyAnimateTransformer3DModel",), ("mmdit_layers",), KNOWN) from missing
+    raise Unavailable("easyanimate", needs, KNOWN) from missing
 
 __all__ = [
     "SPEC",

@@ -76,7 +76,7 @@ try:
     )
 except ImportError as missing:
     needs = "Helios needs diffusers >= 0.37 (HeliosTransformer3DModel)"
-    raise Unavailable("helios", needs, ("HeliosTransformer3DModel",), CONFIG_KEYS, KNOWN) from missing
+    raise Unavailable("helios", needs, KNOWN) from missing
 from ._helios_tiny import TEXT_LEN, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 
 __all__ = [

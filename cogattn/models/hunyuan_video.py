@@ -83,7 +83,7 @@ KNOWN: dict[str, dict] = {
 if Version(diffusers.__version__).release < (0, 33):
     # 0.32 masks queries as well as keys (B, S, S); 0.33 keeps a key mask (B, 1, 1, S), which capture takes
     needs = "HunyuanVideo needs diffusers >= 0.33 (a key mask)"
-    raise Unavailable("hunyuan_video", needs, ("HunyuanVideoTransformer3DModel",), ("num_single_layers",), KNOWN)
+    raise Unavailable("hunyuan_video", needs, KNOWN)
 # The stock processor of 0.36 calls dispatch_attention_fn on (B, S, H, D); of 0.33 – 0.35, SDPA on (B, H, S, D).
 DISPATCH = hasattr(HunyuanVideoAttnProcessor2_0, "_attention_backend")
 if DISPATCH:

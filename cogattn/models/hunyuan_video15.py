@@ -70,9 +70,7 @@ try:
     )
 except ImportError:
     needs = "HunyuanVideo 1.5 needs diffusers >= 0.36 (HunyuanVideo15Transformer3DModel)"
-    raise Unavailable(
-        "hunyuan_video15", needs, ("HunyuanVideo15Transformer3DModel",), ("text_embed_2_dim",), KNOWN
-    ) from None
+    raise Unavailable("hunyuan_video15", needs, KNOWN) from None
 from ._hunyuan_video15_text import glyph_text, prompt_crop, prompt_text  # noqa: E402
 from ._hunyuan_video15_tiny import tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 

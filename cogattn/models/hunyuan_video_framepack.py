@@ -77,7 +77,7 @@ try:
     from . import hunyuan_video
 except ImportError as missing:  # hunyuan_video's Unavailable too
     needs = "HunyuanVideo FramePack needs diffusers >= 0.34 (HunyuanVideoFramepackTransformer3DModel)"
-    raise Unavailable("hunyuan_video_framepack", needs, CLASS_NAMES, ("has_clean_x_embedder",), KNOWN) from missing
+    raise Unavailable("hunyuan_video_framepack", needs, KNOWN) from missing
 from ._hunyuan_video_sdpa import HunyuanVideoAttnMapProcessorSDPA  # noqa: E402
 
 __all__ = ["SPEC", "FramepackSpec", "HunyuanVideoFramepackAttnMapProcessor", "IMAGE_TOKENS", "KNOWN", "LATENT_WINDOW"]

@@ -95,7 +95,7 @@ try:
     )
 except ImportError:
     needs = "Kandinsky 5 needs diffusers >= 0.36 (Kandinsky5Transformer3DModel)"
-    raise Unavailable("kandinsky5", needs, ("Kandinsky5Transformer3DModel",), ("num_visual_blocks",), KNOWN) from None
+    raise Unavailable("kandinsky5", needs, KNOWN) from None
 from ._kandinsky5_tiny import TINY_TEXT_LEN, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 
 __all__ = [

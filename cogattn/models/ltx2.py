@@ -55,7 +55,7 @@ try:
     from ._ltx2_tiny import tiny_call, tiny_pipeline, tiny_transformer
 except ImportError as missing:
     needs = "LTX-2 needs a diffusers with LTX2VideoTransformer3DModel and LTX2PerturbedAttnProcessor (0.42 has them)"
-    raise Unavailable("ltx2", needs, ("LTX2VideoTransformer3DModel",), (), KNOWN) from missing
+    raise Unavailable("ltx2", needs, KNOWN) from missing
 
 __all__ = ["SPEC", "KNOWN", "PYTHON_ONLY", "TEXT_LEN", "call_rules", "extra_call", "layout_for_video", "read_call"]
 

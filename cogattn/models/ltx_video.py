@@ -50,7 +50,7 @@ try:
     )
 except ImportError as missing:
     needs = "LTX-Video needs diffusers >= 0.35 (LTXAttention)"
-    raise Unavailable("ltx_video", needs, ("LTXVideoTransformer3DModel",), (), KNOWN) from missing
+    raise Unavailable("ltx_video", needs, KNOWN) from missing
 
 __all__ = [
     "SPEC",

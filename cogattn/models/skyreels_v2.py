@@ -68,7 +68,7 @@ try:
     from . import wan
 except ImportError as missing:
     needs = "SkyReels-V2 needs diffusers >= 0.36 (SkyReelsV2Attention)"
-    raise Unavailable("skyreels_v2", needs, ("SkyReelsV2Transformer3DModel",), (), KNOWN) from missing
+    raise Unavailable("skyreels_v2", needs, KNOWN) from missing
 
 __all__ = [
     "SPEC",

@@ -27,14 +27,12 @@ class Unavailable(ImportError):
     Args:
         family (`str`): the family's name.
         needs (`str`): what it needs, as a user reads it (``"Wan needs diffusers >= 0.35 (WanAttention)"``).
-        class_names (`tuple[str, ...]`): its transformer classes' names (a config of one says what it needs).
-        config_keys (`tuple[str, ...]`): config keys only it has (a config without ``_class_name``).
         known (`dict[str, dict]`): its released checkpoints' configs (their hub ids then say what it needs).
     """
 
-    def __init__(self, family: str, needs: str, class_names=(), config_keys=(), known: dict | None = None):
+    def __init__(self, family: str, needs: str, known: dict | None = None):
         super().__init__(needs)
-        self.family, self.needs, self.class_names, self.config_keys = family, needs, class_names, config_keys
+        self.family, self.needs = family, needs
         self.known = dict(known or {})
 
     def __str__(self) -> str:

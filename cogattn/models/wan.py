@@ -49,7 +49,7 @@ try:
     )
 except ImportError as missing:
     needs = "Wan needs diffusers >= 0.35 (WanAttention)"
-    raise Unavailable("wan", needs, ("WanTransformer3DModel",), ("text_dim",), KNOWN) from missing
+    raise Unavailable("wan", needs, KNOWN) from missing
 
 
 __all__ = [

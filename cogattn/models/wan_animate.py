@@ -72,9 +72,7 @@ try:
     from . import wan
 except ImportError as missing:
     needs = "Wan Animate needs diffusers >= 0.36 (WanAnimateTransformer3DModel)"
-    raise Unavailable(
-        "wan_animate", needs, ("WanAnimateTransformer3DModel",), ("inject_face_latents_blocks",), KNOWN
-    ) from missing
+    raise Unavailable("wan_animate", needs, KNOWN) from missing
 
 __all__ = ["SPEC", "KNOWN", "read_call", "layout_for_video", "tiny_pipeline", "tiny_transformer", "tiny_call"]
 

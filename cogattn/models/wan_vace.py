@@ -44,7 +44,7 @@ try:
     from . import wan
 except ImportError as missing:
     needs = "Wan VACE needs diffusers >= 0.35 (WanVACETransformer3DModel)"
-    raise Unavailable("wan_vace", needs, ("WanVACETransformer3DModel",), ("vace_layers",), KNOWN) from missing
+    raise Unavailable("wan_vace", needs, KNOWN) from missing
 
 __all__ = ["SPEC", "KNOWN", "tiny_pipeline", "tiny_transformer"]
 

@@ -16,9 +16,10 @@ try:
 except ImportError:  # not POSIX: runs are not locked
     fcntl = None
 
-__all__ = ["FORMAT", "LOCK", "MANIFEST", "META", "RECORDS", "RunLock", "find_runs", "is_locked"]
+__all__ = ["FORMAT", "LOCK", "MAX_INDEX", "MANIFEST", "META", "RECORDS", "RunLock", "find_runs", "is_locked"]
 
 MANIFEST, META, RECORDS, LOCK = "manifest.jsonl", "run.json", "records", ".lock"
+MAX_INDEX = 2**20  # a step, layer, head or token: no generation has more, and a reader lists them all
 FORMAT = "cogattn-run/1"  # run.json's "format": a reader refuses another (docs/versioning.md)
 
 

@@ -249,11 +249,9 @@ class Run:
     def batch_roles(self) -> tuple[str | None, ...] | None:
         """Per slot of a result's batch axis, ``"cond"`` (the prompt's item) or ``"uncond"`` (the negative
         prompt's) under classifier-free guidance, `None` without it; `None` where the run does not say (runs
-        made before it was kept) or says something else."""
-        roles = (self.meta.get("selection") or {}).get("batch_roles")
-        if not isinstance(roles, list) or not all(r in ("cond", "uncond", None) for r in roles):
-            return None
-        return tuple(roles)
+        made before it was kept)."""
+        roles = (self.meta.get("selection") or {}).get("batch_roles")  # checked when the run was opened
+        return None if roles is None else tuple(roles)
 
     @property
     def block_size(self) -> int:
@@ -268,10 +266,7 @@ class Run:
     @property
     def tile_shape(self) -> tuple[int, int, int]:
         """Latent frames × patch rows × patch columns of a ``tile`` kind's tile."""
-        shape = (self.meta.get("selection") or {}).get("tile_shape", (4, 4, 4))
-        if not isinstance(shape, list | tuple) or len(shape) != 3 or not all(type(n) is int and n > 0 for n in shape):
-            raise StoreError(f"run.json's selection.tile_shape is {str(shape)[:40]}; it should be 3 positive ints.")
-        return tuple(shape)
+        return tuple((self.meta.get("selection") or {}).get("tile_shape", (4, 4, 4)))  # checked when opened
 
     @property
     def queries(self) -> tuple:

@@ -24,9 +24,9 @@ from ..audio import AudioAxis
 from ..errors import StoreError
 from ..exact.reducers import CONTEXT_REDUCERS, REDUCERS
 from ..layout import TokenLayout
+from .folder import MAX_INDEX
 
 __all__ = [
-    "MAX_INDEX",
     "MAX_SLOTS",
     "MAX_TOKENS",
     "RecordShapes",
@@ -40,7 +40,6 @@ __all__ = [
     "shape_problem",
 ]
 
-MAX_INDEX = 2**20  # steps and layers of a manifest line: no generation has more, and a reader lists them all
 MAX_TOKENS = 2**24  # a layout's sequence: no attention is longer, and readers allocate per token
 _MIN = {"text_len": 0, "frames": 1, "height": 1, "width": 1, "patch_size": 1, "patch_size_t": 1}
 _MIN.update(context_len=0, image_len=0, temporal_compression=1, history_len=0, prompt_crop=0)
@@ -62,10 +61,9 @@ def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
     if not isinstance(lay, dict):
         raise refuse(f"'layout' is {str(lay)[:60]}, not an object of layout fields")
     fields = {f.name for f in dataclasses.fields(TokenLayout)}
+    lay = {name: value for name, value in lay.items() if name in fields}  # another's: a later version's, left alone
     for name, value in lay.items():
         shown = repr(value)[:60]
-        if name not in fields:
-            raise refuse(f"layout.{name} = {shown} is not a layout field (fields: {sorted(fields)})")
         if name == "text_position":
             if value not in ("start", "end"):
                 raise refuse(f"layout.text_position = {shown}; the text sits at the 'start' or the 'end'")
@@ -90,11 +88,15 @@ def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
 
 
 def layout_json(layout: TokenLayout | None) -> dict | None:
-    """run.json's ``layout`` of ``layout``: its fields, ``audio`` only where the model has an audio stream."""
+    """run.json's ``layout`` of ``layout``: its fields, each but the four it needs only where it is not its default
+    (``audio`` where the model has an audio stream), so a reader that predates a field reads every run that does not
+    use it."""
     if layout is None:
         return None
     out = dataclasses.asdict(layout)
-    return out if out["audio"] is not None else {k: v for k, v in out.items() if k != "audio"}
+    defaults = {f.name: f.default for f in dataclasses.fields(TokenLayout) if f.default is not dataclasses.MISSING}
+    keep = ("text_len", "frames", "height", "width")
+    return {k: v for k, v in out.items() if k in keep or k not in defaults or v != defaults[k]}
 
 
 def _checked_audio(audio, refuse) -> AudioAxis | None:

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import StoreError
-from .folder import FORMAT
-from .run_values import MAX_INDEX, MAX_TOKENS, RecordShapes, checked_layout, checked_text_spans
+from .folder import FORMAT, MAX_INDEX
+from .run_values import MAX_TOKENS, RecordShapes, checked_layout, checked_text_spans
 
 if TYPE_CHECKING:
     from ..layout import TokenLayout

@@ -84,7 +84,7 @@ def remove_run(path: Path, lock_too: bool = False, folder_too: bool = False) -> 
 
 def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
     """Create ``path``, refusing a non-empty folder unless ``overwrite`` and it holds a cogattn run that no
-    recording is writing now (see :class:`cogattn.runs.lock.RunLock`)."""
+    recording is writing now (see :class:`cogattn.runs.folder.RunLock`)."""
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise StoreError(f"output path {str(path)!r} exists and is not a folder.")

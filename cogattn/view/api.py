@@ -59,7 +59,9 @@ def answer(views: dict[str, RunView], unreadable: dict[str, str], path: str, que
             return 404, b"not found", "text/plain"
         name, what = parts[2], parts[3]
         view = views.get(name)
-        if view is not None and what.startswith("frame/") and what[6:].isdigit():  # one video frame, a PNG
+        if (
+            view is not None and what.startswith("frame/") and what[6:].isascii() and what[6:].isdigit()
+        ):  # one video frame, a PNG
             png = view.files.frame_png(int(what[6:]))
             return (200, png, TYPES[".png"]) if png is not None else (404, b"not found", "text/plain")
         file = None if view is None else view.files.file(what)

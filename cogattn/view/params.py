@@ -12,13 +12,13 @@ record (a step, a layer, a head) is the panel's own answer, which says what was 
 from __future__ import annotations
 
 from ..items import pick_item
+from ..runs.folder import MAX_INDEX
 
 __all__ = ["ENDPOINTS", "MAX_SIDE", "MAX_STEPS", "MAX_TOKENS", "READERS", "BadRequest", "parse"]
 
 MAX_TOKENS = 64  # text tokens of the word kinds an export keeps per step
 MAX_STEPS = 10  # steps of the word kinds an export keeps: the first, the last, and evenly between
 MAX_SIDE = 24  # patches a side an export keeps per frame of a word map (average pooling above it)
-MAX_INDEX = 2**20  # a step, layer, head or token: no run has more (cogattn.runs.run_values.MAX_INDEX)
 _SELECTION = ("step", "layer", "head")
 ENDPOINTS = {  # each endpoint's parameters, in the order the view's method takes them
     "/api/summary": (),
@@ -90,7 +90,8 @@ def _on_grid(name: str, axis: int):
 
 
 def _token(view, raw: str) -> int:
-    n, count = _index("token", raw), len(view.tokens())
+    layout = view.run.layout  # checked when the run was opened (the batch tool's token names may be fewer)
+    n, count = _index("token", raw), 0 if layout is None else layout.prompt_len
     if n >= count:
         raise BadRequest(f"token={n} is out of range: the run has {count} text token(s); pass 0 to {count - 1}.")
     return n

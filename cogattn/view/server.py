@@ -81,6 +81,7 @@ class ViewServer:
         self._problems: list[str] = []  # runs left out: one line each
         self._unreadable: dict[str, str] = {}  # name -> why, listed as unreadable
         self._runs: dict = {}
+        self._api = None  # the reading side, once imported
         self._opened = threading.Event()
         self._failure: BaseException | None = None  # what stopped the runs from opening (none readable, a bug)
         server = self
@@ -135,7 +136,7 @@ class ViewServer:
         try:
             self._api = _reading_side("api")
             self._runs = self._api.open_runs(path, self._problems, self._unreadable)
-        except BaseException as err:  # every run unreadable, or a bug: the API answers it, main() reports it
+        except BaseException as err:  # no run readable (FileNotFoundError), or a bug: main() reports it
             self._failure = err
         finally:
             self._opened.set()
@@ -143,8 +144,8 @@ class ViewServer:
     def _wait_opened(self):
         """The API, once the runs are open; raises what kept them from opening."""
         self._opened.wait()
-        if self._failure is not None and not self._unreadable:
-            raise self._failure
+        if self._failure is not None and not isinstance(self._failure, FileNotFoundError):
+            raise self._failure  # a bug: every API request answers it (none readable lists the runs that are not)
         return self._api
 
     @property
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cogattn view: {server.url}  opening the runs under {args.path} ...", flush=True)
     try:
         failure = server.opened()
-        if failure is not None and not server.unreadable:  # a bug, not a damaged run: its own traceback
+        if failure is not None and not isinstance(failure, FileNotFoundError):  # a bug, not a damaged run
             raise failure
         if not server.runs:  # one line, naming each run's problem
             print(f"cogattn view: {failure}", file=sys.stderr)
