@@ -3,7 +3,7 @@
 Everything capture holds on its device beyond one layer call's results — the transient tiles of every
 method and a cross-attention's tiles — fits ``memory_budget`` less a headroom of ``min(budget / 32,
 16 MiB)``; a budget too small for the smallest tile is refused with the least budget that would do
-(:func:`too_small`, :func:`least_budget`). Results that wait in host memory between a step's two calls (Wan under guidance, a
+(:class:`TooSmall`, :func:`least_budget`). Results that wait in host memory between a step's two calls (Wan under guidance, a
 selection spanning both halves) share the budget with the tiles on a CPU, where they are the same
 memory, and must fit the host's available memory (:func:`host_available`) on an accelerator.
 :mod:`cogattn.exact.planner` sizes the tiles with these functions.
@@ -29,7 +29,6 @@ __all__ = [
     "parse_bytes",
     "pooled_bytes",
     "row_tile_bytes",
-    "too_small",
     "usable",
     "waiting_bytes",
     "waiting_refusal",
@@ -151,7 +150,7 @@ def context_tile(
 
     fits = usable(budget)
     if cost(1, 1) > fits:
-        raise too_small(budget, cost(1, 1), f"a cross-attention to {context} keys", head_dim)
+        raise TooSmall(budget, cost(1, 1), f"a cross-attention to {context} keys", head_dim)
     if torch.device(device).type == "cpu":
         fits = min(fits, max(CPU_ROW_TILE, cost(1, 1)))
     h = max(1, min(heads, fits // max(1, cost(1, queries))))
@@ -170,8 +169,9 @@ def least_budget(need: int) -> int:
 
 
 class TooSmall(ValueError):
-    """A budget too small for the smallest tile; ``need`` is that tile's bytes, so a plan of several passes
-    refuses once, with the largest (:func:`cogattn.exact.planner.plan_capture`)."""
+    """The one refusal of a budget too small for the smallest tile of ``what`` (a sequence length, or words), naming
+    one number: the least budget that holds ``need`` bytes, that tile's, after the headroom (:func:`least_budget`);
+    a plan of several passes refuses once, with the largest (:func:`one_refusal`)."""
 
     def __init__(self, budget: int, need: int, what: str | int, D: int):
         self.budget, self.need, self.what, self.head_dim = budget, need, what, D
@@ -194,12 +194,6 @@ def one_refusal(*plans) -> list:
     if refused:
         raise max(refused, key=lambda err: err.need)
     return done
-
-
-def too_small(budget: int, need: int, what: str | int, D: int) -> TooSmall:
-    """The one refusal of a budget too small for the smallest tile of ``what`` (a sequence length, or words),
-    naming one number: the least budget that holds ``need`` bytes after the headroom (:func:`least_budget`)."""
-    return TooSmall(budget, need, what, D)
 
 
 def waiting_bytes(reducers, batch, batch_size: int, calls: int, layers: int) -> int:

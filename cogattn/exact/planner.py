@@ -22,7 +22,7 @@ from ..runs.record_file import record_file_bytes
 from . import kernels, memory, passes
 from .attention import fused_lse_supported, joint_extra_bytes
 from .context import context_reducers, plan_context_tiles
-from .memory import CPU_ROW_TILE, too_small, usable
+from .memory import CPU_ROW_TILE, TooSmall, usable
 from .reducers import REDUCERS, Reducer
 
 __all__ = [
@@ -200,7 +200,7 @@ def size_tiles(
         pooled_heads = _largest(lambda h: pooled_bytes(h, 1) <= budget, H)
     if (row_sets and row_rows == 0) or (pooled_pass and pooled_heads == 0):
         # one refusal, naming the budget that holds the smallest tile of each pass
-        raise too_small(asked, max(row_bytes(1, 1) * bool(row_sets), pooled_bytes(1, 1) * pooled_pass), S, D)
+        raise TooSmall(asked, max(row_bytes(1, 1) * bool(row_sets), pooled_bytes(1, 1) * pooled_pass), S, D)
     if pooled_heads:
         pooled_rows = _largest(lambda r: pooled_bytes(pooled_heads, r) <= budget, S) if n_single else S
     peak = max(

@@ -1,5 +1,6 @@
 """The viewer's JSON API: which function answers each request (:func:`answer`), each reading the run with
-:class:`cogattn.view.data.RunView` and :mod:`cogattn.view.sparse`; the page and its assets; the batch tool's files.
+:class:`cogattn.view.data.RunView` and :mod:`cogattn.view.sparse`, and the batch tool's files (the server answers
+the page and its assets itself, before any run is open: :mod:`cogattn.view.page`).
 
 Every parameter is checked before a panel is asked (:func:`cogattn.view.params.parse`); a run that cannot be
 opened answers its one line on every endpoint; ``/file/`` answers only ``NAME/video``, ``NAME/thumbnail`` and
@@ -13,7 +14,7 @@ import json
 
 from .data import RunView, open_runs
 from .files import finite, prompt_of
-from .page import TYPES, page_file
+from .page import TYPES
 from .params import ENDPOINTS, parse
 from .sparse import decay, density, tile, track
 
@@ -43,8 +44,6 @@ def answer(views: dict[str, RunView], unreadable: dict[str, str], path: str, que
     Raises:
         cogattn.view.params.BadRequest: a parameter missing, or out of the run's range (the server answers 400).
     """
-    if (page := page_file(path)) is not None:
-        return 200, *page
     if path == "/api/runs":
         rows = [
             {"name": n, "prompt": prompt_of(v.run), "status": v.run.status, "thumbnail": v.files.thumbnail is not None}
