@@ -83,12 +83,13 @@ class CaptureOptions:
             (``frame``, ``video_to_text``, ``query_frame``, ``block``) and the statistics ``entropy`` and
             ``received`` are computed. All are exact. ``"rows"`` forms row tiles of P; ``"sdpa"`` runs
             fused attention calls on other value matrices (indicator columns; the keys for
-            ``entropy``; a swapped pass for ``received``); ``"triton"`` runs cogattn's fused kernel for
-            the indicator columns (CUDA, or its interpreter). ``"auto"`` picks ``"sdpa"``, or ``"rows"``
-            when each head's rows are formed anyway (``full``, ``topk`` per head) or one row pass costs
-            less than the fused passes the kinds need (on a CPU two or more: ``received``, ``block`` at
-            S/block_size > head dim, several statistics together; on CUDA six); on CUDA with Triton it times the kernel against ``"sdpa"`` at the first capture of each
-            shape and keeps the faster.
+            ``entropy``; a swapped pass for ``received``); ``"triton"`` runs cogattn's Triton kernels for all
+            of them, q and k in the model's dtype (CUDA, or Triton's interpreter; a head dim that is a power of
+            two ≥ 16). ``"auto"`` takes ``"rows"`` when each head's rows are formed anyway (``full``, ``topk``
+            per head); else on CUDA with Triton ``"triton"`` (where its kernels fail to build or run: one
+            warning, ``"sdpa"`` for that shape); else ``"sdpa"``, or ``"rows"`` where one row pass costs less
+            than the fused passes the kinds need (on a CPU two or more: ``received``, ``block`` at
+            S/block_size > head dim, several statistics together).
         layer_output (`"stock" | "lse" | "joint"`, defaults to ``"stock"``): how captured layers compute
             their own attention output (layers not captured always run the stock call).
 

@@ -344,37 +344,6 @@ def test_the_masks_capture_takes_and_those_it_refuses():
     assert query_key_mask(mask, 2, 6) is None
 
 
-@pytest.mark.parametrize("rows,timed", [(8, 1), (2**20, 2)])
-def test_auto_times_the_two_passes_on_the_first_of_the_selected_heads(monkeypatch, rows, timed):
-    """The first capture of a shape under ``auto`` times each pass on the first selected heads that hold
-    ``TIMED_ROWS`` query rows, within the pass's first chunk (its cost is per head), with their lse: one head at
-    a real shape, not every head."""
-    import cogattn.exact.timing as timing
-    from cogattn.exact.passes import HeadView
-    from cogattn.exact.planner import TilePlan
-
-    seen = []
-
-    def pooled_pass(q, k, multi, single, plan, scale, lse, fused=False, *args, **kwargs):
-        seen.append((fused, q.chunk(0, q.shape[0]), k.chunk(0, k.shape[0]), lse))
-
-    monkeypatch.setattr(timing, "TIMED_ROWS", rows)
-    layout = TokenLayout(2, 2, 2, 3)
-    H, S, D = 4, layout.seq_len, 16
-    q, k, lse = torch.randn(H, S, D), torch.randn(H, S, D), torch.randn(2, S)
-    heads = torch.tensor([3, 1])
-    frame = REDUCERS["frame"](layout, 2, False, None)
-    plan = TilePlan("timed", 1, S, 4, S, 0)  # up to four heads per chunk of the pooled pass
-    choice = timing.TimedChoice().choose(
-        HeadView(q, heads), HeadView(k, heads), [(frame, None)], plan, 0.25, lse, pooled_pass
-    )
-    assert choice in ("sdpa", "triton")
-    assert [fused for fused, *_ in seen] == [True, True, False]  # the kernel built, then timed; then the SDPA pass
-    for _, q_n, k_n, lse_n in seen:
-        first = heads[:timed]
-        assert torch.equal(q_n, q[first]) and torch.equal(k_n, k[first]) and torch.equal(lse_n, lse[:timed])
-
-
 @pytest.mark.parametrize("gpu_tiles", [False, True])
 def test_a_masks_rows_count_in_the_tiles_budget(gpu_tiles):
     """The rows of a mask a tile applies are counted in its budget: an additive bias's rows in its dtype (twice under

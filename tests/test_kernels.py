@@ -15,7 +15,7 @@ from cogattn.exact import kernels
 from cogattn.exact.engine import capture
 from cogattn.exact.planner import plan_tiles
 from cogattn.exact.reducers import REDUCERS
-from cogattn.layout import TokenLayout
+from cogattn.layout import KeyGroups, TokenLayout
 from cogattn.models.cogvideox import tiny_pipeline
 
 pytestmark = pytest.mark.skipif(
@@ -25,26 +25,79 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _naive(q, k, heads, keys):
+    """float64 probabilities ``(h, S, keys)`` of the selected heads over the first ``keys`` keys, and their lse."""
+    scores = q[heads].double() @ k[heads, :keys].double().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores, -1), torch.logsumexp(scores, -1)
+
+
+# (S, D, groups): frames as runs in key order; groups of 5 keys (several per key tile) and of 150 (one over
+# several tiles); random groups with keys in none (read through a permutation); ragged tails everywhere
+GROUPINGS = [(150, 16, "runs20"), (133, 32, "runs5"), (200, 16, "runs150"), (150, 16, "random")]
+
+
+def _groups(S, how):
+    if how == "random":
+        g = torch.Generator().manual_seed(1)
+        kept = torch.rand(S, generator=g) < 0.85
+        return KeyGroups(torch.arange(S)[kept], torch.randint(0, 7, (S,), generator=g)[kept], 7)
+    size = int(how[4:])
+    return KeyGroups(torch.arange(S), torch.arange(S) // size, -(-S // size))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S,D,C", [(150, 16, 5), (53, 32, 21), (64, 16, 1), (40, 16, 300)])  # 300: 3 launches
-def test_pooled_sums_match_naive(dtype, S, D, C):
+@pytest.mark.parametrize("S,D,how", GROUPINGS)
+@pytest.mark.parametrize("given", [False, True])
+def test_sweep_matches_naive(dtype, S, D, how, given):
+    """Group sums, lse and entropy of selected heads of a transposed (strided) q, with a key mask keeping all
+    but the last keys, against the float64 softmax; online (no lse) and given the lse."""
     torch.manual_seed(0)
-    H = 2
-    q, k = (torch.randn(H, S, D) * 2).to(dtype), (torch.randn(H, S, D) * 2).to(dtype)
-    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)
-    ind = torch.zeros(S, C)
-    ind[torch.arange(S), torch.randint(0, C, (S,))] = 1
-    out = kernels.pooled_sums(
-        q.to(DEVICE), k.to(DEVICE), torch.logsumexp(scores, -1).float().to(DEVICE), ind.to(DEVICE)
+    H, K = 4, S - 9
+    q = (torch.randn(S, H, D) * 2).to(dtype).transpose(0, 1)  # (H, S, D), not contiguous: read through strides
+    k = (torch.randn(H, S, D) * 2).to(dtype)
+    heads = torch.tensor([2, 0, 3])
+    groups = _groups(S, how)
+    order = kernels.key_order(groups, K, DEVICE)
+    assert (order.perm is None) == (how != "random")
+    P, lse = _naive(q, k, heads, K)
+    swept = kernels.sweep(
+        q.to(DEVICE), k.to(DEVICE), order, heads, lse.float().to(DEVICE) if given else None, True, keys=K
     )
-    ref = torch.softmax(scores, -1) @ ind.double()
-    assert out.shape == (H, S, C) and out.dtype == torch.float32
-    assert (out.cpu().double() - ref).abs().max() <= 1e-5
+    ind = groups.indicator(S, torch.float64)[:K]
+    entropy = -(P * P.clamp_min(1e-300).log()).sum(-1)
+    assert swept.sums.shape == (3, S, groups.num_groups) and swept.sums.dtype == torch.float32
+    assert (swept.sums.cpu().double() - P @ ind).abs().max() <= 1e-5
+    assert (swept.lse.cpu().double() - lse).abs().max() <= 1e-5
+    assert (swept.entropy.cpu().double() - entropy).abs().max() <= 1e-4
+
+
+def test_sweep_without_groups_gives_the_lse_and_entropy():
+    torch.manual_seed(1)
+    q, k = torch.randn(2, 70, 16) * 3, torch.randn(2, 70, 16) * 3
+    swept = kernels.sweep(q.to(DEVICE), k.to(DEVICE), kernels.key_order(None, 70, DEVICE), entropy=True)
+    P, lse = _naive(q, k, torch.arange(2), 70)
+    assert swept.sums is None and (swept.lse.cpu().double() - lse).abs().max() <= 1e-5
+    assert (swept.entropy.cpu().double() + (P * P.log()).sum(-1)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_received_matches_naive(dtype):
+    """The mass each kept key receives from the formed query rows (the rows past a query limit add nothing)."""
+    torch.manual_seed(2)
+    S, K, NQ = 140, 131, 120
+    q, k = (torch.randn(3, S, 32) * 2).to(dtype), (torch.randn(3, S, 32) * 2).to(dtype)
+    heads = torch.tensor([1, 2])
+    P, lse = _naive(q, k, heads, K)
+    mass = kernels.received(q.to(DEVICE), k.to(DEVICE), lse.float().to(DEVICE), heads, queries=NQ, keys=K)
+    assert mass.shape == (2, K)
+    assert (mass.cpu().double() - P[:, :NQ].sum(1)).abs().max() <= 1e-5
 
 
 def test_bad_head_dim_refused():
     with pytest.raises(ValueError, match="head dim 24 is not a power of two"):
-        kernels.pooled_sums(torch.zeros(1, 8, 24), torch.zeros(1, 8, 24), torch.zeros(1, 8), torch.zeros(8, 2))
+        kernels.sweep(torch.zeros(1, 8, 24), torch.zeros(1, 8, 24), kernels.key_order(None, 8, "cpu"))
+    with pytest.raises(ValueError, match="needs a head dim that is a power of two"):
+        plan_tiles([REDUCERS["frame"](TokenLayout(2, 1, 2, 2), 1, False)], 6, 1, 24, 2**30, "triton", DEVICE)
 
 
 @pytest.mark.parametrize("mean", [False, True])
@@ -53,15 +106,15 @@ def test_engine_triton_path_matches_naive(mean):
     layout = TokenLayout(5, 2, 7, 3)
     H, S, D = 3, layout.seq_len, 16
     q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2
-    kinds = ["frame", "video_to_text", "entropy", "received", "query_frame", "block"]
-    reducers = [REDUCERS[kd](layout, H, mean, block_size=6) for kd in kinds]
+    kinds = ["frame", "video_to_text", "entropy", "received", "query_frame", "block", "tile"]
+    reducers = [REDUCERS[kd](layout, H, mean, block_size=6, tile_shape=(1, 2, 2)) for kd in kinds]
     plan = plan_tiles(reducers, S, H, D, 2**30, "triton", DEVICE)
     assert plan.method == "triton"
     outs = [torch.zeros(r.shape(1)[1:], device=DEVICE) for r in reducers]
     capture(q.to(DEVICE), k.to(DEVICE), reducers, outs, plan)
     P = naive_probs(q[None], k[None])
     for kind, out in zip(kinds, outs):
-        ref = naive_kind(P, kind, layout.text_len, layout.grid, block_size=6)[0]
+        ref = naive_kind(P, kind, layout.text_len, layout.grid, block_size=6, tile_shape=(1, 2, 2))[0]
         ref = ref.mean(0, keepdim=True) if mean else ref
         assert (out.cpu().double() - ref).abs().max() <= (1e-4 if kind == "entropy" else 1e-5), kind
 
@@ -110,47 +163,152 @@ def _assert_maps_match_naive(rec, spy):
 
 
 @pytest.fixture
-def timed_on_this_device(monkeypatch):
-    """``auto`` as on CUDA with Triton: the first capture of a shape times the kernel against the SDPA pass."""
+def kernel_on_this_device(monkeypatch):
+    """``auto`` as on CUDA with Triton: it takes cogattn's kernels."""
     import cogattn.exact.planner as planner
 
-    monkeypatch.setattr(planner, "can_time_triton", kernels.available)
+    monkeypatch.setattr(planner, "kernel_serves", lambda device, head_dim: kernels.available(device))
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="counts the calls of the CPU path (its output call gives the lse); "
-                    "tests/test_gpu.py times the passes on CUDA")  # fmt: skip
-@pytest.mark.parametrize("slow", ["triton", "sdpa", "broken"])
-def test_auto_times_both_passes_and_keeps_the_faster(timed_on_this_device, monkeypatch, recwarn, slow):
-    import time
-
+@pytest.mark.parametrize("broken", [False, True])
+def test_auto_takes_the_kernel_and_falls_back_where_it_fails(kernel_on_this_device, monkeypatch, recwarn, broken):
+    """``auto`` runs the kernels (no timing of other passes); where they fail to build or run, one warning, that
+    shape takes the SDPA pass from then on, and the maps are still exact."""
     import cogattn.exact.attention as attention
 
-    real_kernel, real_sdpa = kernels.pooled_sums, attention.sdpa_with_lse
+    real_sweep, real_sdpa = kernels.sweep, attention.sdpa_with_lse
     calls = {"triton": 0, "sdpa": 0}
 
-    def kernel(*a, **kw):
-        if slow == "broken":
-            raise RuntimeError("no kernel image is available for execution on the device")
+    def sweep(*a, **kw):
         calls["triton"] += 1
-        time.sleep(0.3 if slow == "triton" else 0)
-        return real_kernel(*a, **kw)
+        if broken:
+            raise RuntimeError("no kernel image is available for execution on the device")
+        return real_sweep(*a, **kw)
 
     def sdpa(*a, **kw):
         calls["sdpa"] += 1
-        time.sleep(0.3 if slow == "sdpa" else 0)
         return real_sdpa(*a, **kw)
 
-    monkeypatch.setattr(kernels, "pooled_sums", kernel)
+    monkeypatch.setattr(kernels, "sweep", sweep)
     monkeypatch.setattr(attention, "sdpa_with_lse", sdpa)
     stock, out, rec, spy = _record_tiny(layer_output="lse")
-    failed = [w for w in recwarn if "Triton pooled-sum kernel failed" in str(w.message)]
-    assert len(failed) == (slow == "broken")
+    failed = [w for w in recwarn if "Triton kernel failed" in str(w.message)]
+    assert len(failed) == broken
     assert torch.equal(out, stock)
-    assert rec.plan.tiles.method == "timed"
-    (choice,) = rec.chosen_methods.values()
-    assert choice == ("sdpa" if slow in ("triton", "broken") else "triton")
-    # the probe ran each pass once (the kernel twice: build, then timed); all 4 captures then ran the choice
-    probe = {"triton": 0 if slow == "broken" else 2, "sdpa": 1 if slow != "broken" else 0}
-    other = "sdpa" if choice == "triton" else "triton"
-    assert calls[choice] == probe[choice] + 4 and calls[other] == probe[other]
+    assert rec.plan.tiles.method == "triton"
+    assert list(rec.chosen_methods.values()) == ["sdpa" if broken else "triton"]
+    layer_calls = 2 * 2  # 2 steps × 2 layers, the conditional item
+    assert calls["triton"] == (1 if broken else layer_calls)  # tried once, then that shape keeps the SDPA pass
+    assert calls["sdpa"] == (layer_calls if broken else 0)
     _assert_maps_match_naive(rec, spy)
+
+
+SERVED = ["frame", "block", "tile", "query_frame", "video_to_text", "entropy", "received"]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts the kernel calls of the CPU path")
+@pytest.mark.parametrize("kind", SERVED)
+def test_method_triton_runs_the_kernel_for_every_served_kind(kind, monkeypatch):
+    """``method="triton"`` goes through the kernels for each kind it serves (no silent fallback to another pass),
+    and the maps match the naive softmax of the q and k the processors handed over."""
+    import cogattn.exact.engine as engine
+
+    real_sweep, real_received = kernels.sweep, kernels.received
+    calls = []
+    monkeypatch.setattr(kernels, "sweep", lambda *a, **kw: calls.append("sweep") or real_sweep(*a, **kw))
+    monkeypatch.setattr(kernels, "received", lambda *a, **kw: calls.append("received") or real_received(*a, **kw))
+    monkeypatch.setattr(engine, "pooled_pass", lambda *a, **kw: pytest.fail("the SDPA pass ran"))
+    pipe = tiny_pipeline(num_heads=2).to(DEVICE)
+    spy = QKSpy(pipe.transformer)
+    sizes = {"block_size": 8, "tile_shape": (1, 2, 2)}
+    with cogattn.record(pipe, kinds=(kind,), batch="cond", heads="all", method="triton", **sizes) as rec:
+        generate(pipe, steps=1, output_type="latent")
+    spy.remove()
+    layers = len(pipe.transformer.transformer_blocks)
+    assert rec.plan.tiles.method == "triton" and all(c.what == "triton" for c in rec.checks)
+    assert calls.count("sweep") == layers and calls.count("received") == layers * (kind == "received")
+    assert_matches_naive(rec, spy, [1], "all", kinds=(kind,))
+
+
+COMPILE = """
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cogattn.exact import kernels
+
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+stacks = []
+for name, signature, constants, warps, stages in json.loads(sys.argv[1]):
+    sig = dict(signature, **dict.fromkeys(constants, "constexpr"))
+    src = ASTSource(fn=getattr(kernels, name), signature=sig, constexprs=constants)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+    stacks.append(int(re.search(r"STACK:(\\d+)", usage.stdout).group(1)))
+print(json.dumps(stacks))
+"""
+
+SWEEP_ARGS = "Q K HIDX KIDX GID LSE_IN OUT LSE_OUT ENT S NK scale sq_h sq_s sk_h sk_s so_h so_s sl_h".split()
+SWEEP_TYPES = ["*bf16", "*bf16", "*i32", "*i32", "*i32", *["*fp32"] * 4, "i32", "i32", "fp32", *["i32"] * 7]
+RECEIVED_ARGS = "Q K HIDX LSE OUT NQ NK scale sq_h sq_s sk_h sk_s sl_h so_h".split()
+RECEIVED_TYPES = ["*bf16", "*bf16", "*i32", "*fp32", "*fp32", "i32", "i32", "fp32", *["i32"] * 6]
+
+
+def test_kernels_compile_for_a_gpu_without_spilling():
+    """Every launch config the autotuner may take builds for an H100/H200 with Triton's own compiler and ptxas (no
+    GPU needed: the compiled path's front end, passes and register allocation, which the interpreter never runs),
+    for bf16 (and float32), the lse found online, permuted key groups and entropy (the most the sweep carries), at head dims 64
+    and 128, and keeps its state in registers (no stack: no spills); so does ``received``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    cuobjdump = os.path.join(os.path.dirname(kernels.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton ships no cuobjdump")
+    jobs = []
+    for D in (64, 128):
+        for bm, bn, warps, stages, _ in [c for c in kernels.CONFIGS if D <= c[-1]]:
+            flags = dict(GIVEN_LSE=False, PERMUTED=True, GROUPS=True, ENTROPY=True, FP32=False, UPCAST=False)
+            sweep = ["_sweep_kernel", dict(zip(SWEEP_ARGS, SWEEP_TYPES)), dict(D=D, BM=bm, BN=bn, **flags)]
+            jobs.append([*sweep, warps, stages])
+        fp32 = dict(zip(SWEEP_ARGS, SWEEP_TYPES), Q="*fp32", K="*fp32")  # a float32 model: 3×TF32 products
+        jobs.append(["_sweep_kernel", fp32, dict(D=D, BM=64, BN=64, **dict(flags, FP32=True)), 4, 3])
+        received = dict(D=D, BM=64, BN=64, FP32=False, UPCAST=False)
+        jobs.append(["_received_kernel", dict(zip(RECEIVED_ARGS, RECEIVED_TYPES)), received, 4, 3])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled path, not the interpreter
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE, json.dumps(jobs)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    stacks = json.loads(done.stdout.strip().splitlines()[-1])
+    spilled = [(j[0], j[2]["D"], j[2]["BM"], j[2]["BN"], j[3], j[4], s) for j, s in zip(jobs, stacks) if s]
+    assert len(stacks) == len(jobs) and not spilled, spilled
+
+
+def test_a_gpu_launch_takes_the_configs_of_its_head_dim(monkeypatch):
+    """Compiled (not interpreted), each kernel launches through the autotuner holding the configs its head dim keeps
+    in registers, over a grid of the tuned block: query blocks for the sweep, key blocks for ``received``."""
+    seen = []
+
+    class Tuned:  # stands in for Triton's autotuner: the grid it would launch under a config
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **constants: seen.append((self.name, grid({"BM": 128, "BN": 32}), constants["D"]))
+
+    monkeypatch.setattr(kernels, "interpreted", lambda: False)
+    monkeypatch.setattr(kernels, "_sweep_tuned", {64: Tuned("sweep ≤ 64"), 256: Tuned("sweep ≤ 256")})
+    monkeypatch.setattr(kernels, "_received_tuned", {64: Tuned("received ≤ 64"), 256: Tuned("received ≤ 256")})
+    q = torch.zeros(2, 300, 128, dtype=torch.bfloat16)
+    kernels.sweep(q, q, kernels.key_order(None, 300, "cpu"), entropy=True)
+    kernels.received(q[..., :64], q[..., :64], torch.zeros(2, 300), keys=290)
+    assert seen == [("sweep ≤ 256", (3, 2), 128), ("received ≤ 64", (10, 2), 64)]
+    assert all(d >= 64 for *_, d in kernels.CONFIGS) and any(d == 64 for *_, d in kernels.CONFIGS)

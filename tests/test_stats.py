@@ -60,24 +60,24 @@ def test_each_statistic_costs_the_passes_it_should_and_is_exact(monkeypatch, kin
     assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
 
 
-CHOICES = [  # (kinds, sizes, on a CPU, on CUDA)
-    (("entropy",), {}, "sdpa", "timed"),  # one pass: the keys as values
-    (("query_frame",), {}, "sdpa", "timed"),  # one pass: 14 indicator columns
-    (("received",), {}, "rows", "timed"),  # the lse, then the swapped pass: two
-    (("received",), {"layer_output": "lse"}, "sdpa", "timed"),  # the output call's lse: one
-    (("entropy", "received"), {}, "rows", "timed"),  # entropy's lse serves received: two
-    (("block",), {}, "sdpa", "timed"),  # 139 blocks: runs of keys, each meeting at most 64: one pass
-    (("block",), {"block_size": 2048}, "sdpa", "timed"),  # 9 blocks: one pass
-    (("entropy", "received", "query_frame", "block"), {}, "rows", "timed"),  # three
-    (("entropy", "received", "block"), {"block_size": 16}, "rows", "timed"),  # 1,111 blocks in runs of keys: three
-    (("tile",), {"tile_shape": (1, 8, 8)}, "sdpa", "timed"),  # 313 tiles, each within its frame: one pass
+CHOICES = [  # (kinds, sizes, on a CPU, on CUDA with Triton: cogattn's kernels whenever no rows are formed)
+    (("entropy",), {}, "sdpa", "triton"),  # one pass: the keys as values
+    (("query_frame",), {}, "sdpa", "triton"),  # one pass: 14 indicator columns
+    (("received",), {}, "rows", "triton"),  # the lse, then the swapped pass: two
+    (("received",), {"layer_output": "lse"}, "sdpa", "triton"),  # the output call's lse: one
+    (("entropy", "received"), {}, "rows", "triton"),  # entropy's lse serves received: two
+    (("block",), {}, "sdpa", "triton"),  # 139 blocks: runs of keys, each meeting at most 64: one pass
+    (("block",), {"block_size": 2048}, "sdpa", "triton"),  # 9 blocks: one pass
+    (("entropy", "received", "query_frame", "block"), {}, "rows", "triton"),  # three
+    (("entropy", "received", "block"), {"block_size": 16}, "rows", "triton"),  # 1,111 blocks in runs of keys: three
+    (("tile",), {"tile_shape": (1, 8, 8)}, "sdpa", "triton"),  # 313 tiles, each within its frame: one pass
     (("topk",), {}, "rows", "rows"),  # every score of a row
 ]
 
 
 @pytest.mark.parametrize("kinds,sizes,cpu,cuda", CHOICES)
 def test_auto_takes_row_tiles_where_one_row_pass_beats_the_fused_passes(kinds, sizes, cpu, cuda, monkeypatch):
-    monkeypatch.setattr(cogattn.exact.planner, "can_time_triton", lambda device: device.type == "cuda")
+    monkeypatch.setattr(cogattn.exact.planner.kernels, "available", lambda device: device.type == "cuda")
     for device, method in (("cpu", cpu), ("cuda", cuda)):
         est = cogattn.estimate(
             "THUDM/CogVideoX-2b", num_frames=49, height=480, width=720, num_inference_steps=50, kinds=kinds,

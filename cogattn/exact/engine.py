@@ -10,10 +10,12 @@ the same numbers as the naive ``softmax(q @ k.T * scale)`` in float32:
 * :func:`pooled_pass`, per head chunk, for the key-pooled kinds and the statistics without forming P
   (the passes are in :mod:`cogattn.exact.passes`): ``entropy`` from one fused pass with the keys as values;
   multi-key groups from indicator values (``Σ_{j∈group} P[i, j] = (P·V)[i, group]`` for the indicator
-  ``V``: one fused SDPA call on ``V``, which also returns every row's log-sum-exp), from cogattn's
-  Triton kernel (given the lse), or as the output call gave them (``layer_output="joint"``); then
-  single-key columns from :func:`single_key_columns`, ``exp(q·kᵀ·scale − lse)``, at a cost of
-  ``S·C·D``; then ``received`` from one fused pass with queries and keys swapped.
+  ``V``: one fused SDPA call on ``V``, which also returns every row's log-sum-exp), or as the output call
+  gave them (``layer_output="joint"``); then single-key columns from :func:`single_key_columns`,
+  ``exp(q·kᵀ·scale − lse)``, at a cost of ``S·C·D``; then ``received`` from one fused pass with queries and
+  keys swapped.
+* :func:`~cogattn.exact.kernel_pass.kernel_pass` (``method="triton"``, what ``auto`` takes on CUDA): the same
+  kinds from cogattn's Triton kernels, q and k in the model's dtype, no indicator and no float32 copies.
 
 Why each is exact is in docs/design.md. The matmuls run in full float32 (no TF32) whatever the
 script set for the model (:func:`full_fp32_matmul`).
@@ -25,15 +27,15 @@ import math
 
 import torch
 
-from . import attention, passes
+from . import passes
 from .checks import RowProbe
+from .kernel_pass import KernelChoice, kernel_pass
 from .passes import full_fp32_matmul
 from .planner import TilePlan, all_rows
 from .reducers import Reducer
-from .timing import TimedChoice
 
 __all__ = [
-    "TimedChoice",
+    "KernelChoice",
     "capture",
     "capture_items",
     "multi_key_indicator",
@@ -53,7 +55,7 @@ def capture(
     scale: float | None = None,
     lse: torch.Tensor | None = None,
     sums: torch.Tensor | None = None,
-    timed: TimedChoice | None = None,
+    choice: KernelChoice | None = None,
     probe=None,
     keys: int | None = None,
     queries: int | None = None,
@@ -61,7 +63,7 @@ def capture(
     value: torch.Tensor | None = None,
 ) -> str:
     """Fold exact float32 attention probabilities of one batch item into ``outs``; returns the method that
-    served the key-pooled kinds (``"timed"`` made concrete).
+    served the key-pooled kinds (``"sdpa"`` where ``auto``'s kernel fell back).
 
     Args:
         q (`torch.Tensor`): queries ``(H, S, D)``, any float dtype.
@@ -77,7 +79,8 @@ def capture(
         sums (`torch.Tensor | None`): with ``lse``, the multi-key groups' sums ``(H, S, C)`` (all heads, the
             groups of the key-pooled reducers side by side, any dtype) when the output call computed them
             (``plan.method == "joint"``); nothing then needs an attention pass.
-        timed (`TimedChoice | None`): keeps the measured choices of ``plan.method == "timed"``.
+        choice (`KernelChoice | None`): under ``method="auto"``, the shapes whose kernel failed and fell back to the
+            SDPA pass (warned once); `None`: a ``"triton"`` asked for raises instead.
         probe (`cogattn.exact.checks.RowProbe | None`): keeps the key-pooled values of a few query rows as the
             method produced them, for a spot check.
         keys (`int | None`): with a key mask that keeps the first ``keys`` keys of this item (padded text at
@@ -106,7 +109,7 @@ def capture(
         for red in valued:
             red.value = passes.HeadView(value, heads)
         try:
-            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, timed, probe, keys, queries, mask)
+            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, choice, probe, keys, queries, mask)
         finally:
             for red in valued:
                 red.release()
@@ -114,7 +117,7 @@ def capture(
         for red in reducers:
             red.query_limit = int(queries)
         try:
-            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, timed, probe, keys, mask=mask)
+            return capture(q, k, reducers, outs, plan, heads, scale, lse, sums, choice, probe, keys, mask=mask)
         finally:
             for red, out in zip(reducers, outs):
                 red.clear_unformed(out, red.query_limit)
@@ -145,12 +148,15 @@ def capture(
         if lse is not None and heads is not None:
             lse = lse.index_select(0, heads.to(lse.device))
         given = None if sums is None else passes.HeadView(sums, heads)
-        method = plan.method
-        if method == "timed":
-            method = (timed or TimedChoice()).choose(q, k, multi, plan, scale, lse, pooled_pass)
-        fused = method == "triton"
-        pooled_pass(q, k, multi, single, plan, scale, lse, fused, given, probe, stats, keys)
-        return method
+        if plan.method == "triton":
+            run = lambda: kernel_pass(q, k, multi, single, plan, scale, lse, probe, stats, keys)  # noqa: E731
+            if choice is None:
+                run()
+                return "triton"
+            if choice.run(run, (str(q.device), q.x.dtype, S, q.shape[0], D), [o for _, o in pooled], probe):
+                return "triton"
+        pooled_pass(q, k, multi, single, plan, scale, lse, given, probe, stats, keys)
+        return "sdpa" if plan.method == "triton" else plan.method
     return plan.method
 
 
@@ -163,7 +169,7 @@ def capture_items(
     heads: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     sums: torch.Tensor | None = None,
-    timed: TimedChoice | None = None,
+    choice: KernelChoice | None = None,
     probe_rows: torch.Tensor | None = None,
     key_counts=None,
     query_counts=None,
@@ -197,7 +203,7 @@ def capture_items(
                 heads,
                 lse=None if lse is None else lse[b],
                 sums=None if sums is None else sums[b],
-                timed=timed,
+                choice=choice,
                 probe=probe,
                 keys=None if key_counts is None else int(key_counts[b]),
                 queries=None if query_counts is None else int(query_counts[b]),
@@ -291,15 +297,13 @@ def pooled_pass(
     plan: TilePlan,
     scale: float,
     given_lse: torch.Tensor | None = None,
-    fused: bool = False,
     given_sums: passes.HeadView | None = None,
     probe=None,
     stats=(),
     keys: int | None = None,
 ) -> None:
     """Key-pooled kinds and row statistics per head chunk: ``entropy`` (:func:`entropy_pass`), the multi-key
-    groups' sums (:func:`indicator_sums`, :func:`triton_sums` when ``fused``, or ``given_sums`` from the
-    output call), single-key columns (:func:`single_key_columns`), then ``received``
+    groups' sums (:func:`indicator_sums`, or ``given_sums`` from the output call), single-key columns (:func:`single_key_columns`), then ``received``
     (:func:`received_pass`), the last two from the rows' lse (``given_lse`` ``(H, S)``, or a pass's). With
     ``keys`` < S the attention passes run on the first ``keys`` keys alone (the rest are masked: 0)."""
     H, S, D = q.shape
@@ -334,11 +338,6 @@ def pooled_pass(
         sums = None
         if multi and given_sums is not None:
             sums = given_sums.chunk(h0, h1)
-        elif multi and fused:
-            qm, km = q.chunk(h0, h1, dtype=None), k.chunk(h0, h1, dtype=None)  # the model's dtype
-            lse = attention.lse_only(qm[None], km[None, :, :K], scale) if lse is None else lse
-            sums = passes.triton_sums(qm, km[:, :K], lse[0], indicator[:, :n_cols], scale)  # the kept keys
-            del qm, km
         elif multi or (lse is None and (single or received)):
             sums, pass_lse = passes.indicator_sums(qf, kf, indicator, n_calls, scale, ranges)
             lse, lse_from_output = pass_lse, False  # a float32 pass's, as above

@@ -3,7 +3,7 @@ asked), sums over runs of keys, and the fused attention passes with other value 
 
 Each function computes, for one chunk of heads, quantities the naive ``softmax(q @ k.T * scale)`` in
 float32 defines, without forming P where it is a fused pass: the multi-key group sums from indicator
-values (:func:`indicator_sums`) or cogattn's kernel (:func:`triton_sums`), every row's entropy from the
+values (:func:`indicator_sums`), every row's entropy from the
 keys as values (:func:`entropy_pass`), and the mass every key receives from a pass with queries and keys
 swapped (:func:`received_pass`). Why each is exact is in docs/design.md.
 """
@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from . import attention, kernels
+from . import attention
 from .reducers import Reducer
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "run_sums",
     "softmax_",
     "softmax_entropy",
-    "triton_sums",
 ]
 
 
@@ -232,12 +231,6 @@ def indicator_sums(
             sums[..., c * D : (c + 1) * D] = out[0]
         del out
     return sums, lse
-
-
-def triton_sums(qm: torch.Tensor, km: torch.Tensor, lse: torch.Tensor, indicator: torch.Tensor, scale: float):
-    """The multi-key sums ``(h, S, C)`` from cogattn's fused kernel, given the rows' lse ``(h, S)``, with q
-    and k ``(h, S, D)`` in the model's dtype (:func:`cogattn.exact.kernels.pooled_sums`)."""
-    return kernels.pooled_sums(qm, km, lse, indicator, scale)
 
 
 class TileBuffer:

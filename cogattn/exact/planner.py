@@ -4,10 +4,8 @@ and what the records will cost.
 :func:`plan_capture` is the one planner: ``Recording`` calls it at the first transformer call of a
 generation, and ``cogattn.estimate`` calls it from a model config alone, so an estimate is the plan of
 the run it predicts. It resolves the options against the call, builds the reducers, chooses the
-method (:func:`choose_method`) and sizes the tiles within the memory budget (:func:`size_tiles`).
-
-The tile sizes bound the transient float32 working set; the reducers' results are not counted (they
-are what the user asked for) but are reported with the plan.
+method (:func:`choose_method`) and sizes the tiles within the memory budget (:func:`size_tiles`), which bound
+the transient float32 working set (the results, what the user asked for, are reported with the plan).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ __all__ = [
     "CapturePlan",
     "ModelShape",
     "TilePlan",
-    "can_time_triton",
+    "kernel_serves",
     "choose_method",
     "fused_passes",
     "plan_capture",
@@ -38,10 +36,9 @@ __all__ = [
 ]
 
 _MAX_ROWS = 1024  # larger row tiles stop paying off and only add latency
-POOLED_METHODS = ("sdpa", "triton", "timed", "joint")  # methods that serve key-pooled kinds without row tiles
-# ``auto`` takes row tiles when the fused method needs this many passes or more: on a CPU one row pass
-# with every fold costs about two fused passes (docs/benchmarks.md); on a GPU the fused kernels keep P
-# out of memory, which row tiles write and read back, so rows win only against many passes.
+POOLED_METHODS = ("sdpa", "triton", "joint")  # methods that serve key-pooled kinds without row tiles
+# ``auto`` takes row tiles when the SDPA passes are this many or more: on a CPU one row pass with every fold costs
+# about two (docs/benchmarks.md); on a GPU (without Triton) the fused kernels keep P out of memory: an estimate.
 ROWS_BEAT_PASSES = {"cpu": 2, "cuda": 6}
 
 
@@ -50,9 +47,8 @@ class TilePlan:
     """Chunk sizes for one layer call.
 
     Args:
-        method (`str`): how key-pooled kinds are computed: ``"rows"``, ``"sdpa"``, ``"triton"``,
-            ``"joint"`` (the output call brings them), or ``"timed"`` (``sdpa`` or ``triton``, whichever
-            the first capture of a shape measures faster).
+        method (`str`): how key-pooled kinds are computed: ``"rows"``, ``"sdpa"``, ``"triton"`` (cogattn's
+            kernels), or ``"joint"`` (the output call brings them).
         row_heads (`int`): heads per row tile.
         row_rows (`int`): query rows per row tile.
         pooled_heads (`int`): heads per chunk of the pooled pass (0 when no pooled pass runs).
@@ -74,10 +70,10 @@ def all_rows(reducer: Reducer, S: int) -> bool:
     return rows is not None and len(rows) == S and bool(torch.equal(rows.cpu(), torch.arange(S)))
 
 
-def can_time_triton(device: torch.device) -> bool:
-    """Whether ``auto`` times the Triton kernel against the SDPA pass (CUDA with Triton; the interpreter on
-    the CPU is far slower than SDPA, so there ``auto`` means ``sdpa``)."""
-    return device.type == "cuda" and kernels.available(device)
+def kernel_serves(device: torch.device, head_dim: int) -> bool:
+    """Whether ``auto`` takes cogattn's Triton kernels: CUDA with Triton and a head dim they take (the interpreter
+    on a CPU is far slower than SDPA: there ``auto`` means ``sdpa``)."""
+    return device.type == "cuda" and kernels.available(device) and kernels.takes_head_dim(head_dim)
 
 
 def pooled_kinds(reducers: list[Reducer]) -> list[Reducer]:
@@ -104,10 +100,9 @@ def choose_method(
 ) -> str:
     """The method that serves the key-pooled kinds and statistics of ``reducers``: ``method`` as asked (one
     of ``CaptureOptions.method``, or ``"joint"`` for ``layer_output="joint"``), with ``"auto"`` made
-    concrete: row tiles when they are formed anyway (``full``, ``topk``), when there is no fused kernel,
-    or when the fused passes would be :data:`ROWS_BEAT_PASSES` or more for the device (on a CPU one row
-    pass with every fold costs about two fused passes: docs/benchmarks.md). Raises `ValueError` when the
-    asked method cannot run on ``device``."""
+    concrete: row tiles when they are formed anyway (``full``, ``topk``) or when there is no fused kernel; else
+    cogattn's Triton kernels where they serve (:func:`kernel_serves`: CUDA); else row tiles when the SDPA passes
+    would be :data:`ROWS_BEAT_PASSES` or more, or the SDPA passes. `ValueError` where ``method`` cannot run."""
     device = torch.device(device)
     if not pooled_kinds(reducers):
         return "rows"  # every kind is served by row tiles
@@ -115,15 +110,21 @@ def choose_method(
         formed = any(all_rows(r, seq_len) and not r.mean_rows for r in reducers)  # head-mean rows serve no other kind
         if formed or not fused_lse_supported(device):
             return "rows"  # each head's rows are formed anyway (``full``, ``topk``), or there is no fused kernel
+        if kernel_serves(device, head_dim):
+            return "triton"
         if fused_passes(reducers, head_dim, lse_given) >= ROWS_BEAT_PASSES.get(device.type, 6):
             return "rows"
-        return "timed" if can_time_triton(device) else "sdpa"
+        return "sdpa"
     if method == "joint" and not fused_lse_supported(device):
         raise ValueError(f"layer_output='joint' needs a fused attention kernel with log-sum-exp; device is {device}.")
     if method == "triton" and not kernels.available(device):
         raise ValueError(
             f"method='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); device is {device}, Triton "
             f"{'is' if kernels.triton is not None else 'is not'} installed. Use method='auto'."
+        )
+    if method == "triton" and not kernels.takes_head_dim(head_dim):
+        raise ValueError(
+            f"method='triton' needs a head dim that is a power of two ≥ 16, not {head_dim}. Use method='auto'."
         )
     if method == "sdpa" and not fused_lse_supported(device):
         raise ValueError(f"method='sdpa' needs a fused attention kernel with log-sum-exp; device is {device}.")

@@ -44,7 +44,7 @@ class Capture:
         self.stopped = False  # the generation went on with another video: later calls are not captured
         self.joint_indicator: torch.Tensor | None = None
         self.tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method, lse) of the calls seen
-        self.timed = engine.TimedChoice()
+        self.kernel = engine.KernelChoice()
         self.verifier = Verifier(options.verify)
         self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
         self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
@@ -228,7 +228,17 @@ class Capture:
                 self.text_spans.setdefault(slot, self.steps.spans[b])
         args = (query, key, items, reducers)
         outs, used, probes = engine.capture_items(
-            *args, tiles, heads, lse, sums, self.timed, rows, counts, formed, mask, value if self.wants_value else None
+            *args,
+            tiles,
+            heads,
+            lse,
+            sums,
+            self.kernel if self.options.method == "auto" else None,
+            rows,
+            counts,
+            formed,
+            mask,
+            value if self.wants_value else None,
         )
         if probes:
             what = used if lse is None or used == "joint" else f"{used}, lse of the output call"

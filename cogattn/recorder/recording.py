@@ -148,8 +148,8 @@ class Recording:
     )
 
     chosen_methods = property(
-        lambda self: dict(self._capture.timed.chosen),
-        doc='What ``method="auto"`` measured on CUDA with Triton: shape → ``"sdpa"`` or ``"triton"``.',
+        lambda self: dict(self._capture.kernel.chosen),
+        doc='``method="auto"`` on CUDA, per shape: ``"triton"`` (the kernel), or ``"sdpa"`` where it failed (warned).',
     )
 
     # -- step tracking -----------------------------------------------------------------------------

@@ -112,22 +112,36 @@ def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
 
 
 class MemoryStore:
-    """Results kept in memory as float32 CPU tensors (a recording with no ``save_dir``)."""
+    """Results kept in memory as float32 CPU tensors (a recording with no ``save_dir``). A CUDA result is copied
+    into pinned memory without blocking (no device sync a layer) and waited for when first read."""
 
     def __init__(self):
         self._results: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._copying: dict[tuple[str, int, int], torch.cuda.Event] = {}
 
     def put(self, kind: str, step: int, layer: int, timestep: float | None, tensor: torch.Tensor) -> None:
-        self._results[(kind, step, layer)] = tensor.cpu()
+        key = (kind, step, layer)
+        if tensor.device.type != "cuda":
+            self._results[key] = tensor.cpu()
+            return
+        with torch.cuda.device(tensor.device):  # the copy and its event on the tensor's own device and stream
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._copying[key] = torch.cuda.Event()
+            self._copying[key].record(torch.cuda.current_stream(tensor.device))
+        self._results[key] = host
 
     def keys(self) -> list[tuple[str, int, int]]:
         return sorted(self._results)
 
     def get(self, kind: str, step: int, layer: int) -> torch.Tensor:
-        try:
-            return REDUCERS[kind].unpack(self._results[(kind, step, layer)])
-        except KeyError:
-            raise NotRecordedError(missing_message(kind, step, layer, self.keys())) from None
+        key = (kind, step, layer)
+        if key not in self._results:
+            raise NotRecordedError(missing_message(kind, step, layer, self.keys()))
+        copying = self._copying.pop(key, None)
+        if copying is not None:
+            copying.synchronize()
+        return REDUCERS[kind].unpack(self._results[key])
 
     def close(self, meta: dict | None = None) -> None:
         pass
