@@ -23,6 +23,7 @@ from ..exact.checks import SpotCheck, Verifier, probe_rows
 from ..exact.context import context_pass
 from ..exact.planner import CapturePlan, TilePlan, plan_tiles
 from ..runs.skips import Skips
+from .mesh import Mesh
 
 __all__ = ["Capture"]
 
@@ -45,6 +46,7 @@ class Capture:
         self.joint_indicator: torch.Tensor | None = None
         self.tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method, lse) of the calls seen
         self.kernel = engine.KernelChoice()
+        self.mesh: Mesh | None = None  # the context-parallel mesh, found at the generation's first call
         self.verifier = Verifier(options.verify)
         self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
         self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
@@ -198,24 +200,61 @@ class Capture:
         res, reducers = self.plan.resolved, self.plan.reducers
         if value is None and self.wants_value:
             raise RuntimeError("pattern_error needs the attention's values; this family's processor hands over none.")
-        B, H, S, D = query.shape
-        if (whole := self._whole(B)) is None:
+        if (whole := self._whole(query.shape[0])) is None:
             return
         items, slots = whole
+        if self.mesh is not None:
+            self._sharded(layer, query, key, value, key_counts, query_counts, mask, items, slots)
+            return
+        outs = self._outs(
+            layer, query, key, reducers, res.heads, lse, sums, key_counts, query_counts, mask, value, items, slots
+        )
+        for red, out in zip(reducers, outs):
+            self._put(red.kind, layer, out, slots, "self")
+
+    def _sharded(self, layer, query, key, value, key_counts, query_counts, mask, items, slots) -> None:
+        """:meth:`capture` under context parallelism (:mod:`cogattn.recorder.mesh`): this rank's part of the heads
+        over every token, its kinds by the engine, put together on rank 0 (kinds of the head-mean row: all heads
+        on rank 0)."""
+        res, mesh, S = self.plan.resolved, self.mesh, self.plan.resolved.layout.seq_len
+        if mask is not None:
+            raise RuntimeError("a query-key mask under context parallelism: cogattn cannot put its split together.")
+        for whole in (False, True):
+            group = [r for r in self.plan.reducers if r.mean_rows == whole]
+            if not group:
+                continue
+            parts = mesh.parts(res.heads, whole)
+            q, k = mesh.exchange(query, parts, S), mesh.exchange(key, parts, S)
+            v = None if value is None or not self.wants_value else mesh.exchange(value, parts, S)
+            h = len(parts[mesh.rank])
+            local = [mesh.local(r, h) for r in group]
+            args = (tuple(range(h)), None, None, key_counts, query_counts, None, v, items, slots)
+            outs = self._outs(layer, q, k, local, *args) if h else [q.new_zeros(r.shape(len(items))) for r in local]
+            for red, out in zip(group, outs):
+                if (full := mesh.combine(out.float(), red, parts)) is not None:
+                    self._put(red.kind, layer, full, slots, "self")
+
+    def _outs(
+        self, layer, query, key, reducers, chosen, lse, sums, key_counts, query_counts, mask, value, items, slots
+    ):
+        """The engine's results of ``reducers`` for the heads ``chosen`` of ``query`` and ``key`` ``(B, H, S, D)``,
+        spot-checked (a shape that fails goes back to row tiles)."""
+        res = self.plan.resolved
+        B, H, S, D = query.shape
         if S != res.layout.seq_len:
             raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
         # The engine copies q and k per head chunk unless they already are contiguous float32 with every head.
-        all_heads = res.heads == tuple(range(H))  # every head, in the model's order: no gather needed
+        all_heads = chosen == tuple(range(H))  # every head, in the model's order: no gather needed
         copies = query.dtype != torch.float32 or not all_heads or not query[0].is_contiguous()
-        shape = (str(query.device), query.dtype, S, len(res.heads), D)
+        shape = (str(query.device), query.dtype, S, len(chosen), D)
         method = "rows" if shape in self.verifier.rows_only else self.plan.tiles.method
         if method == "joint" and lse is None:  # the output call fell back to the stock one
             method = "auto"
         if mask is not None:  # the fused passes take no mask: row tiles apply it
             method = "rows"
         cost = passes.mask_cost(mask)  # the mask's rows of a tile count in the budget
-        tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, method, lse is not None, cost)
-        heads = None if all_heads else torch.tensor(res.heads, device=query.device)
+        tiles = self._tiles_for(S, len(chosen), D, query.device, copies, method, lse is not None, cost)
+        heads = None if all_heads else torch.tensor(chosen, device=query.device)
         kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
         checked = tiles.method != "rows" and self.verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
         rows = probe_rows(res.layout) if checked else None
@@ -246,7 +285,7 @@ class Capture:
             check = self.verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, what, scale, counts)
             if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
                 self.verifier.maps_failed(check, shape)
-                rows_tiles = self._tiles_for(S, len(res.heads), D, query.device, copies, "rows")
+                rows_tiles = self._tiles_for(S, len(chosen), D, query.device, copies, "rows")
                 outs, _, _ = engine.capture_items(
                     *args,
                     rows_tiles,
@@ -255,8 +294,7 @@ class Capture:
                     query_counts=formed,
                     value=value if self.wants_value else None,
                 )
-        for red, out in zip(reducers, outs):
-            self._put(red.kind, layer, out, slots, "self")
+        return outs
 
     @torch.no_grad()
     def capture_context(
@@ -274,6 +312,15 @@ class Capture:
         if not reducers:
             return
         red = reducers[0]
+        chosen = self.plan.context_heads.get(red.source, res.heads)
+        if self.mesh is not None:  # this rank's part of the heads over every query (and key) token
+            parts = self.mesh.parts(chosen)
+            lengths = (red.query_len, layout.video_len, layout.seq_len)
+            query = self.mesh.exchange(query, parts, self.mesh.full_length(query.shape[2], lengths))
+            if bias is not None and self.mesh.sharded(key, red.context_len):
+                bias = self.mesh.gather_tokens(bias, red.context_len)
+            key = self.mesh.exchange(key, parts, red.context_len)
+            reducers = [self.mesh.local(r, len(parts[self.mesh.rank])) for r in reducers]
         if red.video_queries and layout.history_len and query.shape[2] == layout.video_len:  # no (f, y, x)
             query = query[:, :, layout.history_len :]
         if query.shape[2] != red.query_len or key.shape[2] != red.context_len:
@@ -288,7 +335,14 @@ class Capture:
         if (whole := self._whole(query.shape[0])) is None:
             return
         items, slots = whole
-        chosen = self.plan.context_heads.get(red.source, res.heads)
+        if self.mesh is not None:
+            h, tiles = len(parts[self.mesh.rank]), self.plan.context_tiles[red.source]
+            outs = context_pass(query, key, items, reducers, None, tiles, bias) if h else None
+            outs = outs or [query.new_zeros(r.shape(len(items))) for r in reducers]
+            for red, out in zip(reducers, outs):  # the whole result on rank 0
+                if (full := self.mesh.combine(out.float(), red, parts)) is not None:
+                    self._put(red.kind, layer, full, slots, "context")
+            return
         heads = None if chosen == tuple(range(query.shape[1])) else torch.tensor(chosen, device=query.device)
         outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[red.source], bias)
         for red, out in zip(reducers, outs):

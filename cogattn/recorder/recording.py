@@ -20,12 +20,12 @@ from ..exact.checks import SpotCheck
 from ..exact.planner import CapturePlan, ModelShape, plan_capture
 from ..layout import TokenLayout
 from ..options import CaptureOptions
-from ..runs.run_values import layout_json
 from ..runs.skips import Skips, cache_in_use
 from ..runs.store import MemoryStore, RunWriter, StoreError
-from ..version import __version__
 from .capture import Capture
 from .guiders import Branches
+from .mesh import ElsewhereStore, distributed
+from .meta import run_meta
 from .sites import Transformers, find_transformer
 from .steps import StepTracker, WeakHook
 
@@ -76,9 +76,11 @@ class Recording:
         self._closed = False
         self._entered = False  # used as a context manager: a second generation raises instead of closing
         self._status = "running"
-        if self.options.save_dir is None:
-            self._store: MemoryStore | RunWriter = MemoryStore()
-        else:
+        # In a torch.distributed process the run folder waits for the first call: rank 0 of a context-parallel mesh
+        # alone makes it, and that mesh is known then (enable_parallelism may come after record)
+        self._deferred = self.options.save_dir is not None and distributed()
+        self._store: MemoryStore | RunWriter | ElsewhereStore = MemoryStore()
+        if self.options.save_dir is not None and not self._deferred:
             self._store = RunWriter.create(
                 self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
             )
@@ -98,6 +100,12 @@ class Recording:
             return self._store.get(kind, step, layer)
         except NotRecordedError as err:
             raise self.skipped.error(kind, step, layer, self._sources.get(kind), self.options.batch, str(err)) from None
+
+    mesh = property(
+        lambda self: self._capture.mesh,
+        doc="The context-parallel mesh (:class:`cogattn.recorder.mesh.Mesh`: ``ring``, ``ulysses``, ``rank``, ``writer``)"
+        " from the generation's first call, `None` without one; only its ``writer`` (rank 0) holds the results.",
+    )
 
     @property
     def skipped(self) -> Skips:
@@ -209,7 +217,26 @@ class Recording:
 
     def _start(self, layout: TokenLayout, batch_size: int, device: torch.device) -> None:
         """First call of the generation: plan the capture (errors before any block runs)."""
-        self._models.check_unsharded()
+        mesh = self._capture.mesh = self._models.mesh()
+        if mesh is not None and self.options.layer_output != "stock":
+            raise ValueError(
+                f"layer_output={self.options.layer_output!r} makes the layer's output in cogattn's own call, past "
+                f"diffusers' context-parallel dispatch (ring {mesh.ring} × ulysses {mesh.ulysses}): use 'stock'."
+            )
+        if self._deferred or (mesh is not None and not mesh.writer):
+            self._deferred = False
+            writes = self.options.save_dir is not None and (mesh is None or mesh.writer)
+            self._store = self._capture.store = (
+                ElsewhereStore(mesh.rank)
+                if mesh is not None and not mesh.writer
+                else RunWriter.create(
+                    self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
+                )
+                if writes
+                else self._store
+            )
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models, self._branches)
         num_steps, most_steps = self._steps.step_counts()
         plan = plan_capture(
             self.options,
@@ -233,45 +260,8 @@ class Recording:
             self._store.write_meta(self._meta())
 
     def _meta(self) -> dict:
-        """What run.json says about this recording."""
-        import diffusers  # imported by the model this records; `import cogattn` does not need it
-
-        res = None if self.plan is None else self.plan.resolved
-        return {
-            "status": self._status,
-            "complete": self._status == "finished",
-            "steps": len(self.timesteps),
-            "layout": layout_json(self.layout),
-            "timesteps": self.timesteps,
-            "windows": self.windows,
-            "selection": {
-                **self.options.selection_meta(),
-                "batch_resolved": res and list(res.batch),
-                "batch_roles": res and list(res.roles),
-                "heads_resolved": res and list(res.heads),
-                "source_heads": {src: ids and list(ids) for src, ids in self.source_heads.items()},
-                "text_lengths": None if self.text_lengths is None else list(self.text_lengths),
-                "text_spans": self.text_spans and [{k: list(v) for k, v in s.items()} for s in self.text_spans],
-            },
-            "model": {
-                "family": self._spec.family,
-                "class": type(self.transformer).__name__,
-                "experts": list(self._models.names),
-                "layer_names": list(self.layer_names),
-                "step_experts": self.experts,
-                "config": dict(self.transformer.config),
-                "dtype": str(self.transformer.dtype).removeprefix("torch."),
-                "pipeline": None if self.pipeline is None else type(self.pipeline).__name__,
-            },
-            "call_stats": self._capture.call_stats(as_json=True),
-            "sources": self._sources,
-            "layer_output": self.options.layer_output,
-            "storage_dtype": self.options.storage_dtype,
-            "info": self.options.info,
-            "checks": [c.asdict() for c in self._capture.verifier.checks],
-            "skipped": self.skipped.asdict(),
-            "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
-        }
+        """What run.json says about this recording (:func:`cogattn.recorder.meta.run_meta`)."""
+        return run_meta(self)
 
     # -- the processors' calls (cogattn.recorder.processor.MapSink), handed to the capture side ---------
     @property

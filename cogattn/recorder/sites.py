@@ -13,6 +13,7 @@ import warnings
 
 from .. import models
 from ..models import ModelSpec, spec_for_module
+from .mesh import CHECKED_FAMILIES, find_mesh
 
 __all__ = ["EagerWhileRecording", "Transformers", "find_transformer", "uncompiled"]
 
@@ -138,22 +139,28 @@ class Transformers:
             for name, proc in replacement.items():
                 _set_processor(modules[name], proc)
 
-    def check_unsharded(self) -> None:
-        """Raise `ValueError` where context parallelism shards the attention (``enable_parallelism`` with a
-        ``ContextParallelConfig`` of a degree above 1): each process's queries and keys are a slice of the
-        sequence, and a map over one slice's keys would be wrong. Called before any block runs."""
+    def mesh(self):
+        """The context-parallel :class:`cogattn.recorder.mesh.Mesh` of the recorded transformers (diffusers'
+        ``enable_parallelism`` with a ring or Ulysses degree above 1, before or after recording started), `None`
+        without one; `ValueError` for a transformer without a context-parallel plan of its own (``_cp_plan``), whose
+        split cogattn cannot know. Called before any block runs."""
         for m in self.modules:
             configs = [getattr(m, "_parallel_config", None)]
             configs += [getattr(a.processor, "_parallel_config", None) for a in self.spec.site_modules(m).values()]
-            for config in filter(None, configs):
-                cp = getattr(config, "context_parallel_config", None)
-                degrees = (getattr(cp, "ulysses_degree", 1) or 1, getattr(cp, "ring_degree", 1) or 1)
-                if cp is not None and degrees[0] * degrees[1] > 1:
-                    raise ValueError(
-                        f"context parallelism (ulysses_degree={degrees[0]}, ring_degree={degrees[1]}) gives each "
-                        "process a slice of every attention's queries and keys; cogattn records unsharded "
-                        "attention only: record without enable_parallelism (docs/works-with.md)."
-                    )
+            found = find_mesh(configs)
+            if found is not None and getattr(type(m), "_cp_plan", None) is None:
+                raise ValueError(
+                    f"{type(m).__name__} has no context-parallel plan (_cp_plan) in this diffusers; cogattn records "
+                    "context parallelism as diffusers' plan of a family splits it: record without it."
+                )
+            if found is not None and self.spec.family not in CHECKED_FAMILIES:
+                raise ValueError(
+                    f"cogattn does not record {self.spec.family} under context parallelism yet (checked: "
+                    f"{', '.join(CHECKED_FAMILIES)}; docs/many-gpus.md says why): record without enable_parallelism."
+                )
+            if found is not None:
+                return found
+        return None
 
     def restore(self) -> None:
         """Put the original processors back and compile again what was compiled (idempotent)."""

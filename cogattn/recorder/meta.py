@@ -1,0 +1,54 @@
+"""run.json's content for a recording: what the recording is, as it stands (its status, layout, selection, model,
+checks, skips, the context-parallel mesh), written when the plan is made and again when the recording closes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..runs.run_values import layout_json
+from ..version import __version__
+
+__all__ = ["run_meta"]
+
+
+def run_meta(rec) -> dict:
+    """What run.json says about the recording ``rec`` (a :class:`cogattn.Recording`), as it stands."""
+    import diffusers  # imported by the model this records; `import cogattn` does not need it
+
+    res = None if rec.plan is None else rec.plan.resolved
+    return {
+        "status": rec._status,
+        "complete": rec._status == "finished",
+        "steps": len(rec.timesteps),
+        "layout": layout_json(rec.layout),
+        "timesteps": rec.timesteps,
+        "windows": rec.windows,
+        "selection": {
+            **rec.options.selection_meta(),
+            "batch_resolved": res and list(res.batch),
+            "batch_roles": res and list(res.roles),
+            "heads_resolved": res and list(res.heads),
+            "source_heads": {src: ids and list(ids) for src, ids in rec.source_heads.items()},
+            "text_lengths": None if rec.text_lengths is None else list(rec.text_lengths),
+            "text_spans": rec.text_spans and [{k: list(v) for k, v in s.items()} for s in rec.text_spans],
+        },
+        "model": {
+            "family": rec._spec.family,
+            "class": type(rec.transformer).__name__,
+            "experts": list(rec._models.names),
+            "layer_names": list(rec.layer_names),
+            "step_experts": rec.experts,
+            "config": dict(rec.transformer.config),
+            "dtype": str(rec.transformer.dtype).removeprefix("torch."),
+            "pipeline": None if rec.pipeline is None else type(rec.pipeline).__name__,
+        },
+        "mesh": None if rec._capture.mesh is None else rec._capture.mesh.asdict(),
+        "call_stats": rec._capture.call_stats(as_json=True),
+        "sources": rec._sources,
+        "layer_output": rec.options.layer_output,
+        "storage_dtype": rec.options.storage_dtype,
+        "info": rec.options.info,
+        "checks": [c.asdict() for c in rec._capture.verifier.checks],
+        "skipped": rec.skipped.asdict(),
+        "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
+    }

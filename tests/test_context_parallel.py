@@ -1,0 +1,274 @@
+"""Recording under diffusers' context parallelism: a tiny Wan generation split over 2 gloo processes (Ulysses 2,
+ring 2) and 4 (2 × 2), forked from this one. On each rank the maps come from its slice of the tokens; rank 0's must
+equal the naive float64 softmax of q and k recomputed from every attention module's inputs on every rank and put
+together in the order of the slices (that order proved by P·V against the modules' own outputs), the output with
+recording on must equal the same CP run's without, and only rank 0 writes a run.
+
+diffusers' CP runs on a CPU under two test-only shims, which touch diffusers, not cogattn: ``enable_parallelism``
+takes ``rank % torch.accelerator.device_count()`` (0 on a CPU build: 1 while it runs), and the native backend refuses
+``return_lse=True``, which the ring needs (answered with the CPU flash kernel, which returns it)."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("diffusers.models.transformers.transformer_wan")
+
+import forked
+from test_wan import WanSpy, assert_matches_spy
+
+import cogattn
+from cogattn.models.wan import tiny_pipeline
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+
+HEIGHT, WIDTH = 32, 64  # 3 latent frames × 2 × 4 patches = 24 tokens: slices of 12 or 6
+SIZES = dict(block_size=7, topk=5)  # test_wan's reference sizes
+CALL = dict(num_frames=9, height=HEIGHT, width=WIDTH, num_inference_steps=2, guidance_scale=5.0, output_type="latent")
+
+
+def _shims():
+    """The two test-only shims of diffusers' CP on a CPU (the module's docstring)."""
+    import diffusers.models.attention_dispatch as dispatch
+
+    real = dispatch._native_attention_forward_op
+
+    def forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):  # fmt: skip
+        if not return_lse:
+            return real(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False,
+                        _save_ctx=_save_ctx, _parallel_config=_parallel_config)  # fmt: skip
+        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out.permute(0, 2, 1, 3), lse.permute(0, 2, 1)
+
+    dispatch._native_attention_forward_op = forward_op
+
+
+def _enable(transformer, ring: int, ulysses: int) -> None:
+    """``enable_parallelism`` under the shim; a plan naming blocks by index (Helios': 40) cut to the tiny model's."""
+    from diffusers import ContextParallelConfig
+
+    plan, blocks = dict(type(transformer)._cp_plan), len(getattr(transformer, "blocks", ()))
+    plan = {k: v for k, v in plan.items() if not k.startswith("blocks.") or not k.split(".")[1].isdigit()
+            or int(k.split(".")[1]) < blocks}  # fmt: skip
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+        transformer.enable_parallelism(config=config, cp_plan=plan)
+    finally:
+        torch.accelerator.device_count = count
+
+
+class Outputs:
+    """Each ``attn1`` call's output and values, as the module formed them on this rank (for the P·V proof)."""
+
+    def __init__(self, transformer):
+        self.calls = []
+        self._handles = [
+            b.attn1.register_forward_hook(self._hook(i), with_kwargs=True) for i, b in enumerate(transformer.blocks)
+        ]
+
+    def _hook(self, layer):
+        def hook(attn, args, kwargs, output):
+            hs = kwargs.get("hidden_states", args[0] if args else None)
+            v = attn.to_v(hs).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+            self.calls.append((layer, v.detach().clone(), output.detach().clone()))
+
+        return hook
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def _gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` joined along ``dim`` in rank order (the order of diffusers' slices)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim)
+
+
+def _rank(rank, world, ring, ulysses, init, out, pipe, kinds, heads, errors):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+        _shims()
+        run = dict(kinds=kinds, heads=heads, batch="all", save_dir=out / f"run{rank}", **SIZES)
+        if ring * ulysses == 4:  # the 2 × 2 mesh: recording starts before enable_parallelism
+            spy, outputs, rec = WanSpy(pipe), Outputs(pipe.transformer), cogattn.record(pipe, **run)
+            _enable(pipe.transformer, ring, ulysses)
+            with rec:
+                got = pipe(**CALL, **_prompt()).frames
+            spy.__exit__(), outputs.remove()
+            stock = pipe(**CALL, **_prompt()).frames
+        else:
+            _enable(pipe.transformer, ring, ulysses)
+            stock = pipe(**CALL, **_prompt()).frames
+            spy, outputs = WanSpy(pipe), Outputs(pipe.transformer)
+            with cogattn.record(pipe, **run) as rec:
+                got = pipe(**CALL, **_prompt()).frames
+            spy.__exit__(), outputs.remove()
+        assert torch.equal(got, stock), "recording changed the CP run's output"
+        assert (rec.mesh.ring, rec.mesh.ulysses, rec.mesh.rank) == (ring, ulysses, dist.get_rank())
+        # the full sequence's q and keys of every call: self-attention q and k and cross-attention q are sliced
+        spy.calls = [
+            (e, layer, role, _gather(q, 2), {n: (_gather(k, 2) if n == "self" else k) for n, k in keys.items()})
+            for e, layer, role, q, keys in spy.calls
+        ]
+        proofs = [(layer, _gather(v, 2), _gather(o, 1)) for layer, v, o in outputs.calls]
+        if rank == 0:
+            selfs = [c for c in spy.calls if c[2] == "self"]
+            for (_, layer, _, q, keys), (layer_o, v, o) in zip(selfs, proofs):  # the reference's P·V is the output
+                assert layer == layer_o
+                P = torch.softmax(q.double() @ keys["self"].double().transpose(-1, -2) / q.shape[-1] ** 0.5, -1)
+                attn = pipe.transformer.blocks[layer].attn1
+                ref = attn.to_out[0]((P @ v.double()).transpose(1, 2).flatten(2).float())
+                assert (ref - o).abs().max() <= 1e-5 * max(1.0, o.abs().max().item())
+            assert_matches_spy(rec, spy, kinds, [0, 1], heads, 2)
+            meta = json.loads((out / "run0" / "run.json").read_text())
+            assert meta["mesh"] == {"ring": ring, "ulysses": ulysses, "ranks": ring * ulysses}
+            assert cogattn.load(out / "run0").keys() == rec.keys()
+        else:
+            assert rec.keys() == [] and not (out / f"run{rank}").exists()
+            with pytest.raises(RuntimeError, match="rank 0 holds the results"):
+                rec.get(kinds[0], 0, 0)
+        if ring > 1:  # the opt-in output calls bypass the CP dispatch: refused, before any block runs
+            with pytest.raises(ValueError, match="context-parallel dispatch"):
+                with cogattn.record(pipe, kinds=("frame",), layer_output="lse"):
+                    pipe(**CALL, **_prompt())
+        dist.barrier()
+    except BaseException as err:  # reported to the test, which fails with it
+        import traceback
+
+        errors.put(f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _prompt():
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(1, 512, 16, generator=g)
+    return dict(prompt_embeds=emb, negative_prompt_embeds=-emb, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    "ring,ulysses,kinds,heads",
+    [
+        (1, 2, ("frame", "video_to_text", "entropy", "received", "block", "topk"), "all"),
+        (2, 1, ("frame", "video_to_text", "query_frame", "offset", "tile", "full"), [3, 0, 2]),
+        (2, 2, ("frame", "video_to_text", "topk", "entropy", "received"), "mean"),
+    ],
+    ids=["ulysses2", "ring2", "unified2x2-mean"],
+)
+def test_maps_under_context_parallelism_match_the_reference(tmp_path, ring, ulysses, kinds, heads):
+    pipe = tiny_pipeline(num_heads=4)  # made once here: the forked ranks share its weights
+    world = ring * ulysses
+    errors = forked._FORK.Queue()
+    init = tmp_path / "init"
+    procs = [
+        forked.start(_rank, r, world, ring, ulysses, init, tmp_path, pipe, kinds, heads, errors) for r in range(world)
+    ]
+    for p in procs:
+        p.join(300)
+    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not reported, "\n".join(reported)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert os.path.exists(tmp_path / "run0" / "run.json")
+
+
+def _family_rank(rank, name, init, pipe, call, kinds, errors):
+    """One rank of ``name``'s tiny pipeline under Ulysses 2: its maps without CP first (the family's conformance tests
+    hold those to the naive reference), then under CP, whose attention is then the same bit for bit, where rank 0's
+    must equal them."""
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+        _shims()
+        run = dict(kinds=kinds, batch="all", heads="all", **FAMILY_SIZES)
+        with cogattn.record(pipe, **run) as single:
+            pipe(**call(), output_type="latent")
+        _enable(pipe.transformer, 1, 2)
+        stock = pipe(**call(), output_type="latent").frames
+        with cogattn.record(pipe, **run) as rec:
+            got = pipe(**call(), output_type="latent").frames
+        assert torch.equal(got, stock), "recording changed the CP run's output"
+        if rank == 0:
+            assert rec.keys() == single.keys() and rec.keys()
+            for key in rec.keys():  # topk and frame_max: values, then indices
+                a, b = rec.get(*key), single.get(*key)
+                for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+                    assert x.shape == y.shape and (x.double() - y.double()).abs().max() <= 1e-5, key
+        else:
+            assert rec.keys() == []
+        dist.barrier()
+    except BaseException as err:  # reported to the test, which fails with it
+        import traceback
+
+        errors.put(f"{name} rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+FAMILY_SIZES = dict(block_size=7, topk=4, queries=[0, (1, 1, 2)])
+
+
+def _families_case(name):
+    from test_families import CASES, FAMILY
+
+    case = CASES[name]
+    pipe = FAMILY[name].tiny_pipeline(num_heads=4)  # Ulysses deals the heads out
+    spec = cogattn.models.spec_for_module(pipe.transformer)
+    kinds = tuple(k for k in spec.kinds() if k not in case.skip and not k.startswith("pattern"))
+
+    def call():
+        g = torch.Generator().manual_seed(0)
+        return {**case.call(pipe, g, True), "generator": torch.Generator().manual_seed(1), "num_inference_steps": 2}
+
+    return pipe, kinds, call
+
+
+def test_chronoedit_records_under_ulysses(tmp_path):
+    """ChronoEdit, Wan's attention in another transformer with its own plan: its kinds (but the pattern kinds) under
+    Ulysses 2 equal the same call's maps without CP, and the output with recording on the CP run's without."""
+    pipe, kinds, call = _families_case("chronoedit")
+    errors = forked._FORK.Queue()
+    procs = [forked.start(_family_rank, r, "chronoedit", tmp_path / "i", pipe, call, kinds, errors) for r in range(2)]
+    for p in procs:
+        p.join(300)
+    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not reported, "\n".join(reported)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _refused_rank(rank, init, pipe, call, errors):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+        _shims()
+        _enable(pipe.transformer, 2, 1)
+        with pytest.raises(ValueError, match="does not record ltx_video under context parallelism yet"):
+            with cogattn.record(pipe, kinds=("frame",)):
+                pipe(**call(), output_type="latent")
+        dist.barrier()
+    except BaseException as err:  # reported to the test, which fails with it
+        errors.put(f"rank {rank}: {type(err).__name__}: {err}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_family_not_checked_under_context_parallelism_is_refused_in_one_line(tmp_path):
+    pipe, _, call = _families_case("ltx_video")
+    errors = forked._FORK.Queue()
+    procs = [forked.start(_refused_rank, r, tmp_path / "i", pipe, call, errors) for r in range(2)]
+    for p in procs:
+        p.join(300)
+    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not reported, "\n".join(reported)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
