@@ -8,6 +8,7 @@ table of the released shapes in :mod:`cogattn.models`), never its weights, so ``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,38 @@ from .exact.planner import CapturePlan, ModelShape, TilePlan, plan_capture
 from .layout import TokenLayout
 from .models import spec_for_config, transformer_config
 from .options import CaptureOptions
+from .recorder.mesh import CHECKED_FAMILIES, exchange_bytes
 
-__all__ = ["Estimate", "estimate"]
+__all__ = ["Estimate", "Parallel", "estimate"]
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """A rank's share of a capture under context parallelism (docs/many-gpus.md).
+
+    Args:
+        ring, ulysses (`int`): the mesh's degrees.
+        heads (`int`): the most selected heads one rank computes.
+        exchange_bytes (`int`): what a rank holds of the exchanged q and k (and the buffers they cross in) for a call.
+        moved_bytes (`int`): what a rank sends in the all-to-all of one captured call.
+        calls (`int`): captured calls per generation.
+    """
+
+    ring: int
+    ulysses: int
+    heads: int
+    exchange_bytes: int
+    moved_bytes: int
+    calls: int
+
+    def lines(self) -> list[str]:
+        n, mib = self.ring * self.ulysses, 2**20
+        return [
+            f"context parallel: ring {self.ring} × ulysses {self.ulysses} ({n} ranks): at most {self.heads} heads a "
+            f"rank; the exchange holds {self.exchange_bytes / mib:.1f} MiB a rank and sends "
+            f"{self.moved_bytes / mib:.1f} MiB a captured call ({self.calls:,} a generation); rank 0 alone holds and "
+            "writes the records"
+        ]
 
 
 @dataclass(frozen=True)
@@ -28,10 +59,12 @@ class Estimate:
         plan (`CapturePlan`): the plan each generation runs.
         records (`list[tuple[str, tuple[int, ...], int, int]]`): per kind: shape, bytes per record file,
             number of records over all prompts.
+        parallel (`Parallel | None`): each rank's share under context parallelism.
     """
 
     plan: CapturePlan
     records: list[tuple[str, tuple[int, ...], int, int]]
+    parallel: Parallel | None = None
 
     @property
     def layout(self) -> TokenLayout:
@@ -88,6 +121,8 @@ class Estimate:
             f"({self.record_bytes / 2**30:.2f} GiB)",
             f"predicted peak extra memory: {peak:,} bytes ({peak / 2**20:.1f} MiB; method {self.tiles.method})",
         ]
+        if self.parallel is not None:
+            lines += self.parallel.lines()
         waiting = self.plan.waiting_bytes
         if waiting:
             lines.append(
@@ -111,6 +146,7 @@ def estimate(
     num_prompts: int = 1,
     dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
+    parallel: dict | None = None,
     **kwargs,
 ) -> Estimate:
     """Predict records, bytes and peak extra memory of ``record(...)`` over ``num_prompts`` pipeline calls.
@@ -137,6 +173,8 @@ def estimate(
         dtype (`torch.dtype | str`, defaults to float32): the model's dtype (a non-float32 model's q and k
             are copied to float32 tile by tile).
         device (`str`, defaults to ``"cpu"``): where capture runs (``"cuda"`` or ``"cpu"``).
+        parallel (`dict | None`): ``{"ring": R, "ulysses": U}``: the run splits each generation over diffusers'
+            context parallelism; the table adds each rank's share (heads, the exchange's memory and traffic).
     """
     options = CaptureOptions.build(options, **kwargs)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -153,10 +191,7 @@ def estimate(
     guidance = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}[spec.guidance_argument] > 1
     # a call made in windows (Helios's chunks) runs the loop once per window, its steps numbered on
     num_steps = num_inference_steps * (spec.call_windows(num_frames) if spec.call_windows else 1)
-    plan = plan_capture(
-        options,
-        model,
-        layout,
+    planned = dict(
         batch_size=2 if guidance else 1,
         guidance=guidance,
         num_steps=num_steps,
@@ -165,5 +200,44 @@ def estimate(
         calls_per_step=spec.guidance_calls if guidance else 1,
         check_host=False,  # the run's host is not this one: the table reports them
     )
+    plan = plan_capture(options, model, layout, **planned)
     records = [(k, shape, b, n * num_prompts) for k, shape, b, n in plan.records(num_steps)]
-    return Estimate(plan, records)
+    share = None
+    if parallel is not None:  # each rank plans its tiles within the budget less its exchange of q and k
+        share = _parallel(parallel, spec, options, plan, model, num_steps)
+        options = dataclasses.replace(options, memory_budget=options.memory_budget - share.exchange_bytes)
+        plan = plan_capture(options, model, layout, **planned)
+    return Estimate(plan, records, share)
+
+
+def _parallel(parallel: dict, spec, options: CaptureOptions, plan: CapturePlan, model, num_steps: int) -> Parallel:
+    """Each rank's share of ``plan`` under the mesh ``parallel``, refused as a recording refuses it."""
+    unknown = set(parallel) - {"ring", "ulysses"}
+    ring, ulysses = int(parallel.get("ring", 1)), int(parallel.get("ulysses", 1))
+    if unknown or ring < 1 or ulysses < 1 or ring * ulysses < 2:
+        raise ValueError(
+            f"parallel={parallel!r}: give ring and ulysses degrees of at least 1, their product 2 or more."
+        )
+    if spec.family not in CHECKED_FAMILIES:
+        raise ValueError(
+            f"cogattn does not record {spec.family} under context parallelism yet (checked: "
+            f"{', '.join(CHECKED_FAMILIES)}; docs/many-gpus.md says why)."
+        )
+    if options.layer_output != "stock":
+        raise ValueError(f"layer_output={options.layer_output!r} is refused under context parallelism: use 'stock'.")
+    n, lay, res = ring * ulysses, plan.layout, plan.resolved
+    if lay.seq_len % n:
+        raise ValueError(f"a sequence of {lay.seq_len:,} tokens does not split evenly over {n} ranks.")
+    heads, D = -(-len(res.heads) // n), model.head_dim
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    halves = max(1, len({r for r in res.roles if r})) if spec.guidance_calls == 2 else 1  # Wan: a call per half
+    items = -(-len(res.batch) // halves)  # the selected items of one call
+    exchange = exchange_bytes(len(res.heads), items, lay.seq_len, D, elem, n)
+    if exchange >= options.memory_budget:
+        raise ValueError(
+            f"memory_budget={options.memory_budget:,} bytes holds less than a rank's exchange of q and k under "
+            f"context parallelism ({exchange:,} bytes): raise it above that."
+        )
+    moved = 2 * items * heads * (n - 1) * (lay.seq_len // n) * D * elem  # to the other ranks, their heads' part
+    calls = plan.layers_captured * plan.steps_captured(num_steps) * halves
+    return Parallel(ring, ulysses, heads, exchange, moved, calls)

@@ -4,9 +4,7 @@ equal the naive float64 softmax of q and k recomputed from every attention modul
 together in the order of the slices (that order proved by P·V against the modules' own outputs), the output with
 recording on must equal the same CP run's without, and only rank 0 writes a run.
 
-diffusers' CP runs on a CPU under two test-only shims, which touch diffusers, not cogattn: ``enable_parallelism``
-takes ``rank % torch.accelerator.device_count()`` (0 on a CPU build: 1 while it runs), and the native backend refuses
-``return_lse=True``, which the ring needs (answered with the CPU flash kernel, which returns it)."""
+diffusers' CP runs on a CPU under two test-only shims, which touch diffusers, not cogattn (``cp_shims.py``)."""
 
 import json
 import os
@@ -18,6 +16,8 @@ import torch.distributed as dist
 pytest.importorskip("diffusers.models.transformers.transformer_wan")
 
 import forked
+from cp_shims import enable as _enable
+from cp_shims import shims as _shims
 from test_wan import WanSpy, assert_matches_spy
 
 import cogattn
@@ -28,42 +28,6 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.dis
 HEIGHT, WIDTH = 32, 64  # 3 latent frames × 2 × 4 patches = 24 tokens: slices of 12 or 6
 SIZES = dict(block_size=7, topk=5)  # test_wan's reference sizes
 CALL = dict(num_frames=9, height=HEIGHT, width=WIDTH, num_inference_steps=2, guidance_scale=5.0, output_type="latent")
-
-
-def _shims():
-    """The two test-only shims of diffusers' CP on a CPU (the module's docstring)."""
-    import diffusers.models.attention_dispatch as dispatch
-
-    real = dispatch._native_attention_forward_op
-
-    def forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):  # fmt: skip
-        if not return_lse:
-            return real(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False,
-                        _save_ctx=_save_ctx, _parallel_config=_parallel_config)  # fmt: skip
-        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-        )
-        return out.permute(0, 2, 1, 3), lse.permute(0, 2, 1)
-
-    dispatch._native_attention_forward_op = forward_op
-
-
-def _enable(transformer, ring: int, ulysses: int) -> None:
-    """``enable_parallelism`` under the shim; a plan naming blocks by index (Helios': 40) cut to the tiny model's."""
-    from diffusers import ContextParallelConfig
-
-    plan, blocks = dict(type(transformer)._cp_plan), len(getattr(transformer, "blocks", ()))
-    plan = {k: v for k, v in plan.items() if not k.startswith("blocks.") or not k.split(".")[1].isdigit()
-            or int(k.split(".")[1]) < blocks}  # fmt: skip
-    count = torch.accelerator.device_count
-    torch.accelerator.device_count = lambda: 1
-    try:
-        config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
-        transformer.enable_parallelism(config=config, cp_plan=plan)
-    finally:
-        torch.accelerator.device_count = count
 
 
 class Outputs:
@@ -272,3 +236,28 @@ def test_a_family_not_checked_under_context_parallelism_is_refused_in_one_line(t
     reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
     assert not reported, "\n".join(reported)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_estimate_plans_each_rank_of_a_mesh():
+    """``estimate(parallel=...)``: each rank's heads, what it holds of the exchange (q and k of every token of its
+    heads, and the slice's buffers: as much again), counted in its budget; the refusals a recording makes."""
+    call = dict(num_frames=81, height=720, width=1280, num_inference_steps=50, guidance_scale=5.0, dtype="bfloat16")
+    est = cogattn.estimate(
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers", kinds=("frame",), heads=list(range(9)), batch="cond",
+        parallel={"ring": 2, "ulysses": 2}, device="cuda", **call,
+    )  # fmt: skip
+    S = 21 * 45 * 80
+    share = est.parallel
+    assert (share.ring, share.ulysses, share.heads) == (2, 2, 3)  # 9 heads over 4 ranks: parts of 3, 2, 2, 2
+    assert share.exchange_bytes == 2 * 2 * 3 * S * 128 * 2  # q and k, bf16, and the buffers they cross in
+    assert share.calls == 40 * 50  # every layer of the conditional call of each step
+    assert est.peak_extra_memory + share.exchange_bytes <= 2**30 < est.peak_extra_memory + 2 * share.exchange_bytes
+    assert "ring 2 × ulysses 2 (4 ranks): at most 3 heads a rank" in est.table()
+    with pytest.raises(ValueError, match="does not record cogvideox under context parallelism"):
+        cogattn.estimate("THUDM/CogVideoX-5b", num_frames=49, height=480, width=720, num_inference_steps=50,
+                         parallel={"ulysses": 2})  # fmt: skip
+    with pytest.raises(ValueError, match="4,524 tokens does not split evenly over 8 ranks"):
+        cogattn.estimate("Wan-AI/Wan2.1-T2V-14B-Diffusers", **{**call, "height": 464, "width": 832, "num_frames": 9},
+                         parallel={"ring": 8})  # 3 × 29 × 52 tokens  # fmt: skip
+    with pytest.raises(ValueError, match="holds less than a rank's exchange of q and k .* \\(1,548,288,000 bytes\\)"):
+        cogattn.estimate("Wan-AI/Wan2.1-T2V-14B-Diffusers", parallel={"ulysses": 2}, **call)  # 20 heads a rank

@@ -15,12 +15,13 @@ results and writes the run; the other ranks hold and write nothing.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CHECKED_FAMILIES", "ElsewhereStore", "Mesh", "distributed", "find_mesh"]
+__all__ = ["CHECKED_FAMILIES", "ElsewhereStore", "Mesh", "distributed", "exchange_bytes", "find_mesh"]
 
 # The families whose context-parallel runs are checked against the reference (tests/test_context_parallel.py). The
 # others with a plan stay refused, each for what was found: diffusers' own CP run of LTX-Video's tiny model (its
@@ -124,6 +125,20 @@ class Mesh:
         h = len(parts[self.rank])
         return torch.cat([buf[:, :h, :m] for buf, m in zip(received, lengths)], dim=2)
 
+    def budget_less_exchange(self, options, plan, model, calls_per_step: int = 1):
+        """``options`` with a ``memory_budget`` less what this rank holds of a call's exchange (:func:`exchange_bytes`
+        for ``plan``, the :class:`~cogattn.exact.planner.ModelShape` ``model``, the selected items of one of a step's
+        ``calls_per_step`` calls); `ValueError` where that is all of it."""
+        res, elem = plan.resolved, torch.empty((), dtype=model.dtype).element_size()
+        items = max(1, -(-len(res.batch) // calls_per_step))
+        held = exchange_bytes(len(res.heads), items, res.layout.seq_len, model.head_dim, elem, self.size)
+        if held >= options.memory_budget:
+            raise ValueError(
+                f"memory_budget={options.memory_budget:,} bytes holds less than a rank's exchange of q and k under "
+                f"context parallelism ({held:,} bytes): raise it above that."
+            )
+        return dataclasses.replace(options, memory_budget=options.memory_budget - held)
+
     def local(self, reducer, heads: int):
         """A copy of ``reducer`` for this rank's ``heads`` of its selection (kept for the recording's life)."""
         key = (id(reducer), heads)
@@ -142,16 +157,30 @@ class Mesh:
             return out if self.writer else None
         if reducer.mean_heads:
             total = out.float() * (held[self.rank] / sum(held)) if held[self.rank] else torch.zeros_like(out)
-            dist.reduce(total, dst=dist.get_global_rank(self.group, 0), group=self.group)
+            dist.reduce(total, dst=self._root(), group=self.group)
             return total if self.writer else None
         most = max(held)
-        padded = out.new_zeros(out.shape[0], most, *out.shape[2:])
-        padded[:, : out.shape[1]] = out
-        gathered = [torch.empty_like(padded) for _ in range(self.size)] if self.writer else None
-        dist.gather(padded, gathered, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        padded = out if out.shape[1] == most else out.new_zeros(out.shape[0], most, *out.shape[2:])
+        if padded is not out:
+            padded[:, : out.shape[1]] = out
+        # rank 0 receives every part into one buffer: (ranks, B, heads of the largest part, ...)
+        received = padded.new_empty(self.size, *padded.shape) if self.writer else None
+        dist.gather(padded.contiguous(), list(received) if self.writer else None, dst=self._root(), group=self.group)
         if not self.writer:
             return None
-        return torch.cat([g[:, :h] for g, h in zip(gathered, held)], dim=1)
+        if all(h == most for h in held):  # equal parts: one reshape
+            return received.transpose(0, 1).flatten(1, 2)
+        return torch.cat([part[:, :h] for part, h in zip(received, held)], dim=1)
+
+    def _root(self) -> int:
+        """Rank 0 of the mesh's group, as a global rank (what the collectives' ``dst`` names)."""
+        return dist.get_global_rank(self.group, 0)
+
+
+def exchange_bytes(heads: int, items: int, seq_len: int, head_dim: int, elem: int, ranks: int) -> int:
+    """What a rank holds of one call's exchange over ``ranks``: q and k of every token of its part of ``heads`` (the
+    largest part) for ``items`` batch items, and the buffers of the slice they cross in (as large again)."""
+    return 2 * items * -(-heads // ranks) * seq_len * head_dim * elem * 2
 
 
 def find_mesh(configs) -> Mesh | None:

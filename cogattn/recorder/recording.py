@@ -238,17 +238,23 @@ class Recording:
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models, self._branches)
         num_steps, most_steps = self._steps.step_counts()
-        plan = plan_capture(
-            self.options,
-            self._shape,
-            layout,
-            batch_size=batch_size * self._steps.calls_per_step,  # Wan's guidance batch spans two calls
-            guidance=self._steps.guidance,
-            num_steps=num_steps,
-            device=device,
-            sources=self._spec.context_kinds,
-            calls_per_step=self._steps.calls_per_step,
-        )
+
+        def planned(options):
+            return plan_capture(
+                options,
+                self._shape,
+                layout,
+                batch_size=batch_size * self._steps.calls_per_step,  # Wan's guidance batch spans two calls
+                guidance=self._steps.guidance,
+                num_steps=num_steps,
+                device=device,
+                sources=self._spec.context_kinds,
+                calls_per_step=self._steps.calls_per_step,
+            )
+
+        plan = planned(self.options)
+        if mesh is not None:  # the exchanged q and k of this rank's heads count in its budget
+            plan = planned(mesh.budget_less_exchange(self.options, plan, self._shape, self._steps.calls_per_step))
         self._capture.plan = plan
         self._capture.skips.by = next(filter(None, map(cache_in_use, self._models.modules)), None)
         if self.options.layer_output == "joint":
