@@ -30,6 +30,7 @@ DRY_ONLY = {
     "python scripts/dump_maps.py configs/cogvideox-5b.yaml --set num_inference_steps=30 --set capture.steps=[0,15,29] "
     "--set capture.layers=[0,20,41]",
     "accelerate launch scripts/dump_maps.py configs/cogvideox-5b.yaml",
+    'torchrun --nproc-per-node 4 scripts/dump_maps.py configs/wan2.1-t2v-14b.yaml --set "parallel={ulysses: 4}"',
 }
 # Pages of a family this diffusers may lack: the module that is None without it
 NEEDS = {

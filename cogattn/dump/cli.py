@@ -19,6 +19,7 @@ on stderr before anything is written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import shlex
@@ -34,6 +35,7 @@ from ..costs import Estimate, estimate
 from ..runs.store import disk_bytes
 from .config import ConfigError, DumpConfig, default_config, load_config
 from .generate import is_complete, load_pipeline, prompt_meta, run_prompt
+from .parallel import check_parallel, meshes
 from .prompts import Prompt, read_prompts
 
 __all__ = ["disk_need", "main", "plan"]
@@ -91,14 +93,16 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
                 f"{str(folder)!r} was made with other settings (config key {meta.get('config_key')} ≠ {key}); "
                 "write to another save_dir, or delete it to redo it."
             )
+    check_parallel(cfg)
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     model = SimpleNamespace(config=cfg.model_config())  # as a transformer: the config the checks read
     call = cfg.call_arguments()
     text_len = call.pop("max_sequence_length")
     call.pop("guidance_scale_2", None)  # guidance (the batch) is the family's guidance_argument's alone
     return estimate(
-        model, cfg.capture, **call, text_len=text_len, num_prompts=len(prompts), dtype=cfg.dtype, device=device
-    )
+        model, cfg.capture, **call, text_len=text_len, num_prompts=len(prompts), dtype=cfg.dtype, device=device,
+        parallel=cfg.parallel,
+    )  # fmt: skip
 
 
 def disk_need(cfg: DumpConfig, prompts: list[Prompt], result: Estimate) -> tuple[int, int, Path]:
@@ -133,16 +137,21 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
     out = Path(cfg.save_dir)
     failures = []
     process = f"[process {state.process_index}] " if state.num_processes > 1 else ""  # whose line, where several
-    with state.split_between_processes(prompts) as mine:
+    mesh = None if cfg.parallel is None else meshes(cfg, state.num_processes, state.process_index, device)
+    with state.split_between_processes(prompts) if mesh is None else _whole(mesh.share(prompts)) as mine:
         todo = [p for p in mine if not is_complete(out / p.key())]
+        todo = todo if mesh is None else mesh.agree(todo)  # one order for a mesh: its first process's
         skipped = len(mine) - len(todo)
         if skipped:
             print(f"{process}{skipped} prompts already complete, skipped", flush=True)
         if todo:
             pipe = load_pipeline(cfg, device)
+            if mesh is not None:
+                mesh.enable(pipe, cfg.spec().experts)
             for prompt in tqdm(todo, desc=f"{process}prompts", position=0, disable=None):
                 try:
-                    run_prompt(pipe, cfg, prompt, out / prompt.key(), state.process_index)
+                    writes = mesh is None or mesh.writer  # under a mesh: its first process alone
+                    run_prompt(pipe, cfg, prompt, out / prompt.key(), state.process_index, writes)
                 except Exception as err:  # one prompt's failure must not stop the others
                     failures.append((prompt, err))
                     print(f"prompt {prompt.index} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
@@ -155,6 +164,12 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
     if state.is_main_process and any(is_complete(out / p.key()) for p in prompts):  # the last line: where to look
         print(f"see the maps in the browser: cogattn view {shlex.quote(str(out))}", flush=True)
     return 1 if failures else 0
+
+
+@contextlib.contextmanager
+def _whole(prompts: list):
+    """The prompts of a mesh, every one for each of its processes (``split_between_processes``' shape)."""
+    yield prompts
 
 
 def main(argv: list[str] | None = None) -> int:

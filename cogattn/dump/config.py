@@ -108,6 +108,9 @@ class DumpConfig:
         video_format (`str`): ``"auto"`` (mp4 where imageio-ffmpeg exists, else gif), ``"mp4"``, ``"gif"``.
         fps (`int`): frames per second of the saved video.
         previews (`bool`): write preview PNGs of each prompt's maps next to them.
+        parallel (`dict | None`): ``{ring: R, ulysses: U}``: each generation split over R × U processes by
+            diffusers' context parallelism (under ``torchrun`` or ``accelerate launch``; more processes: the prompts
+            dealt out over the meshes); the mesh's first process writes (docs/many-gpus.md).
     """
 
     model: str = "tiny"
@@ -133,6 +136,7 @@ class DumpConfig:
     video_format: str = "auto"
     fps: int = 8
     previews: bool = True
+    parallel: dict | None = None
     config_dir: str = field(default=".", metadata={"internal": True})  # where relative paths start
     transformer: dict | None = field(default=None, repr=False, compare=False, metadata={"internal": True})
 
@@ -204,11 +208,11 @@ class DumpConfig:
 
     def output_key(self) -> str:
         """A hash of every setting that changes what a prompt's folder holds; not ``device``, ``offload``,
-        ``vae_tiling``, ``capture.memory_budget``, ``capture.method``, ``capture.verify``, ``save_dir`` or
-        ``prompts``, which
+        ``vae_tiling``, ``parallel``, ``capture.memory_budget``, ``capture.method``, ``capture.verify``, ``save_dir``
+        or ``prompts``, which
         change only how or where it is computed."""
         settings = self.to_dict()
-        for key in ("device", "offload", "vae_tiling", "save_dir", "prompts"):
+        for key in ("device", "offload", "vae_tiling", "save_dir", "prompts", "parallel"):
             del settings[key]
         for key, default in _LATER.items():
             if settings[key] == default:

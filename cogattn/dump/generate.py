@@ -110,7 +110,7 @@ def _write_head_table(maps: Path, path: Path) -> bool:
     return True
 
 
-def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int) -> None:
+def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int, writes: bool = True) -> None:
     """Generate one video with capture into ``folder`` (a fresh or incomplete one is (re)made).
 
     Args:
@@ -120,7 +120,12 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
         prompt (`Prompt`): the prompt.
         folder (`Path`): the prompt's folder, ``<save_dir>/<prompt.key()>``.
         process (`int`): index of this process under ``accelerate launch`` (kept in ``prompt.json``).
+        writes (`bool`): `False` on a process of a context-parallel mesh other than its first: it takes part in the
+            generation and writes nothing (its recording neither: :mod:`cogattn.dump.parallel`).
     """
+    if not writes:
+        _generate(pipe, cfg, prompt, folder, process, writes=False)
+        return
     folder.mkdir(parents=True, exist_ok=True)
     try:  # held until the prompt is complete: another process never deletes or mixes into it
         lock = RunLock(folder)
@@ -135,7 +140,7 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
         lock.release()
 
 
-def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int) -> None:
+def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int, writes: bool = True) -> None:
 
     seed = cfg.seed if prompt.seed is None else prompt.seed
     negative, spec = prompt.negative_prompt, cfg.spec()
@@ -154,7 +159,8 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
         "process": process,
         "config": cfg.to_dict(),
     }
-    _write_json(folder / "prompt.json", meta)
+    if writes:
+        _write_json(folder / "prompt.json", meta)
     device = pipe._execution_device
     call = dict(
         prompt=prompt.prompt,
@@ -185,6 +191,8 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int)
     with record(pipe, cfg.capture_options(save_dir=folder / "maps", info=info)) as rec:
         frames = pipe(**call).frames[0]
     meta["seconds"] = round(time.perf_counter() - t0, 3)
+    if not writes:
+        return
     # the viewer's and the previews' word labels: the tokens of the text the transformer read, through the
     # pipeline's own template and crop (and the call's prompt_template where it passed one)
     text = PromptFormat(pipe, call.get("prompt_template")) if getattr(pipe, "tokenizer", None) is not None else None
