@@ -24,9 +24,10 @@ import torch.distributed as dist
 __all__ = ["CHECKED_FAMILIES", "ElsewhereStore", "Mesh", "distributed", "exchange_bytes", "find_mesh"]
 
 # The families whose context-parallel runs are checked against the reference (tests/test_context_parallel.py). The
-# others with a plan stay refused, each for what was found: diffusers' own CP run of LTX-Video's tiny model (its
-# text mask, sliced with the text) and of Helios' change the video against the single-process run (by 0.31 and
-# 0.27), and LTX-2's split rotary embedding does not meet its slice of q in the processor.
+# others with a plan stay refused, each for what diffusers' own CP run of its tiny model did, without cogattn
+# (docs/many-gpus.md): LTX-Video's and Helios' videos differ from the single-process run's (by 0.29 and 0.27: the
+# ring applies one slice's text mask to every slice's keys; Helios' cause not found), LTX-2's processor fails in its
+# split rotary embedding.
 CHECKED_FAMILIES = ("wan", "chronoedit")
 
 
