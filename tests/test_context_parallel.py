@@ -7,6 +7,7 @@ recording on must equal the same CP run's without, and only rank 0 writes a run.
 diffusers' CP runs on a CPU under two test-only shims, which touch diffusers, not cogattn (``cp_shims.py``)."""
 
 import json
+import multiprocessing
 import os
 
 import pytest
@@ -59,61 +60,83 @@ def _gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def _rank(rank, world, ring, ulysses, init, out, pipe, kinds, heads, errors):
+def _ranks(target, world: int, tmp_path, *args) -> None:
+    """``target(rank, world, *args)`` in ``world`` processes forked from this one and joined by gloo, under the
+    shims; fails with what any of them raised."""
+    errors = forked._FORK.Queue()
+    init = tmp_path / f"init-{len(list(tmp_path.glob('init-*')))}"
+    procs = [forked.start(_guarded, target, r, world, init, args, errors) for r in range(world)]
+    for p in procs:
+        p.join(120)
+        if p.is_alive():  # a rank that raised leaves the others waiting in a collective
+            p.kill()
+    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not reported, "\n".join(reported)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _guarded(target, rank, world, init, args, errors):
+    import traceback
+
     try:
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
         _shims()
-        run = dict(kinds=kinds, heads=heads, batch="all", save_dir=out / f"run{rank}", **SIZES)
-        if ring * ulysses == 4:  # the 2 × 2 mesh: recording starts before enable_parallelism
-            spy, outputs, rec = WanSpy(pipe), Outputs(pipe.transformer), cogattn.record(pipe, **run)
-            _enable(pipe.transformer, ring, ulysses)
-            with rec:
-                got = pipe(**CALL, **_prompt()).frames
-            spy.__exit__(), outputs.remove()
-            stock = pipe(**CALL, **_prompt()).frames
-        else:
-            _enable(pipe.transformer, ring, ulysses)
-            stock = pipe(**CALL, **_prompt()).frames
-            spy, outputs = WanSpy(pipe), Outputs(pipe.transformer)
-            with cogattn.record(pipe, **run) as rec:
-                got = pipe(**CALL, **_prompt()).frames
-            spy.__exit__(), outputs.remove()
-        assert torch.equal(got, stock), "recording changed the CP run's output"
-        assert (rec.mesh.ring, rec.mesh.ulysses, rec.mesh.rank) == (ring, ulysses, dist.get_rank())
-        # the full sequence's q and keys of every call: self-attention q and k and cross-attention q are sliced
-        spy.calls = [
-            (e, layer, role, _gather(q, 2), {n: (_gather(k, 2) if n == "self" else k) for n, k in keys.items()})
-            for e, layer, role, q, keys in spy.calls
-        ]
-        proofs = [(layer, _gather(v, 2), _gather(o, 1)) for layer, v, o in outputs.calls]
-        if rank == 0:
-            selfs = [c for c in spy.calls if c[2] == "self"]
-            for (_, layer, _, q, keys), (layer_o, v, o) in zip(selfs, proofs):  # the reference's P·V is the output
-                assert layer == layer_o
-                P = torch.softmax(q.double() @ keys["self"].double().transpose(-1, -2) / q.shape[-1] ** 0.5, -1)
-                attn = pipe.transformer.blocks[layer].attn1
-                ref = attn.to_out[0]((P @ v.double()).transpose(1, 2).flatten(2).float())
-                assert (ref - o).abs().max() <= 1e-5 * max(1.0, o.abs().max().item())
-            assert_matches_spy(rec, spy, kinds, [0, 1], heads, 2)
-            meta = json.loads((out / "run0" / "run.json").read_text())
-            assert meta["mesh"] == {"ring": ring, "ulysses": ulysses, "ranks": ring * ulysses}
-            assert cogattn.load(out / "run0").keys() == rec.keys()
-        else:
-            assert rec.keys() == [] and not (out / f"run{rank}").exists()
-            with pytest.raises(RuntimeError, match="rank 0 holds the results"):
-                rec.get(kinds[0], 0, 0)
-        if ring > 1:  # the opt-in output calls bypass the CP dispatch: refused, before any block runs
-            with pytest.raises(ValueError, match="context-parallel dispatch"):
-                with cogattn.record(pipe, kinds=("frame",), layer_output="lse"):
-                    pipe(**CALL, **_prompt())
+        target(rank, world, *args)
         dist.barrier()
     except BaseException as err:  # reported to the test, which fails with it
-        import traceback
-
         errors.put(f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _rank(rank, world, ring, ulysses, out, pipe, kinds, heads):
+    """One rank of the tiny Wan pipeline under the mesh: the stock CP run and the recorded one (recording started
+    before ``enable_parallelism`` on the 2 × 2 mesh), then rank 0's maps against the reference of every rank's q and k
+    joined in slice order, proved by P·V."""
+    run = dict(kinds=kinds, heads=heads, batch="all", save_dir=out / f"run{rank}", **SIZES)
+    if ring * ulysses == 4:  # the 2 × 2 mesh: recording starts before enable_parallelism
+        spy, outputs, rec = WanSpy(pipe), Outputs(pipe.transformer), cogattn.record(pipe, **run)
+        _enable(pipe.transformer, ring, ulysses)
+        with rec:
+            got = pipe(**CALL, **_prompt()).frames
+        spy.__exit__(), outputs.remove()
+        stock = pipe(**CALL, **_prompt()).frames
+    else:
+        _enable(pipe.transformer, ring, ulysses)
+        stock = pipe(**CALL, **_prompt()).frames
+        spy, outputs = WanSpy(pipe), Outputs(pipe.transformer)
+        with cogattn.record(pipe, **run) as rec:
+            got = pipe(**CALL, **_prompt()).frames
+        spy.__exit__(), outputs.remove()
+    assert torch.equal(got, stock), "recording changed the CP run's output"
+    assert (rec.mesh.ring, rec.mesh.ulysses, rec.mesh.rank) == (ring, ulysses, dist.get_rank())
+    # the full sequence's q and keys of every call: self-attention q and k and cross-attention q are sliced
+    spy.calls = [
+        (e, layer, role, _gather(q, 2), {n: (_gather(k, 2) if n == "self" else k) for n, k in keys.items()})
+        for e, layer, role, q, keys in spy.calls
+    ]
+    proofs = [(layer, _gather(v, 2), _gather(o, 1)) for layer, v, o in outputs.calls]
+    if rank == 0:
+        selfs = [c for c in spy.calls if c[2] == "self"]
+        for (_, layer, _, q, keys), (layer_o, v, o) in zip(selfs, proofs):  # the reference's P·V is the output
+            assert layer == layer_o
+            P = torch.softmax(q.double() @ keys["self"].double().transpose(-1, -2) / q.shape[-1] ** 0.5, -1)
+            attn = pipe.transformer.blocks[layer].attn1
+            ref = attn.to_out[0]((P @ v.double()).transpose(1, 2).flatten(2).float())
+            assert (ref - o).abs().max() <= 1e-5 * max(1.0, o.abs().max().item())
+        assert_matches_spy(rec, spy, kinds, [0, 1], heads, 2)
+        meta = json.loads((out / "run0" / "run.json").read_text())
+        assert meta["mesh"] == {"ring": ring, "ulysses": ulysses, "ranks": ring * ulysses}
+        assert cogattn.load(out / "run0").keys() == rec.keys()
+    else:
+        assert rec.keys() == [] and not (out / f"run{rank}").exists()
+        with pytest.raises(RuntimeError, match="rank 0 holds the results"):
+            rec.get(kinds[0], 0, 0)
+    if ring > 1:  # the opt-in output calls bypass the CP dispatch: refused, before any block runs
+        with pytest.raises(ValueError, match="context-parallel dispatch"):
+            with cogattn.record(pipe, kinds=("frame",), layer_output="lse"):
+                pipe(**CALL, **_prompt())
 
 
 def _prompt():
@@ -133,51 +156,30 @@ def _prompt():
 )
 def test_maps_under_context_parallelism_match_the_reference(tmp_path, ring, ulysses, kinds, heads):
     pipe = tiny_pipeline(num_heads=4)  # made once here: the forked ranks share its weights
-    world = ring * ulysses
-    errors = forked._FORK.Queue()
-    init = tmp_path / "init"
-    procs = [
-        forked.start(_rank, r, world, ring, ulysses, init, tmp_path, pipe, kinds, heads, errors) for r in range(world)
-    ]
-    for p in procs:
-        p.join(300)
-    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert not reported, "\n".join(reported)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    _ranks(_rank, ring * ulysses, tmp_path, ring, ulysses, tmp_path, pipe, kinds, heads)
     assert os.path.exists(tmp_path / "run0" / "run.json")
 
 
-def _family_rank(rank, name, init, pipe, call, kinds, errors):
-    """One rank of ``name``'s tiny pipeline under Ulysses 2: its maps without CP first (the family's conformance tests
+def _family_rank(rank, world, pipe, call, kinds):
+    """One rank of a family's tiny pipeline under Ulysses 2: its maps without CP first (the family's conformance tests
     hold those to the naive reference), then under CP, whose attention is then the same bit for bit, where rank 0's
     must equal them."""
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-        _shims()
-        run = dict(kinds=kinds, batch="all", heads="all", **FAMILY_SIZES)
-        with cogattn.record(pipe, **run) as single:
-            pipe(**call(), output_type="latent")
-        _enable(pipe.transformer, 1, 2)
-        stock = pipe(**call(), output_type="latent").frames
-        with cogattn.record(pipe, **run) as rec:
-            got = pipe(**call(), output_type="latent").frames
-        assert torch.equal(got, stock), "recording changed the CP run's output"
-        if rank == 0:
-            assert rec.keys() == single.keys() and rec.keys()
-            for key in rec.keys():  # topk and frame_max: values, then indices
-                a, b = rec.get(*key), single.get(*key)
-                for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
-                    assert x.shape == y.shape and (x.double() - y.double()).abs().max() <= 1e-5, key
-        else:
-            assert rec.keys() == []
-        dist.barrier()
-    except BaseException as err:  # reported to the test, which fails with it
-        import traceback
-
-        errors.put(f"{name} rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run = dict(kinds=kinds, batch="all", heads="all", **FAMILY_SIZES)
+    with cogattn.record(pipe, **run) as single:
+        pipe(**call(), output_type="latent")
+    _enable(pipe.transformer, 1, 2)
+    stock = pipe(**call(), output_type="latent").frames
+    with cogattn.record(pipe, **run) as rec:
+        got = pipe(**call(), output_type="latent").frames
+    assert torch.equal(got, stock), "recording changed the CP run's output"
+    if rank == 0:
+        assert rec.keys() == single.keys() and rec.keys()
+        for key in rec.keys():  # topk and frame_max: values, then indices
+            a, b = rec.get(*key), single.get(*key)
+            for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+                assert x.shape == y.shape and (x.double() - y.double()).abs().max() <= 1e-5, key
+    else:
+        assert rec.keys() == []
 
 
 FAMILY_SIZES = dict(block_size=7, topk=4, queries=[0, (1, 1, 2)], patterns=("spatial", "temporal", "window:1"))
@@ -203,40 +205,19 @@ def test_chronoedit_records_under_ulysses(tmp_path):
     error folds the exchanged values) under Ulysses 2 equals the same call's maps without CP, and the output with
     recording on the CP run's without."""
     pipe, kinds, call = _families_case("chronoedit")
-    errors = forked._FORK.Queue()
-    procs = [forked.start(_family_rank, r, "chronoedit", tmp_path / "i", pipe, call, kinds, errors) for r in range(2)]
-    for p in procs:
-        p.join(300)
-    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert not reported, "\n".join(reported)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    _ranks(_family_rank, 2, tmp_path, pipe, call, kinds)
 
 
-def _refused_rank(rank, init, pipe, call, errors):
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-        _shims()
-        _enable(pipe.transformer, 2, 1)
-        with pytest.raises(ValueError, match="does not record ltx_video under context parallelism yet"):
-            with cogattn.record(pipe, kinds=("frame",)):
-                pipe(**call(), output_type="latent")
-        dist.barrier()
-    except BaseException as err:  # reported to the test, which fails with it
-        errors.put(f"rank {rank}: {type(err).__name__}: {err}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _refused_rank(rank, world, pipe, call):
+    _enable(pipe.transformer, 2, 1)
+    with pytest.raises(ValueError, match="does not record ltx_video under context parallelism yet"):
+        with cogattn.record(pipe, kinds=("frame",)):
+            pipe(**call(), output_type="latent")
 
 
 def test_a_family_not_checked_under_context_parallelism_is_refused_in_one_line(tmp_path):
     pipe, _, call = _families_case("ltx_video")
-    errors = forked._FORK.Queue()
-    procs = [forked.start(_refused_rank, r, tmp_path / "i", pipe, call, errors) for r in range(2)]
-    for p in procs:
-        p.join(300)
-    reported = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert not reported, "\n".join(reported)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    _ranks(_refused_rank, 2, tmp_path, pipe, call)
 
 
 def test_estimate_plans_each_rank_of_a_mesh():
@@ -264,50 +245,56 @@ def test_estimate_plans_each_rank_of_a_mesh():
         cogattn.estimate("Wan-AI/Wan2.1-T2V-14B-Diffusers", parallel={"ulysses": 2}, **call)  # 20 heads a rank
 
 
-def _batch_rank(rank, port, argv, codes):
-    """One process of ``torchrun``, as accelerate reads it from the environment, running the batch tool."""
+def _batch_rank(rank, port, argv, out, codes):
+    """One process of ``torchrun``, as accelerate reads it from the environment, running the batch tool twice (the
+    second run must skip every prompt the first completed); puts each run's exit code and prompt.json times."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
     _shims()
-    count = torch.accelerator.device_count
     torch.accelerator.device_count = lambda: 1  # the first shim, for the whole run (enable_parallelism is inside)
     try:
         from cogattn.dump.cli import main
 
-        codes.put((rank, main(argv)))
+        for _ in range(2):
+            code = main(argv)
+            dist.barrier()  # the first process has written before either looks again
+            codes.put((rank, code, {str(p): p.stat().st_mtime_ns for p in out.glob("*/prompt.json")}))
     except BaseException as err:  # reported to the test, which fails with it
-        codes.put((rank, f"{type(err).__name__}: {err}"))
-    finally:
-        torch.accelerator.device_count = count
+        codes.put((rank, f"{type(err).__name__}: {err}", {}))
+
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 
 def test_the_batch_tool_splits_each_generation_over_a_mesh(tmp_path):
     """``parallel: {ulysses: 2}`` under two processes: every prompt generated by both, written once, by the mesh's
     first process (its maps a run whose run.json names the mesh); a second run skips them all."""
-    import socket
-
     from cogattn.dump.config import default_config
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = _free_port()
     out = tmp_path / "out"
     argv = [
         str(default_config().parent / "tiny-wan.yaml"), "--set", f"save_dir={out}", "--set", "device=cpu",
         "--set", "parallel={ulysses: 2}", "--set", "previews=false", "--set", "capture.batch=all",
     ]  # fmt: skip
-    for attempt in range(2):
-        codes = forked._FORK.Queue()
-        procs = [
-            forked.start(_batch_rank, r, port if attempt == 0 else str(int(port) + 1), argv, codes) for r in range(2)
-        ]
-        for p in procs:
-            p.join(300)
-        got = dict(codes.get() for _ in procs)
-        assert got == {0: 0, 1: 0}, got
-        written = {p: p.stat().st_mtime_ns for p in out.glob("*/prompt.json")}
-        if attempt == 0:
-            first = written
-    assert written == first and len(first) == 2  # the second run skipped both complete prompts
+    codes = SPAWN.Queue()  # new interpreters: a fork would inherit what earlier tests left in this process
+    procs = [SPAWN.Process(target=_batch_rank, args=(r, port, argv, out, codes)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [codes.get(timeout=300) for _ in range(4)]
+    for p in procs:
+        p.join(60)
+    assert [code for _, code, _ in got] == [0, 0, 0, 0], got
+    first, second = [times for rank, _, times in got if rank == 0]
+    assert len(first) == 2 and second == first  # the second run skipped both complete prompts
     folders = sorted(p for p in out.iterdir() if p.is_dir())
     assert len(folders) == 2  # the two prompts of prompts/tiny_wan.txt
     for folder in folders:

@@ -348,12 +348,7 @@ def pooled_pass(
         if probe is not None:
             probe.lse_from_output = lse_from_output
         for red, o in single:
-            chosen = red.key_groups.keys.to(q.device)
-            valid = None if K == S else (chosen < K).float()  # masked keys' columns are 0
-            chosen = chosen if K == S else chosen.clamp(max=K - 1)
-            k_sel = kf[0][:, chosen] if needs_qk else k.chunk(h0, h1, chosen)  # (h, C, D)
-            rows = passes.query_rows(qf, q, h0, h1)
-            passes.single_key_columns(rows, k_sel, lse[0], red, o, h0, plan.pooled_rows, scale, probe, valid)
+            passes.single_keys(red, o, q, k, h0, h1, lse[0], K, plan.pooled_rows, scale, probe, qf, kf)
         if received:
             formed = slice(None) if received[0][0].query_limit is None else slice(0, received[0][0].query_limit)
             sums = passes.received_pass(qf[0][:, formed], kf[0], lse[0][:, formed], scale)

@@ -103,11 +103,7 @@ def kernel_pass(
         if probe is not None:
             probe.lse_from_output = from_output
         for red, o in single:
-            chosen = red.key_groups.keys.to(q.device)
-            valid = None if K == S else (chosen < K).float()  # masked keys' columns are 0
-            k_sel = k.chunk(h0, h1, chosen if K == S else chosen.clamp(max=K - 1))  # float32 (h, C, D)
-            rows = passes.query_rows(None, q, h0, h1)
-            passes.single_key_columns(rows, k_sel, lse, red, o, h0, plan.pooled_rows, scale, probe, valid)
+            passes.single_keys(red, o, q, k, h0, h1, lse, K, plan.pooled_rows, scale, probe)
         if received:
             limit = received[0][0].query_limit
             mass = kernels.received(q.x, k.x, lse, heads, scale, queries=limit, keys=K)

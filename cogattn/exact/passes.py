@@ -22,6 +22,7 @@ __all__ = [
     "fold",
     "query_rows",
     "single_key_columns",
+    "single_keys",
     "TileBuffer",
     "entropy_pass",
     "full_fp32_matmul",
@@ -353,6 +354,19 @@ def single_key_columns(
         s = torch.matmul(q_rows(r0, r1), kt).mul_(scale).sub_(lse[:, r0:r1, None]).exp_()
         fold(red, out, h0, r0, s if valid is None else s.mul_(valid), probe)
         del s
+
+
+def single_keys(red: Reducer, out, q: HeadView, k: HeadView, h0: int, h1: int, lse, keys: int, rows: int, scale: float,
+                probe=None, qf=None, kf=None) -> None:  # fmt: skip
+    """:func:`single_key_columns` of ``red``'s single keys for heads ``h0:h1`` of the head views ``q`` and ``k``, given
+    the rows' lse ``(h, S)``: of the first ``keys`` keys (a masked key's column is 0), in tiles of ``rows`` rows; from
+    a pass's float32 chunks ``qf`` and ``kf`` ``(1, h, S, D)`` where it made them, else copies of just those rows."""
+    S = q.shape[1]
+    chosen = red.key_groups.keys.to(q.device)
+    valid = None if keys == S else (chosen < keys).float()  # masked keys' columns are 0
+    chosen = chosen if keys == S else chosen.clamp(max=keys - 1)
+    k_sel = kf[0][:, chosen] if kf is not None else k.chunk(h0, h1, chosen)  # float32 (h, C, D)
+    single_key_columns(query_rows(qf, q, h0, h1), k_sel, lse, red, out, h0, rows, scale, probe, valid)
 
 
 def fold(red: Reducer, out: torch.Tensor, h0: int, r0: int, values: torch.Tensor, probe) -> None:
