@@ -71,6 +71,7 @@ def kernel_pass(
     entropy = [(r, o) for r, o in stats if r.stat == "entropy"]
     received = [(r, o) for r, o in stats if r.stat == "received"]
     groupings = _distinct([r.key_groups for r, _ in multi])
+    owners = [_same(r.key_groups, groupings) for r, _ in multi]  # each reducer's grouping, matched once a call
     if not groupings and (entropy or (given_lse is None and (single or received))):
         groupings = [None]  # a sweep for the lse (and entropy) alone
     for h0 in range(0, H, plan.pooled_heads):
@@ -97,8 +98,8 @@ def kernel_pass(
                 for red, o in entropy:
                     passes.fold(red, o, h0, 0, swept.entropy[..., None], probe)
             sums[id(groups)] = swept.sums
-        for red, o in multi:
-            passes.fold(red, o, h0, 0, sums[id(_same(red.key_groups, groupings))], probe)
+        for (red, o), owner in zip(multi, owners):
+            passes.fold(red, o, h0, 0, sums[id(owner)], probe)
         del sums
         if probe is not None:
             probe.lse_from_output = from_output
