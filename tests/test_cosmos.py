@@ -15,7 +15,7 @@ from cogattn.reference import naive_context
 cosmos = pytest.importorskip("cogattn.models.cosmos", reason="this diffusers lacks Cosmos (it needs 0.35)")
 if not cosmos.TRANSFER25:
     pytest.skip("this diffusers lacks Cosmos Transfer2.5 (Cosmos2_5_TransferPipeline)", allow_module_level=True)
-tiny25 = pytest.importorskip("cogattn.models._cosmos_tiny")
+tiny25 = pytest.importorskip("cogattn.models.cosmos.tiny")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -233,7 +233,7 @@ def _hunyuan_video15_call(pipe, g, guided):
     """Context packed per item: the prompts keep 6 and 3 of 8 Qwen tokens and 13 and 0 of 16 ByT5 tokens; under
     guidance (the guider's: two calls per step) the negatives 2 and 5, and 0 and 4; text-to-video's image tokens
     are all padding. Image-to-video: an image per video, its 16 SigLIP tokens leading every item's context."""
-    from cogattn.models import _hunyuan_video15_tiny as tiny
+    from cogattn.models.hunyuan_video15 import tiny
 
     def masks(length, *kept):
         return torch.tensor([[1] * k + [0] * (length - k) for k in kept])
@@ -297,7 +297,7 @@ def _ltx2_call(pipe, g, guided):
     """Two videos of 8 text tokens (Gemma's hidden states, left-padded: the prompts keep their last 5 and 8, the
     negatives 3 and 6; the connectors' registers fill the padding, so every key is kept), 17 frames of 64×128 (3 × 2
     × 4 latent pixels) and 18 audio bins, classifier-free guidance alone (one transformer call per step)."""
-    from cogattn.models._ltx2_tiny import tiny_call
+    from cogattn.models.ltx2.tiny import tiny_call
 
     call = tiny_call(pipe, "text-to-video", g, guided)
     emb = torch.randn(2, *call["prompt_embeds"].shape[1:], generator=g)
@@ -392,7 +392,7 @@ def _cosmos25_pipeline(transfer: bool):
 
 
 def _cosmos_tiny():
-    return pytest.importorskip("cogattn.models._cosmos_tiny")
+    return pytest.importorskip("cogattn.models.cosmos.tiny")
 
 
 def _easyanimate_call(pipe, g, guided):
@@ -486,7 +486,7 @@ def _kandinsky5_call(pipe, g, guided):
     """Two videos of 6 Qwen text tokens each (the cross-attention attends all of them: no mask), the negatives as
     many (a step's two calls share the text's length), a CLIP embedding each; image-to-video: an image per video and
     17 frames (5 latent frames: the pipeline renormalises the first 4 by the next)."""
-    from cogattn.models import _kandinsky5_tiny as tiny
+    from cogattn.models.kandinsky5 import tiny
 
     T, lengths = tiny.TINY_TEXT_LEN, torch.tensor([0, 6, 12], dtype=torch.int32)
     call = dict(

@@ -1,4 +1,4 @@
-"""LTX-2's attentions on its tiny pipelines (``cogattn.models._ltx2_attention``, ``cogattn.models._ltx2_tiny``): the reference
+"""LTX-2's attentions on its tiny pipelines (``cogattn.models.ltx2.attention``, ``cogattn.models.ltx2.tiny``): the reference
 of each of a block's six attentions is proved from the module's own call, and the map processors are diffusers' own.
 
 During a stock run a spy catches every ``dispatch_attention_fn`` call inside each attention module (q, k, v, mask)
@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-ltx2 = pytest.importorskip("cogattn.models._ltx2_attention", reason="this diffusers lacks LTX-2")
+ltx2 = pytest.importorskip("cogattn.models.ltx2.attention", reason="this diffusers lacks LTX-2")
 from cogattn.layout import TokenLayout  # noqa: E402
-from cogattn.models import _ltx2_tiny  # noqa: E402  (after the skip: it needs the same diffusers)
+from cogattn.models.ltx2 import tiny as _ltx2_tiny  # noqa: E402  (after the skip: it needs the same diffusers)
 
 SOURCES = ltx2.SOURCES
 TOL = 1e-5

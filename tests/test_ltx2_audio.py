@@ -11,13 +11,14 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("cogattn.models._ltx2_attention", reason="this diffusers lacks LTX-2")
+pytest.importorskip("cogattn.models.ltx2.attention", reason="this diffusers lacks LTX-2")
 from test_ltx2 import _masked_direct_call, _run, _stock
 from test_view import _page, _redrawn, _values, browser  # noqa: F401  (browser: that module's fixture, used here)
 
 import cogattn
 from cogattn.analysis import aggregate
-from cogattn.models import FAMILIES, _ltx2_tiny, ltx2
+from cogattn.models import FAMILIES, ltx2
+from cogattn.models.ltx2 import tiny as _ltx2_tiny
 from cogattn.reference import naive_audio, naive_probs
 
 AUDIO = ("audio", "audio_to_text", "frame_audio", "audio_frame")

@@ -78,7 +78,7 @@ try:
 except ImportError as missing:  # hunyuan_video's Unavailable too
     needs = "HunyuanVideo FramePack needs diffusers >= 0.34 (HunyuanVideoFramepackTransformer3DModel)"
     raise Unavailable("hunyuan_video_framepack", needs, KNOWN) from missing
-from ._hunyuan_video_sdpa import HunyuanVideoAttnMapProcessorSDPA  # noqa: E402
+from .hunyuan_video.sdpa import HunyuanVideoAttnMapProcessorSDPA  # noqa: E402
 
 __all__ = ["SPEC", "FramepackSpec", "HunyuanVideoFramepackAttnMapProcessor", "IMAGE_TOKENS", "KNOWN", "LATENT_WINDOW"]
 __all__ += ["TEXT_LEN", "history_tokens", "layout_for_video", "read_call", "tiny_pipeline", "tiny_transformer"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
+from ..tiny_text import TEXT_DIM, cast, tiny_tokenizer
 
 __all__ = ["TEXT_LAYERS", "TEXT_LEN", "tiny_call", "tiny_pipeline", "tiny_transformer"]
 

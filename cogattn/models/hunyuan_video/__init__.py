@@ -1,5 +1,5 @@
 """HunyuanVideo (text-to-video and image-to-video): the map processor, the family's facts and its tiny
-pipelines (built in ``_hunyuan_video_tiny.py``; docs/design.md, "The model seam").
+pipelines (built in ``tiny.py``; docs/design.md, "The model seam").
 
 HunyuanVideo runs 20 dual-stream blocks (``transformer_blocks``: video and text projected apart, one joint
 attention) and then 40 single-stream blocks (``single_transformer_blocks``: one projection of ``[video,
@@ -29,7 +29,7 @@ negative embeddings of the prompt's length).
 
 The processor is diffusers' ``HunyuanVideoAttnProcessor2_0`` line for line, plus the lines that hand q, k
 and the per-item key counts to the recording: the ``dispatch_attention_fn`` version of diffusers ≥ 0.36
-here, the SDPA version of 0.33 – 0.35 in ``_hunyuan_video_sdpa.py``. On 0.32, whose mask covers queries
+here, the SDPA version of 0.33 – 0.35 in ``sdpa.py``. On 0.32, whose mask covers queries
 as well as keys, the family is unavailable.
 """
 
@@ -47,9 +47,9 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 )
 from packaging.version import Version
 
-from ..layout import TokenLayout
-from ..recorder.processor import MapSink, key_counts
-from .spec import ModelSpec, Site, Unavailable
+from ...layout import TokenLayout
+from ...recorder.processor import MapSink, key_counts
+from ..spec import ModelSpec, Site, Unavailable
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
 _HV = {
@@ -88,9 +88,9 @@ if Version(diffusers.__version__).release < (0, 33):
 DISPATCH = hasattr(HunyuanVideoAttnProcessor2_0, "_attention_backend")
 if DISPATCH:
     from diffusers.models.attention_dispatch import dispatch_attention_fn
-from ._hunyuan_video_sdpa import HunyuanVideoAttnMapProcessorSDPA  # noqa: E402
-from ._hunyuan_video_text import ASSISTANT_TOKENS, prompt_text  # noqa: E402
-from ._hunyuan_video_tiny import TINY_I2V_TEMPLATE, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
+from .sdpa import HunyuanVideoAttnMapProcessorSDPA  # noqa: E402
+from .text import ASSISTANT_TOKENS, prompt_text  # noqa: E402
+from .tiny import TINY_I2V_TEMPLATE, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 
 __all__ = [
     "SPEC",

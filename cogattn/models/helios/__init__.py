@@ -39,10 +39,10 @@ import sys
 
 import torch
 
-from ..layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
-from ..recorder.processor import MapSink
-from ._checkpoint import pipeline_name
-from .spec import ModelSpec, Site, Unavailable, call_argument, text_never_queries
+from ...layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
+from ...recorder.processor import MapSink
+from .._checkpoint import pipeline_name
+from ..spec import ModelSpec, Site, Unavailable, call_argument, text_never_queries
 
 # Attention shapes of the released checkpoints (their transformer/config.json: diffusers' defaults, Wan 2.1
 # 14B's attention with the history patch embeddings), for plans made offline.
@@ -77,7 +77,7 @@ try:
 except ImportError as missing:
     needs = "Helios needs diffusers >= 0.37 (HeliosTransformer3DModel)"
     raise Unavailable("helios", needs, KNOWN) from missing
-from ._helios_tiny import TEXT_LEN, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
+from .tiny import TEXT_LEN, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 
 __all__ = [
     "SPEC",

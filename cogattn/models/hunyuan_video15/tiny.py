@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
 
-from .tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_siglip, tiny_text_encoder, tiny_tokenizer
+from ..tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_siglip, tiny_text_encoder, tiny_tokenizer
 
 __all__ = [
     "GLYPH_DIM",

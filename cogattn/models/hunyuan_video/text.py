@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from .prompt_text import in_template, kept, pipeline_text, tokenize
+from ..prompt_text import in_template, kept, pipeline_text, tokenize
 
 __all__ = ["ASSISTANT_TOKENS", "prompt_text"]
 

@@ -1,5 +1,5 @@
 """Kandinsky 5.0 Video (text-to-video and image-to-video): the map processor, the family's facts and its tiny
-pipelines (built in ``_kandinsky5_tiny.py``; docs/design.md, "The model seam").
+pipelines (built in ``tiny.py``; docs/design.md, "The model seam").
 
 The transformer first runs its text blocks (``text_transformer_blocks``: a self-attention over the Qwen2.5-VL text
 alone, no capture site), then its visual blocks (``visual_transformer_blocks``), each a self-attention over the
@@ -50,10 +50,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..layout import TokenLayout
-from ..recorder.processor import GroupMask, MapSink
-from .prompt_text import in_template, kept, tokenize
-from .spec import ModelSpec, Site, Unavailable, call_argument, text_never_queries
+from ...layout import TokenLayout
+from ...recorder.processor import GroupMask, MapSink
+from ..prompt_text import in_template, kept, tokenize
+from ..spec import ModelSpec, Site, Unavailable, call_argument, text_never_queries
 
 # Attention shapes of the released checkpoints (the Kandinsky-5 repository's configs, which diffusers' conversion
 # carries over), for plans made offline. The 10 s Lite checkpoints run NABLA sparse attention.
@@ -96,7 +96,7 @@ try:
 except ImportError:
     needs = "Kandinsky 5 needs diffusers >= 0.36 (Kandinsky5Transformer3DModel)"
     raise Unavailable("kandinsky5", needs, KNOWN) from None
-from ._kandinsky5_tiny import TINY_TEXT_LEN, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
+from .tiny import TINY_TEXT_LEN, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 
 __all__ = [
     "SPEC",

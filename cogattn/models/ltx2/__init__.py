@@ -1,6 +1,6 @@
 """LTX-2: the family's facts, its call reading and its tiny pipelines (docs/design.md, "The model seam").
 
-Each LTX-2 block runs six attentions (``cogattn.models._ltx2_attention``): the video's self-attention (``attn1``) and
+Each LTX-2 block runs six attentions (``cogattn.models.ltx2.attention``): the video's self-attention (``attn1``) and
 cross-attention to its text (``attn2``), which a recording captures as LTX-Video's (the self-attention kinds with no
 text in the sequence, and ``video_to_text`` with the text's key bias added as the model adds it), and the audio
 stream's four, each its own kind: ``audio`` (its self-attention), ``audio_to_text`` (its text cross-attention, under
@@ -26,11 +26,11 @@ import dataclasses
 
 import torch
 
-from ..audio import AudioAxis
-from ..layout import TokenLayout
-from ._checkpoint import pipeline_name
-from .prompt_text import PromptText, kept, tokenize
-from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
+from ...audio import AudioAxis
+from ...layout import TokenLayout
+from .._checkpoint import pipeline_name
+from ..prompt_text import PromptText, kept, tokenize
+from ..spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
 
 # Attention shapes of the released checkpoints (diffusers' defaults, the 19B model), for plans made offline.
 _LTX2 = {
@@ -51,8 +51,8 @@ KNOWN: dict[str, dict] = {"Lightricks/LTX-2": _LTX2}
 try:
     from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
 
-    from ._ltx2_attention import PROCESSORS
-    from ._ltx2_tiny import tiny_call, tiny_pipeline, tiny_transformer
+    from .attention import PROCESSORS
+    from .tiny import tiny_call, tiny_pipeline, tiny_transformer
 except ImportError as missing:
     needs = "LTX-2 needs a diffusers with LTX2VideoTransformer3DModel and LTX2PerturbedAttnProcessor (0.42 has them)"
     raise Unavailable("ltx2", needs, KNOWN) from missing
@@ -100,7 +100,7 @@ def read_call(config, args: tuple, kwargs: dict):
     cross-attention ``encoder_hidden_states`` ``(B, T, C)``, the audio axis from ``audio_hidden_states`` ``(B, A, C)``
     and ``fps``; image-to-video's timestep per token: its largest. Video tokens after the grid (``LTX2ConditionPipeline``'s
     keyframes, ``LTX2InContextPipeline``'s references) are the layout's ``history_len``: capture's order leads with
-    them (:mod:`cogattn.models._ltx2_attention`)."""
+    them (:mod:`cogattn.models.ltx2.attention`)."""
     hidden = call_argument(args, kwargs, 0, "hidden_states")
     text = call_argument(args, kwargs, 2, "encoder_hidden_states")
     t = call_argument(args, kwargs, 4, "timestep")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 
-from ..recorder.processor import MapSink, key_counts
+from ...recorder.processor import MapSink, key_counts
 
 __all__ = ["HunyuanVideoAttnMapProcessorSDPA"]
 

@@ -5,7 +5,7 @@ Where each item's tokens sit in the transformer's packed context is the recordin
 
 from __future__ import annotations
 
-from .prompt_text import PromptText, in_template, kept, tokenize
+from ..prompt_text import PromptText, in_template, kept, tokenize
 
 __all__ = ["glyph_text", "prompt_crop", "prompt_text"]
 

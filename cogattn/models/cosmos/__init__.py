@@ -1,5 +1,5 @@
 """Cosmos world models (Predict1, 2, 2.5 and Transfer2.5): the map processors and the family's facts (docs/design.md,
-"The model seam"); the tiny pipelines are ``_cosmos_tiny.py``'s.
+"The model seam"); the tiny pipelines are ``tiny.py``'s.
 
 Each of Cosmos' blocks has a self-attention over the video alone (``attn1``: RMS norms per head, 3-D RoPE) and a
 cross-attention from the video to 512 text tokens (``attn2``, the padding attended: the pipelines pass no mask), run
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layout import VAE_SPATIAL, TokenLayout
-from ..recorder.processor import MapSink, context_bias
-from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
+from ...layout import VAE_SPATIAL, TokenLayout
+from ...recorder.processor import MapSink, context_bias
+from ..spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
 _COSMOS = {"_class_name": "CosmosTransformer3DModel", "attention_head_dim": 128, "patch_size": [1, 2, 2]}
@@ -82,8 +82,8 @@ try:
     from diffusers.models.transformers import transformer_cosmos
     from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0, CosmosTransformer3DModel
 
-    from ._cosmos_text import prompt_text
-    from ._cosmos_tiny import TRANSFER25, tiny_call, tiny_pipeline, tiny_transformer
+    from .text import prompt_text
+    from .tiny import TRANSFER25, tiny_call, tiny_pipeline, tiny_transformer
 except ImportError as missing:
     needs = "Cosmos needs diffusers >= 0.35 (CosmosAttnProcessor2_0, Cosmos2VideoToWorldPipeline)"
     raise Unavailable("cosmos", needs, KNOWN) from missing

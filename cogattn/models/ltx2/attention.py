@@ -32,7 +32,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
     apply_split_rotary_emb,
 )
 
-from ..recorder.processor import MapSink, context_bias, query_key_bias
+from ...recorder.processor import MapSink, context_bias, query_key_bias
 
 __all__ = ["PROCESSORS", "SOURCES", "LTX2AttnMapProcessor", "LTX2PerturbedAttnMapProcessor", "map_processors"]
 

@@ -1,5 +1,5 @@
 """HunyuanVideo 1.5 (text-to-video and image-to-video): the map processor, the family's facts and its tiny
-pipelines (built in ``_hunyuan_video15_tiny.py``; docs/design.md, "The model seam").
+pipelines (built in ``tiny.py``; docs/design.md, "The model seam").
 
 HunyuanVideo 1.5 runs 54 dual-stream blocks (``transformer_blocks``: the video and a context projected
 apart, one joint attention); its token refiner attends over the text alone and is no capture site. The
@@ -33,9 +33,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..layout import TokenLayout
-from ..recorder.processor import MapSink, key_counts
-from .spec import ModelSpec, Site, Unavailable, call_argument
+from ...layout import TokenLayout
+from ...recorder.processor import MapSink, key_counts
+from ..spec import ModelSpec, Site, Unavailable, call_argument
 
 # Attention shapes of the released checkpoints (diffusers' conversion script's configs), for plans made offline.
 _HV15 = {
@@ -71,8 +71,8 @@ try:
 except ImportError:
     needs = "HunyuanVideo 1.5 needs diffusers >= 0.36 (HunyuanVideo15Transformer3DModel)"
     raise Unavailable("hunyuan_video15", needs, KNOWN) from None
-from ._hunyuan_video15_text import glyph_text, prompt_crop, prompt_text  # noqa: E402
-from ._hunyuan_video15_tiny import tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
+from .text import glyph_text, prompt_crop, prompt_text  # noqa: E402
+from .tiny import tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
 
 __all__ = [
     "SPEC",

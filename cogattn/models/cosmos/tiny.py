@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
 
-from .tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_text_encoder, tiny_tokenizer
+from ..tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_text_encoder, tiny_tokenizer
 
 __all__ = [
     "IMAGE_LEN",

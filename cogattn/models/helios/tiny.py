@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_helios import HeliosTransformer3DModel
 
-from .tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
+from ..tiny_text import TEXT_DIM, cast, tiny_text_encoder, tiny_tokenizer
 
 __all__ = ["TEXT_LEN", "tiny_call", "tiny_pipeline", "tiny_transformer"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_tokenizer
+from ..tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_tokenizer
 
 __all__ = ["CLIP_DIM", "TINY_TEXT_LEN", "tiny_call", "tiny_pipeline", "tiny_transformer"]
 

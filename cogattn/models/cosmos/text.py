@@ -3,7 +3,7 @@ chat template, after a system turn; Predict1's and Predict2's tokenize it alone 
 
 from __future__ import annotations
 
-from .prompt_text import in_template, kept, pipeline_text, tokenize
+from ..prompt_text import in_template, kept, pipeline_text, tokenize
 
 __all__ = ["SYSTEM_PROMPT", "prompt_text"]
 

@@ -9,7 +9,7 @@ import diffusers
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoTransformer3DModel
 
-from .tiny_text import TEXT_DIM, cast, tiny_tokenizer
+from ..tiny_text import TEXT_DIM, cast, tiny_tokenizer
 
 __all__ = ["TINY_I2V_TEMPLATE", "tiny_call", "tiny_pipeline", "tiny_transformer"]
 
