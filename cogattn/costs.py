@@ -181,7 +181,7 @@ def estimate(
     cfg = transformer_config(model)
     spec = spec_for_config(cfg)
     spec.check_kinds(options.kinds)
-    spec.check_options(options)
+    spec.check_options(options, cfg)
     (num_heads, head_dim), num_layers = spec.attention_shape(cfg), spec.num_layers(cfg)
     model = ModelShape(num_layers, num_heads, head_dim, dtype, spec.shapes(cfg))
     options.check_model(

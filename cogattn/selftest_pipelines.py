@@ -198,16 +198,20 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
 
 def _spying(rec, inner, context: bool, calls: dict):
     """``inner`` (a recording's ``capture`` or ``capture_context``), keeping each call's q, k and key counts (a
-    cross-attention's: its key mask, added to the scores) in ``calls``."""
+    cross-attention's: its key mask, added to the scores), values and query-key mask in ``calls``."""
 
     def spy(layer, query, key, *rest, **named):
-        if named.get("mask") is not None:  # the tiny calls make no query-key mask (diffusion forcing's)
-            raise RuntimeError("the self-test's reference takes no query-key mask")
+        mask = named.get("mask")
+        if mask is not None and not hasattr(mask, "keep") and getattr(mask, "additive", False):
+            raise RuntimeError("the self-test's reference takes no additive query-key mask")
+        if mask is not None:  # boolean (B, 1 or H, S, S): a GroupMask per head (Cosmos 3's causal text) made dense
+            dense = mask.keep[..., mask.group, :][..., mask.group] if hasattr(mask, "keep") else mask[:, None]
+            mask = dense.detach().cpu()
         counts = (rest[2] if len(rest) > 2 else None, rest[3] if len(rest) > 3 else None)
         v = None if named.get("value") is None else named["value"].detach().float().cpu()  # for pattern_error
         bias = rest[1] if len(rest) > 1 else named.get("bias")  # a cross-attention's key mask (LTX-Video's)
         keep = (bias.detach().cpu() if bias is not None else None) if context else counts
-        qk = (query.detach().float().cpu(), key.detach().float().cpu(), keep, v)
+        qk = (query.detach().float().cpu(), key.detach().float().cpu(), keep, v, mask)
         calls.setdefault((rec.step, layer, rest[0] if context else "self"), []).append(qk)
         inner(layer, query, key, *rest, **named)
 
@@ -315,7 +319,8 @@ def family_rows(
 
         def generate(pipe=pipe, call=call):
             gen = torch.Generator(device).manual_seed(1)
-            return pipe(generator=gen, num_inference_steps=2, output_type="pt", **call).frames
+            out = pipe(generator=gen, num_inference_steps=2, output_type="pt", **call)
+            return out.frames if hasattr(out, "frames") else out.video  # Cosmos 3's output names it `video`
 
         try:
             generate()  # warm up
@@ -334,7 +339,7 @@ def family_rows(
             rec = record(
                 pipe,
                 kinds=kinds,
-                queries=[0, (1, 1, 2)],
+                queries=[0, (1, 1, 2)] if "query" in kinds else None,  # refused with its self-attention (SANA-Video)
                 batch="all",
                 heads="all",
                 method=method,
@@ -348,7 +353,7 @@ def family_rows(
             limit, worst, lay = TOLERANCE.get(dtype, 1e-5), 0.0, rec.layout
             for (step, layer, source), found in calls.items():
                 found = found[::-1]  # the guidance batch [uncond..., cond...]: a step's later call first
-                q, k = torch.cat([q for q, _, _, _ in found]), torch.cat([k for _, k, _, _ in found])
+                q, k = torch.cat([x[0] for x in found]), torch.cat([x[1] for x in found])
                 v = None if any(x[3] is None for x in found) else torch.cat([x[3] for x in found]).double()
                 if source != "self":
                     biases = [x[2] for x in found]
@@ -359,11 +364,16 @@ def family_rows(
                         ref = select(made, rec.batch_items, "all")
                         worst = max(worst, (rec.get(kind, step, layer).double() - ref).abs().max().item())
                     continue
-                items = [n for qc, _, counts, _ in found for n in _item_counts(counts, len(qc))]
+                items = [n for x in found for n in _item_counts(x[2], len(x[0]))]
+                masks = [None if x[4] is None else x[4][min(i, len(x[4]) - 1)] for x in found for i in range(len(x[0]))]
                 for b, (keys, queries) in enumerate(items):
                     qb, kb = q[b : b + 1, :, :queries], k[b : b + 1]
                     keep = (torch.arange(k.shape[2]) < (k.shape[2] if keys is None else keys))[None]
                     P, lse = naive_probs(qb, kb, key_mask=keep), naive_lse(qb, kb, key_mask=keep)
+                    if masks[b] is not None:  # a query-key mask: masked scores at -inf
+                        scores = (qb.double() @ kb.double().transpose(-1, -2)) * qb.shape[-1] ** -0.5
+                        scores = scores.masked_fill(~masks[b][None, :, : qb.shape[2]], float("-inf"))
+                        P, lse = scores.softmax(-1), scores.logsumexp(-1)
                     for kind in self_kinds:
                         vb = None if v is None else v[b : b + 1]
                         worst = max(worst, _item_error(rec, kind, step, layer, b, P, lse, queries, vb))

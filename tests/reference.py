@@ -106,8 +106,8 @@ class AttentionSpy:
         blocks = [(b, site.others) for site in spec.sites for b in getattr(transformer, site.blocks, None) or ()]
         for layer, (block, others) in enumerate(blocks):  # a site's other attentions (LTX-2's audio): by source
             for source, attr in others:
-                self.handles.append(getattr(block, attr).register_forward_pre_hook(self._enter(layer, source)))
-                self.handles.append(getattr(block, attr).register_forward_hook(self._leave))
+                self.handles.append(block.get_submodule(attr).register_forward_pre_hook(self._enter(layer, source)))
+                self.handles.append(block.get_submodule(attr).register_forward_hook(self._leave))
         # dispatch: a module whose dispatch_attention_fn the processors call, to spy there ((B, S, H, D)
         # tensors), whatever backend it runs; else torch's scaled_dot_product_attention
         owner, name = (

@@ -64,6 +64,7 @@ def test_every_family_s_tiny_model_is_named_and_checked_through_its_spec(name):
             load_config(None, [f"model={spec.tiny_name}", f"task={task}"])
         pytest.skip(f"{name}'s tiny pipeline needs what this environment lacks: {' '.join(str(missing).split())}")
     call = spec.tiny_call(pipe, task, torch.Generator().manual_seed(0), False)
+    call.setdefault("num_frames", call.get("frames", call.get("video_length")))  # SANA-Video's, Latte's names
     shape = [f"{key}={call[key]}" for key in ("num_frames", "height", "width")]
     try:
         cfg = load_config(None, [f"model={spec.tiny_name}", f"task={task}", *shape])

@@ -76,7 +76,7 @@ def test_import_view_and_reading_import_no_model_code_and_recording_imports_its_
 
 
 def test_every_family_module_has_a_row_and_the_rows_agree_with_the_specs():
-    ignored = {"spec", "tiny_text", "prompt_text"}  # the registry's helpers; `_name` modules are a family's parts
+    ignored = {"spec", "site", "tiny_text", "prompt_text"}  # the registry's helpers; `_name`: a family's parts
     found = {m.name for m in pkgutil.iter_modules(models.__path__)}
     assert set(TABLE) == {name for name in found if name not in ignored and not name.startswith("_")}
     assert [spec.family for spec in models.FAMILIES] == [name for name in TABLE if name not in models.UNAVAILABLE]
@@ -85,7 +85,12 @@ def test_every_family_module_has_a_row_and_the_rows_agree_with_the_specs():
         assert {cls.__name__ for cls in spec.transformers} <= set(row.classes), spec.family
         assert row.config_keys == spec.config_keys, spec.family
         for name in row.classes:  # each name routes to this family: a checkpoint's config names one
-            assert models.spec_for_config({"_class_name": name}) is spec
+            try:
+                found = models.spec_for_config({"_class_name": name})
+            except ValueError as refused:  # a class the row names only to refuse it with why (Kandinsky 6 SR)
+                assert name in str(refused) and "not recorded" in str(refused), refused
+                continue
+            assert found is spec
         for key in row.config_keys:  # a config without its class: the first family in TABLE's order with a key
             first = next(f for f, r in TABLE.items() if key in r.config_keys)
             assert models.spec_for_config({key: 1}).family == first

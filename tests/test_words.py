@@ -89,6 +89,10 @@ def _transformer_ids(pipe, seen, **kwargs):
     params = inspect.signature(pipe.encode_prompt).parameters
     if "do_classifier_free_guidance" in params:
         kwargs["do_classifier_free_guidance"] = False
+    if "complex_human_instruction" in params:  # SANA-Video: the template its call passes by default
+        kwargs["complex_human_instruction"] = (
+            inspect.signature(pipe.__call__).parameters["complex_human_instruction"].default
+        )
     with torch.no_grad():
         emb = pipe.encode_prompt(prompt=PROMPT, **kwargs)[0]
     assert seen, "the text encoder was not called"
@@ -106,6 +110,10 @@ def _tiny(spec):
 
 @pytest.mark.parametrize("spec", cogattn.models.FAMILIES, ids=lambda s: s.family)
 def test_labels_are_the_tokens_of_the_transformer_s_text(spec):
+    if spec.family == "minimax_h3":  # a modular pipeline, its Qwen3-VL conditioner read at hidden_states[50]
+        pytest.skip("MiniMax-H3's tiny pipeline takes prompt embeddings; tests/test_minimax_h3.py checks its labels")
+    if spec.family == "cosmos3":  # no text encoder: the transformer reads the token ids
+        pytest.skip("Cosmos 3's pipeline has no text encoder; tests/test_cosmos3.py checks its labels")
     pipe, seen = _tiny(spec), []
     _spy(pipe.text_encoder, seen)
     takes_length = "max_sequence_length" in inspect.signature(pipe.encode_prompt).parameters

@@ -77,7 +77,7 @@ class PromptFormat:
     """
 
     def __init__(self, pipeline, template: dict | None = None):
-        tokenizer = getattr(pipeline, "tokenizer", None)
+        tokenizer = getattr(pipeline, "tokenizer", None) or getattr(pipeline, "text_tokenizer", None)  # Cosmos 3's
         if tokenizer is None:
             raise TypeError(f"{type(pipeline).__name__} has no tokenizer; pass a pipeline or a tokenizer.")
         spec = spec_for_module(getattr(pipeline, "transformer", None))
@@ -139,7 +139,7 @@ def _format(source, clean: bool, family: str | None = None):
                 "own)."
             )
         return _Bare(source, clean)
-    if getattr(source, "tokenizer", None) is not None:
+    if getattr(source, "tokenizer", None) is not None or getattr(source, "text_tokenizer", None) is not None:
         return PromptFormat(source)
     raise TypeError(f"{type(source).__name__} is not a pipeline, a PromptFormat or a tokenizer; pass `pipe`.")
 

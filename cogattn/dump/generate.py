@@ -170,6 +170,10 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
         generator=torch.Generator(device).manual_seed(seed),
     )
     takes = inspect.signature(pipe.__call__).parameters
+    if "num_frames" not in takes and "video_length" in takes:  # LattePipeline's name of the frame count
+        call["video_length"] = call.pop("num_frames")
+    if "num_frames" not in takes and "frames" in takes:  # SANA-Video's pipelines' name of the frame count
+        call["frames"] = call.pop("num_frames")
     if "guidance_scale" not in takes and getattr(pipe, "guider", None) is not None:
         # guidance is the pipeline's guider (HunyuanVideo 1.5): set in place, as record wrapped this object
         pipe.guider.guidance_scale = call["guidance_scale"]
@@ -189,13 +193,15 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
     t0 = time.perf_counter()
     info = {k: meta[k] for k in ("index", "prompt", "negative_prompt", "seed", "image", "model")}
     with record(pipe, cfg.capture_options(save_dir=folder / "maps", info=info)) as rec:
-        frames = pipe(**call).frames[0]
+        out = pipe(**call)
+        frames = out.frames[0] if hasattr(out, "frames") else out.video  # Cosmos 3's: one video, named `video`
     meta["seconds"] = round(time.perf_counter() - t0, 3)
     if not writes:
         return
     # the viewer's and the previews' word labels: the tokens of the text the transformer read, through the
     # pipeline's own template and crop (and the call's prompt_template where it passed one)
-    text = PromptFormat(pipe, call.get("prompt_template")) if getattr(pipe, "tokenizer", None) is not None else None
+    tokenizer = getattr(pipe, "tokenizer", None) or getattr(pipe, "text_tokenizer", None)  # Cosmos 3's name
+    text = PromptFormat(pipe, call.get("prompt_template")) if tokenizer is not None else None
     if text is not None and rec.layout is not None:
         lay, roles = rec.layout, rec.batch_roles or ()
         meta["tokens"] = text_tokens(text, prompt.prompt, lay.prompt_len, spans=item_spans(rec))

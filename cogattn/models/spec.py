@@ -16,6 +16,7 @@ import torch
 
 from ..exact.reducers import REDUCERS  # every kind is registered once cogattn is imported
 from ..exact.reducers.audio import AUDIO_KINDS
+from .site import Site, module_at
 
 __all__ = ["ModelSpec", "Site", "StepTime", "Unavailable", "call_argument", "text_never_queries"]
 
@@ -76,33 +77,6 @@ def text_never_queries(title: str) -> str:
         f"{title}'s text never queries (its self-attention is over the video alone; the text is a key of the "
         "cross-attention), so there are no text → video probabilities. Use 'video_to_text'."
     )
-
-
-@dataclass(frozen=True)
-class Site:
-    """One list of blocks whose attention cogattn captures.
-
-    Args:
-        blocks (`str`): attribute of the transformer holding the blocks (a ``ModuleList``), in forward order.
-        attention (`str`): attribute of a block holding its self-attention (CogVideoX: the joint text +
-            video attention).
-        context (`str | None`): attribute of a block holding its cross-attention to the text, if any (Wan).
-        count_key (`str`): the transformer config's key holding the number of these blocks (or a list of
-            one entry per block: Wan VACE's ``vace_layers``).
-        others (`tuple[tuple[str, str], ...]`): ``(source, attribute)`` of a block's other captured attentions, each
-            its processor told its source (LTX-2's audio stream: ``("audio", "audio_attn1")``, ...).
-    """
-
-    blocks: str
-    attention: str
-    context: str | None = None
-    count_key: str = "num_layers"
-    others: tuple[tuple[str, str], ...] = ()
-
-    def count(self, config: dict) -> int:
-        """The number of these blocks in a transformer with ``config``."""
-        value = config[self.count_key]
-        return len(value) if isinstance(value, (list, tuple)) else int(value)
 
 
 @dataclass(frozen=True)
@@ -188,6 +162,7 @@ class ModelSpec:
             where each part of the text sits on the text tokens, ``{"image": (start, end), "glyph": ..., "prompt":
             ...}``, for a family that packs its text per item (HunyuanVideo 1.5; ``TokenLayout.text_parts``);
             `None`: every item's text is the layout's (``TokenLayout.spans``).
+        interleaved (`bool`): block i of every site runs before block i + 1 of any (Latte's spatial, temporal blocks).
     """
 
     family: str
@@ -229,6 +204,7 @@ class ModelSpec:
     source_shapes: Callable | None = None
     glyph_text: Callable | None = None
     text_spans: Callable | None = None
+    interleaved: bool = False
 
     def __post_init__(self):
         if not self.title:
@@ -297,20 +273,31 @@ class ModelSpec:
             if kind in self.refused:
                 raise ValueError(f"kind {kind!r} does not exist for {self.family}: {self.refused[kind]}")
 
+    def _in_order(self, of) -> list[tuple[Site, int, object]]:
+        """``(site, block index, block)`` of every layer of a transformer in execution order (of a config: no block)."""
+        lists = [[None] * s.count(of) if isinstance(of, dict) else s.members(of) for s in self.sites]
+        order = sorted((i * self.interleaved, s, i) for s, blocks in enumerate(lists) for i in range(len(blocks)))
+        return [(self.sites[s], i, lists[s][i]) for _, s, i in order]
+
     def layer_names_for_config(self, config: dict) -> tuple[str, ...]:
         """The layer names of a transformer with ``config`` (no module needed: plans made offline)."""
-        return tuple(f"{site.blocks}.{i}.{site.attention}" for site in self.sites for i in range(site.count(config)))
+        return tuple(f"{site.blocks}.{i}.{site.attention}" for site, i, _ in self._in_order(config))
 
     def num_layers(self, config: dict) -> int:
         """The number of layers (capture sites) of a transformer with ``config``."""
         return sum(site.count(config) for site in self.sites)
 
-    def check_options(self, options) -> None:
+    def check_options(self, options, config: dict | None = None) -> None:
         """Raise `ValueError` for options the family cannot serve (an output call it cannot make, a bad layer name)."""
         for name in options.layers if isinstance(options.layers, tuple) else ():
             blocks, _, attr = name.rpartition(".") if isinstance(name, str) else ("", "", "")
-            if attr in self.uncaptured and any(blocks.rpartition(".")[0] == site.blocks for site in self.sites):
-                raise ValueError(f"layers: {name!r} is {self.title}'s {self.uncaptured[attr]}")
+            listed, number, path = ([*name.split(".", 2), "", ""] if isinstance(name, str) else ["", "", ""])[:3]
+            if path in self.uncaptured and number.isdigit() and any(listed == site.blocks for site in self.sites):
+                raise ValueError(f"layers: {name!r} is {self.title}'s {self.uncaptured[path]}")
+            for site in [s for s in self.sites if s.count_less and config is not None]:  # its config's last blocks
+                full = site.count({**config, site.count_less: 0})
+                if name in [f"{site.blocks}.{i}.{site.attention}" for i in range(site.count(config), full)]:
+                    raise ValueError(f"layers: {name!r} is {self.title}'s {self.uncaptured[site.count_less]}")
         if options.layer_output != "stock" and not self.output_call:
             raise ValueError(
                 f"layer_output={options.layer_output!r} makes the layer's output call itself, without a mask; "
@@ -321,12 +308,10 @@ class ModelSpec:
     def layers(self, transformer) -> list[tuple[str, object, object | None]]:
         """``(name, self-attention, cross-attention or None)`` of every layer, in execution order; a
         layer's name is its self-attention's path in the transformer (``"transformer_blocks.3.attn1"``)."""
-        out = []
-        for site in self.sites:
-            for i, block in enumerate(getattr(transformer, site.blocks, None) or ()):
-                context = getattr(block, site.context) if site.context else None
-                out.append((f"{site.blocks}.{i}.{site.attention}", getattr(block, site.attention), context))
-        return out
+        return [
+            (f"{s.blocks}.{i}.{s.attention}", module_at(b, s.attention), module_at(b, s.context) if s.context else None)
+            for s, i, b in self._in_order(transformer)
+        ]
 
     def layer_names(self, transformer) -> tuple[str, ...]:
         """The stable name of every layer, in execution order (``layers=`` takes them too)."""
@@ -339,26 +324,22 @@ class ModelSpec:
     def roles(self, transformer) -> dict[int, tuple[int, str]]:
         """``id(module)`` → ``(layer, "self" or "context")`` for every attention module captured (a site's
         ``others`` are ``"context"``: each hands its maps on with its source)."""
-        out, layer = {}, 0
-        for site in self.sites:
-            for block in getattr(transformer, site.blocks, None) or ():
-                out[id(getattr(block, site.attention))] = (layer, "self")
-                for attr in [site.context] * bool(site.context) + [a for _, a in site.others]:
-                    out[id(getattr(block, attr))] = (layer, "context")
-                layer += 1
+        out = {}
+        for layer, (site, _, block) in enumerate(self._in_order(transformer)):
+            out[id(module_at(block, site.attention))] = (layer, "context" if site.attention == site.context else "self")
+            for attr in [site.context] * bool(site.context) + [a for _, a in site.others]:
+                if module_at(block, attr) is not None:  # a block without it (Motif-Video's optional cross-attention)
+                    out[id(module_at(block, attr))] = (layer, "context")
         return out
 
     def site_modules(self, transformer, sources: bool = False) -> dict[str, object]:
         """Every captured attention module (self- and cross-attention, ``others``) by its path in the transformer;
         with ``sources``: ``(module, source)``, the source `None` but for a site's ``others``."""
         out = {}
-        for site in self.sites:
-            attrs = [(None, site.attention), (None, site.context), *site.others]
-            for i, block in enumerate(getattr(transformer, site.blocks, None) or ()):
-                for source, attr in attrs:
-                    if attr is not None:
-                        module = getattr(block, attr)
-                        out[f"{site.blocks}.{i}.{attr}"] = (module, source) if sources else module
+        for site, i, block in self._in_order(transformer):
+            for source, attr in [(None, site.attention), (None, site.context), *site.others]:
+                if attr is not None and (module := module_at(block, attr)) is not None:
+                    out[f"{site.blocks}.{i}.{attr}"] = (module, source) if sources else module
         return out
 
     def map_processors(self, transformer, sink) -> dict[str, object]:

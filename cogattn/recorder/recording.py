@@ -54,7 +54,7 @@ class Recording:
         self.options = CaptureOptions.build(options, **kwargs)
         self.transformer, self.pipeline, self._spec = find_transformer(target)
         self._spec.check_kinds(self.options.kinds)
-        self._spec.check_options(self.options)
+        self._spec.check_options(self.options, self.transformer.config)
         modules = self._spec.attention_modules(self.transformer)
         heads, head_dim = self._spec.module_shape(self.transformer)
         config = self.transformer.config

@@ -138,6 +138,8 @@ class StepTracker:
             self.layout.text_len,
             self.batch_size,
         )
+        # a step's later call may differ in the text in the sequence too (Cosmos 3's negative prompt, not padded)
+        same_video = (layout.grid, batch_size) == (self.layout.grid, self.batch_size)
         if window is not None and self.window is not None and window[0] > self.window:
             # the pipeline call's next window: a denoising loop of its own, its timesteps starting over
             self.window, self.call, self._time = window[0], 0, time
@@ -151,7 +153,7 @@ class StepTracker:
             return "reshaped"  # a later call of the window of another grid
         same_time = time.same_step(self._time) if isinstance(time, StepTime) else t == float(self._time)
         num_steps = self.pipeline_attr("num_timesteps")  # of the running window, in a windowed call
-        if same_call and same_time and self.call + 1 < self.calls_per_step:
+        if same_video and same_time and self.call + 1 < self.calls_per_step:
             self.call += 1
             return "again"
         more_steps = num_steps is None or len(self.timesteps) - self._window_start < num_steps

@@ -1,0 +1,54 @@
+"""A capture site: one list of blocks whose attentions a family records (docs/design.md, "The model seam").
+
+A :class:`Site` names the blocks, the attribute (or dotted path) of each block's captured attentions and the config key
+counting them; ``ModelSpec.sites`` lists a family's sites in execution order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Site", "module_at"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One list of blocks whose attention cogattn captures.
+
+    Args:
+        blocks (`str`): attribute of the transformer holding the blocks (a ``ModuleList``), in forward order.
+        attention (`str`): attribute of a block holding its self-attention (CogVideoX: the joint text + video
+            attention), or its dotted path (Kandinsky 6's ``video_dec_block.self_attention``; ``context``'s and
+            ``others``' too); ``context`` itself where that is the only one captured (SANA-Video: linear self-attention).
+        context (`str | None`): attribute of a block holding its cross-attention to the text, if any (Wan).
+        count_key (`str`): the transformer config's key holding the number of these blocks (or a list of
+            one entry per block: Wan VACE's ``vace_layers``).
+        others (`tuple[tuple[str, str], ...]`): ``(source, attribute)`` of a block's other captured attentions, each
+            its processor told its source (LTX-2's audio stream: ``("audio", "audio_attn1")``, ...).
+        count_less (`str`): config key of how many of the list's last blocks are no site (Motif-Video's decoder
+            blocks, ``num_decoder_layers``), their names refused with the spec's ``uncaptured[count_less]``.
+    """
+
+    blocks: str
+    attention: str
+    context: str | None = None
+    count_key: str = "num_layers"
+    others: tuple[tuple[str, str], ...] = ()
+    count_less: str = ""
+
+    def count(self, config: dict) -> int:
+        """The number of these blocks in a transformer with ``config`` (but the last ``count_less``)."""
+        value = config[self.count_key]
+        return (len(value) if isinstance(value, (list, tuple)) else int(value)) - int(config.get(self.count_less) or 0)
+
+    def members(self, transformer):
+        """The blocks of ``transformer`` that are capture sites, in forward order (all but the last ``count_less``)."""
+        blocks = getattr(transformer, self.blocks, None) or ()
+        return blocks[: self.count(transformer.config)] if self.count_less else blocks
+
+
+def module_at(block, path: str):
+    """The attribute of ``block`` at ``path``, dotted where it is a submodule's (``video_dec_block.self_attention``)."""
+    for name in path.split("."):
+        block = getattr(block, name)
+    return block
