@@ -1,0 +1,123 @@
+"""MiniMax-H3's own rules (tests/test_families.py holds every kind of its tiny pipeline to the reference): the
+layout read from the packed sequence (keyframe conditions and audio before the grid, in the layout's text; the
+presentation before the prompt as ``image_len``), a bare transformer recorded as the modular pipeline calls it, the
+token refiner's attentions left stock, the prompt's tokens, and the released shape planned offline."""
+
+import types
+
+import pytest
+import torch
+from reference import AttentionSpy, spy_probs
+
+import cogattn
+from cogattn.models.tiny_text import tiny_tokenizer
+from cogattn.reference import naive_kind
+
+minimax = pytest.importorskip("cogattn.models.minimax_h3", reason="this diffusers lacks MiniMax-H3 (it needs 0.42)")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# two keyframes: "<Picture i>: " (text, 1) and a vision block (video, 0) each, then a prompt of 3 tokens
+TAGS = torch.tensor([1, 0, 0, 0, 1, 0, 0, 1, 1, 1])
+
+
+def fl2va_call(model, g):
+    """A first-and-last keyframe (fl2va) call, packed by the pipeline's own layout step: 10 text rows, 2 keyframes of
+    2×3 patches, 2·37 audio rows, 7 latent frames of 2×3 patches."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+    positions, tags, video, audio, text, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        TAGS, 7, 4, 6, 37, (1, 2, 2), 2, 2, 0, ("first", "last")
+    )
+    S = positions.shape[0]
+    timesteps = torch.tensor([0.25, 0.999, 1.0])  # the video's, the keyframes', the audio's: a row's by its index
+    t_index = torch.zeros(S, dtype=torch.long)
+    t_index[video[:12]], t_index[audio] = 1, 2
+    return dict(
+        hidden_states=torch.randn(1, len(video), 96, generator=g),
+        audio_hidden_states=torch.randn(1, len(audio), 32, generator=g),
+        encoder_hidden_states=torch.randn(1, len(text), 16, generator=g),
+        timestep=timesteps,
+        timestep_indices=t_index,
+        token_tags=tags,
+        position_ids=positions,
+        video_indices=video,
+        audio_indices=audio,
+        text_indices=text,
+        return_dict=False,
+    )
+
+
+def test_a_keyframe_call_of_a_bare_transformer_is_recorded_as_the_model_attends(monkeypatch):
+    """Every token before the grid (the presentation, the keyframes' 12 tokens, the 74 audio tokens) is the layout's
+    text, the grid after it; ``full``, ``frame`` and ``video_to_text`` equal the naive float64 softmax of the module's
+    own q and k, and the output is the stock one."""
+    model = minimax.tiny_transformer(num_heads=3)
+    call = fl2va_call(model, torch.Generator().manual_seed(0))
+    layout, batch, t, _ = minimax.read_call(model.config, (), call)
+    assert (layout.text_len, layout.image_len, layout.grid, batch, t) == (10 + 12 + 74, 7, (7, 2, 3), 1, 0.75)
+    assert layout.seq_len == call["position_ids"].shape[0]
+    spy = AttentionSpy(types.SimpleNamespace(transformer=model), minimax.SPEC, monkeypatch)
+    try:
+        with torch.no_grad():
+            stock = model(**call)[0]
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    kinds = ("full", "frame", "video_to_text")
+    with cogattn.record(model, kinds=kinds, heads="all", layers="all") as rec, torch.no_grad():
+        got = model(**call)[0]
+    assert torch.equal(got, stock) and rec.layout == layout
+    for layer in range(2):
+        ((q, k, v, mask, out),) = spy.calls[0][(layer, "self")]
+        P = spy_probs(q, k, mask)
+        assert (P @ v.double() - out.double()).abs().max() < 1e-5  # the reference is the model's attention
+        for kind in kinds:
+            want = naive_kind(P, kind, layout.text_len, layout.grid)
+            assert (rec.get(kind, 0, layer).double() - want).abs().max() < 1e-5, (kind, layer)
+
+
+def test_the_modular_pipeline_is_recorded_by_its_transformer_and_the_refiner_is_no_layer():
+    """``record(pipe)`` finds the modular pipeline's ``transformer``; one call a step, each step's time the
+    generated video's noise level σ = 1 − t (t the scheduler's, up from 0 to 1); the token refiner's attentions keep diffusers' processor."""
+    pipe = minimax.tiny_pipeline()
+    call = minimax.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), False)
+    refiner = pipe.transformer.token_refiner.refiner_blocks[0].attn
+    with cogattn.record(pipe, kinds=("entropy",), steps="all") as rec:
+        assert type(refiner.processor).__name__ == "MiniMaxH3AttnProcessor"
+        pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(1))
+    assert rec.layer_names == ("transformer_blocks.0.attn", "transformer_blocks.1.attn")
+    assert rec.timesteps == [1.0 - float(t) for t in pipe.scheduler.timesteps] and len(rec.timesteps) == 2
+    assert rec.layout.text_len == minimax.TINY_TEXT + 16 and rec.batch_items == (0,)
+    with pytest.raises(ValueError, match="name no layer"):
+        cogattn.Recording(pipe, kinds=("entropy",), layers=["token_refiner.refiner_blocks.0.attn"])
+    with pytest.raises(ValueError, match="audio is no stream of its own"):
+        cogattn.Recording(pipe, kinds=("audio",))
+
+
+def test_word_labels_are_the_prompt_alone_after_the_presentation_s_vision_blocks():
+    """The pipeline tokenizes the prompt verbatim, no special tokens (its text encoder step's call); the labels put
+    it after ``prompt_start`` (``image_len``: the keyframes' labels and vision blocks) and name the keyframe and audio
+    tokens after it as padding."""
+    from cogattn.analysis import words
+
+    tokenizer, prompt = tiny_tokenizer(), "a red fox"
+    pipeline = types.SimpleNamespace(tokenizer=tokenizer, transformer=minimax.tiny_transformer())
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]  # MiniMaxH3TextEncoderStep's
+    assert minimax.prompt_text(pipeline, prompt, 5).ids == ids + [tokenizer.pad_token_id] * 2
+    names = words.text_tokens(pipeline, prompt, 8, prompt_start=2)
+    assert names == ["<image>", "<image>", "a", "red", "fox", "<pad>", "<pad>", "<pad>"]
+    assert words.word_positions("red fox", pipeline, prompt, 8, prompt_start=2) == [3, 4]
+
+
+def test_a_released_checkpoint_is_planned_offline_and_its_frame_counts_are_the_pipeline_s():
+    """141 frames at 768×1344: 42 latent frames of 24×42 patches after 128 prompt and 2·235 audio tokens; a frame
+    count the pipeline rounds plans the rounded one, and the batch tool asks for 17n + 5."""
+    est = cogattn.estimate(
+        "MiniMaxAI/MiniMax-H3", num_frames=141, height=768, width=1344, num_inference_steps=40, kinds=("frame",)
+    )
+    assert est.layout.seq_len == 42 * 24 * 42 + 128 + 470 and est.layout.grid == (42, 24, 42)
+    config = minimax.KNOWN["MiniMaxAI/MiniMax-H3"]
+    assert minimax.layout_for_video(config, 130, 768, 1344, 7) == minimax.layout_for_video(config, 141, 768, 1344, 7)
+    with pytest.raises(ValueError, match="17n \\+ 5"):
+        minimax.call_rules(types.SimpleNamespace(num_frames=125, tiny_spec=lambda: None), config)
