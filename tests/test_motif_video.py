@@ -1,0 +1,158 @@
+"""Motif-Video's own rules (tests/test_families.py holds every kind of its tiny text-to-video pipeline to the
+reference): the decoder blocks are no layers (their names refused in one line, their processors left stock), the
+text cross-attention is its layer's ``video_to_text`` over the prompt's tokens alone while image-to-video's image
+tokens lead the joint attention's text, a bare transformer records as the pipeline does, a transformer without the
+cross-attention has no ``video_to_text``, and the released shapes' plan."""
+
+import pytest
+import torch
+from reference import AttentionSpy, spy_probs
+
+import cogattn
+from cogattn.reference import naive_context, naive_kind
+
+motif = pytest.importorskip("cogattn.models.motif_video", reason="this diffusers lacks Motif-Video (0.42 has it)")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+DECODER = "single_transformer_blocks.1.attn"  # the tiny transformer's decoder block (after 1 encoder block)
+
+
+@pytest.fixture(scope="module")
+def i2v():
+    return motif.tiny_pipeline("image-to-video", num_heads=3)
+
+
+def spied(pipe, monkeypatch, run):
+    """The stock output and the spy's calls (``calls[n][(layer, role)]``: ``(q, k, v, mask, out)``), each call's
+    naive float64 probabilities proved against its output: the reference is the model's own attention."""
+    spy = AttentionSpy(pipe, motif.SPEC, monkeypatch)
+    try:
+        out = run()
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    for seen in spy.calls:
+        for ((q, k, v, mask, out_),) in seen.values():
+            assert (spy_probs(q, k, mask) @ v.double() - out_.double()).abs().max() < 1e-5
+    return out, spy.calls
+
+
+def test_the_decoder_blocks_are_refused_by_name_and_keep_the_stock_processor(i2v):
+    transformer = i2v.transformer
+    assert motif.SPEC.layer_names(transformer) == ("transformer_blocks.0.attn", "single_transformer_blocks.0.attn")
+    with pytest.raises(ValueError, match=r"^layers: 'single_transformer_blocks.1.attn' is Motif-Video's decoder block"):
+        cogattn.Recording(i2v, kinds=("frame",), layers=[DECODER])
+    with pytest.raises(ValueError, match="decoder block"):  # the plan of the released checkpoint: blocks 16–23
+        cogattn.estimate(
+            "Motif-Technologies/Motif-Video-2B",
+            num_frames=121,
+            height=736,
+            width=1280,
+            num_inference_steps=50,
+            layers=["single_transformer_blocks.20.attn"],
+        )
+    stock = type(transformer.single_transformer_blocks[1].attn.processor)
+    with cogattn.record(i2v, kinds=("frame",)):
+        assert type(transformer.single_transformer_blocks[1].attn.processor) is stock
+        assert type(transformer.single_transformer_blocks[0].attn.processor) is motif.MotifVideoAttnMapProcessor
+        assert type(transformer.single_transformer_blocks[0].cross_attn.processor) is (
+            motif.MotifVideoCrossAttnMapProcessor
+        )
+    assert type(transformer.single_transformer_blocks[0].attn.processor) is stock
+
+
+def test_image_to_video_image_tokens_lead_the_joint_text_and_the_cross_attention_reads_the_prompt(i2v, monkeypatch):
+    """Under guidance, one video: the joint attention's text is 16 SigLIP tokens then the prompt's 8 (6 kept, the
+    negative's 3); the cross-attention's keys are the prompt's 8 alone under its mask, and its video_to_text has the
+    layout's text axis, the image's 16 columns exactly 0. Every recorded number is the naive softmax of the module's
+    own q and k."""
+
+    def run():
+        call = motif.tiny_call(i2v, "image-to-video", torch.Generator().manual_seed(0), True)
+        return i2v(**call, num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(1)).frames
+
+    video, calls = spied(i2v, monkeypatch, run)
+    kinds = ("frame", "text_to_video", "video_to_text")
+    with cogattn.record(i2v, kinds=kinds, batch="all", heads="all") as rec:
+        got = run()
+    assert torch.equal(got, video)
+    lay = rec.layout
+    images, T = motif.tiny.IMAGE_LEN, motif.tiny.TEXT_LEN
+    assert (lay.text_len, lay.image_len, lay.context_len, lay.text_position) == (images + T, images, images + T, "end")
+    assert rec.text_lengths == (images + 3, images + 6)  # [uncond, cond]: the image's tokens and the valid prompt's
+    for step in range(2):
+        for layer in range(2):
+            cond, uncond = calls[2 * step][(layer, "self")][0], calls[2 * step + 1][(layer, "self")][0]
+            P = torch.cat([spy_probs(*uncond[:2], uncond[3]), spy_probs(*cond[:2], cond[3])])
+            assert P.shape[-1] == lay.seq_len and bool((P[0, :, :, lay.video_len + images + 3 :] == 0).all())
+            for kind in ("frame", "text_to_video"):
+                want = naive_kind(P, kind, lay.text_len, lay.grid, text_at_end=True)
+                assert (rec.get(kind, step, layer).double() - want).abs().max() < 1e-5, (kind, step, layer)
+            cross = [calls[2 * step + c][(layer, "context")][0] for c in (1, 0)]
+            for _, k, _, mask, _ in cross:
+                assert k.shape[2] == T and mask.shape[-1] == T  # the prompt's keys, not the image's
+            Pc = torch.cat([spy_probs(q, k, mask) for q, k, _, mask, _ in cross])
+            got = rec.get("video_to_text", step, layer).double()
+            assert (got[:, :, images:] - naive_context(Pc, lay.grid)).abs().max() < 1e-5
+            assert bool((got[:, :, :images] == 0).all())  # the image's columns, which the attention never reads
+            assert bool((got[0, :, images + 3 :] == 0).all()) and bool((got[1, :, images + 6 :] == 0).all())
+
+
+def test_a_bare_transformer_records_as_the_pipeline_does(monkeypatch):
+    model = motif.tiny_transformer(num_heads=2)
+    g = torch.Generator().manual_seed(0)
+    call = dict(
+        hidden_states=torch.randn(2, 33, 3, 4, 6, generator=g),
+        timestep=torch.tensor([700, 700]),
+        encoder_hidden_states=torch.randn(2, 5, 16, generator=g),
+        encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]),
+    )
+
+    def run():
+        with torch.no_grad():
+            return model(**call).sample
+
+    holder = type("Holder", (), {"transformer": model})()
+    out, calls = spied(holder, monkeypatch, run)
+    with cogattn.record(model, kinds=("entropy", "video_to_text"), batch="all", heads="all") as rec:
+        got = run()
+    assert torch.equal(got, out)
+    lay = rec.layout
+    assert (lay.grid, lay.text_len, lay.context_len, lay.seq_len) == ((3, 2, 3), 5, 5, 23)
+    for layer in range(2):
+        q, k, _, mask, _ = calls[0][(layer, "self")][0]
+        P = spy_probs(q, k, mask)
+        entropy = -(P * P.clamp_min(1e-300).log()).sum(-1)
+        assert (rec.get("entropy", 0, layer).double() - entropy).abs().max() < 1e-4
+        q, k, _, mask, _ = calls[0][(layer, "context")][0]
+        want = naive_context(spy_probs(q, k, mask), lay.grid)
+        assert (rec.get("video_to_text", 0, layer).double() - want).abs().max() < 1e-5
+
+
+def test_without_the_cross_attention_video_to_text_is_refused():
+    pipe = motif.tiny_pipeline(cross_attention=False)
+    assert all(context is None for _, _, context in motif.SPEC.layers(pipe.transformer))
+    with pytest.raises(ValueError, match="needs the cross-attention to text tokens"):
+        with cogattn.record(pipe, kinds=("video_to_text",)):
+            call = motif.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), False)
+            pipe(**call, num_inference_steps=1, output_type="latent")
+
+
+def test_the_estimate_of_the_released_checkpoint():
+    """Motif-Video 2B at 1280×736, 121 frames: 31 × 46 × 80 video tokens and 512 text tokens in each of its 28
+    encoder blocks' joint attention (12 heads of 128), the cross-attention's 512 prompt tokens for video_to_text."""
+    est = cogattn.estimate(
+        "Motif-Technologies/Motif-Video-2B",
+        num_frames=121,
+        height=736,
+        width=1280,
+        num_inference_steps=50,
+        kinds=("frame", "video_to_text"),
+        dtype="bfloat16",
+    )
+    lay = est.layout
+    assert (lay.grid, lay.text_len, lay.context_len, lay.seq_len) == ((31, 46, 80), 512, 512, 31 * 46 * 80 + 512)
+    shapes = {kind: tuple(shape) for kind, shape, _, _ in est.records}
+    assert shapes == {"frame": (1, 1, 32, 32), "video_to_text": (1, 1, 512, 31, 46, 80)}
+    names = motif.SPEC.layer_names_for_config(motif.KNOWN["Motif-Technologies/Motif-Video-2B"])
+    assert len(names) == 28 and names[-1] == "single_transformer_blocks.15.attn"
