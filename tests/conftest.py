@@ -12,7 +12,7 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 
-# The files that take longest, first: `pytest -n 2 --dist loadfile` hands whole files out in collection order, so
+# The files that take longest, first: `pytest -n 2 --dist loadgroup` hands whole files out in collection order, so
 # one of these left for last would keep one process busy while the other waits (.ci/run).
 LONGEST = (
     "test_families",
@@ -29,9 +29,16 @@ LONGEST = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     first = {name: n for n, name in enumerate(LONGEST)}
     items.sort(key=lambda item: first.get(item.path.stem, len(LONGEST)))  # stable: each file's own order kept
+    # One unit of work per file under `--dist loadgroup`, as `--dist loadfile` makes them (a file's module fixtures
+    # built once), but tests/test_families.py's per family case: that file alone is about half the suite.
+    for item in items:
+        case = item.callspec.params.get("family") if hasattr(item, "callspec") else None
+        split = item.path.stem == "test_families" and isinstance(case, str)
+        item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}:{case}" if split else item.path.stem))
     skip_slow = pytest.mark.skip(reason="slow: pass --runslow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -48,6 +48,7 @@ class Case:
     videos: int = 2  # videos of the call (Lucy-Edit edits one)
     query_mask: bool = False  # its attention masks query-key pairs: row tiles serve every kind, unchecked
     extras_last: bool = False  # video tokens after the grid (LTX-2's keyframes, references): the layout leads with them
+    latent: str = "latent"  # its pipeline's output_type of the latents
     join: callable = None  # a layer's spied calls → the one S × S call they make together (Cosmos 3's two calls)
     join_context: bool = False  # join takes the cross-attention's calls too (Latte's per-frame text calls)
 
@@ -1022,6 +1023,7 @@ CASES = {
         query_mask=True,
         join=_latte_join,
         join_context=True,
+        latent="latents",  # LattePipeline's before diffusers 0.33 (0.32's); later ones take it too, deprecated
         released=("maxin-cn/Latte-1", dict(num_frames=16, height=512, width=512), 16 * 32 * 32),
     ),
     "easyanimate": Case(
@@ -1155,6 +1157,7 @@ def same_reference():
 def generate(pipe, family, guided, seed=0, output_type="pt"):
     """The case's call; ``output_type="latent"`` where the test looks at no video (no VAE decode)."""
     g = torch.Generator().manual_seed(seed)
+    output_type = CASES[family].latent if output_type == "latent" else output_type
     call = {"output_type": output_type, **CASES[family].call(pipe, g, guided)}  # a case may keep its latents
     out = pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(seed + 1))
     if not hasattr(out, "frames"):  # Cosmos 3's output names it `video`
