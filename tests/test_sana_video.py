@@ -182,6 +182,14 @@ def test_word_labels_are_the_tokens_the_transformer_reads_through_the_template(p
     # the tiny word-level tokenizer adds no BOS and ends the text with </s>: the template's first token (unknown),
     # then the prompt's (Gemma's adds a BOS and no EOS: the BOS, the template's last token, then the prompt's)
     assert text_tokens(pipe, prompt, length)[:3] == ["<unk>", "a", "red"]
+    given.clear()  # the negative prompt: in no template, its first max_sequence_length tokens (the spec's negative_template)
+    hook = pipe.text_encoder.register_forward_pre_hook(lambda m, a: given.append(a[0].clone()))
+    try:
+        pipe.encode_prompt(prompt, True, negative_prompt="a dog in the snow", max_sequence_length=length)
+    finally:
+        hook.remove()
+    own = PromptFormat(pipe, cogattn.models.family("sana_video").negative_template)
+    assert own.encode("a dog in the snow", length).ids == given[1][0].tolist() != given[0][0][:length].tolist()
     with pytest.raises(ValueError, match="makes the transformer's text its own way"):
         word_positions("fox", pipe.tokenizer, prompt, length, family="sana_video")
 

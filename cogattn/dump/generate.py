@@ -207,7 +207,9 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
         meta["tokens"] = text_tokens(text, prompt.prompt, lay.prompt_len, spans=item_spans(rec))
         if "uncond" in roles:  # the unconditional item's text: the negative prompt ("" unset), at its own spans
             spans = item_spans(rec, "uncond")
-            meta["negative_tokens"] = text_tokens(text, negative or "", lay.prompt_len, spans=spans)
+            own = spec.negative_template  # the template of the negative prompt, where not the prompt's (SANA-Video)
+            negative_text = text if own is None else PromptFormat(pipe, own)
+            meta["negative_tokens"] = text_tokens(negative_text, negative or "", lay.prompt_len, spans=spans)
     meta["video"] = _save_video(frames, folder / "video", cfg).name
     if _write_head_table(folder / "maps", folder / "heads.csv"):
         meta["head_table"] = "heads.csv"

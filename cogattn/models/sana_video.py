@@ -359,6 +359,7 @@ SPEC = ModelSpec(
     float32=("vae",),
     call_rules=call_rules,
     tiny_prompt_arguments={"use_resolution_binning": False},  # the tiny sizes are no released bin
+    negative_template=[],  # its pipelines put the negative prompt in no template
     empty_negative=True,  # under guidance its pipelines lower-case the negative prompt: "" where none is given
     prompt_text=prompt_text,
     head_shape=lambda config: (int(config["num_cross_attention_heads"]), int(config["cross_attention_head_dim"])),

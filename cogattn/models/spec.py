@@ -163,6 +163,8 @@ class ModelSpec:
             ...}``, for a family that packs its text per item (HunyuanVideo 1.5; ``TokenLayout.text_parts``);
             `None`: every item's text is the layout's (``TokenLayout.spans``).
         interleaved (`bool`): block i of every site runs before block i + 1 of any (Latte's spatial, temporal blocks).
+        negative_template (`list | dict | None`): the template its pipeline puts the negative prompt in, where not the
+            prompt's (``prompt_text``'s ``template``; SANA-Video: none, ``[]``); `None`: the prompt's.
     """
 
     family: str
@@ -205,6 +207,7 @@ class ModelSpec:
     glyph_text: Callable | None = None
     text_spans: Callable | None = None
     interleaved: bool = False
+    negative_template: list | dict | None = None
 
     def __post_init__(self):
         if not self.title:
