@@ -19,6 +19,8 @@ __all__ = [
     "cast",
     "masked_text",
     "qwen_text_config",
+    "tiny_clip_text",
+    "tiny_qwen_vl",
     "tiny_siglip",
     "tiny_text_encoder",
     "tiny_tokenizer",
@@ -140,3 +142,35 @@ def tiny_siglip(seed: int, dtype: torch.dtype, dim: int = 12, side: int = 16):
         )
         encoder = SiglipVisionModel(config)
     return cast(encoder, dtype), processor(size={"height": side, "width": side})
+
+
+def tiny_qwen_vl(tokenizer):
+    """A random ``Qwen2_5_VLForConditionalGeneration`` (Kandinsky 5's and 6's text encoder): a 2-layer text model of
+    the tiny text width (:func:`qwen_text_config`) and a 1-block vision tower."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = qwen_text_config(tokenizer, 2, 512)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM)
+    vision.update(fullatt_block_indexes=[0], patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    ids = {name: len(tokenizer) - 1 for name in ("image_token_id", "video_token_id", "vision_start_token_id")}
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
+
+
+def tiny_clip_text(tokenizer, width: int):
+    """A random 1-layer ``CLIPTextModel`` of ``width`` (its pooled output's too), pooling at the tiny tokenizer's
+    ``</s>`` (Kandinsky 5's and 6's second text encoder)."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        projection_dim=width,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.pad_token_id,  # the tiny tokenizer has none; CLIP's default id is past its vocabulary
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return CLIPTextModel(config)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from tokenizers import processors
 
-from ..tiny_text import TEXT_DIM, cast, qwen_text_config, tiny_tokenizer
+from ..tiny_text import TEXT_DIM, cast, tiny_clip_text, tiny_qwen_vl, tiny_tokenizer
 
 __all__ = ["CLIP_DIM", "NEGATIVE_PROMPTS", "PROMPTS", "TINY_TEXT_LEN", "tiny_call", "tiny_pipeline", "tiny_transformer"]
 
@@ -39,36 +39,6 @@ def _tiny_qwen_tokenizer():
         single=" ".join(["<|lead|>"] * _LEAD + ["$A", "</s>"]), special_tokens=[("<|lead|>", lead), ("</s>", 1)]
     )
     return tokenizer
-
-
-def _tiny_qwen(tokenizer):
-    """A random 2-layer ``Qwen2_5_VLForConditionalGeneration`` of the tiny text width and a 1-block vision tower."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    text = qwen_text_config(tokenizer, 2, 512)
-    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM)
-    vision.update(fullatt_block_indexes=[0], patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-    ids = {name: len(tokenizer) - 1 for name in ("image_token_id", "video_token_id", "vision_start_token_id")}
-    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
-
-
-def _tiny_clip(tokenizer):
-    """A random 1-layer ``CLIPTextModel`` of width :data:`CLIP_DIM`, pooling at the tiny tokenizer's ``</s>``."""
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    config = CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=CLIP_DIM,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=77,
-        projection_dim=CLIP_DIM,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.pad_token_id,  # the tiny tokenizer has none; CLIP's default id is past its vocabulary
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return CLIPTextModel(config)
 
 
 def tiny_transformer(
@@ -183,7 +153,7 @@ def tiny_pipeline(task: str = "text-to-video", *, dtype: torch.dtype = torch.flo
             resblock_kernel_sizes=(3,),
             resblock_dilation_sizes=((1, 3, 5),),
         )
-        text_encoder, text_encoder_2 = _tiny_qwen(tokenizer), _tiny_clip(tokenizer_2)
+        text_encoder, text_encoder_2 = tiny_qwen_vl(tokenizer), tiny_clip_text(tokenizer_2, CLIP_DIM)
     pipe = diffusers.Kandinsky6TI2VAPipeline(
         transformer=tiny_transformer(dtype=dtype, seed=seed, **size),
         vae=cast(vae, dtype),
