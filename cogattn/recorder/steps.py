@@ -132,14 +132,10 @@ class StepTracker:
             self.window, self.num_windows = window if window is not None else (0, None)
             self._append(t, expert, time)
             return "first"
-        # The same video and batch (a step's calls may differ in their text: negative embeddings of another length)
-        same_call = (layout.grid, layout.text_len, batch_size) == (
-            self.layout.grid,
-            self.layout.text_len,
-            self.batch_size,
-        )
-        # a step's later call may differ in the text in the sequence too (Cosmos 3's negative prompt, not padded)
+        # A step's later call keeps the video and batch but may differ in its text (negative embeddings of another
+        # length, Cosmos 3's unpadded negative prompt in the sequence); a new window or video differs in all of them.
         same_video = (layout.grid, batch_size) == (self.layout.grid, self.batch_size)
+        same_call = same_video and layout.text_len == self.layout.text_len
         if window is not None and self.window is not None and window[0] > self.window:
             # the pipeline call's next window: a denoising loop of its own, its timesteps starting over
             self.window, self.call, self._time = window[0], 0, time
