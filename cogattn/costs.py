@@ -199,15 +199,28 @@ def estimate(
         sources=spec.context_kinds,
         calls_per_step=spec.guidance_calls if guidance else 1,
         check_host=False,  # the run's host is not this one: the table reports them
+        mask_cost=spec.mask_cost(cfg),
     )
     plan = plan_capture(options, model, layout, **planned)
-    records = [(k, shape, b, n * num_prompts) for k, shape, b, n in plan.records(num_steps)]
+    records = [
+        (k, shape, b, _count(spec, cfg, options, plan, k, n) * num_prompts)
+        for k, shape, b, n in plan.records(num_steps)
+    ]
     share = None
     if parallel is not None:  # each rank plans its tiles within the budget less its exchange of q and k
         share = _parallel(parallel, spec, options, plan, model, num_steps)
         options = dataclasses.replace(options, memory_budget=options.memory_budget - share.exchange_bytes)
         plan = plan_capture(options, model, layout, **planned)
     return Estimate(plan, records, share)
+
+
+def _count(spec, config: dict, options: CaptureOptions, plan: CapturePlan, kind: str, n: int) -> int:
+    """Records of ``kind`` per generation: ``n`` (one per captured layer and step), or for a kind of another attention
+    one per captured layer that has it (Latte's text cross-attention: its spatial layers alone) and step."""
+    if (source := spec.source(kind)) == "self":
+        return n
+    layers = [i for i in spec.source_layers(config, source) if options.wants_layer(i)]
+    return len(layers) * n // plan.layers_captured
 
 
 def _parallel(parallel: dict, spec, options: CaptureOptions, plan: CapturePlan, model, num_steps: int) -> Parallel:

@@ -136,7 +136,11 @@ def test_the_estimate_of_the_released_checkpoint():
     shape = dict(num_frames=189, height=720, width=1280, text_len=300, num_inference_steps=35)
     est = cogattn.estimate("nvidia/Cosmos3-Nano", **shape, kinds=("entropy",))
     assert est.layout.grid == (48, 23, 40) and est.layout.seq_len == 300 + 48 * 23 * 40
-    assert "S = 44,460" in est.table() and cogattn.models.transformer_config("nvidia/Cosmos3-Nano")["head_dim"] == 128
+    assert (
+        "S = 44,460" in est.table()
+        and "method rows" in est.table()
+        and cogattn.models.transformer_config("nvidia/Cosmos3-Nano")["head_dim"] == 128
+    )
 
 
 def test_word_labels_are_the_pipelines_tokens(pipe):

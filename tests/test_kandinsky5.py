@@ -322,3 +322,4 @@ def test_estimates_at_the_released_shapes(name, frames, seq_len, heads):
     )
     assert est.layout.seq_len == seq_len and est.layout.context_len == k5.TEXT_LEN
     assert {shape for _, shape, _, _ in est.records} == {(1, heads, seq_len)}
+    assert (est.tiles.method == "rows") == ("10s" in name)  # NABLA's block mask takes row tiles

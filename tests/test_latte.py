@@ -118,6 +118,7 @@ def test_a_bare_transformer_call_is_each_layer_s_factorised_softmax_over_every_v
         with torch.no_grad():
             model(**call)
     assert rec.layout.grid == (F, HP, WP) and rec.layout.context_len == 5
+    assert rec.plan.tiles.method == "rows"  # planned as it runs: the factorisation's mask takes row tiles
     for layer, (_, attn, context) in enumerate(latte.SPEC.layers(model)):
         P = _whole(seen[id(attn)], spatial=layer % 2 == 0)
         got = rec.get("full", 0, layer)
@@ -165,7 +166,13 @@ def test_the_released_checkpoint_is_planned_offline():
     names = latte.SPEC.layer_names_for_config(latte.KNOWN["maxin-cn/Latte-1"])
     assert len(names) == 56 and names[54:] == ("transformer_blocks.27.attn1", "temporal_transformer_blocks.27.attn1")
     assert {kind: n for kind, _, _, n in est.records} == {"entropy": 50}
-    assert "S = 16,384" in est.table()
+    assert "S = 16,384" in est.table() and "method rows" in est.table()  # under the factorisation's mask
+    # video_to_text is made by the spatial blocks' text cross-attention alone: 28 of the 56 layers
+    size = dict(num_frames=16, height=512, width=512, num_inference_steps=2)
+    est = cogattn.estimate("maxin-cn/Latte-1", **size, kinds=("frame", "video_to_text"))
+    assert {kind: n for kind, _, _, n in est.records} == {"frame": 56 * 2, "video_to_text": 28 * 2}
+    est = cogattn.estimate("maxin-cn/Latte-1", **size, kinds=("video_to_text",), layers=[53, 54, 55])
+    assert {kind: n for kind, _, _, n in est.records} == {"video_to_text": 1 * 2}  # 54 is spatial block 27
 
 
 def test_word_labels_are_the_tokens_the_pipeline_keeps_of_one_prompt():

@@ -156,3 +156,5 @@ def test_the_estimate_of_the_released_checkpoint():
     assert shapes == {"frame": (1, 1, 32, 32), "video_to_text": (1, 1, 512, 31, 46, 80)}
     names = motif.SPEC.layer_names_for_config(motif.KNOWN["Motif-Technologies/Motif-Video-2B"])
     assert len(names) == 28 and names[-1] == "single_transformer_blocks.15.attn"
+    # the cross-attention is the single-stream encoder blocks' alone (enable_text_cross_attention_single): 16 of 28
+    assert {kind: n for kind, _, _, n in est.records} == {"frame": 28 * 50, "video_to_text": 16 * 50}

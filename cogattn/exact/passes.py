@@ -258,6 +258,9 @@ def apply_mask_(scores: torch.Tensor, mask, rows, h0: int, h1: int) -> torch.Ten
     return None
 
 
+GROUP_MASK_COST = (2, 0)  # a GroupMask's rows of a tile and their inverse, per head (ModelSpec.group_masked)
+
+
 def mask_cost(mask) -> tuple[int, int]:
     """What :func:`apply_mask_` holds per score of a row tile for ``mask``, in bytes: ``(per head, shared by the
     heads)``. A boolean ``(S, S)`` mask: its rows and their inverse, shared; a ``GroupMask``: the same per head; an
@@ -266,7 +269,7 @@ def mask_cost(mask) -> tuple[int, int]:
         return 0, 0
     if getattr(mask, "additive", False):
         return 0, mask.row_bytes
-    return (0, 2) if isinstance(mask, torch.Tensor) else (2, 0)
+    return (0, 2) if isinstance(mask, torch.Tensor) else GROUP_MASK_COST
 
 
 def mask_rows(mask, rows, h0: int, h1: int) -> torch.Tensor:

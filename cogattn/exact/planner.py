@@ -10,6 +10,7 @@ the transient float32 working set (the results, what the user asked for, are rep
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -232,14 +233,7 @@ def plan_tiles(
 
 def _largest(fits, upper: int) -> int:
     """Largest n in [1, upper] with fits(n) (fits is monotone), or 0."""
-    lo, hi = 0, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return bisect.bisect_right(range(1, upper + 1), False, key=lambda n: not fits(n))
 
 
 # -- the whole capture ---------------------------------------------------------------------------------
@@ -347,6 +341,7 @@ def plan_capture(
     sources: dict[str, str] | None = None,
     calls_per_step: int = 1,
     check_host: bool = True,
+    mask_cost: tuple[int, int] = (0, 0),
 ) -> CapturePlan:
     """Plan a capture for a call of ``batch_size`` items on ``layout``; raises `ValueError` for what does not fit.
 
@@ -364,6 +359,8 @@ def plan_capture(
             the conditional call first); the results of the earlier calls wait for the last.
         check_host (`bool`, defaults to `True`): on an accelerator, refuse waiting results larger than the
             host memory available now (`estimate` plans for another machine and only reports them).
+        mask_cost (`tuple[int, int]`): bytes per score a query-key mask adds to a row tile (``passes.mask_cost``),
+            where the layers run under one: row tiles serve every kind then, as the recording runs them.
     """
     num_heads, head_dim, dtype = model.num_heads, model.head_dim, model.dtype
     res = options.resolve(layout, batch_size, guidance, num_steps, num_heads)
@@ -374,6 +371,7 @@ def plan_capture(
     context, heads_of = context_reducers(options, res, sources, model.sources, sizes)
     copies = dtype != torch.float32 or res.heads != tuple(range(num_heads))
     method = "joint" if options.layer_output == "joint" else options.method
+    method = "rows" if any(mask_cost) else method  # the fused passes take no mask (capture.py does the same)
     lse = options.layer_output == "lse"
     layers = model.num_layers if options.layers == "all" else len(options.layers)
     waiting = memory.waiting_bytes([*reducers, *context], res.batch, batch_size, calls_per_step, layers)
@@ -385,8 +383,9 @@ def plan_capture(
     def tiles_within(budget: int):
         none = TilePlan("none", 0, 0, 0, 0, 0)  # cross-attention kinds only: no self-attention pass
         S, H = layout.seq_len, len(res.heads)
+        shape = (S, H, head_dim, budget, method, device, copies, lse, mask_cost)
         tiles, (context_tiles, context_bytes) = memory.one_refusal(  # one refusal, naming a budget for every pass
-            lambda: plan_tiles(reducers, S, H, head_dim, budget, method, device, copies, lse) if reducers else none,
+            lambda: plan_tiles(reducers, *shape) if reducers else none,
             lambda: plan_context_tiles(context, heads_of, model.sources, head_dim, budget, device),
         )
         return tiles, context_tiles, context_bytes

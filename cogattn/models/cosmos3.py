@@ -376,6 +376,7 @@ SPEC = ModelSpec(
     head_shape=lambda config: (int(config["num_attention_heads"]), int(config["head_dim"])),
     output_call=False,  # two calls, one causal, with grouped key/value heads: the layer keeps the stock calls
     title="Cosmos 3",
+    group_masked=lambda config: True,  # the text rows causal
     frame_counts="1, 5, 9, ..., 189",
     pipelines={"text-to-video": "Cosmos3OmniPipeline"},
     prompt_text=prompt_text,

@@ -347,4 +347,5 @@ SPEC = ModelSpec(
     empty_negative=True,  # under guidance its pipeline preprocesses the negative prompt unguarded
     prompt_text=prompt_text,
     interleaved=True,
+    group_masked=lambda config: True,  # the frame or the position
 )

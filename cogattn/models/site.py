@@ -27,6 +27,8 @@ class Site:
             its processor told its source (LTX-2's audio stream: ``("audio", "audio_attn1")``, ...).
         count_less (`str`): config key of how many of the list's last blocks are no site (Motif-Video's decoder
             blocks, ``num_decoder_layers``), their names refused with the spec's ``uncaptured[count_less]``.
+        context_key (`str`): config key saying whether these blocks have the ``context`` attention (Motif-Video's
+            ``enable_text_cross_attention_single``); empty: every block has it.
     """
 
     blocks: str
@@ -35,11 +37,16 @@ class Site:
     count_key: str = "num_layers"
     others: tuple[tuple[str, str], ...] = ()
     count_less: str = ""
+    context_key: str = ""
 
     def count(self, config: dict) -> int:
         """The number of these blocks in a transformer with ``config`` (but the last ``count_less``)."""
         value = config[self.count_key]
         return (len(value) if isinstance(value, (list, tuple)) else int(value)) - int(config.get(self.count_less) or 0)
+
+    def has_context(self, config: dict) -> bool:
+        """Whether these blocks of a transformer with ``config`` have the ``context`` attention."""
+        return bool(self.context) and (not self.context_key or bool(config.get(self.context_key)))
 
     def members(self, transformer):
         """The blocks of ``transformer`` that are capture sites, in forward order (all but the last ``count_less``)."""

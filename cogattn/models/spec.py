@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..exact.passes import GROUP_MASK_COST
 from ..exact.reducers import REDUCERS  # every kind is registered once cogattn is imported
 from ..exact.reducers.audio import AUDIO_KINDS
 from .site import Site, module_at
@@ -165,6 +166,8 @@ class ModelSpec:
         interleaved (`bool`): block i of every site runs before block i + 1 of any (Latte's spatial, temporal blocks).
         negative_template (`list | dict | None`): the template its pipeline puts the negative prompt in, where not the
             prompt's (``prompt_text``'s ``template``; SANA-Video: none, ``[]``); `None`: the prompt's.
+        group_masked (`Callable | None`): ``config`` → whether its self-attention runs under a per-head mask over token
+            groups (Latte, Cosmos 3, Kandinsky 5's NABLA), which row tiles apply: plans made offline take them.
     """
 
     family: str
@@ -208,6 +211,7 @@ class ModelSpec:
     text_spans: Callable | None = None
     interleaved: bool = False
     negative_template: list | dict | None = None
+    group_masked: Callable | None = None
 
     def __post_init__(self):
         if not self.title:
@@ -285,6 +289,20 @@ class ModelSpec:
     def layer_names_for_config(self, config: dict) -> tuple[str, ...]:
         """The layer names of a transformer with ``config`` (no module needed: plans made offline)."""
         return tuple(f"{site.blocks}.{i}.{site.attention}" for site, i, _ in self._in_order(config))
+
+    def source_layers(self, config: dict, source: str) -> tuple[int, ...]:
+        """The layers of a transformer with ``config`` that have the attention of ``source`` (``"text"``: Latte's
+        spatial blocks alone, Motif-Video's blocks where its config enables the cross-attention)."""
+        others = {s for site in self.sites for s, _ in site.others}  # a source of its own attention (LTX-2's audio)
+        return tuple(
+            layer
+            for layer, (site, _, _) in enumerate(self._in_order(config))
+            if source in {s for s, _ in site.others} or (source not in others and site.has_context(config))
+        )
+
+    def mask_cost(self, config: dict) -> tuple[int, int]:
+        """What the mask its self-attention runs under holds per score of a row tile (``passes.mask_cost``)."""
+        return GROUP_MASK_COST if self.group_masked is not None and self.group_masked(config) else (0, 0)
 
     def num_layers(self, config: dict) -> int:
         """The number of layers (capture sites) of a transformer with ``config``."""

@@ -412,6 +412,7 @@ SPEC = ModelSpec(
     },
     guidance_calls=2,  # the conditional call, then the negative prompt's
     title="Kandinsky 5",
+    group_masked=lambda config: config.get("attention_type") == "nabla",  # NABLA's block mask
     frame_counts="5, 9, ..., 121, ..., 241",
     pipelines={"text-to-video": "Kandinsky5T2VPipeline", "image-to-video": "Kandinsky5I2VPipeline"},
     head_shape=head_shape,

@@ -335,13 +335,14 @@ SPEC = ModelSpec(
     "motif_video",
     (MotifVideoTransformer3DModel,),
     (
-        Site("transformer_blocks", "attn", context="cross_attn"),
+        Site("transformer_blocks", "attn", context="cross_attn", context_key="enable_text_cross_attention_dual"),
         Site(
             "single_transformer_blocks",
             "attn",
             context="cross_attn",
             count_key="num_single_layers",
             count_less="num_decoder_layers",
+            context_key="enable_text_cross_attention_single",
         ),
     ),
     {
