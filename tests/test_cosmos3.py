@@ -8,8 +8,10 @@ import torch
 
 import cogattn
 from cogattn.analysis import words
+from cogattn.recorder import guiders
 
 cosmos3 = pytest.importorskip("cogattn.models.cosmos3", reason="this diffusers lacks Cosmos 3 (it needs 0.42)")
+modular_blocks = pytest.importorskip("diffusers.modular_pipelines.cosmos.modular_blocks_cosmos3")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,6 +111,43 @@ def test_guidance_numbers_the_calls_and_texts_of_other_lengths_record_the_prompt
     with pytest.raises(ValueError, match="negative prompt of the prompt's token count"):
         with cogattn.record(pipe, kinds=("frame",), batch="all"):
             run(pipe, **longer)
+
+
+def test_the_modular_pipeline_reads_its_guidance_from_its_loop_and_batches_its_calls_as_the_classic_one(pipe):
+    """``Cosmos3OmniModularPipeline`` has no guider: its denoising loop keeps the guidance scale in its block state,
+    read there. Its two calls a step (the prompt's, then the negative prompt's) are the batch ``[uncond, cond]``, each
+    slot the naive softmax of its own call's layer inputs; the video is bit-identical; its loop's method is its own
+    again after the recording, and without guidance one call a step is the one item."""
+    modular = modular_blocks.Cosmos3OmniBlocks().init_pipeline()
+    modular.update_components(**{name: part for name, part in pipe.components.items() if part is not None})
+    modular.disable_safety_checker()
+    modular.set_progress_bar_config(disable=True)
+    (loop,) = [b for b in guiders._loops(modular._blocks) if "vision" in type(b).__name__.lower()][:1]
+
+    def video(guided=True):
+        call = cosmos3.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), guided)
+        call.pop("enable_safety_check")
+        call.update(num_inference_steps=2, generator=torch.Generator().manual_seed(1), output_type="pt")
+        return modular(**call, output="videos")
+
+    stock = video()
+    seen, handles = layer_inputs(modular.transformer)
+    try:
+        with cogattn.record(modular, kinds=("full",), batch="all", heads="all") as rec:
+            assert "loop_step" in vars(loop)
+            got = video()
+    finally:
+        for h in handles:
+            h.remove()
+    assert "loop_step" not in vars(loop) and torch.equal(got, stock)
+    assert rec.batch_roles == ("uncond", "cond") and len(rec.timesteps) == 2 and len(seen) == 2 * 2 * 2
+    for n, (attn, args) in enumerate(seen):  # per step: the prompt's call's layers, then the negative prompt's
+        step, call, layer = n // 4, n // 2 % 2, n % 2
+        full = rec.get("full", step, layer)[1 - call].double()
+        assert (full - reference(attn, *args)).abs().max() < 1e-5, (step, call, layer)
+    with cogattn.record(modular, kinds=("frame",)) as rec:
+        video(guided=False)
+    assert rec.batch_roles == (None,) and len(rec.timesteps) == 2
 
 
 def test_refusals_in_one_line(pipe):

@@ -11,7 +11,9 @@ through hooks named ``SkipLayerGuidance_<i>``, auto-guidance its unconditional c
 
 :class:`Branches` keeps each step's identifiers (it wraps the two methods on the guider object, and puts
 them back on close) and tells a recording, at each transformer call, its branch and whether the model is
-perturbed for it. A recording keeps the conditional and unconditional calls of the unperturbed model (the
+perturbed for it. A modular pipeline that has no guider component (Cosmos 3's) keeps its guidance scale in its
+denoising loop's block state: :class:`Branches` reads it there (it wraps each loop block's ``loop_step`` the same way), and the
+pipeline guides where the scale is not 1, as that loop does. A recording keeps the conditional and unconditional calls of the unperturbed model (the
 results' batch ``[uncond..., cond...]``) and leaves perturbed calls out: their maps are not the model's.
 """
 
@@ -43,9 +45,25 @@ class Branches:
         for guider in filter(None, self.guiders):
             for name in ("prepare_inputs", "prepare_inputs_from_block_state"):
                 self._wrap(guider, name)
+        guided_by_loop = "guider" not in (getattr(pipeline, "_component_specs", None) or {"guider": None})
+        self.loops = _loops(getattr(pipeline, "_blocks", None)) if guided_by_loop else []
+        self.loop_scale: float | None = None  # the running loop's block state's guidance_scale
+        for loop in self.loops:
+            self._wrap_loop(loop)
 
     def __bool__(self) -> bool:
-        return any(self.guiders)
+        return any(self.guiders) or bool(self.loops)
+
+    def _wrap_loop(self, loop) -> None:
+        real = loop.loop_step
+
+        def keep(components, block_state, *args, **kwargs):
+            scale = getattr(block_state, "guidance_scale", None)
+            self.loop_scale = None if scale is None else float(scale)
+            return real(components, block_state, *args, **kwargs)
+
+        loop.loop_step = keep  # on the object, as the guiders' methods
+        self._wrapped.append((loop, "loop_step"))
 
     def _wrap(self, guider, name: str) -> None:
         real = getattr(guider, name)
@@ -80,8 +98,8 @@ class Branches:
         from its settings (enabled, a scale that guides), so a guidance that starts after step 0
         counts; else from the running step's branches."""
         guider = self._guider(expert)
-        if guider is None:
-            return None
+        if guider is None:  # a loop's own guidance scale, where it guides unless the scale is 1 (Cosmos 3's)
+            return None if self.loop_scale is None else not math.isclose(self.loop_scale, 1.0)
         scale = getattr(guider, "guidance_scale", None)
         if scale is not None:
             neutral = 0.0 if getattr(guider, "use_original_formulation", False) else 1.0
@@ -103,6 +121,17 @@ class Branches:
                 if name.startswith(prefixes):
                     return f"{branch} ({name})"
         return None
+
+
+def _loops(blocks) -> list:
+    """The denoising loops (blocks with a ``loop_step``: ``LoopSequentialPipelineBlocks``) among a modular pipeline's
+    ``blocks`` and their sub-blocks, nested."""
+    found, todo = [], [blocks] if blocks is not None else []
+    while todo:
+        block = todo.pop()
+        found += [block] * callable(getattr(block, "loop_step", None))
+        todo += list((getattr(block, "sub_blocks", None) or {}).values())
+    return found
 
 
 def _identifier(batch, key: str):
