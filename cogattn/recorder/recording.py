@@ -250,7 +250,6 @@ class Recording:
                 device=device,
                 sources=self._spec.context_kinds,
                 calls_per_step=self._steps.calls_per_step,
-                mask_cost=self._spec.mask_cost(self.transformer.config),
             )
 
         plan = planned(self.options)

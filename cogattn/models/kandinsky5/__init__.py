@@ -122,8 +122,7 @@ VAE_TEMPORAL = 4  # pixel frames per latent frame after the first
 
 
 NABLA_BLOCK = 64  # tokens of a NABLA block: an 8×8 patch of one latent frame
-# per recording: the running call's video_order (None: dense), set by each visual block's self-attention and read by
-# its cross-attention, whose call is not told (every module has a processor of its own)
+# per recording: the running call's video_order (None: dense), set by a block's self-attention for its cross-attention
 _ORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -412,7 +411,7 @@ SPEC = ModelSpec(
     },
     guidance_calls=2,  # the conditional call, then the negative prompt's
     title="Kandinsky 5",
-    group_masked=lambda config: config.get("attention_type") == "nabla",  # NABLA's block mask
+    group_masked=lambda config: config.get("attention_type") == "nabla",  # its mask, where a kernel applies it
     frame_counts="5, 9, ..., 121, ..., 241",
     pipelines={"text-to-video": "Kandinsky5T2VPipeline", "image-to-video": "Kandinsky5I2VPipeline"},
     head_shape=head_shape,
