@@ -446,6 +446,11 @@ def test_every_shipped_tiny_config_runs_end_to_end(config, tmp_path, dump):
     spec = cfg.spec()  # a call made in windows (Helios's chunks) runs the steps once per window
     windows = spec.call_windows(cfg.num_frames) if spec.call_windows else 1
     assert run.family == cfg.family and len(run.timesteps) == cfg.num_inference_steps * windows and run.records()
+    if cfg.family == "cosmos3":  # its labels: tokenize_prompt's ids, the call's metadata sentences (its default) too
+        pipe, meta = spec.tiny_pipeline(), json.loads((dirs[0] / "prompt.json").read_text())
+        size = dict(num_frames=cfg.num_frames, height=cfg.height, width=cfg.width)
+        ids, plain = (pipe.tokenize_prompt(meta["prompt"], **size, add_resolution_template=on)[0] for on in (1, 0))
+        assert meta["tokens"] == pipe.text_tokenizer.convert_ids_to_tokens(ids) and len(ids) > len(plain)
 
 
 def test_ltx2_s_audio_kinds_run_through_the_batch_tool_and_the_released_config_plans_them(tmp_path, dump):

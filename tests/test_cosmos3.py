@@ -193,3 +193,22 @@ def test_word_labels_are_the_pipelines_tokens(pipe):
     labels = words.text_tokens(pipe, "a red fox", len(ids))
     assert labels == pipe.text_tokenizer.convert_ids_to_tokens(ids)
     assert words.word_positions("red fox", pipe, "a red fox", len(ids)) == [labels.index("red"), labels.index("fox")]
+
+
+@pytest.mark.parametrize("num_frames", [9, 1])
+def test_word_labels_of_a_call_with_its_metadata_sentences(pipe, num_frames):
+    """The pipeline's default call appends its duration (not for an image) and size to the prompt, the inverse ones to
+    the negative prompt: given the call's arguments, the labels are ``tokenize_prompt``'s ids of both; without them a
+    text of that length is refused in one line; the batch tool passes them."""
+    call = dict(num_frames=num_frames, height=32, width=48, fps=16.0)
+    ids, negative = pipe.tokenize_prompt("a red fox.", "a blue cat", **call)
+    plain, _ = pipe.tokenize_prompt("a red fox.", add_resolution_template=False, add_duration_template=False, **call)
+    assert len(ids) > len(plain)  # the sentences
+    text = cosmos3.prompt_text(pipe, "a red fox.", len(ids), call, offsets=True)
+    assert text.ids == ids and text.text[slice(*text.prompt)] == "a red fox."
+    assert ("16 FPS" in text.text) == (num_frames > 1) and "32x48 resolution" in text.text
+    labels = words.text_tokens(words.PromptFormat(pipe, call), "a red fox.", len(ids))
+    assert labels == pipe.text_tokenizer.convert_ids_to_tokens(ids)
+    assert cosmos3.prompt_text(pipe, "a blue cat", len(negative), {**call, "negative": True}).ids == negative
+    with pytest.raises(ValueError, match=r"metadata sentences .*PromptFormat\(pipe, dict\(num_frames="):
+        words.text_tokens(pipe, "a red fox.", len(ids))

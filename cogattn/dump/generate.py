@@ -201,13 +201,18 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
     # the viewer's and the previews' word labels: the tokens of the text the transformer read, through the
     # pipeline's own template and crop (and the call's prompt_template where it passed one)
     tokenizer = getattr(pipe, "tokenizer", None) or getattr(pipe, "text_tokenizer", None)  # Cosmos 3's name
-    text = PromptFormat(pipe, call.get("prompt_template")) if tokenizer is not None else None
+    template = call.get("prompt_template")
+    if template is None and hasattr(pipe, "tokenize_prompt"):  # a text made with the call's arguments (Cosmos 3's)
+        template = {k: v for k, v in call.items() if k in inspect.signature(pipe.tokenize_prompt).parameters}
+        template = {k: v for k, v in template.items() if k not in ("prompt", "negative_prompt")}
+    text = PromptFormat(pipe, template) if tokenizer is not None else None
     if text is not None and rec.layout is not None:
         lay, roles = rec.layout, rec.batch_roles or ()
         meta["tokens"] = text_tokens(text, prompt.prompt, lay.prompt_len, spans=item_spans(rec))
         if "uncond" in roles:  # the unconditional item's text: the negative prompt ("" unset), at its own spans
             spans = item_spans(rec, "uncond")
             own = spec.negative_template  # the template of the negative prompt, where not the prompt's (SANA-Video)
+            own = {**template, **own} if isinstance(own, dict) and isinstance(template, dict) else own  # Cosmos 3's
             negative_text = text if own is None else PromptFormat(pipe, own)
             meta["negative_tokens"] = text_tokens(negative_text, negative or "", lay.prompt_len, spans=spans)
     meta["video"] = _save_video(frames, folder / "video", cfg).name

@@ -22,6 +22,7 @@ negative prompt of the prompt's token count.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import torch
@@ -45,11 +46,13 @@ try:
         Cosmos3OmniTransformer,
         _rotate_half,
     )
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import _SYSTEM_PROMPT_IMAGE, _SYSTEM_PROMPT_VIDEO
 except ImportError as missing:
     raise Unavailable("cosmos3", "Cosmos 3 needs diffusers >= 0.42 (Cosmos3OmniTransformer)", KNOWN) from missing
 
 __all__ = ["SPEC", "Cosmos3AttnMapProcessor", "KNOWN", "read_call", "layout_for_video", "tiny_pipeline"]
 
+SYSTEM_PROMPT = {False: _SYSTEM_PROMPT_VIDEO, True: _SYSTEM_PROMPT_IMAGE}  # by whether the call makes an image
 TEXT_LEN = 256  # a typical prompt's tokens in the chat template (the text is not padded: pass text_len=)
 _NO_SOUND = (
     "cogattn records Cosmos 3's text and video tokens; this call also has {what} tokens after the video, of no "
@@ -227,25 +230,59 @@ def guidance_on(pipeline) -> bool:
     return scale is not None and float(scale) != 1.0
 
 
-SYSTEM_PROMPT = "You are a helpful assistant who will generate videos from a give prompt."
-
-
 def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool = False):
-    """The ``length`` text tokens the transformer reads for ``prompt`` (``ModelSpec.prompt_text``): the video system
-    turn and the prompt as the user's turn in the tokenizer's chat template with its generation prompt, as
-    ``tokenize_prompt`` makes them, then its end and vision-start tokens. The metadata sentences the pipeline appends
-    to the prompt depend on the call (frames, size, fps), which this is not given: the labels are those of a call
-    without them (``add_resolution_template=False, add_duration_template=False``); with them the prompt's words keep
-    their places and the tokens after them are labelled as this call's."""
+    """The ``length`` text tokens the transformer reads for ``prompt`` (``ModelSpec.prompt_text``), as the pipeline's
+    ``tokenize_prompt`` makes them: the system turn (video or image), the prompt as the user's turn with the metadata
+    sentences the call appends (its duration and fps, its size) in the tokenizer's chat template with its generation
+    prompt, then its end and vision-start tokens; checked against that method's own ids.
+
+    ``template``: the call's arguments of ``tokenize_prompt`` (``num_frames``, ``height``, ``width``, ``fps``,
+    ``add_resolution_template``, ``add_duration_template``, ...; the batch tool passes them), ``negative=True`` for the
+    negative prompt (the inverse sentences); left out: a call without the sentences, and a text of another length (a
+    call with them, the pipeline's default) is refused in one line, naming what to pass."""
     tokenizer = pipeline.text_tokenizer
+    call = dict(template or {})
+    negative = bool(call.pop("negative", False))
+    defaults = inspect.signature(pipeline.tokenize_prompt).parameters
+    args = {name: p.default for name, p in defaults.items() if p.default is not inspect.Parameter.empty}
+    args.pop("negative_prompt", None)
+    args.update(call if template is not None else {"add_resolution_template": False, "add_duration_template": False})
+    image = args["num_frames"] == 1
+    system = args["use_system_prompt"]
+    system = pipeline.config.default_use_system_prompt if system is None else system
+    sentences = []
+    if not image and args["add_duration_template"]:
+        form = pipeline.inverse_duration_template if negative else pipeline.duration_template
+        sentences.append(form.format(duration=args["num_frames"] / args["fps"], fps=args["fps"]))
+    if args["add_resolution_template"]:
+        form = f"{'inverse_' * negative}{'image' if image else 'video'}_resolution_template"
+        sentences.append(getattr(pipeline, form).format(height=args["height"], width=args["width"]))
 
     def chat(text: str) -> str:
-        turns = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
+        for sentence in sentences:  # tokenize_prompt's _append
+            text = f"{text.rstrip('.')}. {sentence}" if text.rstrip(".") else sentence
+        turns = [{"role": "user", "content": text}]
+        turns = [{"role": "system", "content": SYSTEM_PROMPT[image]}] * bool(system) + turns
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, add_vision_id=False)
 
     text = in_template(prompt, chat)
     text = dataclasses.replace(text, text=text.text + tokenizer.eos_token + "<|vision_start|>")  # _add_special_tokens
-    return kept(tokenize(tokenizer, text.text, length, offsets, add_special_tokens=False, padding_side="right"), text)
+    own = (
+        pipeline.tokenize_prompt("", prompt, **args)[1]
+        if negative
+        else pipeline.tokenize_prompt(prompt, None, **args)[0]
+    )
+    if len(own) != length and template is None:
+        raise ValueError(
+            f"this Cosmos 3 text has {length} tokens, {len(own)} without the metadata sentences the pipeline appends "
+            "by default (add_resolution_template, add_duration_template): name its words with "
+            "cogattn.analysis.words.PromptFormat(pipe, dict(num_frames=..., height=..., width=..., fps=...)), the "
+            "call's arguments."
+        )
+    enc = tokenize(tokenizer, text.text, length, offsets, add_special_tokens=False, padding_side="right")
+    if list(enc["input_ids"][: len(own)]) != list(own)[:length]:  # the pipeline's own tokens, or no labels
+        raise ValueError(f"cogattn's Cosmos 3 text differs from {type(pipeline).__name__}.tokenize_prompt's tokens.")
+    return kept(enc, text)
 
 
 # -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------
@@ -380,4 +417,5 @@ SPEC = ModelSpec(
     frame_counts="1, 5, 9, ..., 189",
     pipelines={"text-to-video": "Cosmos3OmniPipeline"},
     prompt_text=prompt_text,
+    negative_template={"negative": True},  # the inverse metadata sentences (prompt_text)
 )
