@@ -267,11 +267,7 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
 
     text = in_template(prompt, chat)
     text = dataclasses.replace(text, text=text.text + tokenizer.eos_token + "<|vision_start|>")  # _add_special_tokens
-    own = (
-        pipeline.tokenize_prompt("", prompt, **args)[1]
-        if negative
-        else pipeline.tokenize_prompt(prompt, None, **args)[0]
-    )
+    own = pipeline.tokenize_prompt(*(("", prompt) if negative else (prompt, None)), **args)[negative]  # its ids
     if len(own) != length and template is None:
         raise ValueError(
             f"this Cosmos 3 text has {length} tokens, {len(own)} without the metadata sentences the pipeline appends "
