@@ -98,14 +98,17 @@ def test_image_to_video_image_tokens_lead_the_joint_text_and_the_cross_attention
             assert bool((got[0, :, images + 3 :] == 0).all()) and bool((got[1, :, images + 6 :] == 0).all())
 
 
-def test_a_bare_transformer_records_as_the_pipeline_does(monkeypatch):
+@pytest.mark.parametrize("text_mask", [[1, 1, 0, 0, 0], [0, 0, 0, 1, 1]], ids=["right", "left"])
+def test_a_bare_transformer_records_as_the_pipeline_does(monkeypatch, text_mask):
+    """Two videos, the second's text padded at the end or at the start (a Gemma tokenizer pads on the left by
+    default): every number is the naive softmax of the module's own q, k under its key mask."""
     model = motif.tiny_transformer(num_heads=2)
     g = torch.Generator().manual_seed(0)
     call = dict(
         hidden_states=torch.randn(2, 33, 3, 4, 6, generator=g),
         timestep=torch.tensor([700, 700]),
         encoder_hidden_states=torch.randn(2, 5, 16, generator=g),
-        encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]),
+        encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 1], text_mask]),
     )
 
     def run():
@@ -114,7 +117,7 @@ def test_a_bare_transformer_records_as_the_pipeline_does(monkeypatch):
 
     holder = type("Holder", (), {"transformer": model})()
     out, calls = spied(holder, monkeypatch, run)
-    with cogattn.record(model, kinds=("entropy", "video_to_text"), batch="all", heads="all") as rec:
+    with cogattn.record(model, kinds=("entropy", "frame", "video_to_text"), batch="all", heads="all") as rec:
         got = run()
     assert torch.equal(got, out)
     lay = rec.layout
@@ -122,8 +125,11 @@ def test_a_bare_transformer_records_as_the_pipeline_does(monkeypatch):
     for layer in range(2):
         q, k, _, mask, _ = calls[0][(layer, "self")][0]
         P = spy_probs(q, k, mask)
+        assert int((P[1, :, :, 18:] == 0).sum()) == 2 * 23 * 3  # the padded text keys: exactly 0
         entropy = -(P * P.clamp_min(1e-300).log()).sum(-1)
         assert (rec.get("entropy", 0, layer).double() - entropy).abs().max() < 1e-4
+        frame = naive_kind(P, "frame", lay.text_len, lay.grid, text_at_end=True)
+        assert (rec.get("frame", 0, layer).double() - frame).abs().max() < 1e-5
         q, k, _, mask, _ = calls[0][(layer, "context")][0]
         want = naive_context(spy_probs(q, k, mask), lay.grid)
         assert (rec.get("video_to_text", 0, layer).double() - want).abs().max() < 1e-5

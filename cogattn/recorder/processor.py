@@ -14,7 +14,16 @@ if TYPE_CHECKING:
     from ..layout import TokenLayout
     from ..options import CaptureOptions
 
-__all__ = ["GroupMask", "MapSink", "QueryKeyBias", "context_bias", "key_counts", "query_key_bias", "query_key_mask"]
+__all__ = [
+    "GroupMask",
+    "MapSink",
+    "QueryKeyBias",
+    "context_bias",
+    "key_counts",
+    "key_mask",
+    "query_key_bias",
+    "query_key_mask",
+]
 
 
 class MapSink(Protocol):
@@ -183,6 +192,26 @@ def key_counts(mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
     if not torch.equal(keep, torch.arange(seq_len, device=mask.device) < counts[:, None]):
         raise ValueError("cogattn captures a key mask that keeps each item's first keys; this one keeps others.")
     return None if bool((counts == seq_len).all()) else counts.cpu()
+
+
+def key_mask(mask: torch.Tensor | None, seq_len: int, heads: int) -> tuple[torch.Tensor | None, GroupMask | None]:
+    """A boolean key mask ``(B, 1, 1, S)`` as capture takes it: ``(counts, None)`` where it keeps each item's first
+    keys (:func:`key_counts`: padded text at the end), else ``(None, GroupMask)`` (text padded on the left, as a Gemma
+    tokenizer pads by default): a token's group is the set of items that keep it, and each item's queries attend the
+    groups it keeps; row tiles apply it."""
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4:
+        return key_counts(mask, seq_len), None  # no mask, or one key_counts refuses in one line
+    keep = mask[:, 0, 0]
+    counts = keep.sum(-1)
+    if torch.equal(keep, torch.arange(seq_len, device=mask.device) < counts[:, None]):
+        return key_counts(mask, seq_len), None
+    if keep.shape[0] > 62 or keep.shape[1:] != (seq_len,):
+        raise ValueError(f"cogattn captures a key mask (B ≤ 62, 1, 1, {seq_len}); this one is {tuple(mask.shape)}.")
+    bit = 1 << torch.arange(keep.shape[0], device=mask.device)
+    patterns, group = torch.unique((keep.long() * bit[:, None]).sum(0), return_inverse=True)  # (N,), (S,)
+    kept = (patterns[None, :] & bit[:, None]) > 0  # (B, N): the item keeps the group's keys
+    n = len(patterns)
+    return None, GroupMask(kept[:, None, None, :].expand(-1, heads, n, n), group)
 
 
 def context_bias(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:

@@ -6,8 +6,9 @@ attention), then single-stream blocks (``single_transformer_blocks``: one projec
 last ``num_decoder_layers`` single-stream blocks are its decoder. Each block's joint attention is a layer, in
 execution order (the dual-stream blocks' first), named by its path (``"single_transformer_blocks.3.attn"``).
 The joint sequence is the video, then the text (``text_position="end"``): in image-to-video the image's SigLIP
-tokens lead it (``layout.image_len``), then the prompt's ``max_sequence_length`` tokens, padded at the end, under
-a boolean key mask ``(B, 1, 1, S)`` that keeps each item's ``V + I + T_valid`` first keys, as HunyuanVideo's.
+tokens lead it (``layout.image_len``), then the prompt's ``max_sequence_length`` tokens under a boolean key mask
+``(B, 1, 1, S)`` that keeps each item's valid text, padded at the end (its first ``V + I + T_valid`` keys, as
+HunyuanVideo's) or at the start (a Gemma tokenizer's default: ``processor.key_mask``'s ``GroupMask``).
 
 A block with ``enable_text_cross_attention`` (the config's ``enable_text_cross_attention_dual`` for the dual-stream
 blocks, ``_single`` for the single-stream encoder blocks) adds a text cross-attention (``cross_attn``) whose queries
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ...layout import TokenLayout
-from ...recorder.processor import MapSink, context_bias, key_counts
+from ...recorder.processor import MapSink, context_bias, key_mask
 from ..spec import ModelSpec, Site, Unavailable, call_argument
 
 # Attention shapes of the released checkpoint, for plans made offline. The blocks are diffusers' model page's
@@ -170,9 +171,9 @@ class MotifVideoAttnMapProcessor:
 
         layer = self.sink.layer_to_capture(attn)
         if layer is not None:  # (B, H, S, D), as the recording takes them; padded text keys are masked
-            counts = key_counts(attention_mask, query.shape[1])
+            counts, mask = key_mask(attention_mask, query.shape[1], query.shape[2])  # text padded at either end
             v = value.transpose(1, 2) if self.sink.wants_value else None
-            self.sink.capture(layer, query.transpose(1, 2), key.transpose(1, 2), None, None, counts, value=v)
+            self.sink.capture(layer, query.transpose(1, 2), key.transpose(1, 2), None, None, counts, None, mask, v)
 
         # Compute attention with backend dispatch
         hidden_states = dispatch_attention_fn(
