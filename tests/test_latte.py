@@ -135,6 +135,17 @@ def test_a_bare_transformer_call_is_each_layer_s_factorised_softmax_over_every_v
         assert (rec.get("video_to_text", 0, layer).double() - text).abs().max() <= 1e-5
 
 
+def test_a_call_without_its_temporal_blocks_says_so_for_their_layers(model):
+    """``enable_temporal_attentions=False`` leaves the temporal blocks out of the call: their layers hold no map, and
+    reading one says the call did not run it (no cache to blame); the spatial layers are recorded."""
+    with cogattn.record(model, kinds=("frame",)) as rec:
+        with torch.no_grad():
+            model(**_call(batch=1), enable_temporal_attentions=False)
+    assert rec.get("frame", 0, 0).shape == (1, 1, F, F)
+    with pytest.raises(cogattn.NotRecordedError, match=r"the model skipped this attention at step 0 \(no cache was "):
+        rec.get("frame", 0, 1)
+
+
 def test_the_refused_kinds_and_the_output_call_are_one_line_each(model):
     for kind, why in [("text_to_video", "text never queries"), ("video_to_image", "no image attention")]:
         with pytest.raises(ValueError, match=f"kind '{kind}' does not exist for latte: .*{why}") as err:

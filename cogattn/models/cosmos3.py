@@ -238,8 +238,9 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
 
     ``template``: the call's arguments of ``tokenize_prompt`` (``num_frames``, ``height``, ``width``, ``fps``,
     ``add_resolution_template``, ``add_duration_template``, ...; the batch tool passes them), ``negative=True`` for the
-    negative prompt (the inverse sentences); left out: a call without the sentences, and a text of another length (a
-    call with them, the pipeline's default) is refused in one line, naming what to pass."""
+    negative prompt (the inverse sentences); left out: a video call without the sentences (an image's system turn
+    differs: pass ``num_frames=1``), and a text of another length (a call with them, the pipeline's default) is
+    refused in one line, naming what to pass."""
     tokenizer = pipeline.text_tokenizer
     call = dict(template or {})
     negative = bool(call.pop("negative", False))

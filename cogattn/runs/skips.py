@@ -91,7 +91,9 @@ class Skips:
         """Why ``(step, layer)``'s ``role`` attention has no record, or `None` when it was not skipped."""
         if (step, layer, role) not in self.calls:
             return None
-        who = self.by or "the model (no cache found on the transformer)"
+        who = self.by or "the model"
+        # without a cache the call itself left the block out (Latte's with enable_temporal_attentions=False)
+        reused = "it reused an earlier output" if self.by else "no cache was found: the call did not run it"
         if step in self.halves and batch != "cond":
             return (
                 f"{who} ran the transformer on the conditional half of the batch at step {step} (it reuses the "
@@ -110,10 +112,10 @@ class Skips:
             )
         if (step, layer, role) in self.partial:
             return (
-                f"{who} skipped this {what} in one of the calls of step {step} (it reused an earlier output), and "
+                f"{who} skipped this {what} in one of the calls of step {step} ({reused}), and "
                 f"batch={batch!r} needs the items of every call; a batch of the calls that ran it has its map"
             )
-        return f"{who} skipped this {what} at step {step} (it reused an earlier output): there is no map of it"
+        return f"{who} skipped this {what} at step {step} ({reused}): there is no map of it"
 
     def unexplained(self) -> str | None:
         """The warning a recording closes with where no cache explains these skips, else `None`."""

@@ -315,8 +315,8 @@ def read_call(config, args: tuple, kwargs: dict):
 
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
     """The layout of a text-to-video pipeline call (``(num_frames − 1) // 4 + 1`` latent frames, 8× spatial; an
-    image-to-video call adds its image's SigLIP tokens before the text, as many as its processor makes patches);
-    ``text_len`` is the call's ``max_sequence_length`` (512 by default)."""
+    image-to-video call adds its image's SigLIP tokens before the text, which a plan does not count); ``text_len`` is
+    the call's ``max_sequence_length`` (512 by default)."""
     p_t = int(config.get("patch_size_t", 1))
     text_len = text_len or TEXT_LEN
     context = text_len if _cross_attention(config) else 0
