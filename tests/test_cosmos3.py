@@ -28,19 +28,22 @@ def run(pipe, guided=True, **more):
 
 
 def layer_inputs(transformer):
-    """A forward pre-hook keeping each layer attention's inputs ``(und_seq, gen_seq, rotary_emb)`` of every call."""
+    """A forward hook keeping each layer attention's inputs ``(und_seq, gen_seq, rotary_emb)`` of every call, each
+    proved by :func:`reference` against the module's own output."""
     seen = []
 
-    def hook(module, args):
+    def hook(module, args, output):
+        reference(module, *args, output=output)
         seen.append((module, args))
 
-    handles = [layer.self_attn.register_forward_pre_hook(hook) for layer in transformer.layers]
+    handles = [layer.self_attn.register_forward_hook(hook) for layer in transformer.layers]
     return seen, handles
 
 
-def reference(attn, und_seq, gen_seq, rotary_emb):
+def reference(attn, und_seq, gen_seq, rotary_emb, output=None):
     """The naive float64 S × S probabilities ``(H, S, S)`` of one layer, from the module's own projections: the text's
-    causal softmax over its keys, the video's over every key, each key head serving its group of query heads."""
+    causal softmax over its keys, the video's over every key, each key head serving its group of query heads. With the
+    module's ``output`` ``(text, video)``: its P·V through the two output projections is that output."""
     H, Hkv, D = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
     cu, su, cg, sg = (x.double()[:, None] for x in rotary_emb)
 
@@ -58,7 +61,14 @@ def reference(attn, und_seq, gen_seq, rotary_emb):
     scores = torch.einsum("shd,thd->hst", q, k) / D**0.5
     T, S = len(qt), len(q)
     keep = torch.ones(S, S, dtype=torch.bool).tril() | (torch.arange(S) >= T)[:, None]
-    return scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    P = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    if output is not None:
+        with torch.no_grad():
+            v = torch.cat([attn.to_v(und_seq).view(-1, Hkv, D), attn.add_v_proj(gen_seq).view(-1, Hkv, D)]).double()
+            pv = torch.einsum("hst,thd->shd", P, v[:, torch.arange(H) // (H // Hkv)]).flatten(1).to(und_seq.dtype)
+            for got, out in zip(output, (attn.to_out(pv[:T]), attn.to_add_out(pv[T:]))):
+                assert (got - out).abs().max() < 1e-5
+    return P
 
 
 def test_a_bare_transformer_records_the_two_calls_as_one_map(pipe):
