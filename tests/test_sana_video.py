@@ -151,11 +151,19 @@ def test_image_to_video_gives_each_token_its_timestep_and_is_recorded_per_step()
         return pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(1), output_type="pt").frames
 
     stock = generate()
-    with cogattn.record(pipe, kinds=("video_to_text",), batch="cond") as rec:
-        got = generate()
+    given = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: given.append(kw["timestep"]), with_kwargs=True)
+    try:
+        with cogattn.record(pipe, kinds=("video_to_text",), batch="cond") as rec:
+            got = generate()
+    finally:
+        handle.remove()
     assert torch.equal(got, stock) and rec.layout.grid == GRID
-    # each step's timestep is its largest: the image's latent frame is held at 0
-    assert rec.timesteps == [float(t) for t in pipe.scheduler.timesteps]
+    # each token its timestep, the image's latent frame held at 0: each step's is the largest
+    frame = GRID[1] * GRID[2]
+    per_token = [t.flatten(1) for t in given]  # (B, 1, F, Hp, Wp): a timestep per latent token
+    assert all(t.shape[1] == frame * GRID[0] and not t[:, :frame].any() and t[:, frame:].all() for t in per_token)
+    assert rec.timesteps == [float(t.max()) for t in given] == [float(t) for t in pipe.scheduler.timesteps]
     assert sorted({step for _, step, _ in rec.keys()}) == [0, 1]
 
 
