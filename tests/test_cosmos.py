@@ -148,6 +148,12 @@ def test_word_labels_read_predict2_5_s_chat_template(monkeypatch):
     pipe._get_prompt_embeds("a red fox running in the snow", max_sequence_length=512)
     text = spec.prompt_text(pipe, "a red fox running in the snow", 512, offsets=True)
     assert text.ids == seen[0][0].tolist() and len(text.ids) == 512
+    pipe.tokenizer.padding_side = "left"  # a tokenizer padding on the left: the pipeline's padding, the labels' too
+    try:
+        pipe._get_prompt_embeds("a red fox", max_sequence_length=64)
+        assert spec.prompt_text(pipe, "a red fox", 64).ids == seen[1][0].tolist() and seen[1][0, 0] == 0
+    finally:
+        pipe.tokenizer.padding_side = "right"
     assert text.text[slice(*text.prompt)] == "a red fox running in the snow" and text.prompt[0] > 0
     fox = text.text.index("fox")
     at = next(i for i, span in enumerate(text.spans) if span == (fox, fox + 3))

@@ -105,6 +105,8 @@ def test_word_labels_are_the_prompt_alone_after_the_presentation_s_vision_blocks
     pipeline = types.SimpleNamespace(tokenizer=tokenizer, transformer=minimax.tiny_transformer())
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]  # MiniMaxH3TextEncoderStep's
     assert minimax.prompt_text(pipeline, prompt, 5).ids == ids + [tokenizer.pad_token_id] * 2
+    tokenizer.padding_side = "left"  # the keyframe and audio tokens follow the prompt, whatever the tokenizer's side
+    assert minimax.prompt_text(pipeline, prompt, 5).ids == ids + [tokenizer.pad_token_id] * 2
     names = words.text_tokens(pipeline, prompt, 8, prompt_start=2)
     assert names == ["<image>", "<image>", "a", "red", "fox", "<pad>", "<pad>", "<pad>"]
     assert words.word_positions("red fox", pipeline, prompt, 8, prompt_start=2) == [3, 4]

@@ -190,6 +190,13 @@ def test_word_labels_are_the_tokens_the_transformer_reads_through_the_template(p
     # the tiny word-level tokenizer adds no BOS and ends the text with </s>: the template's first token (unknown),
     # then the prompt's (Gemma's adds a BOS and no EOS: the BOS, the template's last token, then the prompt's)
     assert text_tokens(pipe, prompt, length)[:3] == ["<unk>", "a", "red"]
+    side, pipe.tokenizer.padding_side = pipe.tokenizer.padding_side, "left"
+    try:  # the labels pad as the pipeline does, and leave its tokenizer as it was
+        assert (
+            sana_video.prompt_text(pipe, prompt, length, []).ids == text.ids and pipe.tokenizer.padding_side == "left"
+        )
+    finally:
+        pipe.tokenizer.padding_side = side
     given.clear()  # the negative prompt: in no template, its first max_sequence_length tokens (the spec's negative_template)
     hook = pipe.text_encoder.register_forward_pre_hook(lambda m, a: given.append(a[0].clone()))
     try:

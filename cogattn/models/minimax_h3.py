@@ -224,7 +224,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
 def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool = False) -> PromptText:
     """The prompt's tokens as the pipeline's text encoder steps make them (``ModelSpec.prompt_text``): the prompt
     verbatim, no chat template and no special tokens, padded to ``length`` (the keyframe and audio tokens after it)."""
-    tokens = tokenize(pipeline.tokenizer, prompt, length, offsets, add_special_tokens=False)
+    tokens = tokenize(pipeline.tokenizer, prompt, length, offsets, add_special_tokens=False, padding_side="right")
     return kept(tokens, PromptText([], prompt, (0, len(prompt))))
 
 

@@ -226,8 +226,7 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
     lead = "\n".join(template) if template else ""
     text = PromptText([], lead + words, (len(lead), len(lead) + len(words)))
     total = len(tokenizer.encode(lead)) + length - 2 if template else length
-    tokenizer.padding_side = "right"  # as the pipeline sets it
-    enc = tokenize(tokenizer, text.text, total, offsets)
+    enc = tokenize(tokenizer, text.text, total, offsets, padding_side="right")  # the side the pipeline sets
     return kept(enc, text, [0, *range(total - length + 1, total)])
 
 

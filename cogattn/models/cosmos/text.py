@@ -29,5 +29,5 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False, add_vision_id=False)
 
     text = in_template(prompt, chat)
-    # apply_chat_template(tokenize=True) adds no special tokens: the template has them
-    return kept(tokenize(tokenizer, text.text, length, offsets, add_special_tokens=False, padding_side="right"), text)
+    # apply_chat_template(tokenize=True) adds no special tokens: the template has them; it pads on the tokenizer's side
+    return kept(tokenize(tokenizer, text.text, length, offsets, add_special_tokens=False), text)
