@@ -569,6 +569,63 @@ def test_a_modular_pipeline_s_guider_keeps_the_branches_apart_and_leaves_perturb
     assert "prepare_inputs_from_block_state" not in vars(pipe.guider)  # the guider's own method again
 
 
+def test_a_guider_makes_a_call_per_branch_for_a_family_that_batches_them_too(monkeypatch):
+    """LTX-Video's pipelines batch ``[uncond, cond]`` into one call; its modular pipeline's guider makes a call per
+    branch, the conditional first: under ``batch="all"`` each slot is its own call's softmax, ``[uncond, cond]``."""
+    ltx = cogattn.models.ltx_video
+    if ltx is None or not hasattr(diffusers, "LTXAutoBlocks"):
+        pytest.skip("this diffusers has no modular LTX-Video pipeline")
+    from diffusers.models.transformers import transformer_ltx
+
+    parts, pipe = ltx.tiny_pipeline(), diffusers.LTXAutoBlocks().init_pipeline()
+    guider = diffusers.ClassifierFreeGuidance(guidance_scale=3.0)
+    pipe.update_components(**{k: v for k, v in parts.components.items() if v is not None}, guider=guider)
+    call = dict(prompt="a red fox", negative_prompt="blurry", num_frames=17, height=64, width=96, output="videos")
+
+    def run():
+        return pipe(**call, num_inference_steps=2, max_sequence_length=6, generator=torch.Generator().manual_seed(1))
+
+    spy = AttentionSpy(pipe, ltx.SPEC, monkeypatch, transformer_ltx)
+    try:
+        video = run()
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    assert len(spy.calls) == 4  # two steps of the conditional call, then the unconditional one
+    with cogattn.record(pipe, kinds=("full",), batch="all", heads="all") as rec:
+        got = run()
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(got[0], video[0]))
+    assert rec.batch_roles == ("uncond", "cond") and len(rec.timesteps) == 2
+    for step in range(2):
+        for layer in range(len(rec.layer_names)):
+            cond, uncond = (spy.calls[2 * step + n][(layer, "self")][0] for n in (0, 1))
+            want = torch.cat([spy_probs(*c[:2], c[3]) for c in (uncond, cond)])
+            assert (rec.get("full", step, layer).double() - want).abs().max() < 1e-5, (step, layer)
+
+
+def test_a_second_expert_s_guider_guides_the_generation_where_the_first_does_not():
+    """Wan 2.2's modular pipeline: ``guider`` (the first expert's) at 1, ``guider_2`` at 3. The generation is guided:
+    ``batch="cond"`` records every step; ``batch="all"`` the second expert's, and a step of the first says it made no
+    call for the unconditional items."""
+    if wan is None or not hasattr(diffusers, "Wan22Blocks"):
+        pytest.skip("this diffusers has no modular Wan 2.2 pipeline")
+    parts, blocks = wan.tiny_pipeline(experts=2), diffusers.Wan22Blocks()
+    blocks.sub_blocks.pop("text_encoder")
+    pipe = blocks.init_pipeline()
+    guiders = {name: diffusers.ClassifierFreeGuidance(guidance_scale=s) for name, s in (("guider", 1), ("guider_2", 3))}
+    pipe.update_components(
+        **{k: getattr(parts, k) for k in ("transformer", "transformer_2", "vae", "scheduler")}, **guiders
+    )
+    call = wan.tiny_call(parts, "text-to-video", torch.Generator().manual_seed(0), True)
+    args = {k: call[k] for k in ("prompt_embeds", "negative_prompt_embeds", "num_frames", "height", "width")}
+    for batch, steps in (("cond", {0, 1, 2, 3}), ("all", {2, 3})):  # the boundary: 2 steps an expert
+        with cogattn.record(pipe, kinds=("frame",), batch=batch, layers=[1]) as rec:
+            pipe(**args, num_inference_steps=4, generator=torch.Generator().manual_seed(1), output="videos")
+        assert {s for _, s, _ in rec.keys()} == steps and rec.experts[:3] == ["transformer"] * 2 + ["transformer_2"]
+    with pytest.raises(cogattn.NotRecordedError, match="step 0 made no transformer call for the unconditional items"):
+        rec.get("frame", 0, 1)
+
+
 def test_auto_guidance_s_perturbed_unconditional_call_is_left_out(monkeypatch):
     import diffusers
 

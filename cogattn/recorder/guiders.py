@@ -94,12 +94,17 @@ class Branches:
         return ids[n - 1] if ids and 0 < n <= len(ids) else None
 
     def guided(self, expert: int) -> bool | None:
-        """Whether the guider runs an unconditional branch in this generation (`None` without a guider):
-        from its settings (enabled, a scale that guides), so a guidance that starts after step 0
-        counts; else from the running step's branches."""
-        guider = self._guider(expert)
-        if guider is None:  # a loop's own guidance scale, where it guides unless the scale is 1 (Cosmos 3's)
+        """Whether a guider runs an unconditional branch in this generation (`None` without a guider): any of the
+        pipeline's (Wan 2.2's second expert may guide where the first does not; its steps without it leave the
+        unconditional items out), each from its settings (enabled, a scale that guides), so a guidance that starts
+        after step 0 counts, else from the running step's branches."""
+        if self._guider(expert) is None:  # a loop's own guidance scale: it guides unless the scale is 1 (Cosmos 3's)
             return None if self.loop_scale is None else not math.isclose(self.loop_scale, 1.0)
+        verdicts = [self._guides(guider) for guider in self.guiders if guider is not None]
+        return True if True in verdicts else None if None in verdicts else False
+
+    def _guides(self, guider) -> bool | None:
+        """Whether ``guider`` runs an unconditional branch (`None`: it does not say, and no step of it ran yet)."""
         scale = getattr(guider, "guidance_scale", None)
         if scale is not None:
             neutral = 0.0 if getattr(guider, "use_original_formulation", False) else 1.0

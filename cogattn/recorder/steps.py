@@ -91,8 +91,10 @@ class StepTracker:
 
     @property
     def calls_per_step(self) -> int:
-        """Transformer calls each step makes: 2 for Wan under guidance (conditional, then unconditional)."""
-        return self.spec.guidance_calls if self.guidance else 1
+        """Transformer calls each step makes: 2 for Wan under guidance (conditional, then unconditional), and under
+        a modular pipeline's guider, which makes a call per branch (the conditional first) for every family."""
+        guider = self.branches is not None and any(self.branches.guiders)
+        return (2 if guider else self.spec.guidance_calls) if self.guidance else 1
 
     def read_window(self) -> tuple[int, int] | None:
         """``(index, count)`` of the window running in the pipeline's call, as the family's ``window`` reader
