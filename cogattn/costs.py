@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -188,7 +189,12 @@ def estimate(
         num_layers, {k: model.heads_of(spec.source(k)) for k in options.kinds}, spec.layer_names_for_config(cfg)
     )
     layout = spec.layout_for_video(cfg, num_frames, height, width, text_len)
-    guidance = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}[spec.guidance_argument] > 1
+    scale = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}[spec.guidance_argument]
+    # the family's own reading of a running call with that scale (MiniMax-H3: never; Cosmos 3: any but 1)
+    guidance = spec.guidance_on(
+        SimpleNamespace(guidance_scale=scale, _guidance_scale=scale, do_classifier_free_guidance=scale > 1)
+    )
+    guidance = scale > 1 if guidance is None else guidance
     # a call made in windows (Helios's chunks) runs the loop once per window, its steps numbered on
     num_steps = num_inference_steps * (spec.call_windows(num_frames) if spec.call_windows else 1)
     planned = dict(

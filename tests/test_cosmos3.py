@@ -190,6 +190,8 @@ def test_the_estimate_of_the_released_checkpoint():
         and "method rows" in est.table()
         and cogattn.models.transformer_config("nvidia/Cosmos3-Nano")["head_dim"] == 128
     )
+    below = cogattn.estimate("nvidia/Cosmos3-Nano", **shape, kinds=("frame",), batch="all", guidance_scale=0.5)
+    assert below.records[0][1][0] == 2  # the pipeline guides at any scale but 1: both items
 
 
 def test_word_labels_are_the_pipelines_tokens(pipe):

@@ -119,6 +119,11 @@ def test_a_released_checkpoint_is_planned_offline_and_its_frame_counts_are_the_p
         "MiniMaxAI/MiniMax-H3", num_frames=141, height=768, width=1344, num_inference_steps=40, kinds=("frame",)
     )
     assert est.layout.seq_len == 42 * 24 * 42 + 128 + 470 and est.layout.grid == (42, 24, 42)
+    # guidance-distilled, whatever guidance_scale says: one item, and batch="cond" refused as a recording refuses it
+    size = dict(num_frames=141, height=768, width=1344, num_inference_steps=1, kinds=("frame",), guidance_scale=6.0)
+    assert [shape[0] for _, shape, _, _ in cogattn.estimate("MiniMaxAI/MiniMax-H3", **size, batch="all").records] == [1]
+    with pytest.raises(ValueError, match="runs without classifier-free guidance"):
+        cogattn.estimate("MiniMaxAI/MiniMax-H3", **size, batch="cond")
     config = minimax.KNOWN["MiniMaxAI/MiniMax-H3"]
     assert minimax.layout_for_video(config, 130, 768, 1344, 7) == minimax.layout_for_video(config, 141, 768, 1344, 7)
     with pytest.raises(ValueError, match="17n \\+ 5"):
