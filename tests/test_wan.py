@@ -543,3 +543,40 @@ def test_the_cross_attention_keeps_the_memory_budget():
     assert cogattn.estimate("tiny-wan", kinds="frame", memory_budget=2000, **kw).plan.tiles.peak_bytes <= 2000
     with pytest.raises(ValueError, match=r"2000 bytes is too small for one tile of a cross-attention to 512 keys"):
         cogattn.estimate("tiny-wan", kinds="video_to_text", memory_budget=2000, **kw)
+
+
+@pytest.mark.parametrize("scheduler", ["heun", "unipc"])
+def test_each_scheduler_step_is_a_step_where_a_timestep_repeats(scheduler, monkeypatch):
+    """Heun's scheduler evaluates the model twice at a timestep (its correction), and UniPC's integer timesteps repeat
+    where flow_shift × steps passes 1000: each step of the scheduler is a recorded step (``rec.timesteps`` repeats),
+    its maps the naive softmax of its own calls' q and k, ``[uncond, cond]``."""
+    from diffusers import FlowMatchHeunDiscreteScheduler, UniPCMultistepScheduler
+    from diffusers.models.transformers import transformer_wan
+    from reference import AttentionSpy, spy_probs
+
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler, steps = {
+        "heun": (FlowMatchHeunDiscreteScheduler(), 3),
+        "unipc": (
+            UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=300.0),
+            5,
+        ),
+    }[scheduler]
+    call = cogattn.models.wan.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), True)
+
+    def run():
+        return pipe(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(1), output_type="pt")
+
+    spy = AttentionSpy(pipe, cogattn.models.wan.SPEC, monkeypatch, transformer_wan)
+    try:
+        stock = run().frames
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    with cogattn.record(pipe, kinds=("full",), batch="all", heads="all", layers=[1]) as rec:
+        assert torch.equal(run().frames, stock)
+    assert len(rec.timesteps) == len(spy.calls) // 2 == pipe._num_timesteps > len(set(rec.timesteps))
+    for step in range(len(rec.timesteps)):
+        cond, uncond = (spy.calls[2 * step + n][(1, "self")][0] for n in (0, 1))
+        want = torch.cat([spy_probs(*c[:2], c[3]) for c in (uncond, cond)])
+        assert (rec.get("full", step, 1).double() - want).abs().max() < 1e-5, step

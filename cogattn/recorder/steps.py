@@ -59,6 +59,7 @@ class StepTracker:
         self.num_windows: int | None = None  # the windows of the pipeline call, `None` where it makes none
         self.off_grid: tuple | None = None  # the grid of a window of another grid: nothing from it is recorded
         self._window_start = 0  # the first step of the running window
+        self._step_index: int | None = None  # the scheduler's step_index when the running step began
         self.call = 0  # the call of the step now running: 0, or 1 for Wan's unconditional call
         self.layout: TokenLayout | None = None
         self.batch_size: int | None = None
@@ -159,6 +160,11 @@ class StepTracker:
             return "reshaped"  # the generation goes on with another video (ChronoEdit drops its reasoning frames)
         if not same_call or t > self.timesteps[-1] or not more_steps:
             return "another"
+        if same_time and self._scheduler_index() not in (None, self._step_index):
+            # the scheduler stepped since this step began: its next step, at the same timestep (a second-order
+            # scheduler's second evaluation, Heun's; integer timesteps that repeat, UniPC's at many steps)
+            self._append(t, expert, time)
+            return "next"
         if same_time:
             if self.spec.guidance_calls > 1 and self.pipeline is None:
                 raise RuntimeError(
@@ -180,8 +186,14 @@ class StepTracker:
         nor one to record again."""
         self.running = False
 
+    def _scheduler_index(self) -> int | None:
+        """The pipeline's scheduler's ``step_index`` (how many of its steps have run), `None` where it keeps none."""
+        index = getattr(self.pipeline_attr("scheduler"), "step_index", None)
+        return index if isinstance(index, int) else None
+
     def _append(self, t: float, expert: int, time: float) -> None:
         """A step begins: its timestep, expert and window kept; its first call running."""
+        self._step_index = self._scheduler_index()
         self.timesteps.append(t)
         self.experts.append(expert)
         self.windows.append(self.window)
