@@ -95,6 +95,42 @@ def test_the_modular_pipeline_is_recorded_by_its_transformer_and_the_refiner_is_
         cogattn.Recording(pipe, kinds=("audio",))
 
 
+def test_the_ref2va_denoiser_s_transformer_ref_is_recorded_from_the_pipeline(monkeypatch):
+    """ref2va's denoiser runs the pipeline's ``transformer_ref``: ``record(pipe)`` follows it as the pipeline's other
+    transformer (``rec.experts``), each map the naive softmax of its own call (the tiny pipeline's t2va denoisers
+    pointed at it: the tiny pipeline has no reference encoders)."""
+    import copy
+
+    pipe = minimax.tiny_pipeline()
+    pipe.update_components(transformer_ref=copy.deepcopy(pipe.transformer))
+    todo, denoisers = [pipe._blocks], []
+    while todo:
+        block = todo.pop()
+        denoisers += [block] * hasattr(block, "transformer_name")
+        todo += list((getattr(block, "sub_blocks", None) or {}).values())
+    for block in denoisers:
+        monkeypatch.setattr(block, "transformer_name", "transformer_ref")
+    call = minimax.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), False)
+    holder = types.SimpleNamespace(transformer=pipe.transformer_ref)
+    spying = pytest.MonkeyPatch()  # undone after the stock run; the denoisers stay pointed at transformer_ref
+    spy = AttentionSpy(holder, minimax.SPEC, spying)
+    try:
+        stock = pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(1)).frames
+    finally:
+        spy.remove()
+        spying.undo()
+    with cogattn.record(pipe, kinds=("frame",), steps="all") as rec:
+        got = pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(1)).frames
+    assert torch.equal(got, stock) and rec.experts == ["transformer_ref"] * 2 and len(spy.calls) == 2
+    for step in range(2):
+        for layer in range(2):
+            ((q, k, _, mask, _),) = spy.calls[step][(layer, "self")]
+            want = naive_kind(
+                spy_probs(q, k, mask).mean(1, keepdim=True), "frame", rec.layout.text_len, rec.layout.grid
+            )
+            assert (rec.get("frame", step, layer).double() - want).abs().max() < 1e-5
+
+
 def test_word_labels_are_the_prompt_alone_after_the_presentation_s_vision_blocks():
     """The pipeline tokenizes the prompt verbatim, no special tokens (its text encoder step's call); the labels put
     it after ``prompt_start`` (``image_len``: the keyframes' labels and vision blocks) and name the keyframe and audio

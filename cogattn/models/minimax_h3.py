@@ -378,6 +378,7 @@ SPEC = ModelSpec(
         **dict.fromkeys(("audio", "audio_to_text", "frame_audio", "audio_frame"), _AUDIO),
     },
     guidance=lambda pipeline: False,  # guidance-distilled: one call per step, no unconditional branch
+    experts=("transformer", "transformer_ref"),  # t2va and fl2va run the first, ref2va the second
     title="MiniMax-H3",
     frame_counts="141, 209, 277, 345 (17n + 5 and 4k + 1)",
     pipelines={"text-to-video": "MiniMaxH3ModularPipeline"},
