@@ -196,7 +196,7 @@ def estimate(
     )
     guidance = scale > 1 if guidance is None else guidance
     # a call made in windows (Helios's chunks) runs the loop once per window, its steps numbered on
-    num_steps = num_inference_steps * (spec.call_windows(num_frames) if spec.call_windows else 1)
+    num_steps = spec.call_steps(num_frames, num_inference_steps) if spec.call_steps else num_inference_steps
     planned = dict(
         batch_size=2 if guidance else 1,
         guidance=guidance,

@@ -444,8 +444,8 @@ def test_every_shipped_tiny_config_runs_end_to_end(config, tmp_path, dump):
     assert dirs and all(json.loads((d / "prompt.json").read_text())["complete"] for d in dirs)
     run = cogattn.load(dirs[0] / "maps")
     spec = cfg.spec()  # a call made in windows (Helios's chunks) runs the steps once per window
-    windows = spec.call_windows(cfg.num_frames) if spec.call_windows else 1
-    assert run.family == cfg.family and len(run.timesteps) == cfg.num_inference_steps * windows and run.records()
+    steps = spec.call_steps(cfg.num_frames, cfg.num_inference_steps) if spec.call_steps else cfg.num_inference_steps
+    assert run.family == cfg.family and len(run.timesteps) == steps and run.records()
     if cfg.family == "cosmos3":  # its labels: tokenize_prompt's ids, the call's metadata sentences (its default) too
         pipe, meta = spec.tiny_pipeline(), json.loads((dirs[0] / "prompt.json").read_text())
         size = dict(num_frames=cfg.num_frames, height=cfg.height, width=cfg.width)

@@ -189,4 +189,4 @@ def test_a_released_checkpoint_is_planned_offline_with_every_chunk_s_steps():
     assert (lay.history_len, lay.grid, lay.seq_len, lay.context_len) == (2400, (9, 24, 40), 11040, 512)
     assert {kind: n for kind, _, _, n in est.records} == {"entropy": 4 * 50 * 40, "video_to_text": 4 * 50 * 40}
     assert "layout: 2400 history + 9×24×40 video tokens, S = 11,040; cross-attention to 512 text tokens" in est.table()
-    assert helios.chunks(33) == 1 and helios.chunks(34) == 2 and helios.chunks(132) == 4
+    assert [helios.call_steps(n, 5) for n in (33, 34, 132)] == [5, 10, 20]  # 1, 2 and 4 chunks of 5 steps

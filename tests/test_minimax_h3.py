@@ -155,8 +155,10 @@ def test_a_released_checkpoint_is_planned_offline_and_its_frame_counts_are_the_p
         "MiniMaxAI/MiniMax-H3", num_frames=141, height=768, width=1344, num_inference_steps=40, kinds=("frame",)
     )
     assert est.layout.seq_len == 42 * 24 * 42 + 128 + 470 and est.layout.grid == (42, 24, 42)
+    layers = minimax.KNOWN["MiniMaxAI/MiniMax-H3"]["num_layers"]  # 40 grid points, 39 model calls (the scheduler's)
+    assert est.num_records == 39 * layers
     # guidance-distilled, whatever guidance_scale says: one item, and batch="cond" refused as a recording refuses it
-    size = dict(num_frames=141, height=768, width=1344, num_inference_steps=1, kinds=("frame",), guidance_scale=6.0)
+    size = dict(num_frames=141, height=768, width=1344, num_inference_steps=2, kinds=("frame",), guidance_scale=6.0)
     assert [shape[0] for _, shape, _, _ in cogattn.estimate("MiniMaxAI/MiniMax-H3", **size, batch="all").records] == [1]
     with pytest.raises(ValueError, match="runs without classifier-free guidance"):
         cogattn.estimate("MiniMaxAI/MiniMax-H3", **size, batch="cond")

@@ -379,6 +379,7 @@ SPEC = ModelSpec(
     },
     guidance=lambda pipeline: False,  # guidance-distilled: one call per step, no unconditional branch
     experts=("transformer", "transformer_ref"),  # t2va and fl2va run the first, ref2va the second
+    call_steps=lambda num_frames, num_inference_steps: num_inference_steps - 1,  # its grid's last point: no call
     title="MiniMax-H3",
     frame_counts="141, 209, 277, 345 (17n + 5 and 4k + 1)",
     pipelines={"text-to-video": "MiniMaxH3ModularPipeline"},

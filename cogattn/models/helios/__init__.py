@@ -236,11 +236,11 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
     )
 
 
-def chunks(num_frames: int) -> int:
-    """The chunks of a pipeline call for ``num_frames`` frames with the pipelines' 9 latent frames a chunk
-    (``ModelSpec.call_windows``): ⌈num_frames / 33⌉, each a denoising loop of ``num_inference_steps``."""
+def call_steps(num_frames: int, num_inference_steps: int) -> int:
+    """The steps of a pipeline call for ``num_frames`` frames with the pipelines' 9 latent frames a chunk
+    (``ModelSpec.call_steps``): ⌈num_frames / 33⌉ chunks, each a denoising loop of ``num_inference_steps``."""
     per_chunk = (CHUNK - 1) * VAE_TEMPORAL + 1
-    return max(1, -(-int(num_frames) // per_chunk))
+    return max(1, -(-int(num_frames) // per_chunk)) * num_inference_steps
 
 
 def call_rules(cfg, config: dict) -> None:
@@ -323,5 +323,5 @@ SPEC = ModelSpec(
     pipelines={"text-to-video": "HeliosPipeline", "image-to-video": "HeliosPipeline"},
     call_rules=call_rules,
     window=window,
-    call_windows=chunks,
+    call_steps=call_steps,
 )
