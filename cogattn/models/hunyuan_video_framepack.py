@@ -24,8 +24,8 @@ long): the processor hands the recording the layout's whole sequence, zero-padde
 and query rows (the rows past it are never formed: 0 in every kind with a query axis, as Mochi's).
 
 A long video is several windows (sections), ⌈num_frames / 33⌉, each its own denoising loop whose timestep
-starts again at the top; a recording holds one generation, so it records the first section (the batch tool
-refuses ``num_frames`` above 33). Guidance is HunyuanVideo's: distilled (``guidance_scale``, one call per
+starts again at the top: one recording numbers the steps on across them (:func:`window`; the batch tool refuses
+``num_frames`` above 33). Guidance is HunyuanVideo's: distilled (``guidance_scale``, one call per
 step), true classifier-free guidance with ``true_cfg_scale > 1`` and a negative prompt (two calls per step,
 the conditional first).
 
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink
+from ._call_frame import call_locals
 from .spec import ModelSpec, Site, Unavailable, call_argument
 from .tiny_text import TEXT_DIM, cast, tiny_siglip
 
@@ -329,6 +330,20 @@ class FramepackSpec(ModelSpec):
         return HunyuanVideoFramepackPipeline.from_pretrained(BASE, **parts, torch_dtype=dtypes)
 
 
+def window(pipeline) -> tuple[int, int] | None:
+    """``(index, count)`` of the section running in ``pipeline``'s call (``ModelSpec.window``): the latent frames made
+    so far (``total_generated_latent_frames``, the image's first where the vanilla sampling starts from it), a
+    ``latent_window_size`` a section, of ``num_latent_sections``; `None` outside such a call (a bare transformer)."""
+    found = call_locals(pipeline) or {}
+    made, size, count = (
+        found.get(n) for n in ("total_generated_latent_frames", "latent_window_size", "num_latent_sections")
+    )
+    if not all(isinstance(n, int) for n in (made, size, count)):
+        return None
+    first = str(getattr(found.get("sampling_type"), "value", "")) == "vanilla"  # history starts with the image's
+    return (made - first) // size, count
+
+
 _OFF_GRID = (
     "FramePack's video tokens start with history latents (clean, 2× and 4× downsampled) that are off the "
     "window's latent frame grid"
@@ -344,6 +359,7 @@ SPEC = FramepackSpec(
     tiny_transformer=tiny_transformer,
     tiny_call=tiny_call,
     tiny_tasks=("image-to-video",),
+    window=window,
     config_keys=("has_clean_x_embedder",),
     known=KNOWN,
     text_len=TEXT_LEN,

@@ -24,6 +24,7 @@ import torch
 
 from ..layout import TokenLayout
 from ..recorder.processor import MapSink, context_bias
+from ._call_frame import window_reader
 from .spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
 from .tiny_text import TEXT_DIM, cast, masked_text, tiny_text_encoder, tiny_tokenizer
 
@@ -332,6 +333,7 @@ SPEC = ModelSpec(
     tiny_transformer=tiny_transformer,
     tiny_call=tiny_call,
     tiny_tasks=("text-to-video", "image-to-video"),
+    window=window_reader("w_idx", "windows"),  # LTXI2VLongMultiPromptPipeline's temporal windows
     known=KNOWN,
     text_len=TEXT_LEN,
     context_kinds={"video_to_text": "text"},

@@ -20,10 +20,10 @@ it keeps the windows before it and warns.
 from __future__ import annotations
 
 import inspect
-import sys
 
 import torch
 
+from ._call_frame import call_locals
 from ._checkpoint import pipeline_name
 from .spec import ModelSpec, Site, Unavailable
 
@@ -131,14 +131,9 @@ def window(pipeline) -> tuple[int, int] | None:
     forcing pipelines loop over ``n_iter`` windows, counting them in a local of their ``__call__``
     (``iter_idx``; video-to-video's ``long_video_iter``), which is on the stack at every transformer call.
     `None` outside such a call (the text- and image-to-video pipelines, a bare transformer)."""
-    call = inspect.unwrap(type(pipeline).__call__)
-    code = getattr(call, "__code__", None)
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not code:
-        frame = frame.f_back
-    if frame is None:
+    found = call_locals(pipeline)
+    if found is None:
         return None
-    found = frame.f_locals
     index = found.get("iter_idx", found.get("long_video_iter"))
     count = found.get("n_iter")
     if not isinstance(index, int) or not isinstance(count, int):

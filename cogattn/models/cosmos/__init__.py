@@ -17,7 +17,8 @@ tokens with its own projections, norms and softmax, added to the text branch's o
 is: ``video_to_text`` and ``video_to_image``. Its pipeline gives a zero image context (each query attends the image
 tokens evenly). Its control net (``CosmosControlNetModel``) runs Cosmos blocks of its own over the control video
 before each transformer call, adding their outputs after blocks 0, n, 2n, ... (``controlnet_block_every_n``): a
-separate model, whose attention is not captured (its processors stay stock).
+separate model, whose attention is not captured (its processors stay stock). A control video longer than
+``num_frames_per_chunk`` is made in chunks, each a denoising loop (``ModelSpec.window``): their steps numbered on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from ...layout import VAE_SPATIAL, TokenLayout
 from ...recorder.processor import MapSink, context_bias
+from .._call_frame import window_reader
 from ..spec import ModelSpec, Site, StepTime, Unavailable, call_argument, text_never_queries
 
 # Attention shapes of the released checkpoints (their transformer/config.json), for plans made offline.
@@ -36,29 +38,15 @@ _P2 = {**_COSMOS, "text_embed_dim": 1024, "extra_pos_embed_type": None, "concat_
 # Predict2.5 and Transfer2.5 (diffusers' scripts/convert_cosmos_to_diffusers.py): Qwen2.5-VL's 28 × 3584 hidden states
 _P25 = {**_P2, "use_crossattn_projection": True, "crossattn_proj_in_channels": 100352}
 KNOWN: dict[str, dict] = {
-    "nvidia/Cosmos-1.0-Diffusion-7B-Text2World": {
-        **_P1,
-        "in_channels": 16,
-        "num_attention_heads": 32,
-        "num_layers": 28,
-    },
-    "nvidia/Cosmos-1.0-Diffusion-14B-Text2World": {
-        **_P1,
-        "in_channels": 16,
-        "num_attention_heads": 40,
-        "num_layers": 36,
-    },
-    "nvidia/Cosmos-1.0-Diffusion-7B-Video2World": {
-        **_P1,
-        "in_channels": 17,
-        "num_attention_heads": 32,
-        "num_layers": 28,
-    },
-    "nvidia/Cosmos-1.0-Diffusion-14B-Video2World": {
-        **_P1,
-        "in_channels": 17,
-        "num_attention_heads": 40,
-        "num_layers": 36,
+    **{  # Predict1: 7B and 14B, text- (16 latent channels) and video-to-world (17: the conditioning mask's)
+        f"nvidia/Cosmos-1.0-Diffusion-{size}-{task}": {
+            **_P1,
+            "in_channels": ch,
+            "num_attention_heads": h,
+            "num_layers": n,
+        }
+        for size, h, n in (("7B", 32, 28), ("14B", 40, 36))
+        for task, ch in (("Text2World", 16), ("Video2World", 17))
     },
     "nvidia/Cosmos-Predict2-2B-Video2World": {**_P2, "in_channels": 17, "num_attention_heads": 16, "num_layers": 28},
     "nvidia/Cosmos-Predict2-14B-Video2World": {**_P2, "in_channels": 17, "num_attention_heads": 40, "num_layers": 36},
@@ -405,6 +393,7 @@ SPEC = ModelSpec(
     tiny_transformer=tiny_transformer,
     tiny_call=tiny_call,
     tiny_tasks=("image-to-video", "text-to-video", *(("video-to-video",) if TRANSFER25 else ())),
+    window=window_reader("chunk_idx", "num_chunks"),  # Transfer2.5's chunks of a long control video
     known=KNOWN,
     text_len=TEXT_LEN,
     # video_to_image: Transfer2.5's image branch; Predict1, 2 and 2.5 have none (their layout's image_len is 0)

@@ -33,14 +33,13 @@ first, as Wan's.
 
 from __future__ import annotations
 
-import inspect
 import math
-import sys
 
 import torch
 
 from ...layout import VAE_SPATIAL, VAE_TEMPORAL, TokenLayout
 from ...recorder.processor import MapSink
+from .._call_frame import call_locals
 from .._checkpoint import pipeline_name
 from ..spec import ModelSpec, Site, Unavailable, call_argument, text_never_queries
 
@@ -261,14 +260,9 @@ def window(pipeline) -> tuple[int, int] | None:
     read from the call's frame, on the stack at every transformer call: the frames decoded so far
     (``history_video``, ``window_num_frames`` per chunk), which a step's callback cannot rebind as it does the loop's
     ``k``. `None` outside such a call (a bare transformer)."""
-    call = inspect.unwrap(type(pipeline).__call__)
-    code = getattr(call, "__code__", None)
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not code:
-        frame = frame.f_back
-    if frame is None:
+    found = call_locals(pipeline)
+    if found is None:
         return None
-    found = frame.f_locals
     decoded, per_chunk, chunks = (found.get(n) for n in ("history_video", "window_num_frames", "num_latent_chunk"))
     if not isinstance(per_chunk, int) or not isinstance(chunks, int):
         return None
