@@ -550,6 +550,7 @@ def test_each_scheduler_step_is_a_step_where_a_timestep_repeats(scheduler, monke
     """Heun's scheduler evaluates the model twice at a timestep (its correction), and UniPC's integer timesteps repeat
     where flow_shift × steps passes 1000: each step of the scheduler is a recorded step (``rec.timesteps`` repeats),
     its maps the naive softmax of its own calls' q and k, ``[uncond, cond]``."""
+    import diffusers
     from diffusers import FlowMatchHeunDiscreteScheduler, UniPCMultistepScheduler
     from diffusers.models.transformers import transformer_wan
     from reference import AttentionSpy, spy_probs
@@ -570,6 +571,8 @@ def test_each_scheduler_step_is_a_step_where_a_timestep_repeats(scheduler, monke
     spy = AttentionSpy(pipe, cogattn.models.wan.SPEC, monkeypatch, transformer_wan)
     try:
         stock = run().frames
+    except AssertionError:  # diffusers 0.35's UniPC asserts at a repeated timestep (its order 0), without cogattn
+        pytest.skip(f"diffusers {diffusers.__version__}'s {type(pipe.scheduler).__name__} fails at a repeated timestep")
     finally:
         spy.remove()
         monkeypatch.undo()
