@@ -173,7 +173,7 @@ class MotifVideoAttnMapProcessor:
         if layer is not None:  # (B, H, S, D), as the recording takes them; padded text keys are masked
             counts, mask = key_mask(attention_mask, query.shape[1], query.shape[2])  # text padded at either end
             v = value.transpose(1, 2) if self.sink.wants_value else None
-            self.sink.capture(layer, query.transpose(1, 2), key.transpose(1, 2), None, None, counts, None, mask, v)
+            self.sink.capture(layer, query.transpose(1, 2), key.transpose(1, 2), None, None, counts, mask=mask, value=v)
 
         # Compute attention with backend dispatch
         hidden_states = dispatch_attention_fn(
