@@ -583,3 +583,33 @@ def test_each_scheduler_step_is_a_step_where_a_timestep_repeats(scheduler, monke
         cond, uncond = (spy.calls[2 * step + n][(1, "self")][0] for n in (0, 1))
         want = torch.cat([spy_probs(*c[:2], c[3]) for c in (uncond, cond)])
         assert (rec.get("full", step, 1).double() - want).abs().max() < 1e-5, step
+
+
+def test_a_step_of_one_call_then_a_step_at_its_timestep_is_two_steps(monkeypatch):
+    """Heun with guidance switched off after step 0 (a callback): step 1 makes one call at a timestep that step 2
+    evaluates again; the scheduler stepped between them, so step 2's call is its own step, not step 1's second."""
+    from diffusers import FlowMatchHeunDiscreteScheduler
+    from diffusers.models.transformers import transformer_wan
+    from reference import AttentionSpy, spy_probs
+
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = FlowMatchHeunDiscreteScheduler()
+
+    def off(p, step, t, tensors):
+        p._guidance_scale = 1.0 if step == 0 else p._guidance_scale
+        return {}
+
+    call = cogattn.models.wan.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), True)
+    call.update(num_inference_steps=3, output_type="latent", callback_on_step_end=off)
+    spy = AttentionSpy(pipe, cogattn.models.wan.SPEC, monkeypatch, transformer_wan)
+    try:
+        pipe(**call, generator=torch.Generator().manual_seed(1))
+    finally:
+        spy.remove()
+        monkeypatch.undo()
+    with cogattn.record(pipe, kinds=("full",), batch="cond", heads="all", layers=[1]) as rec:
+        pipe(**call, generator=torch.Generator().manual_seed(1))
+    assert rec.timesteps == [float(t) for t in pipe.scheduler.timesteps] and len(rec.timesteps) == 5
+    cond = [seen[(1, "self")][0] for seen in spy.calls]  # 2 calls at step 0 (cond, uncond), then one a step
+    for step, c in enumerate([cond[0], *cond[2:]]):
+        assert (rec.get("full", step, 1).double() - spy_probs(*c[:2], c[3])).abs().max() < 1e-5, step

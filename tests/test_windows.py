@@ -97,3 +97,12 @@ def test_ltx_video_s_long_video_windows_of_another_grid_keep_the_first_and_warn(
         with cogattn.record(pipe, kinds=("frame",)) as rec:
             pipe(**call)
     assert rec.windows == [0, 0] and rec.timesteps == [float(t) for t in pipe.scheduler.timesteps[:2]]
+
+
+def test_a_plan_counts_every_section_s_steps():
+    """FramePack's plan of 129 frames: four sections of 25 steps each, as a recording numbers them."""
+    est = cogattn.estimate(
+        "lllyasviel/FramePackI2V_HY", num_frames=129, height=640, width=640, num_inference_steps=25,
+        kinds=("entropy",), layers=[0],
+    )  # fmt: skip
+    assert est.num_records == 4 * 25

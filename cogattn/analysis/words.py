@@ -67,13 +67,14 @@ def clean_prompt(prompt: str) -> str:
 class PromptFormat:
     """How a pipeline makes the transformer's text of a prompt: its tokenizer and its family's template and
     crop (``ModelSpec.prompt_text``). Pass it where a tokenizer is asked for (:func:`text_tokens`,
-    :func:`word_positions`, the plots' ``tokenizer=``) for a call that passed its own ``prompt_template``;
-    the pipeline itself stands for its default one.
+    :func:`word_positions`, the plots' ``tokenizer=``) for a call that passed its own ``prompt_template`` (or, for
+    Cosmos 3, whose metadata sentences depend on the call, its arguments); the pipeline itself stands for its default.
 
     Args:
         pipeline: the diffusers pipeline of the generation.
-        template (`dict`, *optional*): the call's ``prompt_template`` (HunyuanVideo); left out: the
-            pipeline's default.
+        template (`dict`, *optional*): the call's ``prompt_template`` (HunyuanVideo), or its arguments of
+            ``tokenize_prompt`` (Cosmos 3: ``num_frames``, ``height``, ``width``, ``fps``); left out: the pipeline's
+            default.
     """
 
     def __init__(self, pipeline, template: dict | None = None):

@@ -192,14 +192,21 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
 
 
 def call_rules(cfg, config: dict) -> None:
-    """The batch tool's FramePack rules (``ModelSpec.call_rules``): one section (a recording holds one)."""
+    """The batch tool's FramePack rules (``ModelSpec.call_rules``): one section (its previews place one window)."""
     most = 4 * (LATENT_WINDOW - 1) + 1
     if cfg.num_frames > most:
         raise ValueError(
             f"num_frames: {cfg.num_frames}; FramePack generates ⌈num_frames / {most}⌉ sections of {LATENT_WINDOW} "
-            f"latent frames, each a denoising loop of its own, and a recording holds one: use at most {most} "
-            f"(the pipeline decodes {most + 4} frames: the image, then the section)."
+            f"latent frames, each a denoising loop of its own, and the batch tool runs one: use at most {most} (the "
+            f"pipeline decodes {most + 4} frames: the image, then the section), or record a longer call from Python."
         )
+
+
+def call_steps(num_frames: int, num_inference_steps: int) -> int:
+    """The steps of a pipeline call for ``num_frames`` frames (``ModelSpec.call_steps``): a denoising loop of
+    ``num_inference_steps`` per section of 33 frames, as the pipeline counts them."""
+    window = 4 * (LATENT_WINDOW - 1) + 1
+    return max(1, -(-int(num_frames) // window)) * num_inference_steps
 
 
 # -- the tiny pipeline (tests, notebook, batch tool) ------------------------------------------------
@@ -340,7 +347,8 @@ def window(pipeline) -> tuple[int, int] | None:
     )
     if not all(isinstance(n, int) for n in (made, size, count)):
         return None
-    first = str(getattr(found.get("sampling_type"), "value", "")) == "vanilla"  # history starts with the image's
+    kind = found.get("sampling_type")
+    first = str(getattr(kind, "value", kind)) == "vanilla"  # the vanilla sampling's history starts with the image
     return (made - first) // size, count
 
 
@@ -360,6 +368,7 @@ SPEC = FramepackSpec(
     tiny_call=tiny_call,
     tiny_tasks=("image-to-video",),
     window=window,
+    call_steps=call_steps,
     config_keys=("has_clean_x_embedder",),
     known=KNOWN,
     text_len=TEXT_LEN,

@@ -260,9 +260,10 @@ class Capture:
         rows = probe_rows(res.layout) if checked else None
         counts = None if key_counts is None else [int(n) for n in key_counts]
         formed = None if query_counts is None else [int(n) for n in query_counts]
+        kept = counts if counts is not None else getattr(mask, "kept", None)  # a key mask's, whichever keys it keeps
         for slot, b in zip(slots, items):  # each item's valid text, as the mask keeps it, and its parts
-            if counts is not None and counts[b] < res.layout.seq_len:
-                self.text_lengths.setdefault(slot, res.layout.text_kept(counts[b]))
+            if kept is not None and int(kept[b]) < res.layout.seq_len:
+                self.text_lengths.setdefault(slot, res.layout.text_kept(int(kept[b])))
             if self.steps.spans is not None:
                 self.text_spans.setdefault(slot, self.steps.spans[b])
         args = (query, key, items, reducers)

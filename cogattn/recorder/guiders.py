@@ -45,8 +45,8 @@ class Branches:
         for guider in filter(None, self.guiders):
             for name in ("prepare_inputs", "prepare_inputs_from_block_state"):
                 self._wrap(guider, name)
-        guided_by_loop = "guider" not in (getattr(pipeline, "_component_specs", None) or {"guider": None})
-        self.loops = _loops(getattr(pipeline, "_blocks", None)) if guided_by_loop else []
+        specs = getattr(pipeline, "_component_specs", None)  # a modular pipeline's declared components
+        self.loops = _loops(getattr(pipeline, "_blocks", None)) if specs is not None and "guider" not in specs else []
         self.loop_scale: float | None = None  # the running loop's block state's guidance_scale
         for loop in self.loops:
             self._wrap_loop(loop)
@@ -98,7 +98,7 @@ class Branches:
         pipeline's (Wan 2.2's second expert may guide where the first does not; its steps without it leave the
         unconditional items out), each from its settings (enabled, a scale that guides), so a guidance that starts
         after step 0 counts, else from the running step's branches."""
-        if self._guider(expert) is None:  # a loop's own guidance scale: it guides unless the scale is 1 (Cosmos 3's)
+        if not any(self.guiders):  # a loop's own guidance scale: it guides unless the scale is 1 (Cosmos 3's)
             return None if self.loop_scale is None else not math.isclose(self.loop_scale, 1.0)
         verdicts = [self._guides(guider) for guider in self.guiders if guider is not None]
         return True if True in verdicts else None if None in verdicts else False

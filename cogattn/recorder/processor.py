@@ -90,10 +90,11 @@ class GroupMask:
         keep (`torch.Tensor`): boolean ``(B, H, N, N)`` (one item's: ``(H, N, N)``), `True` where a query group
             attends a key group.
         group (`torch.Tensor`): ``(S,)`` the group of each token of the sequence capture is handed.
+        kept (`torch.Tensor | None`): ``(B,)`` each item's kept keys, where the mask is a key mask (:func:`key_mask`).
     """
 
-    def __init__(self, keep: torch.Tensor, group: torch.Tensor):
-        self.keep, self.group = keep.bool(), group.long()
+    def __init__(self, keep: torch.Tensor, group: torch.Tensor, kept: torch.Tensor | None = None):
+        self.keep, self.group, self.kept = keep.bool(), group.long(), kept
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -198,20 +199,20 @@ def key_mask(mask: torch.Tensor | None, seq_len: int, heads: int) -> tuple[torch
     """A boolean key mask ``(B, 1, 1, S)`` as capture takes it: ``(counts, None)`` where it keeps each item's first
     keys (:func:`key_counts`: padded text at the end), else ``(None, GroupMask)`` (text padded on the left, as a Gemma
     tokenizer pads by default): a token's group is the set of items that keep it, and each item's queries attend the
-    groups it keeps; row tiles apply it."""
-    if mask is None or mask.dtype != torch.bool or mask.dim() != 4:
+    groups it keeps; row tiles apply it. Its ``kept`` is each item's count of kept keys (``Recording.text_lengths``)."""
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:] != (1, 1, seq_len):
         return key_counts(mask, seq_len), None  # no mask, or one key_counts refuses in one line
     keep = mask[:, 0, 0]
     counts = keep.sum(-1)
     if torch.equal(keep, torch.arange(seq_len, device=mask.device) < counts[:, None]):
         return key_counts(mask, seq_len), None
-    if keep.shape[0] > 62 or keep.shape[1:] != (seq_len,):
-        raise ValueError(f"cogattn captures a key mask (B ≤ 62, 1, 1, {seq_len}); this one is {tuple(mask.shape)}.")
+    if keep.shape[0] > 63:
+        raise ValueError(f"cogattn captures a key mask of at most 63 items; this one has {keep.shape[0]}.")
     bit = 1 << torch.arange(keep.shape[0], device=mask.device)
     patterns, group = torch.unique((keep.long() * bit[:, None]).sum(0), return_inverse=True)  # (N,), (S,)
     kept = (patterns[None, :] & bit[:, None]) > 0  # (B, N): the item keeps the group's keys
     n = len(patterns)
-    return None, GroupMask(kept[:, None, None, :].expand(-1, heads, n, n), group)
+    return None, GroupMask(kept[:, None, None, :].expand(-1, heads, n, n), group, counts.cpu())
 
 
 def context_bias(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:

@@ -152,7 +152,10 @@ class StepTracker:
             return "reshaped"  # a later call of the window of another grid
         same_time = time.same_step(self._time) if isinstance(time, StepTime) else t == float(self._time)
         num_steps = self.pipeline_attr("num_timesteps")  # of the running window, in a windowed call
-        if same_video and same_time and self.call + 1 < self.calls_per_step:
+        # the scheduler stepped since this step began: a call at its timestep is the next step's (Heun's second
+        # evaluation, UniPC's integer timesteps where they repeat), even after a step of one call (guidance off)
+        stepped = self._scheduler_index() not in (None, self._step_index)
+        if same_video and same_time and not stepped and self.call + 1 < self.calls_per_step:
             self.call += 1
             return "again"
         more_steps = num_steps is None or len(self.timesteps) - self._window_start < num_steps
@@ -160,9 +163,7 @@ class StepTracker:
             return "reshaped"  # the generation goes on with another video (ChronoEdit drops its reasoning frames)
         if not same_call or t > self.timesteps[-1] or not more_steps:
             return "another"
-        if same_time and self._scheduler_index() not in (None, self._step_index):
-            # the scheduler stepped since this step began: its next step, at the same timestep (a second-order
-            # scheduler's second evaluation, Heun's; integer timesteps that repeat, UniPC's at many steps)
+        if same_time and stepped:
             self._append(t, expert, time)
             return "next"
         if same_time:
