@@ -14,7 +14,7 @@ __all__ = ["call_locals", "window_reader"]
 
 
 def call_locals(pipeline) -> dict | None:
-    """The locals of ``pipeline``'s ``__call__`` running on the stack, `None` outside such a call (a bare transformer)."""
+    """The locals of ``pipeline``'s ``__call__`` running on the stack; `None` outside one (a bare transformer)."""
     code = getattr(inspect.unwrap(type(pipeline).__call__), "__code__", None)
     frame = sys._getframe(1)
     while frame is not None and frame.f_code is not code:

@@ -144,8 +144,8 @@ class ModelSpec:
             a checkpoint with that transformer config (Cosmos: the 2.5 ones alone); empty: it runs them.
         window (`Callable | None`): ``pipeline`` → ``(index, count)`` of the window running in its call, where the
             pipeline makes a long video in windows, each a denoising loop (SkyReels-V2); `None` outside such a call.
-        call_steps (`Callable | None`): ``(num_frames, num_inference_steps)`` → the steps a pipeline call makes, for plans
-            (Helios: a loop per chunk; MiniMax-H3: one fewer, its grid's last point); left out: ``num_inference_steps``.
+        call_steps (`Callable | None`): ``(num_frames, num_inference_steps)`` → the steps a pipeline call makes, for
+            plans (Helios: a loop per chunk; MiniMax-H3: one fewer, its grid's last point); left out: the steps.
         extra_call (`Callable | None`): ``(args, kwargs)`` of a transformer call → what perturbs the model in it
             (LTX-2's spatio-temporal guidance and modality-isolation calls, made after each step's guidance call), or
             `None` for a call of the model itself; a perturbed call is left out, as a guider's.

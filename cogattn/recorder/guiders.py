@@ -11,10 +11,12 @@ through hooks named ``SkipLayerGuidance_<i>``, auto-guidance its unconditional c
 
 :class:`Branches` keeps each step's identifiers (it wraps the two methods on the guider object, and puts
 them back on close) and tells a recording, at each transformer call, its branch and whether the model is
-perturbed for it. A modular pipeline that has no guider component (Cosmos 3's) keeps its guidance scale in its
-denoising loop's block state: :class:`Branches` reads it there (it wraps each loop block's ``loop_step`` the same way), and the
-pipeline guides where the scale is not 1, as that loop does. A recording keeps the conditional and unconditional calls of the unperturbed model (the
+perturbed for it. A recording keeps the conditional and unconditional calls of the unperturbed model (the
 results' batch ``[uncond..., cond...]``) and leaves perturbed calls out: their maps are not the model's.
+
+A modular pipeline that declares no guider component (Cosmos 3's) keeps its guidance scale in its denoising
+loop's block state: :class:`Branches` reads it there (it wraps each loop block's ``loop_step`` the same way),
+and the pipeline guides where the scale is not 1, as that loop does.
 """
 
 from __future__ import annotations

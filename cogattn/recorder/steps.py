@@ -207,7 +207,7 @@ class StepTracker:
         self.windows.clear()
         self.layout = self.batch_size = self.device = self._guidance = self._time = None
         self.window = self.num_windows = self.off_grid = None
-        self._guidance_read, self._window_start = False, 0
+        self._guidance_read, self._window_start, self._step_index = False, 0, None
 
     def step_counts(self) -> tuple[int | None, int | None]:
         """``(steps, at most)`` of the generation, told at its first call: the pipeline's ``num_timesteps``
