@@ -1,5 +1,5 @@
-"""Where every token and every frame comes from: the attention sequence and the decoded video; and
-which keys pool together (:class:`KeyGroups`: frames, blocks, text tokens).
+"""Where every token and every frame comes from: the attention sequence and the decoded video (which keys pool
+together: :class:`cogattn.exact.key_groups.KeyGroups`).
 
 Token order (the model's own): video token ``v0 + f·Hp·Wp + y·Wp + x`` for latent frame (temporal patch)
 ``f``, patch row ``y``, patch column ``x``, and ``T`` text tokens before the video (CogVideoX: ``v0 = T``,
@@ -23,14 +23,14 @@ An audio-video model's audio tokens are a sequence of their own (``TokenLayout.a
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .audio import AudioAxis
 
-__all__ = ["KeyGroups", "TokenLayout", "VAE_SPATIAL", "VAE_TEMPORAL"]
+__all__ = ["TokenLayout", "VAE_SPATIAL", "VAE_TEMPORAL"]
 
 VAE_TEMPORAL = 4  # pixel frames per latent frame after the first (every CogVideoX VAE)
 VAE_SPATIAL = 8  # pixels per latent pixel, each way (Wan 2.2 TI2V-5B: 16)
@@ -68,6 +68,8 @@ class TokenLayout:
         audio (`AudioAxis | None`, defaults to `None`): the audio stream of an audio-video model (LTX-2), a sequence
             of its own beside this one's video (and text); `None` for a model without one.
         image_joins_text (`bool`, defaults to `False`): the image tokens lead the text in its cross-attention's softmax.
+        grids (`int`, defaults to 1): copies of the video's grid along the frame axis, each ``frames / grids`` latent
+            frames of the one video (a layer over two: Motif-Video's decoder layers, its decoder's frames first).
     """
 
     text_len: int
@@ -86,8 +88,11 @@ class TokenLayout:
     prompt_crop: int = 0
     audio: AudioAxis | None = None
     image_joins_text: bool = False
+    grids: int = 1
 
     def __post_init__(self):
+        if self.grids < 1 or self.frames % self.grids:
+            raise ValueError(f"grids={self.grids}; the {self.frames} latent frames are whole copies of one grid.")
         if self.text_position not in ("start", "end"):
             raise ValueError(f"text_position={self.text_position!r}; the text sits at the 'start' or the 'end'.")
         if self.history_len < 0:
@@ -298,16 +303,25 @@ class TokenLayout:
 
     # -- latent frames ↔ pixel frames of the decoded video ------------------------------------------
     @property
+    def one_grid(self) -> TokenLayout:
+        """The layout with one copy of the grid (``grids`` 1): the decoded video's latent frames."""
+        return self if self.grids == 1 else dataclasses.replace(self, frames=self.frames // self.grids, grids=1)
+
+    @property
     def default_pixel_frames(self) -> int | None:
         """Frames of the decoded video when the layout alone decides it (an odd F without temporal patches:
         4·(F − 1) + 1); `None` where several video lengths give the same F (temporal patches; an even F,
         which CogVideoX decodes to 4F frames and Wan to 4F − 3)."""
+        if self.grids > 1:
+            return self.one_grid.default_pixel_frames
         odd = self.frames % 2 == 1
         causal = odd and not self.patch_size_t and self.causal_vae  # Allegro's: the call's count, 4F − 3 … 4F
         return self.temporal_compression * (self.frames - 1) + 1 if causal else None
 
     def decoded_frames(self, temporal_compression: int | None = None) -> list[int]:
         """Every frame count a decoded video of this layout can have (see :meth:`pixel_frames`)."""
+        if self.grids > 1:
+            return self.one_grid.decoded_frames(temporal_compression)
         tc, p = int(temporal_compression or self.temporal_compression), self.patch_size_t or 1
         if not self.causal_vae:  # tc per latent frame from frame 0, the last cropped: at least one of its frames
             return list(range(tc * (self.frames - 1) + 1, tc * self.frames + 1))
@@ -334,6 +348,8 @@ class TokenLayout:
         Raises:
             ValueError: no VAE decodes N frames, or N frames are not F latent frames (temporal patches).
         """
+        if self.grids > 1:  # each copy of the grid covers the video's frames
+            return self.one_grid.pixel_frames(num_pixel_frames, temporal_compression) * self.grids
         n, tc = int(num_pixel_frames), int(temporal_compression or self.temporal_compression)
         if n < 1 or tc < 1:
             raise ValueError(f"num_pixel_frames={num_pixel_frames} and temporal_compression={tc} must be ≥ 1.")
@@ -376,44 +392,5 @@ class TokenLayout:
 
     def latent_of_pixel(self, num_pixel_frames: int, temporal_compression: int | None = None) -> list[int]:
         """For each pixel frame of the decoded video, the latent frame (temporal patch) that covers it."""
-        ranges = self.pixel_frames(num_pixel_frames, temporal_compression)  # in order, covering 0 … N − 1
+        ranges = self.one_grid.pixel_frames(num_pixel_frames, temporal_compression)  # in order, covering 0 … N − 1
         return [f for f, frames in enumerate(ranges) for _ in frames]
-
-
-@dataclass(frozen=True)
-class KeyGroups:
-    """Key ``keys[n]`` belongs to group ``groups[n]`` (``0 <= groups[n] < num_groups``); a key may be left out.
-    ``boxes``: for the 3-D tiles of the video grid, ``(text slice, video start, grid, tile_shape)``: each group a
-    box of the grid (and the text one group), summed by reshapes (:func:`cogattn.exact.passes.box_sums`), not through
-    an ``(S, C)`` indicator."""
-
-    keys: torch.Tensor
-    groups: torch.Tensor
-    num_groups: int
-    boxes: tuple | None = None
-
-    @property
-    def single_keys(self) -> bool:
-        """True when every group holds exactly one key (column ``c`` is then ``P[:, keys[c]]``)."""
-        return len(self.keys) == self.num_groups and bool((self.groups == torch.arange(self.num_groups)).all())
-
-    @functools.cached_property  # asked at every capture; a frozen dataclass keeps it in its __dict__
-    def runs(self) -> list[tuple[int, int]] | None:
-        """``[(start, end)]`` of each group, in group order, when every group is one run of consecutive keys
-        and together they cover ``0..S`` (frames, with the text before or after the video; blocks), else
-        `None`: sums over a run are a slice and a sum."""
-        S = len(self.keys)
-        if not torch.equal(self.keys.cpu(), torch.arange(S)):
-            return None
-        change = torch.nonzero(self.groups.cpu().diff()).flatten().add(1).tolist()
-        starts, ends = [0, *change], [*change, S]
-        order = self.groups.cpu()[starts].tolist()
-        if sorted(order) != list(range(self.num_groups)):  # a group in two runs, or an empty one
-            return None
-        return [run for _, run in sorted(zip(order, zip(starts, ends)))]
-
-    def indicator(self, seq_len: int, dtype=torch.float32, device=None) -> torch.Tensor:
-        """Dense indicator ``V`` of shape ``(S, C)``: ``V[j, c] = 1`` if key ``j`` is in group ``c``."""
-        v = torch.zeros(seq_len, self.num_groups, dtype=dtype, device=device)
-        v[self.keys.to(device), self.groups.to(device)] = 1
-        return v

@@ -193,8 +193,8 @@ def test_joint_call_gives_output_lse_and_pooled_sums(dtype):
 
 def test_run_sums_of_runs_out_of_sequence_order_match_the_indicator():
     """Groups whose runs are not in sequence order (the text group last) are summed run by run."""
+    from cogattn.exact.key_groups import KeyGroups
     from cogattn.exact.passes import run_sums
-    from cogattn.layout import KeyGroups
 
     groups = KeyGroups(torch.arange(7), torch.tensor([0, 0, 2, 2, 1, 1, 3]), 4)
     probs = torch.arange(7.0).repeat(1, 1, 1)

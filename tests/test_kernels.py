@@ -13,9 +13,10 @@ from tiny_calls import generate
 import cogattn
 from cogattn.exact import kernels
 from cogattn.exact.engine import capture
+from cogattn.exact.key_groups import KeyGroups
 from cogattn.exact.planner import plan_tiles
 from cogattn.exact.reducers import REDUCERS
-from cogattn.layout import KeyGroups, TokenLayout
+from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import tiny_pipeline
 
 pytestmark = pytest.mark.skipif(

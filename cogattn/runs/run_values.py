@@ -42,7 +42,7 @@ __all__ = [
 
 MAX_TOKENS = 2**24  # a layout's sequence: no attention is longer, and readers allocate per token
 _MIN = {"text_len": 0, "frames": 1, "height": 1, "width": 1, "patch_size": 1, "patch_size_t": 1}
-_MIN.update(context_len=0, image_len=0, temporal_compression=1, history_len=0, prompt_crop=0)
+_MIN.update(context_len=0, image_len=0, temporal_compression=1, history_len=0, prompt_crop=0, grids=1)
 TEXT_PARTS = ("image", "glyph", "prompt")  # the parts a packed text may name (layout.text_parts, text_spans)
 
 
@@ -79,12 +79,28 @@ def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
             raise refuse(f"layout.{name} is missing")
     lay = {**lay, "text_parts": _checked_parts(lay.get("text_parts", []), lay["text_len"], refuse)}
     lay["audio"] = _checked_audio(lay.get("audio"), refuse)
+    if lay["frames"] % lay.get("grids", 1):
+        raise refuse(f"layout.frames = {lay['frames']} is not whole copies of layout.grids = {lay['grids']} grids")
     layout = TokenLayout(**lay)
     if layout.text_len and layout.image_len > layout.text_len:
         raise refuse(f"layout.image_len = {layout.image_len} is more than layout.text_len = {layout.text_len}")
     if layout.seq_len > MAX_TOKENS:
         raise refuse(f"layout.frames × height × width = {layout.seq_len - layout.text_len} tokens, over {MAX_TOKENS}")
     return layout
+
+
+def checked_layer_layouts(layouts, meta_file: Path) -> dict[int, TokenLayout]:
+    """run.json's ``layer_layouts`` (missing in a run written before them): layer → its own layout, each checked
+    as :func:`checked_layout` checks the generation's."""
+    if layouts is None:
+        return {}
+    if not isinstance(layouts, dict) or not all(isinstance(k, str) and k.isdigit() and len(k) < 7 for k in layouts):
+        shown = repr(layouts)[:60]
+        raise StoreError(f"{str(meta_file)!r}: 'layer_layouts' is {shown}, not an object of layer number → layout")
+    out = {int(n): checked_layout(lay, meta_file) for n, lay in layouts.items()}
+    if None in out.values():
+        raise StoreError(f"{str(meta_file)!r}: 'layer_layouts' holds an empty layout; each layer's is an object")
+    return out
 
 
 def layout_json(layout: TokenLayout | None) -> dict | None:
@@ -244,9 +260,14 @@ class RecordShapes:
     slots: int | None = None
     sources: dict = dataclasses.field(default_factory=dict)
     heads: dict = dataclasses.field(default_factory=dict)
+    layer_layouts: dict = dataclasses.field(default_factory=dict)  # layer → its own layout (run.json's)
+
+    def layout_of(self, layer: int | None) -> TokenLayout | None:
+        """The layout of ``layer``'s records: its own, or the generation's."""
+        return self.layer_layouts.get(layer, self.layout)
 
     @classmethod
-    def of(cls, meta: dict, layout: TokenLayout | None) -> RecordShapes:
+    def of(cls, meta: dict, layout: TokenLayout | None, layer_layouts: dict | None = None) -> RecordShapes:
         """The shapes of a run whose run.json (checked: :func:`cogattn.runs.schema.check_meta`) is ``meta``."""
         dims = {kind: cls.dims for kind, cls in (REDUCERS | CONTEXT_REDUCERS).items()}
         sel = meta.get("selection") or {}
@@ -258,10 +279,10 @@ class RecordShapes:
             heads = dict(sel.get("source_heads") or {})
             heads.setdefault("self", sel.get("heads_resolved"))
             heads = {src: len(ids) for src, ids in heads.items() if isinstance(ids, list)}
-        return cls(dims, layout, slots, dict(meta.get("sources") or {}), heads)
+        return cls(dims, layout, slots, dict(meta.get("sources") or {}), heads, dict(layer_layouts or {}))
 
 
-def shape_problem(kind: str, shape: tuple[int, ...], expected: RecordShapes) -> str | None:
+def shape_problem(kind: str, shape: tuple[int, ...], expected: RecordShapes, layer: int | None = None) -> str | None:
     """Why a manifest line's ``kind`` and ``shape`` cannot be a record of the run ``expected`` describes (a kind this
     version does not know, an axis the layout, the recorded slots or heads do not give), or `None` where they can.
     Every size is checked before anything is made from it: a reader lists a record's batch slots."""
@@ -274,7 +295,7 @@ def shape_problem(kind: str, shape: tuple[int, ...], expected: RecordShapes) -> 
             f"a {kind} record has {len(names)} axes ({', '.join(names)}), not the {len(shape)} of 'shape' {list(shape)}"
         )
     heads = expected.heads.get(None, expected.heads.get(expected.sources.get(kind, "self")))
-    lay = expected.layout
+    lay = expected.layout_of(layer)
     want = [expected.slots, heads, *(_AXES[n](lay) if lay is not None and n in _AXES else None for n in names[2:])]
     for name, n, size in zip(names, shape, want):
         most = MAX_SLOTS if name == "batch slot" else MAX_TOKENS

@@ -20,7 +20,7 @@ the class.
 
 from __future__ import annotations
 
-from ...layout import KeyGroups
+from ..key_groups import KeyGroups
 from .audio import AUDIO_REDUCERS
 from .base import Reducer
 from .context import ContextReducer, VideoToImageReducer

@@ -6,7 +6,8 @@ from typing import ClassVar
 
 import torch
 
-from ...layout import KeyGroups, TokenLayout
+from ...layout import TokenLayout
+from ..key_groups import KeyGroups
 
 __all__ = ["Reducer"]
 

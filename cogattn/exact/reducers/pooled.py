@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ...layout import KeyGroups
+from ..key_groups import KeyGroups
 from .base import Reducer
 
 __all__ = ["BlockReducer", "FrameReducer", "QueryFrameReducer", "TileReducer", "VideoToTextReducer"]
