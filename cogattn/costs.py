@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import torch
 
+from .exact.layer_plans import layer_plans
+from .exact.layer_plans import records as layer_records
 from .exact.planner import CapturePlan, ModelShape, TilePlan, plan_capture
 from .layout import TokenLayout
 from .models import spec_for_config, transformer_config
@@ -208,9 +211,11 @@ def estimate(
         mask_cost=spec.mask_cost(cfg),
     )
     plan = plan_capture(options, model, layout, **planned)
+    # the layers over another sequence (Motif-Video's decoder layers) are planned on their own layout
+    others = layer_plans(plan, partial(_plan, model, planned), spec.layer_layouts(cfg, layout), spec.context_kinds)
     records = [
-        (k, shape, b, _count(spec, cfg, options, plan, k, n) * num_prompts)
-        for k, shape, b, n in plan.records(num_steps)
+        (k, shape, b, _count(spec, cfg, options, plan, k, n, num_steps) * num_prompts)
+        for k, shape, b, n in layer_records(plan, others, num_layers, num_steps)
     ]
     share = None
     if parallel is not None:  # each rank plans its tiles within the budget less its exchange of q and k
@@ -220,13 +225,17 @@ def estimate(
     return Estimate(plan, records, share)
 
 
-def _count(spec, config: dict, options: CaptureOptions, plan: CapturePlan, kind: str, n: int) -> int:
-    """Records of ``kind`` per generation: ``n`` (one per captured layer and step), or for a kind of another attention
-    one per captured layer that has it (Latte's text cross-attention: its spatial layers alone) and step."""
+def _plan(model: ModelShape, planned: dict, options: CaptureOptions, layout: TokenLayout) -> CapturePlan:
+    return plan_capture(options, model, layout, **planned)
+
+
+def _count(spec, config: dict, options: CaptureOptions, plan: CapturePlan, kind: str, n: int, num_steps: int) -> int:
+    """Records of ``kind`` per generation: ``n`` (one per captured layer of its layout and step), or for a kind of
+    another attention one per captured layer that has it (Latte's text cross-attention: its spatial layers) and step."""
     if (source := spec.source(kind)) == "self":
         return n
     layers = [i for i in spec.source_layers(config, source) if options.wants_layer(i)]
-    return len(layers) * n // plan.layers_captured
+    return len(layers) * plan.steps_captured(num_steps)
 
 
 def _parallel(parallel: dict, spec, options: CaptureOptions, plan: CapturePlan, model, num_steps: int) -> Parallel:

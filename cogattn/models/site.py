@@ -6,6 +6,7 @@ counting them; ``ModelSpec.sites`` lists a family's sites in execution order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["Site", "module_at"]
@@ -25,10 +26,15 @@ class Site:
             one entry per block: Wan VACE's ``vace_layers``).
         others (`tuple[tuple[str, str], ...]`): ``(source, attribute)`` of a block's other captured attentions, each
             its processor told its source (LTX-2's audio stream: ``("audio", "audio_attn1")``, ...).
-        count_less (`str`): config key of how many of the list's last blocks are no site (Motif-Video's decoder
-            blocks, ``num_decoder_layers``), their names refused with the spec's ``uncaptured[count_less]``.
+        count_less (`str`): config key of how many of the list's last blocks are not these (Motif-Video's encoder
+            blocks: all but the last ``num_decoder_layers``, its decoder blocks, a site of their own).
         context_key (`str`): config key saying whether these blocks have the ``context`` attention (Motif-Video's
             ``enable_text_cross_attention_single``); empty: every block has it.
+        last_of (`str`): config key of the list's length, where these blocks are its last ``count_key`` ones
+            (Motif-Video's decoder blocks: the last ``num_decoder_layers`` of ``num_single_layers``); empty: its first.
+        layout (`Callable[[TokenLayout], TokenLayout] | None`): these layers' own token layout, made from the
+            generation's (``ModelSpec.layer_layouts``), where their attention runs over another sequence; `None`:
+            the generation's.
     """
 
     blocks: str
@@ -38,6 +44,8 @@ class Site:
     others: tuple[tuple[str, str], ...] = ()
     count_less: str = ""
     context_key: str = ""
+    last_of: str = ""
+    layout: Callable | None = None
 
     def count(self, config: dict) -> int:
         """The number of these blocks in a transformer with ``config`` (but the last ``count_less``)."""
@@ -48,10 +56,18 @@ class Site:
         """Whether these blocks of a transformer with ``config`` have the ``context`` attention."""
         return bool(self.context) and (not self.context_key or bool(config.get(self.context_key)))
 
+    def first(self, config: dict) -> int:
+        """The index of these blocks' first in their list (0 but for ``last_of``)."""
+        return int(config[self.last_of]) - self.count(config) if self.last_of else 0
+
     def members(self, transformer):
-        """The blocks of ``transformer`` that are capture sites, in forward order (all but the last ``count_less``)."""
+        """The blocks of ``transformer`` that are capture sites, in forward order (all but the last ``count_less``;
+        the last ``count_key`` with ``last_of``)."""
         blocks = getattr(transformer, self.blocks, None) or ()
-        return blocks[: self.count(transformer.config)] if self.count_less else blocks
+        if self.count_less or self.last_of:
+            first = self.first(transformer.config)
+            return blocks[first : first + self.count(transformer.config)]
+        return blocks
 
 
 def module_at(block, path: str):

@@ -281,10 +281,15 @@ class ModelSpec:
                 raise ValueError(f"kind {kind!r} does not exist for {self.family}: {self.refused[kind]}")
 
     def _in_order(self, of) -> list[tuple[Site, int, object]]:
-        """``(site, block index, block)`` of every layer of a transformer in execution order (of a config: no block)."""
+        """``(site, index in its list, block)`` of every layer of a transformer in execution order (a config: no block)."""
+        config = of if isinstance(of, dict) else of.config
         lists = [[None] * s.count(of) if isinstance(of, dict) else s.members(of) for s in self.sites]
         order = sorted((i * self.interleaved, s, i) for s, blocks in enumerate(lists) for i in range(len(blocks)))
-        return [(self.sites[s], i, lists[s][i]) for _, s, i in order]
+        return [(self.sites[s], self.sites[s].first(config) + i, lists[s][i]) for _, s, i in order]
+
+    def layer_layouts(self, config: dict, layout) -> dict:
+        """Layer → its own `TokenLayout` from the generation's ``layout``, where it is another (``Site.layout``)."""
+        return {n: site.layout(layout) for n, (site, _, _) in enumerate(self._in_order(config)) if site.layout}
 
     def layer_names_for_config(self, config: dict) -> tuple[str, ...]:
         """The layer names of a transformer with ``config`` (no module needed: plans made offline)."""
@@ -311,14 +316,9 @@ class ModelSpec:
     def check_options(self, options, config: dict | None = None) -> None:
         """Raise `ValueError` for options the family cannot serve (an output call it cannot make, a bad layer name)."""
         for name in options.layers if isinstance(options.layers, tuple) else ():
-            blocks, _, attr = name.rpartition(".") if isinstance(name, str) else ("", "", "")
             listed, number, path = ([*name.split(".", 2), "", ""] if isinstance(name, str) else ["", "", ""])[:3]
             if path in self.uncaptured and number.isdigit() and any(listed == site.blocks for site in self.sites):
                 raise ValueError(f"layers: {name!r} is {self.title}'s {self.uncaptured[path]}")
-            for site in [s for s in self.sites if s.count_less and config is not None]:  # its config's last blocks
-                full = site.count({**config, site.count_less: 0})
-                if name in [f"{site.blocks}.{i}.{site.attention}" for i in range(site.count(config), full)]:
-                    raise ValueError(f"layers: {name!r} is {self.title}'s {self.uncaptured[site.count_less]}")
         if options.layer_output != "stock" and not self.output_call:
             raise ValueError(
                 f"layer_output={options.layer_output!r} makes the layer's output call itself, without a mask; "

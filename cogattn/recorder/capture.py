@@ -41,6 +41,8 @@ class Capture:
     def __init__(self, options, steps, roles: dict, store=None):
         self.options, self.steps, self.roles, self.store = options, steps, roles, store
         self.plan: CapturePlan | None = None  # set by the recording at the generation's first call
+        self.layer_layouts: dict = {}  # layer → its own TokenLayout, where it is not the generation's
+        self.layer_plans: dict[int, CapturePlan | None] = {}  # the plan of such a layer (None: no kind selected)
         self.closed = False
         self.stopped = False  # the generation went on with another video: later calls are not captured
         self.joint_indicator: torch.Tensor | None = None
@@ -59,6 +61,14 @@ class Capture:
     def step(self) -> int | None:
         return self.steps.step
 
+    def plan_of(self, layer: int) -> CapturePlan | None:
+        """The plan of ``layer``: the generation's, or that of the layer's own layout (:mod:`.exact.layer_plans`)."""
+        return self.layer_plans.get(layer, self.plan)
+
+    def layout_of(self, layer: int):
+        """The token layout of ``layer``'s attention (`None` before the plan)."""
+        return None if self.plan is None else self.layer_layouts.get(layer, self.plan.layout)
+
     # -- called by the processors (cogattn.recorder.processor.MapSink) ---------------------------------------
     def layer_to_capture(self, attn) -> int | None:
         """Block index of ``attn`` when the current step, its layer, a kind of its attention (self or
@@ -67,11 +77,12 @@ class Capture:
             layer, role = self.roles[id(attn)]
         except KeyError:
             raise ValueError("this processor serves an attention module outside the recorded transformer") from None
-        wanted = not self.closed and not self.stopped and self.plan is not None and self.step is not None
+        plan = self.plan_of(layer)
+        wanted = not self.closed and not self.stopped and plan is not None and self.step is not None
         wanted = wanted and self.steps.running  # not a block's recomputation in the backward pass
         wanted = wanted and self.steps.left_out is None  # a guider's perturbed call: not the model's maps
         wanted = wanted and self.options.wants_layer(layer) and self.options.wants_step(self.step)
-        wanted = wanted and bool(self.plan.reducers if role == "self" else self.plan.context)
+        wanted = wanted and bool(plan.reducers if role == "self" else plan.context)
         return layer if wanted and self._call_items()[0] else None
 
     def per_slot(self, values: dict[int, object], default) -> tuple | None:
@@ -144,9 +155,14 @@ class Capture:
             self.skips.partial.add((step, layer, "context" if kind in context else "self"))
         if self.plan is None or self.stopped or not self.options.wants_step(step):
             return
-        roles = {"self": bool(self.plan.reducers), "context": bool(self.plan.context)}
         for layer, role in set(self.roles.values()):
-            if roles[role] and self.options.wants_layer(layer) and (step, layer, role) not in self._stored:
+            plan = self.plan_of(layer)
+            if (
+                plan is not None
+                and bool(plan.reducers if role == "self" else plan.context)
+                and self.options.wants_layer(layer)
+                and (step, layer, role) not in self._stored
+            ):
                 self.skips.calls.add((step, layer, role))
         self._stored = {key for key in self._stored if key[0] != step}
 
@@ -170,7 +186,7 @@ class Capture:
             result = attention_joint_for(query, key, value, indicator, self._call_items()[0])
         if self.verifier.due(("output", *shape)):
             check = self.verifier.check_output(
-                result[0], query, key, value, probe_rows(self.plan.layout), self.step, layer, mode
+                result[0], query, key, value, probe_rows(self.layout_of(layer)), self.step, layer, mode
             )
             if not check.passed:
                 self.verifier.output_failed(check, shape)
@@ -197,30 +213,30 @@ class Capture:
         ``query_counts`` ``(B,)``: where the model forms only each item's first query rows (Mochi), their
         number; ``mask`` ``(B or 1, S, S)``: any other mask (``processor.query_key_mask``), or an additive one
         (``processor.QueryKeyBias``), which row tiles apply, whatever the method; ``value`` ``(B, H, S, D)``: the values, for the kinds that need them."""
-        res, reducers = self.plan.resolved, self.plan.reducers
+        plan = self.plan_of(layer)
+        res, reducers = plan.resolved, plan.reducers
         if value is None and self.wants_value:
             raise RuntimeError("pattern_error needs the attention's values; this family's processor hands over none.")
         if (whole := self._whole(query.shape[0])) is None:
             return
         items, slots = whole
         if self.mesh is not None:
-            self._sharded(layer, query, key, value, key_counts, query_counts, mask, items, slots)
+            self._sharded(plan, layer, query, key, value, key_counts, query_counts, mask, items, slots)
             return
-        outs = self._outs(
-            layer, query, key, reducers, res.heads, lse, sums, key_counts, query_counts, mask, value, items, slots
-        )
+        args = (lse, sums, key_counts, query_counts, mask, value, items, slots)
+        outs = self._outs(plan, layer, query, key, reducers, res.heads, *args)
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "self")
 
-    def _sharded(self, layer, query, key, value, key_counts, query_counts, mask, items, slots) -> None:
+    def _sharded(self, plan, layer, query, key, value, key_counts, query_counts, mask, items, slots) -> None:
         """:meth:`capture` under context parallelism (:mod:`cogattn.recorder.mesh`): this rank's part of the heads
         over every token, its kinds by the engine, put together on rank 0 (kinds of the head-mean row: all heads
         on rank 0)."""
-        res, mesh, S = self.plan.resolved, self.mesh, self.plan.resolved.layout.seq_len
+        res, mesh, S = plan.resolved, self.mesh, plan.resolved.layout.seq_len
         if mask is not None:
             raise RuntimeError("a query-key mask under context parallelism: cogattn cannot put its split together.")
         for whole in (False, True):
-            group = [r for r in self.plan.reducers if r.mean_rows == whole]
+            group = [r for r in plan.reducers if r.mean_rows == whole]
             if not group:
                 continue
             parts = mesh.parts(res.heads, whole)
@@ -229,17 +245,19 @@ class Capture:
             h = len(parts[mesh.rank])
             local = [mesh.local(r, h) for r in group]
             args = (tuple(range(h)), None, None, key_counts, query_counts, None, v, items, slots)
-            outs = self._outs(layer, q, k, local, *args) if h else [q.new_zeros(r.shape(len(items))) for r in local]
+            outs = (
+                self._outs(plan, layer, q, k, local, *args) if h else [q.new_zeros(r.shape(len(items))) for r in local]
+            )
             for red, out in zip(group, outs):
                 if (full := mesh.combine(out.float(), red, parts)) is not None:
                     self._put(red.kind, layer, full, slots, "self")
 
     def _outs(
-        self, layer, query, key, reducers, chosen, lse, sums, key_counts, query_counts, mask, value, items, slots
+        self, plan, layer, query, key, reducers, chosen, lse, sums, key_counts, query_counts, mask, value, items, slots
     ):
         """The engine's results of ``reducers`` for the heads ``chosen`` of ``query`` and ``key`` ``(B, H, S, D)``,
         spot-checked (a shape that fails goes back to row tiles)."""
-        res = self.plan.resolved
+        res = plan.resolved
         B, H, S, D = query.shape
         if S != res.layout.seq_len:
             raise RuntimeError(f"sequence length {S} does not match the latent grid {res.layout} of this step")
@@ -247,13 +265,13 @@ class Capture:
         all_heads = chosen == tuple(range(H))  # every head, in the model's order: no gather needed
         copies = query.dtype != torch.float32 or not all_heads or not query[0].is_contiguous()
         shape = (str(query.device), query.dtype, S, len(chosen), D)
-        method = "rows" if shape in self.verifier.rows_only else self.plan.tiles.method
+        method = "rows" if shape in self.verifier.rows_only else plan.tiles.method
         if method == "joint" and lse is None:  # the output call fell back to the stock one
             method = "auto"
         if mask is not None:  # the fused passes take no mask: row tiles apply it
             method = "rows"
         cost = passes.mask_cost(mask)  # the mask's rows of a tile count in the budget
-        tiles = self._tiles_for(S, len(chosen), D, query.device, copies, method, lse is not None, cost)
+        tiles = self._tiles_for(plan, S, len(chosen), D, query.device, copies, method, lse is not None, cost)
         heads = None if all_heads else torch.tensor(chosen, device=query.device)
         kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
         checked = tiles.method != "rows" and self.verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
@@ -286,7 +304,7 @@ class Capture:
             check = self.verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, what, scale, counts)
             if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
                 self.verifier.maps_failed(check, shape)
-                rows_tiles = self._tiles_for(S, len(chosen), D, query.device, copies, "rows")
+                rows_tiles = self._tiles_for(plan, S, len(chosen), D, query.device, copies, "rows")
                 outs, _, _ = engine.capture_items(
                     *args,
                     rows_tiles,
@@ -306,14 +324,15 @@ class Capture:
         ``(B, H, Q, D)`` (video queries: the grid's, or every video token's: the history's, off the grid, are left
         out) and keys ``key`` ``(B, H, C, D)``, with the key mask ``bias`` ``(B, C)`` added to the scores
         (:func:`cogattn.recorder.processor.context_bias`)."""
-        layout, res = self.plan.layout, self.plan.resolved
+        plan = self.plan_of(layer)
+        layout, res = plan.layout, plan.resolved
         # where the image tokens join the text's softmax (layout.image_joins_text), both kinds come from its keys
         sources = ("text", "image") if context == "text" and layout.image_joins_text else (context,)
-        reducers = [r for r in self.plan.context if r.source in sources]
+        reducers = [r for r in plan.context if r.source in sources]
         if not reducers:
             return
         red = reducers[0]
-        chosen = self.plan.context_heads.get(red.source, res.heads)
+        chosen = plan.context_heads.get(red.source, res.heads)
         if self.mesh is not None:  # this rank's part of the heads over every query (and key) token
             parts = self.mesh.parts(chosen)
             lengths = (red.query_len, layout.video_len, layout.seq_len)
@@ -337,7 +356,7 @@ class Capture:
             return
         items, slots = whole
         if self.mesh is not None:
-            h, tiles = len(parts[self.mesh.rank]), self.plan.context_tiles[red.source]
+            h, tiles = len(parts[self.mesh.rank]), plan.context_tiles[red.source]
             outs = context_pass(query, key, items, reducers, None, tiles, bias) if h else None
             outs = outs or [query.new_zeros(r.shape(len(items))) for r in reducers]
             for red, out in zip(reducers, outs):  # the whole result on rank 0
@@ -345,7 +364,7 @@ class Capture:
                     self._put(red.kind, layer, full, slots, "context")
             return
         heads = None if chosen == tuple(range(query.shape[1])) else torch.tensor(chosen, device=query.device)
-        outs = context_pass(query, key, items, reducers, heads, self.plan.context_tiles[red.source], bias)
+        outs = context_pass(query, key, items, reducers, heads, plan.context_tiles[red.source], bias)
         for red, out in zip(reducers, outs):
             self._put(red.kind, layer, out, slots, "context")
 
@@ -378,7 +397,8 @@ class Capture:
     def wants_value(self) -> bool:
         """Whether a selected kind needs the attention's values V (``pattern_error``): processors hand ``value``
         to :meth:`capture` only then."""
-        return self.plan is not None and any(r.needs_value for r in self.plan.reducers)
+        plans = [self.plan, *self.layer_plans.values()] if self.plan is not None else []
+        return any(r.needs_value for p in plans if p is not None for r in p.reducers)
 
     @property
     def checks(self) -> list[SpotCheck]:
@@ -386,10 +406,10 @@ class Capture:
         return list(self.verifier.checks)
 
     def _tiles_for(
-        self, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False, mask_cost=(0, 0)
+        self, plan, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False, mask_cost=(0, 0)
     ) -> TilePlan:
-        key = (S, D, torch.device(device).type, copies, method, lse, mask_cost)
+        key = (plan.layout, S, D, torch.device(device).type, copies, method, lse, mask_cost)
         if key not in self.tiles:
-            budget = self.plan.tile_budget  # memory_budget less the results waiting for a step's last call
-            self.tiles[key] = plan_tiles(self.plan.reducers, S, H, D, budget, method, device, copies, lse, mask_cost)
+            budget = plan.tile_budget  # memory_budget less the results waiting for a step's last call
+            self.tiles[key] = plan_tiles(plan.reducers, S, H, D, budget, method, device, copies, lse, mask_cost)
         return self.tiles[key]

@@ -21,6 +21,7 @@ def run_meta(rec) -> dict:
         "complete": rec._status == "finished",
         "steps": len(rec.timesteps),
         "layout": layout_json(rec.layout),
+        "layer_layouts": {str(n): layout_json(lay) for n, lay in rec._capture.layer_layouts.items()},
         "timesteps": rec.timesteps,
         "windows": rec.windows,
         "selection": {

@@ -17,6 +17,7 @@ import torch
 from ..errors import NotRecordedError
 from ..exact import engine
 from ..exact.checks import SpotCheck
+from ..exact.layer_plans import layer_plans, records
 from ..exact.planner import CapturePlan, ModelShape, plan_capture
 from ..layout import TokenLayout
 from ..options import CaptureOptions
@@ -199,9 +200,8 @@ class Recording:
         self._steps.returned()  # a block run after this is a recomputation (gradient checkpointing), not captured
 
     def _second_generation(self) -> None:
-        """A new generation began: one recording holds one generation, so it never mixes them. Inside a
-        ``with`` block that is an error; a recording left open is finished and closed, with a warning,
-        and the new generation runs as if cogattn were not there."""
+        """A new generation began: one recording holds one generation. Inside a ``with`` block that is an error; a
+        recording left open is finished and closed, with a warning, and the new generation runs unrecorded."""
         held = self._steps.describe()
         if self._entered:
             raise RuntimeError(
@@ -239,11 +239,11 @@ class Recording:
             self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models, self._branches)
         num_steps, most_steps = self._steps.step_counts()
 
-        def planned(options):
+        def planned(options, lay=layout):
             return plan_capture(
                 options,
                 self._shape,
-                layout,
+                lay,
                 batch_size=batch_size * self._steps.calls_per_step,  # Wan's guidance batch spans two calls
                 guidance=self._steps.guidance,
                 num_steps=num_steps,
@@ -255,6 +255,8 @@ class Recording:
         plan = planned(self.options)
         if mesh is not None:  # the exchanged q and k of this rank's heads count in its budget
             plan = planned(mesh.budget_less_exchange(self.options, plan, self._shape, self._steps.calls_per_step))
+        layouts = self._capture.layer_layouts = self._spec.layer_layouts(self.transformer.config, layout)
+        self._capture.layer_plans = layer_plans(plan, planned, layouts, self._spec.context_kinds)
         self._capture.plan = plan
         self._capture.skips.by = next(filter(None, map(cache_in_use, self._models.modules)), None)
         if self.options.layer_output == "joint":
@@ -262,7 +264,8 @@ class Recording:
             # with no multi-key kinds there is nothing to widen the values with: the lse alone is reused
             self._capture.joint_indicator = indicator if indicator.shape[1] else None
         if isinstance(self._store, RunWriter):
-            self._store.check_space([(b, n) for _, _, b, n in self.plan.records(most_steps)])
+            planned = records(plan, self._capture.layer_plans, self._shape.num_layers, most_steps)
+            self._store.check_space([(b, n) for _, _, b, n in planned])
             self._store.write_meta(self._meta())
 
     def _meta(self) -> dict:
@@ -293,6 +296,7 @@ class Recording:
 
     # the MapSink calls, cogattn.recorder.capture.Capture's (capture and capture_context are methods: the self-test
     # wraps them on the instance)
+    layout_of = property(lambda self: self._capture.layout_of, doc="A layer's layout: its own or :attr:`layout`.")
     layer_to_capture = property(lambda self: self._capture.layer_to_capture, doc=":meth:`.Capture.layer_to_capture`.")
     attention = property(lambda self: self._capture.attention, doc=":meth:`.capture.Capture.attention`.")
     wants_value = property(lambda self: self._capture.wants_value, doc=":attr:`.capture.Capture.wants_value`.")

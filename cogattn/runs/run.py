@@ -48,6 +48,9 @@ class MapSource(Protocol):
     def layout(self) -> TokenLayout | None:
         """Token layout of the generation."""
 
+    def layout_of(self, layer: int) -> TokenLayout | None:
+        """Token layout of ``layer``'s attention: :attr:`layout`, or the layer's own where it differs."""
+
     @property
     def timesteps(self) -> list[float | None]:
         """Timestep of each step, indexed by step."""
@@ -136,6 +139,7 @@ class Run:
                 f"{str(meta_file)!r} holds {type(self.meta).__name__}, not an object; the run's metadata is lost."
             )
         self._layout, self._text_spans, shapes = read_meta(self.meta, meta_file)  # every value checked, once
+        self._layer_layouts = shapes.layer_layouts
         self._records: dict[tuple[str, int, int], RecordInfo] = {}
         self.skipped_lines: list[str] = []  # "manifest.jsonl:7: why", for every manifest line not served
         with open(self.path / MANIFEST, "rb") as f:
@@ -174,6 +178,11 @@ class Run:
         return len(self.timesteps)
 
     layout = property(lambda self: self._layout, doc="Token layout of the generation, checked when the run was opened.")
+
+    def layout_of(self, layer: int) -> TokenLayout | None:
+        """Token layout of ``layer``'s attention: the generation's, or the layer's own (run.json's
+        ``layer_layouts``: Motif-Video's decoder layers, over two copies of the grid)."""
+        return self._layer_layouts.get(layer, self._layout)
 
     @property
     def info(self) -> dict:
@@ -361,7 +370,7 @@ def _parse_line(raw: bytes, shapes: RecordShapes) -> RecordInfo | str:
     except (ValueError, KeyError, TypeError) as err:
         return f"not a record line ({type(err).__name__}: {str(err)[:60]})"
     why = line_problem(info.step, info.layer, info.shape, info.nbytes, info.file)
-    return why or shape_problem(info.kind, info.shape, shapes) or info
+    return why or shape_problem(info.kind, info.shape, shapes, info.layer) or info
 
 
 def load(path: str | os.PathLike) -> Run:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import StoreError
 from .folder import FORMAT, MAX_INDEX
-from .run_values import MAX_TOKENS, RecordShapes, checked_layout, checked_text_spans
+from .run_values import MAX_TOKENS, RecordShapes, checked_layer_layouts, checked_layout, checked_text_spans
 
 if TYPE_CHECKING:
     from ..layout import TokenLayout
@@ -239,7 +239,8 @@ def read_meta(meta: dict, meta_file: Path) -> tuple[TokenLayout | None, tuple[di
     """
     layout = checked_layout(meta.get("layout"), meta_file)
     check_meta(meta, meta_file, layout)
-    return layout, checked_text_spans(meta.get("selection"), layout, meta_file), RecordShapes.of(meta, layout)
+    own = checked_layer_layouts(meta.get("layer_layouts"), meta_file)
+    return layout, checked_text_spans(meta.get("selection"), layout, meta_file), RecordShapes.of(meta, layout, own)
 
 
 def check_meta(meta: dict, meta_file: Path, layout: TokenLayout | None = None) -> None:
