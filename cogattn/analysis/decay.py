@@ -40,6 +40,7 @@ from ..errors import NotRecordedError
 from ..layout import TokenLayout
 from ..runs.run import MapSource
 from .head_stats import expert_steps_of
+from .layouts import layers_view
 from .maps import check_one_expert, recorded_maps
 
 if TYPE_CHECKING:
@@ -154,10 +155,10 @@ def decay_table(
     """
     import pandas as pd  # slow to import: only where a table is made
 
-    layout = source.layout
-    if layout is None:
+    if source.layout is None:
         raise ValueError("this source has no token layout (it saw no generation); record a generation first.")
     maps, step_list, layer_list = recorded_maps(source, KIND, steps, layers)
+    layout = layers_view(source, layer_list, f"a decay table at layers={layers!r}").layout  # their layout
     t_keys, s_keys = keys_at_distance(layout) if per_key else (None, None)
     frames = []
     for step, ts, expert, layer in maps:

@@ -21,6 +21,7 @@ import torch
 from ..errors import NotRecordedError
 from ..exact.reducers.ranked import check_top_p
 from ..runs.run import MapSource
+from .layouts import layers_view
 from .maps import choose, head_positions, recorded_kinds
 from .masks import mask_density, mask_recall, top_p_mask
 
@@ -104,6 +105,7 @@ def top_p_density(
     if ps is not None and column is None:
         raise ValueError(f"p={p!r}; the top_p records hold p in {list(ps)}: choose one, or record top_p with {p}.")
     step_list, layer_list = choose(source, kind, "step", steps), choose(source, kind, "layer", layers)
+    source = layers_view(source, layer_list, f"a density table at layers={layers!r}")  # their layout (kept_keys)
     keys = set(source.keys())
     parts = []
     for step in step_list:

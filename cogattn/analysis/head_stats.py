@@ -28,6 +28,7 @@ from ..errors import NotRecordedError
 from ..layout import TokenLayout
 from ..runs.run import MapSource
 from .density import kept_keys, top_p_values
+from .layouts import layers_view, of_generation
 from .maps import check_one_expert, expert_steps, pick, recorded, recorded_kinds, steps_of_expert
 
 if TYPE_CHECKING:
@@ -150,7 +151,6 @@ def head_table(
     rule = LabelRule() if rule is None else rule
     if not callable(getattr(rule, "label", None)):
         raise TypeError(f"rule={rule!r} has no label(row) method; pass a LabelRule or an object with one.")
-    layout = _layout(source)
     held = recorded_kinds(source)
     kinds = [k for k in (*TABLE_KINDS, "top_p") if k in held]
     if not kinds:
@@ -160,6 +160,9 @@ def head_table(
         )
     step_list = _union_choice(source, kinds, "step", steps)
     layer_list = _union_choice(source, kinds, "layer", layers)
+    layer_list = of_generation(source, layer_list) if layers == "all" else layer_list  # not another layout's
+    source = layers_view(source, layer_list, f"a head table at layers={layers!r}")  # their layout
+    layout = _layout(source)
     keys = set(source.keys())
     timesteps = list(source.timesteps or [])
     experts = {s: name for name, group in expert_steps(source, step_list).items() for s in group}

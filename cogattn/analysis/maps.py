@@ -36,6 +36,7 @@ from ..errors import NotRecordedError
 from ..exact.reducers import REDUCERS
 from ..items import pick_item
 from ..runs.run import MapSource, Run
+from .layouts import check_one_layout, of_generation
 
 __all__ = [
     "aggregate",
@@ -97,8 +98,9 @@ def choose(source: MapSource, kind: str, what: str, value: str | int | Sequence[
         source (`MapSource`): a `Recording` or a `Run`.
         kind (`str`): one of ``cogattn.KINDS``.
         what (`str`): ``"step"`` or ``"layer"``.
-        value (`"all" | int | Sequence[int] | str`): ``"all"`` (every recorded one), an index, or a list;
-            for steps also an expert's name (``"transformer_2"``: every recorded step it ran).
+        value (`"all" | int | Sequence[int] | str`): ``"all"`` (every recorded one; layers: those of the generation's
+            layout, :mod:`cogattn.analysis.layouts`), an index, or a list; for steps also an expert's name
+            (``"transformer_2"``: every recorded step it ran).
 
     Returns:
         `list[int]`: the chosen steps or layers, in the order given.
@@ -110,6 +112,8 @@ def choose(source: MapSource, kind: str, what: str, value: str | int | Sequence[
     have = recorded(source, kind, what)
     if what == "step" and isinstance(value, str) and value != "all":
         return steps_of_expert(source, have, value, repr(kind))
+    if what == "layer" and value == "all":  # the generation's layers, not those of another layout (Motif's decoder)
+        have = of_generation(source, have)
     return pick(have, what, value, repr(kind))
 
 
@@ -314,6 +318,7 @@ def aggregate(
     step_list = choose(source, kind, "step", steps)
     check_one_expert(expert_steps(source, step_list), f"the mean of {kind!r} over steps={steps!r}")
     layer_list = choose(source, kind, "layer", layers)
+    check_one_layout(source, layer_list, f"the mean of {kind!r} over layers={layers!r}")
     batch = pick_item(source, batch)
     gaps = skipped_pairs(source, kind, step_list, layer_list)
     pairs = [(s, layer) for s in step_list for layer in layer_list if (s, layer) not in gaps]

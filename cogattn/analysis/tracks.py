@@ -23,6 +23,7 @@ import torch
 from ..exact.reducers.ranked import FrameMax
 from ..items import pick_item
 from ..runs.run import MapSource
+from .layouts import for_layers
 from .maps import head_positions
 
 __all__ = ["Track", "frame_matches", "motion_field", "track"]
@@ -114,6 +115,7 @@ def track(
     Returns:
         `Track`: ``positions`` ``(F, 2)`` and ``confidence`` ``(F,)``; the point's own frame is matched too.
     """
+    source = for_layers(source, "frame_max", layer)  # a layer of another layout: its own
     query = _point(source, point)
     return Track(*_grid_matches(source, frame_matches(source, step, layer, head, batch), query))
 
@@ -139,6 +141,7 @@ def motion_field(
         `torch.Tensor`: ``(Hp, Wp, 2)`` int64, ``[y, x] = (row − y, col − x)`` of the match; 0 where frame b
         has no key with attention for that patch.
     """
+    source = for_layers(source, "frame_max", layer)  # a layer of another layout: its own
     lay = source.layout
     for name, f in (("frame_a", frame_a), ("frame_b", frame_b)):
         if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < lay.frames:

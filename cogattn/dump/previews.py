@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from .. import plot
+from ..analysis.layouts import of_generation
 from ..analysis.maps import aggregate, expert_steps, recorded
 from ..analysis.words import item_spans, word_positions
 from ..runs.run import load
@@ -51,14 +52,15 @@ def _per_expert(run, kind: str) -> dict[str, list[int]]:
 def _correspondence(run, video) -> dict:
     """``frame_max``'s previews, each of one map: the last recorded step (of each expert), the middle layer
     recorded at it, and the head-mean row, or the first recorded head of a run recorded per head. ``track``:
-    the point at the centre of latent frame 0; ``motion``: latent frame 0 → 1 (none for a one-frame video)."""
+    the point at the centre of latent frame 0; ``motion``: latent frame 0 → 1 (none for a one-frame video). The layers
+    are the generation's layout's (not Motif-Video's decoder layers, over two copies of the grid)."""
     lay = run.layout
     head = "mean" if run.head_ids is None else run.head_ids[0]
     point = (0, lay.height // 2, lay.width // 2)
     figures = {}
     for name, steps in _per_expert(run, "frame_max").items():
         suffix, step = name[len("frame_max") :], steps[-1]
-        layers = sorted({layer for kind, s, layer in run.keys() if kind == "frame_max" and s == step})
+        layers = of_generation(run, sorted({n for kind, s, n in run.keys() if kind == "frame_max" and s == step}))
         one = dict(step=step, layer=layers[len(layers) // 2], head=head)
         figures[f"track{suffix}"] = plot.track_figure(run, point, video, **one)
         if lay.frames > 1:

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from ..analysis.decay import decay_table, mean_decay
+from ..analysis.layouts import for_layers
 from ..analysis.maps import aggregate
 from ..items import item_label, pick_item, table_source
 from ..runs.run import MapSource
@@ -57,6 +58,7 @@ def offset_map(
         `Figure`: the figure; each panel's image is the ``(2Hp − 1, 2Wp − 1)`` slice of its Δt.
     """
     single_head(heads, "offset_map")
+    source = for_layers(source, "offset", layers)  # layers of another layout: theirs
     layout = source.layout
     F, Hp, Wp = layout.grid
     m = aggregate(source, "offset", steps=steps, layers=layers, heads=heads, batch=batch).numpy()

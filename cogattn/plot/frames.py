@@ -10,6 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from ..analysis.layouts import for_layers
 from ..analysis.maps import aggregate, choose, expert_steps, skipped_pairs
 from ..exact.reducers import REDUCERS
 from ..runs.run import MapSource
@@ -74,6 +75,7 @@ def frame_heatmap(
     Returns:
         `Figure`: the figure.
     """
+    source = for_layers(source, "frame", layers)  # layers of another layout: theirs (Motif-Video's decoder)
     layout = source.layout
     m = aggregate(source, "frame", steps=steps, layers=layers, heads=heads, batch=batch)
     maps = m[None] if m.ndim == 2 else m

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
+from ..analysis.layouts import for_layers
 from ..analysis.maps import aggregate, locate_query
 from ..analysis.words import item_spans, text_tokens, word_positions
 from ..layout import TokenLayout
@@ -364,6 +365,7 @@ def query_map(
             f"query={query!r} is a list, which `queries=` reads as token indices; query_map draws one query: "
             f"a position among the recorded queries (an int) or a video point (frame, row, col) as a tuple{point}."
         )
+    source = for_layers(source, locate_query(source, query)[0], layers)  # layers of another layout: theirs
     layout = source.layout
     kind, index, token = locate_query(source, query)
     row = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)[index]  # (S,)

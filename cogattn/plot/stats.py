@@ -12,6 +12,7 @@ import torch
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
+from ..analysis.layouts import for_layers
 from ..analysis.maps import aggregate, choose
 from ..analysis.masks import mask_recall
 from ..items import pick_item
@@ -92,6 +93,7 @@ def token_stat(
     if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
         raise ValueError(f"sinks={sinks!r}; pass how many top receivers to mark (0 for none).")
     single_head(heads, "token_stat")
+    source = for_layers(source, kind, layers)  # layers of another layout: theirs
     layout = source.layout
     values = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch)  # (S,)
     T = layout.text_len
@@ -218,6 +220,7 @@ def block_map(
         `Figure`: the figure.
     """
     single_head(heads, "block_map")
+    source = for_layers(source, "block", layers)  # layers of another layout: theirs
     layout = source.layout
     size = source.block_size
     m = aggregate(source, "block", steps=steps, layers=layers, heads=heads, batch=batch).numpy()  # (N, N)

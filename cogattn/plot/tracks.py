@@ -16,6 +16,7 @@ from matplotlib import patheffects
 from matplotlib.colors import Normalize, hsv_to_rgb
 from matplotlib.figure import Figure
 
+from ..analysis.layouts import for_layers
 from ..analysis.tracks import motion_field, track
 from ..items import item_label
 from ..runs.run import MapSource
@@ -123,7 +124,7 @@ def track_figure(
         `Figure`: one panel per frame shown; each match has gid ``"track-match"``, the query ``"query-point"``.
     """
     t = track(source, point, step, layer, head, batch)  # refuses a bad point, head or map before drawing
-    layout = source.layout
+    layout = for_layers(source, "frame_max", layer).layout  # a layer of another layout: its own
     pixels, panels, ranges = _video_panels(layout, video, frames, num_pixel_frames)
     sy, sx, off = _to_axes(layout, pixels)
     rows, cols = t.positions[:, 0].numpy(), t.positions[:, 1].numpy()
@@ -250,7 +251,7 @@ def motion_figure(
     if style not in ("arrows", "wheel"):
         raise ValueError(f"style={style!r}; choose 'arrows' or 'wheel'.")
     flow = motion_field(source, f0, f1, step, layer, head, batch).numpy()  # (Hp, Wp, 2): refuses bad frames first
-    layout = source.layout
+    layout = for_layers(source, "frame_max", layer).layout  # a layer of another layout: its own
     pixels, panels, ranges = _video_panels(layout, video, None, num_pixel_frames)
     n = next(n for n, f in panels if f == f0)
     sy, sx, off = _to_axes(layout, pixels)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..analysis.head_stats import TABLE_KINDS, head_table
+from ..analysis.layouts import of_generation
 from ..analysis.maps import aggregate, head_positions, locate_query, recorded, recorded_kinds, skipped_pairs
 from ..analysis.masks import mask_recall, same_frame_mask, spatial_window_mask, temporal_window_mask
 from ..errors import NotRecordedError, StoreError
@@ -247,8 +248,13 @@ class RunView:
         if layer != "mean":
             if (kind, step, int(layer)) not in self.run:
                 self.run.record_info(kind, step, int(layer))  # raises, saying why (a cache skipped it, ...)
+            if (own := self.run.layout_of(int(layer))) != self.run.layout:  # Motif-Video's decoder layers
+                raise ValueError(
+                    f"layer {layer} attends over its own sequence ({own.frames} latent frames, {own.grids} copies of "
+                    "the grid); this page draws the generation's layout: plot it with cogattn.plot (layers=layer)."
+                )
             return int(layer)
-        held = sorted({n for k, s, n in self.run.keys() if k == kind and s == step})
+        held = of_generation(self.run, sorted({n for k, s, n in self.run.keys() if k == kind and s == step}))
         if not held and (gone := sorted(n for s, n, _ in self.run.skipped.calls if s == step)):
             self.run.record_info(kind, step, gone[0])  # a cache skipped the whole step: its error says so
         return held or "all"  # none: aggregate says what was recorded
