@@ -21,6 +21,7 @@ import torch
 from reference import AttentionSpy, assert_topk, spy_probs
 
 import cogattn
+from cogattn.exact.layer_plans import kinds_at
 from cogattn.models import FAMILIES, cogvideox
 from cogattn.reference import kind_error, naive_audio, naive_context, naive_kind
 
@@ -1327,15 +1328,19 @@ def test_every_kind_matches_the_reference_of_the_attentions_own_inputs(
     unchecked = CASES[family].query_mask or (CASES[family].extras_last and output == "joint")
     unchecked = unchecked or not spec.kinds("self")  # a cross-attention alone: one exact pass, no method to check
     assert all(c.passed for c in rec.checks) and (method == "rows" or unchecked or rec.checks), rec.checks
-    lay = rec.layout
-    tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in QUERIES]
     assert len(rec.timesteps) == len({key[0] for key in ref if key[0] not in ("mask", "value")})  # every step recorded
     for step in range(len(rec.timesteps)):
         for layer in range(len(rec.layer_names)):
+            lay = rec.layout_of(layer)  # a layer of its own layout (Motif-Video's decoder): its kinds, over its tokens
+            tokens = [lay.token_index(*x) if isinstance(x, tuple) else x for x in QUERIES]
+            held = kinds if lay == rec.layout else kinds_at(rec.options, rec.layout, lay, spec.context_kinds)
+            for kind in set(kinds) - set(held):
+                with pytest.raises(cogattn.NotRecordedError):
+                    rec.get(kind, step, layer)
             items, values = ref.get((step, layer, "self"), []), ref.get(("value", step, layer, "self"), [])
             items = [_lead_extras(family, lay, P, (2, 3)) for P in items]
             values = [_lead_extras(family, lay, v) for v in values]
-            for kind in kinds:
+            for kind in held:
                 if spec.source(kind) == "text" and (step, layer, "context") not in ref:  # no text attention there
                     with pytest.raises(cogattn.NotRecordedError):  # (Latte's temporal layers)
                         rec.get(kind, step, layer)
@@ -1392,7 +1397,7 @@ def test_masked_keys_take_exactly_zero_and_unguided_calls_are_recorded(pipes, fa
             assert bool((full.masked_select(dropped[:, None]) == 0).all()), "a masked key got attention"
             masked += int(dropped.sum())
             continue
-        dropped = torch.ones(len(keeps), rec.layout.seq_len, dtype=torch.bool)  # (B, S): keys no item attends
+        dropped = torch.ones(len(keeps), rec.layout_of(layer).seq_len, dtype=torch.bool)  # (B, S): keys none attends
         for b, keep in enumerate(keeps):
             dropped[b, : len(keep)] = ~keep
         assert bool((full.masked_select(dropped[:, None, None, :]) == 0).all()), "a masked key got attention"
@@ -1456,7 +1461,8 @@ def test_refusals_and_estimates(pipes, family):
     if not est.layout.text_parts:
         named.update(text_parts=(), prompt_crop=0)
     assert est.layout == dataclasses.replace(rec.layout, **named)
-    assert {(k, tuple(rec.get(k, 0, 0).shape)) for k in kinds} == {(k, tuple(shape)) for k, shape, _, _ in est.records}
+    recorded = {(k, tuple(rec.get(k, 0, n).shape)) for k, step, n in rec.keys() if step == 0}  # every layout's
+    assert recorded == {(k, tuple(shape)) for k, shape, _, _ in est.records}
 
 
 @pytest.mark.parametrize("family", list(CASES))

@@ -1,5 +1,5 @@
 """Motif-Video's own rules (tests/test_families.py holds every kind of its tiny text-to-video pipeline to the
-reference): the decoder blocks are no layers (their names refused in one line, their processors left stock), the
+reference): the decoder blocks are layers of their own layout (the grid twice, no text), the
 text cross-attention is its layer's ``video_to_text`` over the prompt's tokens alone while image-to-video's image
 tokens lead the joint attention's text, a bare transformer records as the pipeline does, a transformer without the
 cross-attention has no ``video_to_text``, and the released shapes' plan."""
@@ -9,7 +9,11 @@ import torch
 from reference import AttentionSpy, spy_probs
 
 import cogattn
+from cogattn.analysis import aggregate
+from cogattn.analysis.head_stats import head_table
+from cogattn.plot import frame_heatmap
 from cogattn.reference import naive_context, naive_kind
+from cogattn.view import RunView
 
 motif = pytest.importorskip("cogattn.models.motif_video", reason="this diffusers lacks Motif-Video (0.42 has it)")
 
@@ -37,28 +41,54 @@ def spied(pipe, monkeypatch, run):
     return out, spy.calls
 
 
-def test_the_decoder_blocks_are_refused_by_name_and_keep_the_stock_processor(i2v):
+def test_the_decoder_blocks_are_layers_of_their_own_layout(i2v, monkeypatch, tmp_path):
+    """The decoder block attends over [decoder video | encoder video]: its layer's layout is the grid with 2F frames
+    and no text, every grid kind of it the naive softmax of the module's own q and k (its P·V proved against the
+    module's output), no text kind recorded there, and a run folder reads every record back with that layout."""
     transformer = i2v.transformer
-    assert motif.SPEC.layer_names(transformer) == ("transformer_blocks.0.attn", "single_transformer_blocks.0.attn")
-    with pytest.raises(ValueError, match=r"^layers: 'single_transformer_blocks.1.attn' is Motif-Video's decoder block"):
-        cogattn.Recording(i2v, kinds=("frame",), layers=[DECODER])
-    with pytest.raises(ValueError, match="decoder block"):  # the plan of the released checkpoint: blocks 16–23
-        cogattn.estimate(
-            "Motif-Technologies/Motif-Video-2B",
-            num_frames=121,
-            height=736,
-            width=1280,
-            num_inference_steps=50,
-            layers=["single_transformer_blocks.20.attn"],
-        )
-    stock = type(transformer.single_transformer_blocks[1].attn.processor)
-    with cogattn.record(i2v, kinds=("frame",)):
-        assert type(transformer.single_transformer_blocks[1].attn.processor) is stock
-        assert type(transformer.single_transformer_blocks[0].attn.processor) is motif.MotifVideoAttnMapProcessor
-        assert type(transformer.single_transformer_blocks[0].cross_attn.processor) is (
-            motif.MotifVideoCrossAttnMapProcessor
-        )
-    assert type(transformer.single_transformer_blocks[0].attn.processor) is stock
+    names = ("transformer_blocks.0.attn", "single_transformer_blocks.0.attn", DECODER)
+    assert motif.SPEC.layer_names(transformer) == names
+
+    def run():
+        call = motif.tiny_call(i2v, "image-to-video", torch.Generator().manual_seed(0), True)
+        return i2v(**call, num_inference_steps=1, output_type="pt", generator=torch.Generator().manual_seed(1)).frames
+
+    video, calls = spied(i2v, monkeypatch, run)
+    kinds = ("frame", "entropy", "offset", "query", "text_to_video", "video_to_text")
+    options = dict(batch="all", heads="all", queries=[(1, 0, 2), 3], save_dir=tmp_path / "run")
+    with cogattn.record(i2v, kinds=kinds, layers=[1, DECODER], **options) as rec:
+        assert type(transformer.single_transformer_blocks[1].attn.processor) is motif.MotifVideoAttnMapProcessor
+        got = run()
+    assert torch.equal(got, video)
+    lay, own = rec.layout, rec.layout_of(2)
+    assert own == motif.decoder_layout(lay) and rec.layout_of(1) == lay
+    assert (own.text_len, own.grid, own.grids, own.one_grid.grid) == (0, (2 * lay.frames, *lay.grid[1:]), 2, lay.grid)
+    cond, uncond = calls[0][(2, "self")][0], calls[1][(2, "self")][0]
+    assert cond[0].shape[2] == own.seq_len == 2 * lay.video_len and cond[3] is None  # 2V tokens, no mask
+    P = torch.cat([spy_probs(*uncond[:2], None), spy_probs(*cond[:2], None)])
+    queries = [own.token_index(1, 0, 2), 3]
+    for kind in ("frame", "entropy", "offset", "query"):
+        want = naive_kind(P, kind, 0, own.grid, queries=queries)
+        assert (rec.get(kind, 0, 2).double() - want).abs().max() < 1e-5, kind
+    assert rec.get("frame", 0, 2).shape[-2:] == (2 * lay.frames, 2 * lay.frames)
+    assert {k for k, _, n in rec.keys() if n == 2} == {"frame", "entropy", "offset", "query"}  # no text there
+    assert {k for k, _, n in rec.keys() if n == 1} == set(kinds)
+    saved = cogattn.load(tmp_path / "run")
+    assert not saved.skipped_lines and saved.layout == lay and saved.layout_of(2) == own and saved.layout_of(1) == lay
+    for kind, step, layer in rec.keys():
+        assert torch.equal(saved.get(kind, step, layer), rec.get(kind, step, layer))
+    assert own.pixel_frames(9) == lay.pixel_frames(9) * 2  # each copy of the grid covers the video's frames
+    # readers: "all" is the generation's layers, a mean never mixes layouts, a figure of the decoder reads its own
+    assert torch.equal(aggregate(saved, "frame"), aggregate(saved, "frame", layers=1))
+    assert aggregate(saved, "frame", layers=2).shape == (2 * lay.frames, 2 * lay.frames)
+    with pytest.raises(ValueError, match=r"would mix token layouts: layer 1 attends over 3 latent frames and 24 text"):
+        aggregate(saved, "frame", layers=[1, 2])
+    fig = frame_heatmap(saved, layers=2)
+    assert fig.axes[0].get_images()[0].get_array().shape == (2 * lay.frames, 2 * lay.frames)
+    assert set(head_table(saved)["layer"]) == {1} and set(head_table(saved, layers=[2])["layer"]) == {2}
+    view = RunView(tmp_path / "run")
+    assert view.map("frame", 0, "mean")["shape"] == [lay.frames + 1] * 2
+    assert "its own sequence (6 latent frames, 2 copies of the grid)" in view.map("frame", 0, 2)["error"]
 
 
 def test_image_to_video_image_tokens_lead_the_joint_text_and_the_cross_attention_reads_the_prompt(i2v, monkeypatch):
@@ -158,9 +188,27 @@ def test_the_estimate_of_the_released_checkpoint():
     )
     lay = est.layout
     assert (lay.grid, lay.text_len, lay.context_len, lay.seq_len) == ((31, 46, 80), 512, 512, 31 * 46 * 80 + 512)
-    shapes = {kind: tuple(shape) for kind, shape, _, _ in est.records}
-    assert shapes == {"frame": (1, 1, 32, 32), "video_to_text": (1, 1, 512, 31, 46, 80)}
     names = motif.SPEC.layer_names_for_config(motif.KNOWN["Motif-Technologies/Motif-Video-2B"])
-    assert len(names) == 28 and names[-1] == "single_transformer_blocks.15.attn"
-    # the cross-attention is the single-stream encoder blocks' alone (enable_text_cross_attention_single): 16 of 28
-    assert {kind: n for kind, _, _, n in est.records} == {"frame": 28 * 50, "video_to_text": 16 * 50}
+    assert len(names) == 36 and names[27:29] == (
+        "single_transformer_blocks.15.attn",
+        "single_transformer_blocks.16.attn",
+    )
+    # the cross-attention is the single-stream encoder blocks' alone (enable_text_cross_attention_single): 16 of 36;
+    # the 8 decoder blocks' frame maps are over both copies of the grid (62 frames, no text group)
+    records = [(kind, tuple(shape), n) for kind, shape, _, n in est.records]
+    want = [("frame", (1, 1, 32, 32), 28 * 50), ("video_to_text", (1, 1, 512, 31, 46, 80), 16 * 50)]
+    assert records == [*want, ("frame", (1, 1, 62, 62), 8 * 50)]
+    decoder = cogattn.estimate(
+        "Motif-Technologies/Motif-Video-2B",
+        num_frames=121,
+        height=736,
+        width=1280,
+        num_inference_steps=50,
+        kinds=("frame", "video_to_text"),
+        layers=["single_transformer_blocks.20.attn"],
+    )
+    assert [(kind, tuple(shape), n) for kind, shape, _, n in decoder.records] == [
+        ("frame", (1, 1, 32, 32), 0),
+        ("video_to_text", (1, 1, 512, 31, 46, 80), 0),
+        ("frame", (1, 1, 62, 62), 50),
+    ]

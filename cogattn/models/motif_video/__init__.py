@@ -4,7 +4,8 @@
 Motif-Video runs dual-stream blocks (``transformer_blocks``: the video and the text projected apart, one joint
 attention), then single-stream blocks (``single_transformer_blocks``: one projection of ``[video, text]``); the
 last ``num_decoder_layers`` single-stream blocks are its decoder. Each block's joint attention is a layer, in
-execution order (the dual-stream blocks' first), named by its path (``"single_transformer_blocks.3.attn"``).
+execution order (the dual-stream blocks' first, the decoder's last), named by its path
+(``"single_transformer_blocks.3.attn"``).
 The joint sequence is the video, then the text (``text_position="end"``): in image-to-video the image's SigLIP
 tokens lead it (``layout.image_len``), then the prompt's ``max_sequence_length`` tokens under a boolean key mask
 ``(B, 1, 1, S)`` that keeps each item's valid text, padded at the end (its first ``V + I + T_valid`` keys, as
@@ -17,10 +18,11 @@ it is that layer's ``video_to_text`` (a layer whose block has none stores none).
 joint attention's (``layout.context_len = I + T``), so that one prompt start names the words of every kind: the
 image's I columns, which the cross-attention never reads, hold exactly 0 (the capture masks them out).
 
-The decoder blocks attend over ``[decoder video | encoder video]``: 2V tokens of one grid twice, the second V
-without RoPE, no text. A recording holds one layout per generation and the encoder blocks' sequence is
-``V + I + T``, so the decoder blocks' attention is no layer: they keep the stock processor and their names are
-refused (``Site.count_less``).
+The decoder blocks attend over ``[decoder video | encoder video]``: the grid twice, 2V tokens (the second V, the
+encoder's output, without RoPE), no text. Their layers have a layout of their own (:func:`decoder_layout`,
+``Recording.layout_of``): the grid with 2F latent frames, the decoder's F first (``TokenLayout.grids`` = 2), so that
+every grid kind is exact over both copies (``frame`` is 2F × 2F: its top-right quarter is the decoder's attention
+to the encoder's frames); they hold no text kind.
 
 Guidance is the pipeline's ``guider``: two transformer calls per step, the conditional first. The processors are
 diffusers' ``MotifVideoAttnProcessor2_0`` and ``MotifVideoCrossAttnProcessor2_0`` line for line, plus the lines
@@ -28,6 +30,8 @@ that hand q, k, the key counts and the text's key mask to the recording.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +81,7 @@ __all__ = [
     "MotifVideoAttnMapProcessor",
     "MotifVideoCrossAttnMapProcessor",
     "TEXT_LEN",
+    "decoder_layout",
     "layout_for_video",
     "read_call",
     "tiny_call",
@@ -313,6 +318,12 @@ def read_call(config, args: tuple, kwargs: dict):
     return layout, hidden.shape[0], t, hidden.device
 
 
+def decoder_layout(layout: TokenLayout) -> TokenLayout:
+    """A decoder layer's layout, from the generation's: ``[decoder video | encoder video]``, the grid with twice its
+    latent frames (``grids=2``), no text."""
+    return replace(layout, text_len=0, context_len=0, image_len=0, frames=2 * layout.frames, grids=2)
+
+
 def layout_for_video(config: dict, num_frames: int, height: int, width: int, text_len: int | None) -> TokenLayout:
     """The layout of a text-to-video pipeline call (``(num_frames − 1) // 4 + 1`` latent frames, 8× spatial; an
     image-to-video call adds its image's SigLIP tokens before the text, which a plan does not count); ``text_len`` is
@@ -345,6 +356,13 @@ SPEC = ModelSpec(
             count_less="num_decoder_layers",
             context_key="enable_text_cross_attention_single",
         ),
+        Site(
+            "single_transformer_blocks",
+            "attn",
+            count_key="num_decoder_layers",
+            last_of="num_single_layers",
+            layout=decoder_layout,
+        ),
     ),
     {
         MotifVideoAttnProcessor2_0: MotifVideoAttnMapProcessor,
@@ -368,9 +386,4 @@ SPEC = ModelSpec(
     title="Motif-Video",
     frame_counts="9, 13, ..., 121",
     pipelines={"text-to-video": "MotifVideoPipeline", "image-to-video": "MotifVideoImage2VideoPipeline"},
-    uncaptured={
-        "num_decoder_layers": "decoder block: its attention is over [decoder video | encoder video] (2V tokens, "
-        "no text), which the generation's one layout (V video + I image + T text tokens) cannot place; it keeps "
-        "the stock processor and is no layer."
-    },
 )
