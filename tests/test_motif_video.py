@@ -176,16 +176,10 @@ def test_without_the_cross_attention_video_to_text_is_refused():
 
 def test_the_estimate_of_the_released_checkpoint():
     """Motif-Video 2B at 1280×736, 121 frames: 31 × 46 × 80 video tokens and 512 text tokens in each of its 28
-    encoder blocks' joint attention (12 heads of 128), the cross-attention's 512 prompt tokens for video_to_text."""
-    est = cogattn.estimate(
-        "Motif-Technologies/Motif-Video-2B",
-        num_frames=121,
-        height=736,
-        width=1280,
-        num_inference_steps=50,
-        kinds=("frame", "video_to_text"),
-        dtype="bfloat16",
-    )
+    encoder blocks' joint attention (12 heads of 128), the cross-attention's 512 prompt tokens for video_to_text, and
+    its 8 decoder blocks' attention over twice the video's tokens."""
+    released = dict(num_frames=121, height=736, width=1280, num_inference_steps=50, kinds=("frame", "video_to_text"))
+    est = cogattn.estimate("Motif-Technologies/Motif-Video-2B", **released, dtype="bfloat16")
     lay = est.layout
     assert (lay.grid, lay.text_len, lay.context_len, lay.seq_len) == ((31, 46, 80), 512, 512, 31 * 46 * 80 + 512)
     names = motif.SPEC.layer_names_for_config(motif.KNOWN["Motif-Technologies/Motif-Video-2B"])
@@ -199,13 +193,7 @@ def test_the_estimate_of_the_released_checkpoint():
     want = [("frame", (1, 1, 32, 32), 28 * 50), ("video_to_text", (1, 1, 512, 31, 46, 80), 16 * 50)]
     assert records == [*want, ("frame", (1, 1, 62, 62), 8 * 50)]
     decoder = cogattn.estimate(
-        "Motif-Technologies/Motif-Video-2B",
-        num_frames=121,
-        height=736,
-        width=1280,
-        num_inference_steps=50,
-        kinds=("frame", "video_to_text"),
-        layers=["single_transformer_blocks.20.attn"],
+        "Motif-Technologies/Motif-Video-2B", **released, layers=["single_transformer_blocks.20.attn"]
     )
     assert [(kind, tuple(shape), n) for kind, shape, _, n in decoder.records] == [
         ("frame", (1, 1, 32, 32), 0),
