@@ -64,11 +64,14 @@ class Estimate:
         records (`list[tuple[str, tuple[int, ...], int, int]]`): per kind: shape, bytes per record file,
             number of records over all prompts.
         parallel (`Parallel | None`): each rank's share under context parallelism.
+        others (`tuple[CapturePlan, ...]`): the plans of the selected layers over another sequence, each its layout's
+            (Motif-Video's decoder layers: the grid twice).
     """
 
     plan: CapturePlan
     records: list[tuple[str, tuple[int, ...], int, int]]
     parallel: Parallel | None = None
+    others: tuple[CapturePlan, ...] = ()
 
     @property
     def layout(self) -> TokenLayout:
@@ -89,8 +92,9 @@ class Estimate:
 
     @property
     def peak_extra_memory(self) -> int:
-        """Predicted peak memory capture adds to a generation (:attr:`CapturePlan.peak_extra_memory`)."""
-        return self.plan.peak_extra_memory
+        """Predicted peak memory capture adds to a generation (:attr:`CapturePlan.peak_extra_memory`, the largest of
+        its layouts' plans)."""
+        return max(p.peak_extra_memory for p in (self.plan, *self.others))
 
     def table(self) -> str:
         lay = self.layout
@@ -113,6 +117,11 @@ class Estimate:
                 layout += " in one softmax"
         if lay.audio is not None:  # LTX-2: a sequence of its own beside the video
             layout += f"; audio: {lay.audio.tokens} bins ({lay.audio.rate:g} a second)"
+        for other in self.others:  # Motif-Video's decoder layers: the grid twice
+            own = other.layout
+            layout += (
+                f"\n  and layers over {own.frames} latent frames ({own.grids} copies of the grid), S = {own.seq_len:,}"
+            )
         lines = [
             layout,
             f"{'kind':>14}  {'shape':<28} {'bytes/record':>14} {'records':>8} {'bytes':>16}",
@@ -222,7 +231,8 @@ def estimate(
         share = _parallel(parallel, spec, options, plan, model, num_steps)
         options = dataclasses.replace(options, memory_budget=options.memory_budget - share.exchange_bytes)
         plan = plan_capture(options, model, layout, **planned)
-    return Estimate(plan, records, share)
+    wanted = {id(p): p for n, p in others.items() if p is not None and options.wants_layer(n)}
+    return Estimate(plan, records, share, tuple(wanted.values()))
 
 
 def _plan(model: ModelShape, planned: dict, options: CaptureOptions, layout: TokenLayout) -> CapturePlan:

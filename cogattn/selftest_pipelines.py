@@ -252,7 +252,7 @@ def _item_error(rec, kind: str, step: int, layer: int, b: int, P, lse, queries: 
     """Error of item ``b``'s recorded ``kind`` against its reference ``P`` ``(1, H, S_b, S)`` (``S_b`` the
     formed query rows, whose text is as much shorter), in the units of the bounds; rows never formed
     must hold exactly 0."""
-    lay = rec.layout
+    lay = rec.layout_of(layer)  # a layer of its own layout (Motif-Video's decoder): its tokens
     got = rec.get(kind, step, layer)
     paired = kind in ("topk", "frame_max")  # values and key tokens, read back as a pair
     got = type(got)(*(x[b : b + 1] for x in got)) if paired else got[b : b + 1]
@@ -374,7 +374,8 @@ def family_rows(
                         scores = (qb.double() @ kb.double().transpose(-1, -2)) * qb.shape[-1] ** -0.5
                         scores = scores.masked_fill(~masks[b][None, :, : qb.shape[2]], float("-inf"))
                         P, lse = scores.softmax(-1), scores.logsumexp(-1)
-                    for kind in self_kinds:
+                    held = {k for k, s, n in rec.keys() if (s, n) == (step, layer)}  # no text kind without text
+                    for kind in [k for k in self_kinds if k in held or rec.layout_of(layer) == rec.layout]:
                         vb = None if v is None else v[b : b + 1]
                         worst = max(worst, _item_error(rec, kind, step, layer, b, P, lse, queries, vb))
             same = bool(torch.equal(video, stock))

@@ -4,14 +4,18 @@ text cross-attention is its layer's ``video_to_text`` over the prompt's tokens a
 tokens lead the joint attention's text, a bare transformer records as the pipeline does, a transformer without the
 cross-attention has no ``video_to_text``, and the released shapes' plan."""
 
+import json
+
 import pytest
 import torch
 from reference import AttentionSpy, spy_probs
 
 import cogattn
 from cogattn.analysis import aggregate
+from cogattn.analysis.density import kept_keys
 from cogattn.analysis.head_stats import head_table
-from cogattn.plot import frame_heatmap
+from cogattn.analysis.layouts import layers_view
+from cogattn.plot import frame_heatmap, layer_step_grid
 from cogattn.reference import naive_context, naive_kind
 from cogattn.view import RunView
 
@@ -83,9 +87,19 @@ def test_the_decoder_blocks_are_layers_of_their_own_layout(i2v, monkeypatch, tmp
     assert aggregate(saved, "frame", layers=2).shape == (2 * lay.frames, 2 * lay.frames)
     with pytest.raises(ValueError, match=r"would mix token layouts: layer 1 attends over 3 latent frames and 24 text"):
         aggregate(saved, "frame", layers=[1, 2])
-    fig = frame_heatmap(saved, layers=2)
+    fig = frame_heatmap(saved, layers=range(2, 3))  # its own frames, labelled as such: no text group
     assert fig.axes[0].get_images()[0].get_array().shape == (2 * lay.frames, 2 * lay.frames)
+    assert "text" not in {t.get_text() for t in fig.axes[0].get_xticklabels()}
+    with pytest.raises(ValueError, match="would mix token layouts"):
+        layer_step_grid(saved, "frame", layers=[1, 2])
+    assert kept_keys(layers_view(saved, [2], "a test"), 2).tolist() == [own.seq_len] * 2  # no text to pad there
     assert set(head_table(saved)["layer"]) == {1} and set(head_table(saved, layers=[2])["layer"]) == {2}
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    for bad in ({"²": meta["layer_layouts"]["2"]}, {"2": {**meta["layer_layouts"]["2"], "grids": 4}}, []):
+        (tmp_path / "run" / "run.json").write_text(json.dumps({**meta, "layer_layouts": bad}))
+        with pytest.raises(cogattn.StoreError, match="layer_layouts|grids"):
+            cogattn.load(tmp_path / "run")
+    (tmp_path / "run" / "run.json").write_text(json.dumps(meta))
     view = RunView(tmp_path / "run")
     assert view.map("frame", 0, "mean")["shape"] == [lay.frames + 1] * 2
     assert "its own sequence (6 latent frames, 2 copies of the grid)" in view.map("frame", 0, 2)["error"]

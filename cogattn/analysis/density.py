@@ -51,10 +51,10 @@ def top_p_values(source: MapSource) -> tuple[float, ...] | None:
 
 def kept_keys(source: MapSource, num_items: int) -> torch.Tensor:
     """Keys each batch slot's rows attend over, ``(num_items,)`` float64: S, less the padded text a key mask
-    leaves out (HunyuanVideo, Mochi: ``S − T + text_lengths[b]``)."""
+    leaves out (HunyuanVideo, Mochi: ``S − T + text_lengths[b]``; a layout without text, Motif-Video's decoder: S)."""
     layout = source.layout
     lengths = list(getattr(source, "text_lengths", None) or ())
-    text = [lengths[b] if b < len(lengths) else layout.text_len for b in range(num_items)]
+    text = [min(lengths[b], layout.text_len) if b < len(lengths) else layout.text_len for b in range(num_items)]
     return torch.tensor([layout.seq_len - layout.text_len + t for t in text], dtype=torch.float64)
 
 

@@ -5,7 +5,8 @@ own (:func:`for_layers`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Iterator, Sequence
 
 from ..layout import TokenLayout
 
@@ -60,13 +61,16 @@ def for_layers(source, kind: str, layers, what: str = "a figure"):
     :func:`cogattn.analysis.maps.choose` takes them) reads it: itself where they are the generation's layers, else a
     view of it whose ``layout`` is theirs; a `ValueError` where the chosen layers mix layouts. A selector it cannot
     read is left to the figure's own reading, which refuses it in its words."""
-    if isinstance(layers, str) and layers == "all":
-        chosen = of_generation(source, sorted({n for k, _, n in source.keys() if k == kind}))
-    elif isinstance(layers, (list, tuple)):
-        chosen = list(layers)
+    if isinstance(layers, str):
+        chosen = of_generation(source, sorted({n for k, _, n in source.keys() if k == kind})) if layers == "all" else []
+    elif isinstance(layers, Iterator):  # read once, by the figure's own selection
+        return source
     else:
-        chosen = [layers]
-    if not chosen or not all(isinstance(n, int) and not isinstance(n, bool) for n in chosen):
+        try:
+            chosen = [operator.index(n) for n in (layers if isinstance(layers, Iterable) else [layers])]
+        except TypeError:
+            chosen = []
+    if not chosen:
         return source
     return layers_view(source, chosen, f"{what} of {kind!r} at layers={layers!r}")
 

@@ -32,6 +32,7 @@ from ..errors import NotRecordedError
 from ..exact.patterns import Pattern, parse
 from ..layout import TokenLayout
 from ..runs.run import MapSource
+from .layouts import for_layers
 from .maps import choose, expert_steps
 
 if TYPE_CHECKING:
@@ -259,6 +260,7 @@ def mask_recall(
 
     if kind not in ("block", "tile"):
         raise ValueError(f"kind={kind!r}; mask_recall reads a 'block' or a 'tile' map.")
+    source = for_layers(source, kind, layers, "mask_recall")  # layers of another layout: theirs
     grid = _grid(source) if kind == "block" else _TileGrid(source)
     if isinstance(mask, (str, Pattern)) or callable(mask):  # a token pattern: its block or tile mask
         pattern = parse(mask, tuple(getattr(source, "tile_shape", None) or (4, 4, 4)))  # "sta:"'s tiles: the run's
@@ -322,6 +324,7 @@ def oracle_curve(
     """
     import pandas as pd  # slow to import: only where a table is made
 
+    source = for_layers(source, "block", layers, "oracle_curve")  # layers of another layout: theirs
     grid = _grid(source)
     N, S = grid.num_blocks, source.layout.seq_len
     ks = list(range(1, N + 1)) if ks is None else [ks] if isinstance(ks, int) else list(ks)

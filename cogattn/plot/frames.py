@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..analysis.layouts import for_layers
+from ..analysis.layouts import for_layers, layers_view
 from ..analysis.maps import aggregate, choose, expert_steps, skipped_pairs
 from ..exact.reducers import REDUCERS
 from ..runs.run import MapSource
@@ -163,6 +163,7 @@ def layer_step_grid(
     index = index if isinstance(index, tuple) else (index,)
     dims = list(REDUCERS[kind].dims)
     kept = [d for i, d in enumerate(dims) if i >= len(index) or not isinstance(index[i], int)]
+    source = layers_view(source, layer_list, f"layer_step_grid of {kind!r}")  # one layout: its ticks
     arrays, gaps = [], skipped_pairs(source, kind, step_list, layer_list)
     for layer in layer_list:
         for s in step_list:

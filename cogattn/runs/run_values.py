@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -94,7 +95,7 @@ def checked_layer_layouts(layouts, meta_file: Path) -> dict[int, TokenLayout]:
     as :func:`checked_layout` checks the generation's."""
     if layouts is None:
         return {}
-    if not isinstance(layouts, dict) or not all(isinstance(k, str) and k.isdigit() and len(k) < 7 for k in layouts):
+    if not isinstance(layouts, dict) or not all(isinstance(k, str) and re.fullmatch("[0-9]{1,6}", k) for k in layouts):
         shown = repr(layouts)[:60]
         raise StoreError(f"{str(meta_file)!r}: 'layer_layouts' is {shown}, not an object of layer number → layout")
     out = {int(n): checked_layout(lay, meta_file) for n, lay in layouts.items()}
