@@ -70,6 +70,8 @@ class TokenLayout:
         image_joins_text (`bool`, defaults to `False`): the image tokens lead the text in its cross-attention's softmax.
         grids (`int`, defaults to 1): copies of the video's grid along the frame axis, each ``frames / grids`` latent
             frames of the one video (a layer over two: Motif-Video's decoder layers, its decoder's frames first).
+        clip_latents (`int`, defaults to 0): latent frames of each clip a causal VAE encodes on its own, the pixel
+            frames restarting at each (MiniMax-H3's: 5 of 17 frames, ``17 n + 5`` frames in ``5 n + 2``); 0: one clip.
     """
 
     text_len: int
@@ -89,6 +91,7 @@ class TokenLayout:
     audio: AudioAxis | None = None
     image_joins_text: bool = False
     grids: int = 1
+    clip_latents: int = 0
 
     def __post_init__(self):
         if self.grids < 1 or self.frames % self.grids:
@@ -314,6 +317,8 @@ class TokenLayout:
         which CogVideoX decodes to 4F frames and Wan to 4F − 3)."""
         if self.grids > 1:
             return self.one_grid.default_pixel_frames
+        if self.clip_latents:
+            return self._clips()[-1].stop
         odd = self.frames % 2 == 1
         causal = odd and not self.patch_size_t and self.causal_vae  # Allegro's: the call's count, 4F − 3 … 4F
         return self.temporal_compression * (self.frames - 1) + 1 if causal else None
@@ -322,6 +327,8 @@ class TokenLayout:
         """Every frame count a decoded video of this layout can have (see :meth:`pixel_frames`)."""
         if self.grids > 1:
             return self.one_grid.decoded_frames(temporal_compression)
+        if self.clip_latents:
+            return [self._clips(temporal_compression)[-1].stop]
         tc, p = int(temporal_compression or self.temporal_compression), self.patch_size_t or 1
         if not self.causal_vae:  # tc per latent frame from frame 0, the last cropped: at least one of its frames
             return list(range(tc * (self.frames - 1) + 1, tc * self.frames + 1))
@@ -353,6 +360,14 @@ class TokenLayout:
         n, tc = int(num_pixel_frames), int(temporal_compression or self.temporal_compression)
         if n < 1 or tc < 1:
             raise ValueError(f"num_pixel_frames={num_pixel_frames} and temporal_compression={tc} must be ≥ 1.")
+        if self.clip_latents:  # a causal VAE's clips, one after another
+            if n != (want := self._clips(tc)[-1].stop):
+                raise ValueError(
+                    f"this VAE encodes clips of {self.clip_latents} latent frames ({tc * (self.clip_latents - 1) + 1} "
+                    f"pixel frames each, the last shorter): F = {self.frames} latent frames are {want} pixel frames, "
+                    f"never {n}."
+                )
+            return self._clips(tc)
         if not self.causal_vae:
             if not tc * (self.frames - 1) < n <= tc * self.frames:
                 raise ValueError(
@@ -389,6 +404,14 @@ class TokenLayout:
             lats = [j - padding for j in range(k * p, (k + 1) * p) if j >= padding]
             out.append(range(covered(lats[0]).start, covered(lats[-1]).stop))
         return out
+
+    def _clips(self, temporal_compression: int | None = None) -> list[range]:
+        """The pixel frames of each latent frame where a causal VAE encodes clips of ``clip_latents`` on their own:
+        per clip, its first latent frame one pixel frame, each later one ``tc``."""
+        tc, per = int(temporal_compression or self.temporal_compression), self.clip_latents
+        clip = tc * (per - 1) + 1  # pixel frames of a whole clip
+        starts = [(f // per) * clip + (0 if f % per == 0 else tc * (f % per) - tc + 1) for f in range(self.frames)]
+        return [range(a, a + (1 if f % per == 0 else tc)) for f, a in enumerate(starts)]
 
     def latent_of_pixel(self, num_pixel_frames: int, temporal_compression: int | None = None) -> list[int]:
         """For each pixel frame of the decoded video, the latent frame (temporal patch) that covers it."""

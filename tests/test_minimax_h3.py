@@ -166,3 +166,46 @@ def test_a_released_checkpoint_is_planned_offline_and_its_frame_counts_are_the_p
     assert minimax.layout_for_video(config, 130, 768, 1344, 7) == minimax.layout_for_video(config, 141, 768, 1344, 7)
     with pytest.raises(ValueError, match="17n \\+ 5"):
         minimax.call_rules(types.SimpleNamespace(num_frames=125, tiny_spec=lambda: None), config)
+
+
+def test_the_layout_maps_pixel_frames_as_the_vae_encodes_its_clips():
+    """The VAE encodes 17-frame clips on their own, each causal: a change to pixel frame j first changes the latent
+    frame that layout.pixel_frames gives it, and no latent frame of another clip (a float64 tiny VAE, its own
+    encoder); the decoded count is the layout's, and a call's layout carries the clips."""
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        vae = AutoencoderKLMiniMaxH3(
+            latent_channels=2,
+            block_out_channels=(4, 4, 4, 4),
+            layers_per_block=1,
+            spatial_downsample_factors=(2, 2, 2, 2),
+            temporal_downsample_factors=(1, 2, 2, 1),
+            norm_num_groups=1,
+            decoder_num_layers=1,
+            decoder_num_attention_heads=1,
+            decoder_attention_head_dim=8,
+            decoder_num_register_tokens=1,
+            decoder_ffn_mult=1,
+            latents_mean=(0.0, 0.0),
+            latents_std=(1.0, 1.0),
+        )
+    vae = vae.double().eval()
+    lay = minimax.layout_for_video(minimax.KNOWN["MiniMaxAI/MiniMax-H3"], 39, 32, 32, 4)
+    assert (lay.frames, lay.clip_latents, lay.decoded_frames(), lay.default_pixel_frames) == (12, 5, [39], 39)
+    ranges = lay.pixel_frames(39)
+    assert [len(r) for r in ranges[:6]] == [1, 4, 4, 4, 4, 1] and ranges[-1] == range(35, 39)
+    with pytest.raises(ValueError, match="never 37"):
+        lay.pixel_frames(37)
+    x = torch.randn(1, 3, 39, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        base = vae.encode(x).latent_dist.mean
+        assert vae.decode(base.float().double(), return_dict=False)[0].shape[2] == 39
+        latent_of = lay.latent_of_pixel(39)
+        for j in (0, 1, 4, 5, 16, 17, 18, 21, 22, 34, 35, 38):
+            y = x.clone()
+            y[:, :, j] += 1.0
+            changed = (vae.encode(y).latent_dist.mean - base).abs().amax(dim=(0, 1, 3, 4)).nonzero().flatten()
+            clip = latent_of[j] // 5
+            assert int(changed[0]) == latent_of[j] and int(changed[-1]) < 5 * (clip + 1), (j, changed.tolist())

@@ -197,6 +197,7 @@ def read_call(config, args: tuple, kwargs: dict):
         patch_size=p_h,
         patch_size_t=p_t if p_t > 1 else None,
         image_len=int(vision.max()) + 1 if len(vision) else 0,
+        clip_latents=CHUNK_LATENTS,  # the VAE's clips: 17 frames in 5 latent frames, each clip causal
     )
     # MiniMax-H3's t runs up from 0 (noise) to 1 (clean); a recording counts steps down: the video's σ = 1 − t
     time = 1.0 - (float(t.flatten()[t_index[-1]]) if isinstance(t, torch.Tensor) else float(t))
@@ -218,6 +219,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
         width=int(width) // SPATIAL // p_w,
         patch_size=p_h,
         patch_size_t=p_t if p_t > 1 else None,
+        clip_latents=CHUNK_LATENTS,
     )
 
 

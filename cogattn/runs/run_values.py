@@ -44,6 +44,7 @@ __all__ = [
 MAX_TOKENS = 2**24  # a layout's sequence: no attention is longer, and readers allocate per token
 _MIN = {"text_len": 0, "frames": 1, "height": 1, "width": 1, "patch_size": 1, "patch_size_t": 1}
 _MIN.update(context_len=0, image_len=0, temporal_compression=1, history_len=0, prompt_crop=0, grids=1)
+_MIN.update(clip_latents=0)
 TEXT_PARTS = ("image", "glyph", "prompt")  # the parts a packed text may name (layout.text_parts, text_spans)
 
 
