@@ -377,8 +377,7 @@ def _check_mask(mask, grid) -> torch.Tensor:
 
 def _blocks(source: MapSource, grid, steps, layers, kind: str = "block"):
     """``(step, layer, block map (B, H, N, N) float64)`` of every recorded chosen pair (``tile`` maps too)."""
-    step_list = choose(source, kind, "step", steps)
-    layer_list = choose(source, kind, "layer", layers)
+    step_list, layer_list = choose(source, kind, "step", steps), choose(source, kind, "layer", layers)
     keys = set(source.keys())
     pairs = [(s, la) for s in step_list for la in layer_list if (kind, s, la) in keys]
     if not pairs:
@@ -403,8 +402,7 @@ def _blocks(source: MapSource, grid, steps, layers, kind: str = "block"):
 
 
 def _rows(source: MapSource, step: int, layer: int, recall: torch.Tensor, ks: list[int] | None = None) -> pd.DataFrame:
-    """The rows of one record in (head slot, item, k) order: ``recall`` is (B, H, K), ``ks`` the K values of
-    k (`None`: no ``k`` column, K = 1)."""
+    """One record's rows in (head slot, item, k) order: ``recall`` (B, H, K), ``ks`` its k (`None`: no k column)."""
     import pandas as pd  # slow to import: only where a table is made
 
     B, H, K = recall.shape
@@ -417,7 +415,6 @@ def _rows(source: MapSource, step: int, layer: int, recall: torch.Tensor, ks: li
         "head": [heads[h] for h in range(H) for _ in range(B * K)],
         "item": [b for _ in range(H) for b in range(B) for _ in range(K)],
     }
-    if ks is not None:
-        columns["k"] = list(ks) * (H * B)
+    columns.update({} if ks is None else {"k": list(ks) * (H * B)})
     columns["recall"] = recall.transpose(0, 1).reshape(-1).tolist()
     return pd.DataFrame(columns)
