@@ -65,6 +65,8 @@ def test_every_family_s_tiny_model_is_named_and_checked_through_its_spec(name):
         pytest.skip(f"{name}'s tiny pipeline needs what this environment lacks: {' '.join(str(missing).split())}")
     call = spec.tiny_call(pipe, task, torch.Generator().manual_seed(0), False)
     call.setdefault("num_frames", call.get("frames", call.get("video_length")))  # SANA-Video's, Latte's names
+    if name == "minimax_h3":  # its tiny call's 5 frames run the denoiser alone; its VAE decodes 17n + 5 for n ≥ 1
+        call["num_frames"] = 22
     shape = [f"{key}={call[key]}" for key in ("num_frames", "height", "width")]
     try:
         cfg = load_config(None, [f"model={spec.tiny_name}", f"task={task}", *shape])
@@ -451,6 +453,14 @@ def test_every_shipped_tiny_config_runs_end_to_end(config, tmp_path, dump):
         size = dict(num_frames=cfg.num_frames, height=cfg.height, width=cfg.width)
         ids, plain = (pipe.tokenize_prompt(meta["prompt"], **size, add_resolution_template=on)[0] for on in (1, 0))
         assert meta["tokens"] == pipe.text_tokenizer.convert_ids_to_tokens(ids) and len(ids) > len(plain)
+    if cfg.family == "minimax_h3":  # a modular pipeline: its prompt verbatim, its soundtrack beside the video
+        import wave
+
+        pipe, meta = spec.tiny_pipeline(), json.loads((dirs[0] / "prompt.json").read_text())
+        ids = pipe.tokenizer(meta["prompt"], add_special_tokens=False)["input_ids"]
+        assert meta["tokens"][: len(ids)] == pipe.tokenizer.convert_ids_to_tokens(ids) and len(run.timesteps) == 2
+        with wave.open(str(dirs[0] / meta["audio"])) as sound:  # 37 audio latents (22 frames at 24 fps, 40 a second)
+            assert (sound.getnchannels(), sound.getframerate(), sound.getnframes()) == (2, 32000, 37 * 800)
 
 
 def test_ltx2_s_audio_kinds_run_through_the_batch_tool_and_the_released_config_plans_them(tmp_path, dump):

@@ -103,7 +103,7 @@ def test_the_ref2va_denoiser_s_transformer_ref_is_recorded_from_the_pipeline(mon
 
     pipe = minimax.tiny_pipeline()
     pipe.update_components(transformer_ref=copy.deepcopy(pipe.transformer))
-    todo, denoisers = [pipe._blocks], []
+    todo, denoisers = [pipe._blocks, pipe._denoiser], []  # the whole pipeline's, and a call with embeddings' own
     while todo:
         block = todo.pop()
         denoisers += [block] * hasattr(block, "transformer_name")
@@ -209,3 +209,23 @@ def test_the_layout_maps_pixel_frames_as_the_vae_encodes_its_clips():
             changed = (vae.encode(y).latent_dist.mean - base).abs().amax(dim=(0, 1, 3, 4)).nonzero().flatten()
             clip = latent_of[j] // 5
             assert int(changed[0]) == latent_of[j] and int(changed[-1]) < 5 * (clip + 1), (j, changed.tolist())
+
+
+def test_a_checkpoint_folder_loads_the_t2va_components_in_the_dtype_asked(tmp_path):
+    """The batch tool's loading (``ModelSpec.load_pipeline``) of a modular checkpoint saved as diffusers saves one:
+    the pipeline class its index names, the t2va workflow's components (no transformer_ref), in the dtype asked.
+    (The folder holds no processor: Qwen3-VL's needs torchvision to load; a released checkpoint's has one.)"""
+    from diffusers.modular_pipelines import MiniMaxH3Blocks
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ModularPipeline
+
+    tiny = minimax.tiny_pipeline()
+    names = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler", "audio_scheduler")
+    saved = MiniMaxH3ModularPipeline(blocks=MiniMaxH3Blocks())
+    saved.update_components(**{name: getattr(tiny, name) for name in names})
+    saved.save_pretrained(str(tmp_path / "minimax-h3"))
+    pipe = minimax.SPEC.load_pipeline(str(tmp_path / "minimax-h3"), "text-to-video", torch.bfloat16)
+    assert type(pipe) is MiniMaxH3ModularPipeline and getattr(pipe, "transformer_ref", None) is None
+    assert pipe.transformer.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
+    loaded = pipe.transformer.state_dict()  # the model's float32 modules stay float32
+    for name, param in tiny.transformer.state_dict().items():
+        assert torch.equal(loaded[name], param.to(loaded[name].dtype)), name

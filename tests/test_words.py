@@ -111,7 +111,7 @@ def _tiny(spec):
 @pytest.mark.parametrize("spec", cogattn.models.FAMILIES, ids=lambda s: s.family)
 def test_labels_are_the_tokens_of_the_transformer_s_text(spec):
     if spec.family == "minimax_h3":  # a modular pipeline, its Qwen3-VL conditioner read at hidden_states[50]
-        pytest.skip("MiniMax-H3's tiny pipeline takes prompt embeddings; tests/test_minimax_h3.py checks its labels")
+        pytest.skip("MiniMax-H3's modular pipeline has no encode_prompt; tests/test_cli_families.py checks its labels")
     if spec.family == "cosmos3":  # no text encoder: the transformer reads the token ids
         pytest.skip("Cosmos 3's pipeline has no text encoder; tests/test_cosmos3.py checks its labels")
     pipe, seen = _tiny(spec), []

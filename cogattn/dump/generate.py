@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import time
+import wave
 from pathlib import Path
 
 import torch
@@ -100,6 +101,24 @@ def _save_video(frames, path_stem: Path, cfg: DumpConfig) -> Path:
     return path
 
 
+def _modular(pipe) -> bool:
+    """Whether ``pipe`` is a diffusers modular pipeline (MiniMax-H3's), called with its blocks' inputs."""
+    from diffusers import ModularPipeline
+
+    return isinstance(pipe, ModularPipeline)
+
+
+def _save_audio(waveform: torch.Tensor, rate: int, path: Path) -> Path:
+    """A soundtrack ``(1, channels, samples)`` in [-1, 1] as a 16-bit PCM WAV file."""
+    samples = (waveform[0].float().clamp(-1, 1) * 32767).round().to(torch.int16).T.contiguous()  # (samples, channels)
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(samples.shape[1])
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(samples.numpy().tobytes())
+    return path
+
+
 def _write_head_table(maps: Path, path: Path) -> bool:
     """The head table of a prompt's run as CSV, when it recorded a kind the table reads."""
 
@@ -169,7 +188,8 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
         output_type="pil",
         generator=torch.Generator(device).manual_seed(seed),
     )
-    takes = inspect.signature(pipe.__call__).parameters
+    modular = _modular(pipe)  # MiniMax-H3's: its blocks' inputs, its outputs by name
+    takes = {p.name for p in pipe.blocks.inputs} if modular else inspect.signature(pipe.__call__).parameters
     if "num_frames" not in takes and "video_length" in takes:  # LattePipeline's name of the frame count
         call["video_length"] = call.pop("num_frames")
     if "num_frames" not in takes and "frames" in takes:  # SANA-Video's pipelines' name of the frame count
@@ -181,6 +201,9 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
     # (HunyuanVideo 1.5's image-to-video), guidance through its guider; any other key it does not take is an error
     own = {"max_sequence_length", "guidance_scale", *(("height", "width") if cfg.task == "image-to-video" else ())}
     for key in [k for k in call if k not in takes]:
+        if modular and (call[key] is None or key == "guidance_scale" and call[key] <= 1):
+            del call[key]  # no negative prompt, no guidance: a guidance-distilled modular pipeline's (MiniMax-H3's)
+            continue
         if key not in own or (key == "guidance_scale" and getattr(pipe, "guider", None) is None):
             raise ValueError(f"{key}: {type(pipe).__name__} takes no such argument; remove it from the config.")
         del call[key]
@@ -192,9 +215,14 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
         call["image"] = load_image(prompt.image_path)
     t0 = time.perf_counter()
     info = {k: meta[k] for k in ("index", "prompt", "negative_prompt", "seed", "image", "model")}
+    sound = None
     with record(pipe, cfg.capture_options(save_dir=folder / "maps", info=info)) as rec:
-        out = pipe(**call)
-        frames = out.frames[0] if hasattr(out, "frames") else out.video  # Cosmos 3's: one video, named `video`
+        if modular:  # its outputs by name: the video, and a soundtrack where it makes one
+            out = pipe(**call, output=["videos", "audio", "sampling_rate"])
+            frames, sound = out["videos"][0], (out.get("audio"), out.get("sampling_rate"))
+        else:
+            out = pipe(**call)
+            frames = out.frames[0] if hasattr(out, "frames") else out.video  # Cosmos 3's: one video, named `video`
     meta["seconds"] = round(time.perf_counter() - t0, 3)
     if not writes:
         return
@@ -216,6 +244,8 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
             negative_text = text if own is None else PromptFormat(pipe, own)
             meta["negative_tokens"] = text_tokens(negative_text, negative or "", lay.prompt_len, spans=spans)
     meta["video"] = _save_video(frames, folder / "video", cfg).name
+    if sound is not None and sound[0] is not None:  # MiniMax-H3's stereo soundtrack, as 16-bit PCM
+        meta["audio"] = _save_audio(sound[0], int(sound[1]), folder / "audio.wav").name
     if _write_head_table(folder / "maps", folder / "heads.csv"):
         meta["head_table"] = "heads.csv"
     if cfg.previews:

@@ -2,7 +2,7 @@
 fail every prompt).
 
 The common rules read the model's family spec (``cogattn.models.ModelSpec``): the VAE's tk + 1 frames (Allegro's:
-tk or tk + 1), pixels in whole patches (``pixels_per_patch``), the tasks the family's pipelines take,
+tk or tk + 1; a VAE of clips, MiniMax-H3's: its family's rule), pixels in whole patches (``pixels_per_patch``), the tasks the family's pipelines take,
 ``true_cfg_scale`` where the pipeline has it (``guidance_argument``), ``guidance_scale_2`` for two experts, and
 the tiny pipelines' options (``tiny_options``, set for their family's ``tiny_name`` only); then the family's own
 (``call_rules``). Each refusal is a `ValueError` with one line for the user, which ``config.py`` raises
@@ -62,7 +62,7 @@ def check_call(cfg) -> None:
             f"num_frames: {cfg.num_frames!r}; the {spec.title} VAE decodes {tc} frames per latent frame "
             f"({spec.frame_counts}): use {below} or {below + tc}."
         )
-    if layout.causal_vae and (cfg.num_frames < 1 or (cfg.num_frames - 1) % tc):
+    if layout.causal_vae and not layout.clip_latents and (cfg.num_frames < 1 or (cfg.num_frames - 1) % tc):
         below = max(1, (cfg.num_frames - 1) // tc * tc + 1)
         raise ValueError(
             f"num_frames: {cfg.num_frames!r}; the {spec.title} VAE decodes {tc}k + 1 frames ({spec.frame_counts}): "

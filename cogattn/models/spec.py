@@ -66,14 +66,12 @@ class StepTime(float):
 
 
 def call_argument(args: tuple, kwargs: dict, index: int, name: str):
-    """Argument ``name`` (position ``index`` of the transformer's forward) of a call, `None` when not given (the
-    families' ``read_call``)."""
+    """Argument ``name`` (forward position ``index``) of a transformer call, `None` when not given (``read_call``)."""
     return kwargs[name] if name in kwargs else args[index] if index < len(args) else None
 
 
 def text_never_queries(title: str) -> str:
-    """Why ``text_to_video`` does not exist for a family whose text is only a key of a cross-attention (Wan,
-    LTX-Video, Cosmos): its ``refused`` entry."""
+    """Why there is no ``text_to_video`` where the text is only a cross-attention's key (Wan): ``refused``'s entry."""
     return (
         f"{title}'s text never queries (its self-attention is over the video alone; the text is a key of the "
         "cross-attention), so there are no text → video probabilities. Use 'video_to_text'."
@@ -121,18 +119,17 @@ class ModelSpec:
         frame_counts (`str`): frame counts its checkpoints run at, for messages (``"9, 13, ..., 49, ..., 81"``).
         pipelines (`dict[str, str]`): task → the diffusers pipeline class the batch tool loads a checkpoint
             with (:meth:`load_pipeline`; other tasks are refused); left out: diffusers' names,
-            ``<title>Pipeline`` and ``<title>ImageToVideoPipeline``, for the ``tiny_tasks``.
+            ``<title>Pipeline`` and ``<title>ImageToVideoPipeline``, for the ``tiny_tasks``. A modular pipeline
+            (MiniMax-H3's) loads its components for the task's workflow (``workflows``: task → its name, ``"t2va"``).
         float32 (`tuple[str, ...]`): pipeline components :meth:`load_pipeline` keeps in float32 (Wan's VAE).
-        call_rules (`Callable | None`): ``(cfg, config)`` → raises `ValueError` (one line for the user) where a
-            batch tool config ``cfg`` (``cogattn.dump.config.DumpConfig``) breaks a rule of the family's
-            pipeline call for a transformer with ``config``, beyond the common ones (4k + 1 frames, pixels in
-            whole patches, the tasks of ``pipelines``, ``guidance_scale_2`` for two experts only).
+        call_rules (`Callable | None`): ``(cfg, config)`` → raises `ValueError` (one line) where a batch tool config
+            ``cfg`` breaks a rule of the family's call for a transformer with ``config``, beyond the common ones
+            (the VAE's frame counts, whole patches, the tasks of ``pipelines``, ``guidance_scale_2`` for two experts).
         tiny_name (`str`): the batch tool's ``model:`` name of the tiny pipeline; left out: ``"tiny-<family>"``.
         tiny_options (`dict[str, tuple[str, tuple, str]]`): batch tool config keys of the tiny pipeline →
             ``(its tiny_pipeline keyword, the choices, the first the default, what it sets)``; a keyword
             ``experts`` sets the number of expert transformers.
-        tiny_prompt_arguments (`dict`): pipeline call arguments the tiny pipeline needs with a text prompt
-            (HunyuanVideo: a prompt template the tiny word-level tokenizer reads as it is).
+        tiny_prompt_arguments (`dict`): call arguments the tiny pipeline needs with a text prompt (HunyuanVideo's).
         empty_negative (`bool`): whether the batch tool passes an empty negative prompt under guidance (EasyAnimate).
         prompt_text (`Callable | None`): ``(pipeline, prompt, length, template, offsets)`` → the
             `cogattn.models.prompt_text.PromptText` of the ``length`` text tokens the transformer reads for ``prompt``, as
@@ -151,11 +148,9 @@ class ModelSpec:
             `None` for a call of the model itself; a perturbed call is left out, as a guider's.
         uncaptured (`dict[str, str]`): block attributes of attentions that name no layer → what each is, for the
             refusal of a layer name that names one (LTX-2's audio attentions, recorded under the block's layer).
-        head_shape (`Callable | None`): ``config`` → ``(heads, head dim)`` of the captured attention, where the
-            transformer's config names them otherwise (Kandinsky 5: ``model_dim`` and ``axes_dims``); left out:
-            its ``num_attention_heads`` and ``attention_head_dim``, and a module's ``heads`` and ``inner_dim``.
-        source_shapes (`Callable | None`): ``config`` → source → ``(heads, head dim)`` of the attentions whose heads
-            are not the self-attention's (LTX-2's audio stream); left out: none.
+        head_shape (`Callable | None`): ``config`` → ``(heads, head dim)`` of the captured attention, where the config
+            names them otherwise (Kandinsky 5's ``model_dim``); left out: ``num_attention_heads``, ``attention_head_dim``.
+        source_shapes (`Callable | None`): ``config`` → source → ``(heads, head dim)`` where not the self-attention's.
         glyph_text (`Callable | None`): ``(pipeline, prompt, length, offsets)`` → the `PromptText` of the ``length``
             tokens of a second encoder that the model packs as the text's ``glyph`` part (HunyuanVideo 1.5: the
             ByT5 bytes of the prompt's quoted words, named by ``pipeline.tokenizer_2``); `None`: no such part.
@@ -193,6 +188,7 @@ class ModelSpec:
     title: str = ""
     frame_counts: str = "9, 13, ..., 81, ..., 121"
     pipelines: dict[str, str] = field(default_factory=dict)
+    workflows: dict[str, str] = field(default_factory=dict)
     float32: tuple[str, ...] = ()
     call_rules: Callable | None = None
     tiny_name: str = ""
@@ -417,4 +413,8 @@ class ModelSpec:
         if not hasattr(diffusers, name):
             raise ValueError(f"this diffusers has no {name} for {self.title} {task}; set the family's pipelines.")
         dtypes = {"default": dtype, **dict.fromkeys(self.float32, torch.float32)} if self.float32 else dtype
-        return getattr(diffusers, name).from_pretrained(model, torch_dtype=dtypes)
+        if not issubclass(cls := getattr(diffusers, name), diffusers.ModularPipeline):
+            return cls.from_pretrained(model, torch_dtype=dtypes)
+        pipe = cls.from_pretrained(model, workflow=self.workflows.get(task))  # the task's components alone
+        pipe.load_components(torch_dtype=dtypes)
+        return pipe

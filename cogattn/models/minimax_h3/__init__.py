@@ -23,19 +23,18 @@ well, in the layout's text.
 
 The checkpoint is guidance-distilled: one call per step, no unconditional branch. The token refiner's attentions
 (``token_refiner.refiner_blocks.N.attn``, the text alone, before the blocks) are no layers and keep diffusers'
-processor. The tiny pipeline (:func:`tiny_pipeline`) is the modular pipeline's own blocks without the text encoder
-(its calls give prompt embeddings) and the decoders (it returns the latents).
+processor. The tiny pipeline (``tiny.py``) is the modular pipeline's own blocks and components at toy size; the
+batch tool loads a checkpoint's ``t2va`` components (``ModelSpec.workflows``) and saves the soundtrack beside the video.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layout import TokenLayout
-from ..recorder.processor import MapSink, query_key_mask
-from .prompt_text import PromptText, kept, tokenize
-from .spec import ModelSpec, Site, Unavailable, call_argument
-from .tiny_text import TEXT_DIM, cast
+from ...layout import TokenLayout
+from ...recorder.processor import MapSink, query_key_mask
+from ..prompt_text import PromptText, kept, tokenize
+from ..spec import ModelSpec, Site, Unavailable, call_argument
 
 # Attention shapes of the released checkpoint: diffusers' MiniMaxH3Transformer3DModel defaults, which its docstring
 # and the modular pipeline's docs give as MiniMaxAI/MiniMax-H3's (its transformer/ and transformer_ref/ partitions).
@@ -71,8 +70,10 @@ except ImportError as missing:
     needs = "MiniMax-H3 needs a diffusers with MiniMaxH3Transformer3DModel and its modular pipeline (0.42 has them)"
     raise Unavailable("minimax_h3", needs, KNOWN) from missing
 
+from .tiny import TINY_TEXT, tiny_call, tiny_pipeline, tiny_transformer  # noqa: E402
+
 __all__ = ["SPEC", "KNOWN", "MiniMaxH3AttnMapProcessor", "TEXT_LEN", "layout_for_video", "prompt_text", "read_call"]
-__all__ += ["tiny_call", "tiny_pipeline", "tiny_transformer"]
+__all__ += ["TINY_TEXT", "tiny_call", "tiny_pipeline", "tiny_transformer"]
 
 TEXT_LEN = 128  # the prompt's tokens in a plan (the pipeline pads nothing: a call's own count)
 SPATIAL = 16  # pixels per latent pixel, each way (the video VAE's spatial_compression_ratio)
@@ -231,131 +232,17 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
 
 
 def call_rules(cfg, config: dict) -> None:
-    """The batch tool's MiniMax-H3 rules (``ModelSpec.call_rules``): ``17 n + 5`` frames of 5 to 15 seconds at 24 fps
-    (the tiny pipeline's of any duration)."""
-    seconds = cfg.tiny_spec() is not None or 120 <= cfg.num_frames <= 360
+    """The batch tool's MiniMax-H3 rules (``ModelSpec.call_rules``): ``17 n + 5`` frames (the VAE's, each 17 a clip)
+    of 5 to 15 seconds at 24 fps; the tiny pipeline's of any duration its VAE decodes (n ≥ 1)."""
+    seconds = 22 <= cfg.num_frames if cfg.tiny_spec() is not None else 120 <= cfg.num_frames <= 360
     if cfg.num_frames % CHUNK_FRAMES != CHUNK_LATENTS or not seconds:
+        low, high = (22, None) if cfg.tiny_spec() is not None else (124, 345)
+        counts = f"{low}, {low + 17}, {low + 34}, ..." + (f", {high}" if high else "")
         raise ValueError(
-            f"num_frames: {cfg.num_frames}; MiniMax-H3 generates 17n + 5 frames of 5 to 15 seconds at 24 fps, and "
-            "the batch tool's 4k + 1: use 141, 209, 277 or 345."
+            f"num_frames: {cfg.num_frames}; MiniMax-H3 generates 17n + 5 frames"
+            + (" of 5 to 15 seconds at 24 fps" if high else "")
+            + f": use {counts}."
         )
-
-
-# -- the tiny pipeline (tests, notebook, self-test) -----------------------------------------------
-
-TINY_TEXT = 5  # text tokens of the tiny call
-
-
-def tiny_transformer(
-    *, num_layers: int = 2, num_heads: int = 2, head_dim: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0
-):
-    """A random ``MiniMaxH3Transformer3DModel``: ``num_layers`` blocks (one refiner block), text width 16, the
-    pipeline's latent channels (24 video, 32 audio) with no VAE, patch (1, 2, 2), RoPE on ``6 · head_dim // 8`` of
-    each head's channels."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = MiniMaxH3Transformer3DModel(
-            num_attention_heads=num_heads,
-            attention_head_dim=head_dim,
-            hidden_size=24,
-            num_layers=num_layers,
-            num_refiner_layers=1,
-            ffn_dim=32,
-            in_channels=24,
-            audio_in_channels=32,
-            patch_size=(1, 2, 2),
-            text_dim=TEXT_DIM,
-            freq_dim=16,
-            time_embed_hidden_dim=16,
-            time_embed_dim=16,
-            rope_freq_dim=max(1, head_dim // 8),
-        )
-    return cast(model, dtype)
-
-
-class TinyOutput:
-    """The tiny pipeline's output: ``frames`` the denoised video latents ``(1, 24, F, H, W)``, ``audio`` the audio
-    latents ``(2, 32, A)`` (no VAE decodes them)."""
-
-    def __init__(self, frames: torch.Tensor, audio: torch.Tensor):
-        self.frames, self.audio = frames, audio
-
-
-def _tiny_class():
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ModularPipeline
-
-    class TinyMiniMaxH3Pipeline(MiniMaxH3ModularPipeline):
-        """The modular pipeline, called as the other tiny pipelines are: ``num_inference_steps`` model evaluations
-        (the modular pipeline's counts the sigma grid's points, one more), any duration (its 5 s floor lifted),
-        ``output_type`` taken and left unused; returns a `TinyOutput`."""
-
-        @property
-        def min_duration(self):
-            return 0.0
-
-        def __call__(self, state=None, output=None, **kwargs):
-            if state is not None or output is not None:
-                return super().__call__(state, output, **kwargs)
-            kwargs.pop("output_type", None)
-            kwargs["num_inference_steps"] = kwargs.get("num_inference_steps", 2) + 1
-            out = super().__call__(output=["latents", "audio_latents"], **kwargs)
-            return TinyOutput(out["latents"], out["audio_latents"])
-
-    return TinyMiniMaxH3Pipeline
-
-
-def tiny_pipeline(
-    task: str = "text-to-video",
-    *,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 16,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-):
-    """A random ``MiniMaxH3ModularPipeline`` (no download): ``MiniMaxH3Blocks`` without the text encoder and the
-    decoders, its two ``MiniMaxH3Scheduler`` (shift 12 video, 3 audio) and a tiny transformer.
-
-    Call it with ``prompt_embeds`` ``(1, T, 16)`` and ``text_token_tags`` ``(T,)`` (1: text), ``num_frames=5,
-    height=96, width=128``: 2 latent frames of 3×4 patches (24 tokens) after T text and 16 audio tokens.
-
-    Args:
-        task (`str`, defaults to ``"text-to-video"``): the only tiny task (t2va).
-        num_layers, num_heads, head_dim (`int`): transformer size.
-        dtype (`torch.dtype`, defaults to `torch.float32`): the transformer's dtype.
-        seed (`int`, defaults to 0): seed of the random weights.
-    """
-    from diffusers import MiniMaxH3Scheduler
-    from diffusers.modular_pipelines import MiniMaxH3Blocks
-
-    if task != "text-to-video":
-        raise ValueError(f"task={task!r}; the tiny MiniMax-H3 pipeline is 'text-to-video' (t2va).")
-    blocks = MiniMaxH3Blocks()
-    for name in ("text_encoder", "decode"):  # the calls give prompt embeddings; the latents are the output
-        blocks.sub_blocks.pop(name)
-    pipe = _tiny_class()(blocks=blocks)
-    transformer = tiny_transformer(
-        num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, dtype=dtype, seed=seed
-    )
-    pipe.update_components(
-        transformer=transformer, scheduler=MiniMaxH3Scheduler(12.0), audio_scheduler=MiniMaxH3Scheduler(3.0)
-    )
-    blocks = [pipe._blocks]
-    while blocks:  # the denoising loop's progress bar is a nested block's
-        block = blocks.pop()
-        blocks += list(getattr(block, "sub_blocks", {}).values())
-        if hasattr(block, "set_progress_bar_config"):
-            block.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def tiny_call(pipe, task: str, generator: torch.Generator, guided: bool) -> dict:
-    """A call of the tiny pipeline: random embeddings of 5 text tokens, 5 frames of 96×128 (17n + 5 and 4k + 1: 2
-    latent frames of 3×4 patches, 8 audio latents a channel); guidance-distilled, ``guided`` changes nothing."""
-    device, dtype = pipe._execution_device, pipe.transformer.dtype
-    emb = torch.randn(1, TINY_TEXT, TEXT_DIM, generator=generator).to(device, dtype)
-    tags = torch.ones(TINY_TEXT, dtype=torch.long)
-    return dict(prompt_embeds=emb, text_token_tags=tags, num_frames=5, height=96, width=128)
 
 
 _AUDIO = (
@@ -385,11 +272,7 @@ SPEC = ModelSpec(
     title="MiniMax-H3",
     frame_counts="141, 209, 277, 345 (17n + 5 and 4k + 1)",
     pipelines={"text-to-video": "MiniMaxH3ModularPipeline"},
+    workflows={"text-to-video": "t2va"},
     call_rules=call_rules,
-    batch_refusal=(
-        "the batch tool does not run MiniMax-H3 yet: its pipeline is a modular one (a prompt string and a workflow, "
-        "video and soundtrack out), which the tool's pipeline call does not make (--dry-run plans the run); record a "
-        "MiniMaxH3ModularPipeline call from Python with cogattn.record."
-    ),
     prompt_text=prompt_text,
 )
