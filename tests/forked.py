@@ -30,7 +30,17 @@ def kill(proc: multiprocessing.Process) -> None:
 
 
 def _one_thread(target, args) -> None:
-    import torch
+    import faulthandler
+    import sys
 
+    import torch
+    import tqdm
+
+    # A lock another thread of the parent held at the fork stays held in the child: tqdm's (its monitor thread
+    # takes it) would stop the pipeline's progress bar forever. A fresh one; and a child stuck anyway prints its
+    # stack after 45 s, so a test that waits on it says where.
+    if "_lock" in tqdm.tqdm.__dict__:
+        del tqdm.tqdm._lock
+    faulthandler.dump_traceback_later(45, exit=False, file=sys.stderr)
     torch.set_num_threads(1)
     target(*args)

@@ -240,6 +240,7 @@ def test_sigkill_at_several_moments_leaves_a_readable_run(tmp_path):
         manifest = out / "manifest.jsonl"
         while time.time() < deadline and manifest.read_text().count("\n") < wait_lines:
             time.sleep(0.002)
+        assert manifest.read_text().count("\n") >= wait_lines, "the recording made no progress in 60 s"
         forked.kill(proc)
         run = cogattn.load(out)
         assert len(run) >= wait_lines and not run.complete
