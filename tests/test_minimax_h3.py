@@ -166,6 +166,13 @@ def test_a_released_checkpoint_is_planned_offline_and_its_frame_counts_are_the_p
     assert minimax.layout_for_video(config, 130, 768, 1344, 7) == minimax.layout_for_video(config, 141, 768, 1344, 7)
     with pytest.raises(ValueError, match="17n \\+ 5"):
         minimax.call_rules(types.SimpleNamespace(num_frames=125, tiny_spec=lambda: None), config)
+    # the batch tool's call: no guidance (distilled) and no diffusers offload (a modular pipeline has none)
+    call = dict(num_frames=141, tiny_spec=lambda: None, guidance_scale=1.0, offload="none")
+    minimax.call_rules(types.SimpleNamespace(**call), config)
+    with pytest.raises(ValueError, match="guidance-distilled .* set guidance_scale: 1.0"):
+        minimax.call_rules(types.SimpleNamespace(**dict(call, guidance_scale=6.0)), config)
+    with pytest.raises(ValueError, match="no diffusers CPU offload: set offload: none"):
+        minimax.call_rules(types.SimpleNamespace(**dict(call, offload="model")), config)
 
 
 def test_the_layout_maps_pixel_frames_as_the_vae_encodes_its_clips():
@@ -229,3 +236,24 @@ def test_a_checkpoint_folder_loads_the_t2va_components_in_the_dtype_asked(tmp_pa
     loaded = pipe.transformer.state_dict()  # the model's float32 modules stay float32
     for name, param in tiny.transformer.state_dict().items():
         assert torch.equal(loaded[name], param.to(loaded[name].dtype)), name
+
+
+def test_the_soundtrack_is_written_from_any_device_and_a_wrong_shape_refused(tmp_path, monkeypatch):
+    """``audio.wav``: 16-bit PCM of the clamped samples (NaN silent), channels and rate as given; a tensor that is
+    not ``(1, channels, samples)`` is refused; a diffusers without modular pipelines is no modular pipeline."""
+    import wave
+
+    import diffusers
+
+    from cogattn.dump import generate as gen
+
+    samples = torch.tensor([[[0.5, -2.0, float("nan")], [1.0, -0.25, 0.0]]], dtype=torch.bfloat16)
+    gen._save_audio(samples, 8000, tmp_path / "a.wav")
+    with wave.open(str(tmp_path / "a.wav")) as f:
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()) == (2, 2, 8000, 3)
+        got = torch.frombuffer(bytearray(f.readframes(3)), dtype=torch.int16).view(3, 2).T
+    assert got.tolist() == [[16384, -32767, 0], [32767, -8192, 0]]
+    with pytest.raises(ValueError, match="not \\(1, channels, samples\\)"):
+        gen._save_audio(samples[0], 8000, tmp_path / "b.wav")
+    monkeypatch.delattr(diffusers, "ModularPipeline")
+    assert not gen._modular(object())

@@ -103,14 +103,18 @@ def _save_video(frames, path_stem: Path, cfg: DumpConfig) -> Path:
 
 def _modular(pipe) -> bool:
     """Whether ``pipe`` is a diffusers modular pipeline (MiniMax-H3's), called with its blocks' inputs."""
-    from diffusers import ModularPipeline
+    import diffusers
 
-    return isinstance(pipe, ModularPipeline)
+    modular = getattr(diffusers, "ModularPipeline", None)  # diffusers ≥ 0.35
+    return modular is not None and isinstance(pipe, modular)
 
 
 def _save_audio(waveform: torch.Tensor, rate: int, path: Path) -> Path:
-    """A soundtrack ``(1, channels, samples)`` in [-1, 1] as a 16-bit PCM WAV file."""
-    samples = (waveform[0].float().clamp(-1, 1) * 32767).round().to(torch.int16).T.contiguous()  # (samples, channels)
+    """A soundtrack ``(1, channels, samples)`` in [-1, 1], on any device, as a 16-bit PCM WAV file."""
+    if waveform.ndim != 3 or waveform.shape[0] != 1 or not 1 <= waveform.shape[1] <= 8:
+        raise ValueError(f"the pipeline's audio has shape {tuple(waveform.shape)}, not (1, channels, samples).")
+    samples = waveform[0].detach().float().cpu().nan_to_num(0.0).clamp(-1, 1)
+    samples = (samples * 32767).round().to(torch.int16).T.contiguous()  # (samples, channels)
     with wave.open(str(path), "wb") as f:
         f.setnchannels(samples.shape[1])
         f.setsampwidth(2)
@@ -205,7 +209,8 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
             del call[key]  # no negative prompt, no guidance: a guidance-distilled modular pipeline's (MiniMax-H3's)
             continue
         if key not in own or (key == "guidance_scale" and getattr(pipe, "guider", None) is None):
-            raise ValueError(f"{key}: {type(pipe).__name__} takes no such argument; remove it from the config.")
+            where = "the prompts file" if key == "negative_prompt" and prompt.negative_prompt else "the config"
+            raise ValueError(f"{key}: {type(pipe).__name__} takes no such argument; remove it from {where}.")
         del call[key]
     if cfg.tiny_spec() is not None:  # what the tiny pipeline needs with a text prompt (HunyuanVideo's template)
         call.update(cfg.tiny_spec().tiny_prompt_arguments)

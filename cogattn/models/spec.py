@@ -413,7 +413,7 @@ class ModelSpec:
         if not hasattr(diffusers, name):
             raise ValueError(f"this diffusers has no {name} for {self.title} {task}; set the family's pipelines.")
         dtypes = {"default": dtype, **dict.fromkeys(self.float32, torch.float32)} if self.float32 else dtype
-        if not issubclass(cls := getattr(diffusers, name), diffusers.ModularPipeline):
+        if not issubclass(cls := getattr(diffusers, name), getattr(diffusers, "ModularPipeline", ())):  # ≥ 0.35
             return cls.from_pretrained(model, torch_dtype=dtypes)
         pipe = cls.from_pretrained(model, workflow=self.workflows.get(task))  # the task's components alone
         pipe.load_components(torch_dtype=dtypes)

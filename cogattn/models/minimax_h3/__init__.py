@@ -233,7 +233,8 @@ def prompt_text(pipeline, prompt: str, length: int, template=None, offsets: bool
 
 def call_rules(cfg, config: dict) -> None:
     """The batch tool's MiniMax-H3 rules (``ModelSpec.call_rules``): ``17 n + 5`` frames (the VAE's, each 17 a clip)
-    of 5 to 15 seconds at 24 fps; the tiny pipeline's of any duration its VAE decodes (n ≥ 1)."""
+    of 5 to 15 seconds at 24 fps; the tiny pipeline's of any duration its VAE decodes (n ≥ 1); no guidance (the
+    checkpoint is guidance-distilled) and no diffusers offload (a modular pipeline has none)."""
     seconds = 22 <= cfg.num_frames if cfg.tiny_spec() is not None else 120 <= cfg.num_frames <= 360
     if cfg.num_frames % CHUNK_FRAMES != CHUNK_LATENTS or not seconds:
         low, high = (22, None) if cfg.tiny_spec() is not None else (124, 345)
@@ -242,6 +243,15 @@ def call_rules(cfg, config: dict) -> None:
             f"num_frames: {cfg.num_frames}; MiniMax-H3 generates 17n + 5 frames"
             + (" of 5 to 15 seconds at 24 fps" if high else "")
             + f": use {counts}."
+        )
+    if cfg.guidance_scale is not None and cfg.guidance_scale > 1:
+        raise ValueError(
+            f"guidance_scale: {cfg.guidance_scale}; MiniMax-H3 is guidance-distilled (one call per step, no "
+            "unconditional branch): set guidance_scale: 1.0."
+        )
+    if cfg.offload != "none":
+        raise ValueError(
+            f"offload: {cfg.offload!r}; MiniMax-H3's modular pipeline has no diffusers CPU offload: set offload: none."
         )
 
 
@@ -270,7 +280,7 @@ SPEC = ModelSpec(
     experts=("transformer", "transformer_ref"),  # t2va and fl2va run the first, ref2va the second
     call_steps=lambda num_frames, num_inference_steps: num_inference_steps - 1,  # its grid's last point: no call
     title="MiniMax-H3",
-    frame_counts="141, 209, 277, 345 (17n + 5 and 4k + 1)",
+    frame_counts="124, 141, ..., 345 (17n + 5)",
     pipelines={"text-to-video": "MiniMaxH3ModularPipeline"},
     workflows={"text-to-video": "t2va"},
     call_rules=call_rules,
