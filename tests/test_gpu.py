@@ -94,8 +94,9 @@ SPARSE_SIZES = dict(
 
 @pytest.mark.parametrize("method", ["rows", "sdpa", "triton"])
 def test_cuda_sparse_kinds_match_naive(method):
-    """The sparse-attention kinds on CUDA, every row-tile kind by rows and ``tile`` by each pooled method, equal
-    the naive float64 reference of the same q, k and v (``pattern_error``'s needs V)."""
+    """The sparse-attention kinds on CUDA, every row-tile kind by torch's tiles (``rows``) and the kernel's
+    (``triton``), and ``tile`` by each pooled method, equal the naive float64 reference of the same q, k and v
+    (``pattern_error``'s needs V)."""
     from cogattn.reference import kind_error
 
     if method == "triton":
@@ -105,10 +106,13 @@ def test_cuda_sparse_kinds_match_naive(method):
     H, S, D = 3, layout.seq_len, 64
     q, k, v = ((torch.randn(H, S, D) * s).to("cuda") for s in (2, 2, 1))
     kinds = (
-        ("tile", "top_p", "frame_max", "offset", "pattern_recall", "pattern_error") if method == "rows" else ("tile",)
+        ("tile", "top_p", "frame_max", "offset", "pattern_recall", "pattern_error")
+        if method in ("rows", "triton")
+        else ("tile",)
     )
     reducers = [REDUCERS[kd](layout, H, False, **SPARSE_SIZES) for kd in kinds]
     plan = plan_tiles(reducers, S, H, D, 2**30, method, "cuda")
+    assert plan.kernel_tiles == (method == "triton")
     outs = [torch.zeros(r.shape(1)[1:], device="cuda") for r in reducers]
     capture(q, k, reducers, outs, plan, value=v)
     P = naive_probs(q[None].cpu().double(), k[None].cpu().double())
@@ -131,6 +135,7 @@ def test_cuda_sparse_kinds_in_a_generation_bit_identical():
         out = generate(pipe)
     spy.remove()
     assert torch.equal(out, stock)
+    assert rec.plan.tiles.kernel_tiles  # auto on CUDA: the row kinds' tiles from the kernel
     assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
 
 

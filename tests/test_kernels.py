@@ -11,7 +11,7 @@ from reference import QKSpy, assert_matches_naive, naive_kind, naive_probs
 from tiny_calls import generate
 
 import cogattn
-from cogattn.exact import kernels
+from cogattn.exact import kernels, tile_kernel
 from cogattn.exact.engine import capture
 from cogattn.exact.key_groups import KeyGroups
 from cogattn.exact.planner import plan_tiles
@@ -236,13 +236,13 @@ import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cogattn.exact import kernels
+from cogattn.exact import kernels, tile_kernel
 
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 stacks = []
 for name, signature, constants, warps, stages in json.loads(sys.argv[1]):
     sig = dict(signature, **dict.fromkeys(constants, "constexpr"))
-    src = ASTSource(fn=getattr(kernels, name), signature=sig, constexprs=constants)
+    src = ASTSource(fn=getattr(kernels, name, None) or getattr(tile_kernel, name), signature=sig, constexprs=constants)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -256,13 +256,15 @@ SWEEP_ARGS = "Q K HIDX KIDX GID LSE_IN OUT LSE_OUT ENT S NK scale sq_h sq_s sk_h
 SWEEP_TYPES = ["*bf16", "*bf16", "*i32", "*i32", "*i32", *["*fp32"] * 4, "i32", "i32", "fp32", *["i32"] * 7]
 RECEIVED_ARGS = "Q K HIDX LSE OUT NQ NK scale sq_h sq_s sk_h sk_s sl_h so_h".split()
 RECEIVED_TYPES = ["*bf16", "*bf16", "*i32", "*fp32", "*fp32", "i32", "i32", "fp32", *["i32"] * 6]
+PROBS_ARGS = "Q K HIDX LSE OUT R NK S scale sq_h sq_s sk_h sk_s sl_h so_h so_r".split()
+PROBS_TYPES = ["*bf16", "*bf16", "*i32", "*fp32", "*fp32", "i32", "i32", "i32", "fp32", *["i32"] * 7]
 
 
 def test_kernels_compile_for_a_gpu_without_spilling():
     """Every launch config the autotuner may take builds for an H100/H200 with Triton's own compiler and ptxas (no
     GPU needed: the compiled path's front end, passes and register allocation, which the interpreter never runs),
     for bf16 (and float32), the lse found online, permuted key groups and entropy (the most the sweep carries), at head dims 64
-    and 128, and keeps its state in registers (no stack: no spills); so does ``received``."""
+    and 128, and keeps its state in registers (no stack: no spills); so do ``received`` and the row tiles' kernel."""
     import json
     import os
     import subprocess
@@ -282,6 +284,9 @@ def test_kernels_compile_for_a_gpu_without_spilling():
         jobs.append(["_sweep_kernel", fp32, dict(D=D, BM=64, BN=64, **dict(flags, FP32=True)), 4, 3])
         received = dict(D=D, BM=64, BN=64, FP32=False, UPCAST=False)
         jobs.append(["_received_kernel", dict(zip(RECEIVED_ARGS, RECEIVED_TYPES)), received, 4, 3])
+        for bm, bn, warps, stages, _ in [c for c in tile_kernel.CONFIGS if D <= c[-1]]:  # the row tiles' kernel
+            tiles = dict(D=D, BM=bm, BN=bn, FP32=False, UPCAST=False)
+            jobs.append(["_probs_kernel", dict(zip(PROBS_ARGS, PROBS_TYPES)), tiles, warps, stages])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled path, not the interpreter
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run(

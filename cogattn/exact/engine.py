@@ -4,7 +4,8 @@
 the same numbers as the naive ``softmax(q @ k.T * scale)`` in float32:
 
 * :func:`row_pass`: tiles of ``r`` query rows × all ``S`` keys × ``h`` heads, one matmul and an
-  in-place float32 softmax. Serves every kind; key-pooled sums are a gather, sums over runs of keys
+  in-place float32 softmax, or written once by cogattn's kernels from every row's lse
+  (:mod:`cogattn.exact.tile_kernel`, ``TilePlan.kernel_tiles``). Serves every kind; key-pooled sums are a gather, sums over runs of keys
   (frames, blocks) or ``tile @ indicator``; ``entropy`` comes with the softmax, ``received`` is a sum
   over the tile's rows.
 * :func:`pooled_pass`, per head chunk, for the key-pooled kinds and the statistics without forming P
@@ -27,7 +28,7 @@ import math
 
 import torch
 
-from . import passes
+from . import passes, tile_kernel
 from .checks import RowProbe
 from .kernel_pass import KernelChoice, kernel_pass
 from .passes import full_fp32_matmul
@@ -245,22 +246,21 @@ def row_pass(
     ]
     wants_entropy = any(r.stat == "entropy" for r, _ in pooled)
     tile = passes.TileBuffer(plan.row_heads * min(plan.row_rows, n_rows) * S, q.device)
+    # every row without a mask: the kernels' tiles where the plan says so and this shape's check agrees
+    by_kernel = plan.kernel_tiles and rows is None and mask is None and tile_kernel.agrees(q, k, kept, scale)
     for h0 in range(0, H, plan.row_heads):
         h1 = min(H, h0 + plan.row_heads)
-        kt = k.chunk(h0, h1).transpose(1, 2)  # (h, D, S), a transposed view: bmm reads it without a copy
+        if by_kernel:
+            lse, row_entropy = tile_kernel.row_stats(q, k, h0, h1, kept, scale, wants_entropy)
+        else:
+            kt = k.chunk(h0, h1).transpose(1, 2)  # (h, D, S), a transposed view: bmm reads it without a copy
         for r0 in range(0, n_rows, plan.row_rows):
             r1 = min(n_rows, r0 + plan.row_rows)
-            idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
-            q_rows = q.chunk(h0, h1, idx)
-            scores = torch.matmul(q_rows, kt, out=tile.take(h1 - h0, r1 - r0, S)).mul_(scale)  # (h, r, S)
-            if kept < S:
-                scores[..., kept:] = -math.inf
-            bias = None if mask is None else passes.apply_mask_(scores, mask, idx, h0, h1)
-            if wants_entropy:
-                probs, entropy = passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale, bias)
+            if by_kernel:
+                probs = tile_kernel.probs(q, k, h0, h1, r0, r1, lse, kept, scale, tile.take(h1 - h0, r1 - r0, S))
+                entropy = None if row_entropy is None else row_entropy[:, r0:r1]
             else:
-                probs, entropy = passes.softmax_(scores), None
-            del scores, q_rows, bias
+                probs, entropy = _torch_tile(q, kt, tile, h0, h1, r0, r1, rows, kept, mask, scale, wants_entropy)
             for red, out in row_kinds:
                 red.fold_rows(out, h0, r0, probs)
             for (red, out), keys, run, ind in zip(pooled, gathers, runs, indicators):
@@ -278,6 +278,22 @@ def row_pass(
                     sums = torch.matmul(probs, ind) if ind is not None else passes.box_sums(probs, red.key_groups.boxes)
                 passes.fold(red, out, h0, r0, sums, probe)
             del probs  # free this tile before the next one is allocated
+
+
+def _torch_tile(q, kt, tile, h0: int, h1: int, r0: int, r1: int, rows, kept: int, mask, scale: float, entropy: bool):
+    """One row tile's probabilities ``(h, r, S)`` (and its rows' entropy when asked, else `None`) by a float32
+    matmul and softmax: keys from ``kept`` on and where a boolean ``mask`` is `False` at −inf, an additive one
+    added."""
+    S = kt.shape[-1]
+    idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
+    q_rows = q.chunk(h0, h1, idx)
+    scores = torch.matmul(q_rows, kt, out=tile.take(h1 - h0, r1 - r0, S)).mul_(scale)  # (h, r, S)
+    if kept < S:
+        scores[..., kept:] = -math.inf
+    bias = None if mask is None else passes.apply_mask_(scores, mask, idx, h0, h1)
+    if entropy:
+        return passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale, bias)
+    return passes.softmax_(scores), None
 
 
 def multi_key_indicator(reducers: list[Reducer], S: int, device=None, dtype=torch.float32) -> torch.Tensor:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KeyOrder", "Sweep", "available", "key_order", "received", "sweep", "takes_head_dim"]
+__all__ = ["KeyOrder", "Sweep", "available", "key_order", "received", "serves", "sweep", "takes_head_dim"]
 
 BLOCK_M, BLOCK_N = 64, 64  # query rows and keys a program holds under the interpreter (a 64×64 score tile)
 # On a GPU each kernel's launch config is tuned once per shape (Triton's autotuner: a few ms per config, kept for the
@@ -50,6 +50,12 @@ def available(device: torch.device) -> bool:
     if triton is None:
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def serves(device: torch.device, head_dim: int) -> bool:
+    """Whether ``auto`` takes the kernels (``planner.kernel_serves``): CUDA with Triton and a head dim they take (the
+    interpreter on a CPU is far slower than SDPA: there ``auto`` means ``sdpa``)."""
+    return device.type == "cuda" and available(device) and takes_head_dim(head_dim)
 
 
 def interpreted() -> bool:
@@ -184,10 +190,10 @@ if triton is not None:
         tl.store(OUT + h * so_h + offs_n, acc, mask=col_ok)
 
 
-def _tuned(kernel, key: list[str], head_dim: int):
-    """``kernel`` under Triton's autotuner over the :data:`CONFIGS` for ``head_dim`` (kept on disk where it can)."""
+def _tuned(kernel, key: list[str], head_dim: int, configs: list[tuple] = CONFIGS):
+    """``kernel`` under Triton's autotuner over the ``configs`` for ``head_dim`` (kept on disk where it can)."""
     configs = [
-        triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=st) for m, n, w, st, d in CONFIGS if head_dim <= d
+        triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=st) for m, n, w, st, d in configs if head_dim <= d
     ]
     disk = "cache_results" in inspect.signature(triton.autotune).parameters
     return triton.autotune(configs, key=key, **({"cache_results": True} if disk else {}))(kernel)

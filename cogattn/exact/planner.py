@@ -11,16 +11,17 @@ the transient float32 working set (the results, what the user asked for, are rep
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..layout import TokenLayout
 from ..options import STORAGE_DTYPES, CaptureOptions, Resolved
 from ..runs.record_file import record_file_bytes
-from . import kernels, memory, passes
+from . import kernels, memory, passes, tile_kernel
 from .attention import fused_lse_supported, joint_extra_bytes
 from .context import context_reducers, plan_context_tiles
+from .kernels import serves as kernel_serves
 from .memory import CPU_ROW_TILE, TooSmall, usable
 from .reducers import REDUCERS, Reducer
 
@@ -55,6 +56,7 @@ class TilePlan:
         pooled_heads (`int`): heads per chunk of the pooled pass (0 when no pooled pass runs).
         pooled_rows (`int`): query rows per single-key-column tile of the pooled pass.
         peak_bytes (`int`): predicted peak transient bytes.
+        kernel_tiles (`bool`): whether tiles of every row are formed by cogattn's kernels (``tile_kernel.planned``).
     """
 
     method: str
@@ -63,18 +65,13 @@ class TilePlan:
     pooled_heads: int
     pooled_rows: int
     peak_bytes: int
+    kernel_tiles: bool = False
 
 
 def all_rows(reducer: Reducer, S: int) -> bool:
     """Whether a reducer asks for every query row in order (then one pass over all rows serves it)."""
     rows = reducer.rows
     return rows is not None and len(rows) == S and bool(torch.equal(rows.cpu(), torch.arange(S)))
-
-
-def kernel_serves(device: torch.device, head_dim: int) -> bool:
-    """Whether ``auto`` takes cogattn's Triton kernels: CUDA with Triton and a head dim they take (the interpreter
-    on a CPU is far slower than SDPA: there ``auto`` means ``sdpa``)."""
-    return device.type == "cuda" and kernels.available(device) and kernels.takes_head_dim(head_dim)
 
 
 def pooled_kinds(reducers: list[Reducer]) -> list[Reducer]:
@@ -227,8 +224,9 @@ def plan_tiles(
     """:func:`choose_method`, then :func:`size_tiles` (``lse_given``: the output call gives every row's lse;
     ``mask_cost``: what a call's mask holds per row tile, ``passes.mask_cost``)."""
     cap = CPU_ROW_TILE if torch.device(device).type == "cpu" else None
-    method = choose_method(method, reducers, S, device, D, lse_given)
-    return size_tiles(method, reducers, S, H, D, budget, copies_inputs, cap, mask_cost)
+    chosen = choose_method(method, reducers, S, device, D, lse_given)
+    plan = size_tiles(chosen, reducers, S, H, D, budget, copies_inputs, cap, mask_cost)
+    return replace(plan, kernel_tiles=tile_kernel.planned(method, device, D))
 
 
 def _largest(fits, upper: int) -> int:
