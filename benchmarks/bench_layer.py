@@ -24,6 +24,7 @@ from diffusers.models.attention_processor import Attention, CogVideoXAttnProcess
 from peak_memory import PeakMemory  # first: it re-executes the script with mmapped large allocations
 from report import write_table
 
+from cogattn.exact import tile_kernel
 from cogattn.exact.attention import attention_joint, attention_with_lse, sdpa_with_lse
 from cogattn.exact.checks import RowProbe, Verifier, probe_rows
 from cogattn.exact.engine import capture, multi_key_indicator
@@ -184,9 +185,13 @@ def main() -> None:
         cases += [(("pattern_error",), "rows, 4 patterns")]
     if args.cases == "sparse":  # the sparse-attention and correspondence kinds, beside frame by the fused pass
         fused = ["sdpa", "triton"] if device.type == "cuda" else ["sdpa"]
-        cases = [((kd,), m) for kd in ("frame", "tile") for m in [*fused, "rows"]] + [(("frame_max",), "rows")]
-        cases += [(("offset",), "rows"), (("top_p",), "rows"), (("pattern_recall",), "rows")]
-        cases += [(("pattern_error",), "rows"), (("pattern_error",), "rows, 4 patterns")]
+        # the row kinds by torch's tiles (rows) and, on CUDA, by the kernels' (triton: what auto takes there)
+        tiles = ["rows", "triton"] if device.type == "cuda" else ["rows"]
+        cases = [((kd,), m) for kd in ("frame", "tile") for m in [*fused, "rows"]]
+        cases += [
+            ((kd,), m) for kd in ("frame_max", "offset", "top_p", "pattern_recall", "pattern_error") for m in tiles
+        ]
+        cases += [(("pattern_error",), m + ", 4 patterns") for m in tiles]
     rows = []
     for kinds, method in cases:
         if method == "joint":
@@ -221,7 +226,9 @@ def main() -> None:
                 assert check.passed, check
             times.append(now() - t0)
             peak = max(peak, memory.stop())
-        dt, result, name = min(times), sum(r.nbytes(1) for r in reducers), method + " (auto)" * (method == auto)
+        # (auto): what method="auto" does for these kinds, its method and whether the kernels write its row tiles
+        chosen = (auto, tile_kernel.planned("auto", kind, D)) == (plan.method, plan.kernel_tiles)
+        dt, result, name = min(times), sum(r.nbytes(1) for r in reducers), method + " (auto)" * chosen
         rows.append((" + ".join(kinds), name, dt, dt / t_stock, times[0], peak, plan.peak_bytes, result))
         print(
             f"{rows[-1][0]:>22} {method:>5}: {dt:7.2f} s  {dt / t_stock:5.2f}× stock  (first {times[0]:.2f} s)  "

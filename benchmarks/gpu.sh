@@ -16,8 +16,8 @@
 #            5B-parameter model with random weights: ~2.5 min
 #   layer    one CogVideoX-2b layer, all 30 heads, float32, against the stock layer (0.08 s): the served kinds
 #            frame and video_to_text (--cases maps), entropy, query_frame, received and block (--cases stats), and
-#            tile by sdpa, frame_max, offset, top_p, pattern_recall, pattern_error (--cases sparse; its Triton
-#            tile row took 15 s): ~2.5 min over three processes
+#            tile by sdpa, frame_max, offset, top_p, pattern_recall, pattern_error, each row kind by torch's tiles
+#            and by the kernels' (--cases sparse; its Triton tile row took 15 s): ~3 min over three processes
 #   hunyuan  one HunyuanVideo 1.5 block at 720p × 121 frames (S = 113,585), all 16 heads, frame + video_to_text:
 #            2 × (3.1 s stock + 3.1 s + 15.5 s captured): ~1.5 min
 # About 6.5 minutes in all (an estimate: the script itself has not yet been timed on a GPU), so every part runs
