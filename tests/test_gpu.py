@@ -127,15 +127,22 @@ def test_cuda_sparse_kinds_in_a_generation_bit_identical():
     naive reference of the spied q and k."""
     from reference import QKSpy, assert_matches_naive
 
+    from cogattn.exact import tile_kernel
+
     pipe = tiny_pipeline(dtype=torch.bfloat16, num_heads=2).to("cuda")
     stock = generate(pipe)
     spy = QKSpy(pipe.transformer)
     kinds = ("tile", "top_p", "frame_max", "offset", "pattern_recall")
-    with cogattn.record(pipe, kinds=kinds, batch="cond", heads="all", **SPARSE_SIZES) as rec:
-        out = generate(pipe)
+    real, tiles = tile_kernel.probs, []
+    tile_kernel.probs = lambda *a, **kw: tiles.append(1) or real(*a, **kw)
+    try:
+        with cogattn.record(pipe, kinds=kinds, batch="cond", heads="all", **SPARSE_SIZES) as rec:
+            out = generate(pipe)
+    finally:
+        tile_kernel.probs = real
     spy.remove()
     assert torch.equal(out, stock)
-    assert rec.plan.tiles.kernel_tiles  # auto on CUDA: the row kinds' tiles from the kernel
+    assert rec.plan.tiles.kernel_tiles and len(tiles) >= 2 * 2  # auto on CUDA: every layer call's tiles by the kernel
     assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
 
 

@@ -166,9 +166,7 @@ def _assert_maps_match_naive(rec, spy):
 @pytest.fixture
 def kernel_on_this_device(monkeypatch):
     """``auto`` as on CUDA with Triton: it takes cogattn's kernels."""
-    import cogattn.exact.planner as planner
-
-    monkeypatch.setattr(planner, "kernel_serves", lambda device, head_dim: kernels.available(device))
+    monkeypatch.setattr(kernels, "serves", lambda device, head_dim: kernels.available(device))
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -285,8 +283,10 @@ def test_kernels_compile_for_a_gpu_without_spilling():
         received = dict(D=D, BM=64, BN=64, FP32=False, UPCAST=False)
         jobs.append(["_received_kernel", dict(zip(RECEIVED_ARGS, RECEIVED_TYPES)), received, 4, 3])
         for bm, bn, warps, stages, _ in [c for c in tile_kernel.CONFIGS if D <= c[-1]]:  # the row tiles' kernel
-            tiles = dict(D=D, BM=bm, BN=bn, FP32=False, UPCAST=False)
-            jobs.append(["_probs_kernel", dict(zip(PROBS_ARGS, PROBS_TYPES)), tiles, warps, stages])
+            for fp32 in (False, True):  # bf16 products, and a float32 model's 3×TF32 ones
+                tiles = dict(D=D, BM=bm, BN=bn, FP32=fp32, UPCAST=False)
+                types = dict(zip(PROBS_ARGS, PROBS_TYPES), **(dict(Q="*fp32", K="*fp32") if fp32 else {}))
+                jobs.append(["_probs_kernel", types, tiles, warps, stages])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled path, not the interpreter
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run(

@@ -53,20 +53,26 @@ def test_the_plan_forms_tiles_by_kernel_where_asked_and_the_kernels_serve(monkey
     assert plan_tiles(frame, 6, 1, 16, 2**30, "auto", "cpu").kernel_tiles
 
 
+ROW_KINDS = ("full", "topk", "top_p", "frame_max", "offset", "pattern_recall")
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the kernel's tiles of the CPU path")
-def test_method_triton_forms_every_row_kind_from_the_kernel(monkeypatch, fresh):
-    """``method="triton"``: the row kinds' tiles come from the kernel (no torch tile) and match the naive softmax of
-    the q and k the processors handed over; the key-pooled kinds still take the kernel pass."""
+@pytest.mark.parametrize("method,kinds", [("triton", (*ROW_KINDS, "frame")), ("auto", ROW_KINDS)])
+def test_a_recording_forms_every_row_kind_from_the_kernel(method, kinds, monkeypatch, fresh):
+    """``method="triton"``, and ``auto`` where the kernels serve (CUDA; here the interpreter stands in): the row
+    kinds' tiles come from the kernel (no torch tile), whichever method serves the key-pooled kinds, and match the
+    naive softmax of the q and k the processors handed over."""
+    monkeypatch.setattr(kernels, "serves", lambda device, head_dim: kernels.available(device))
     calls = _spy(monkeypatch)
     monkeypatch.setattr(engine, "_torch_tile", lambda *a, **kw: pytest.fail("a torch tile was formed"))
     pipe = tiny_pipeline(num_heads=2).to(DEVICE)
     spy = QKSpy(pipe.transformer)
-    kinds = ("full", "topk", "top_p", "frame_max", "offset", "frame")
-    with cogattn.record(pipe, kinds=kinds, batch="cond", heads="all", method="triton") as rec:
+    sizes = dict(patterns=("spatial",)) if "pattern_recall" in kinds else {}
+    with cogattn.record(pipe, kinds=kinds, batch="cond", heads="all", method=method, **sizes) as rec:
         generate(pipe, steps=1, output_type="latent")
     spy.remove()
     layers = len(pipe.transformer.transformer_blocks)
-    assert rec.plan.tiles.kernel_tiles and rec.plan.tiles.method == "triton"
+    assert rec.plan.tiles.kernel_tiles and rec.plan.tiles.method == ("triton" if "frame" in kinds else "rows")
     assert len(calls) >= layers + 1  # the check's few rows, then at least a tile a layer call
     assert len(tile_kernel.CHECKED) == 1 and max(tile_kernel.CHECKED.values()) <= 1
     assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
@@ -135,6 +141,7 @@ def test_a_gpu_launch_of_the_tiles_takes_the_configs_of_its_head_dim(monkeypatch
     monkeypatch.setattr(kernels, "interpreted", lambda: False)
     monkeypatch.setattr(tile_kernel, "_probs_tuned", {64: Tuned("≤ 64"), 256: Tuned("≤ 256")})
     q = engine.passes.HeadView(torch.zeros(3, 300, 128, dtype=torch.bfloat16), torch.tensor([0, 2]))
-    out = tile_kernel.probs(q, q, 0, 2, 10, 150, torch.zeros(2, 300), 290, 0.5, torch.empty(2 * 140 * 300))
+    heads = torch.tensor([0, 2], dtype=torch.int32)
+    out = tile_kernel.probs(q, q, heads, 10, 150, torch.zeros(2, 300), 290, 0.5, torch.empty(2 * 140 * 300))
     assert seen == [("≤ 256", (2, 5, 2), (140, 290, 300, 0.5))] and out.shape == (2, 140, 300)
     assert all(d >= 128 for *_, d in tile_kernel.CONFIGS)

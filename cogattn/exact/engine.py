@@ -250,17 +250,17 @@ def row_pass(
     by_kernel = plan.kernel_tiles and rows is None and mask is None and tile_kernel.agrees(q, k, kept, scale)
     for h0 in range(0, H, plan.row_heads):
         h1 = min(H, h0 + plan.row_heads)
-        if by_kernel:
-            lse, row_entropy = tile_kernel.row_stats(q, k, h0, h1, kept, scale, wants_entropy)
-        else:
-            kt = k.chunk(h0, h1).transpose(1, 2)  # (h, D, S), a transposed view: bmm reads it without a copy
+        chunk = tile_kernel.chunk(q, k, h0, h1, kept, scale, wants_entropy) if by_kernel else None
+        kt = None  # (h, D, S), a transposed view: bmm reads it without a copy
         for r0 in range(0, n_rows, plan.row_rows):
             r1 = min(n_rows, r0 + plan.row_rows)
-            if by_kernel:
-                probs = tile_kernel.probs(q, k, h0, h1, r0, r1, lse, kept, scale, tile.take(h1 - h0, r1 - r0, S))
-                entropy = None if row_entropy is None else row_entropy[:, r0:r1]
-            else:
-                probs, entropy = _torch_tile(q, kt, tile, h0, h1, r0, r1, rows, kept, mask, scale, wants_entropy)
+            buffer = tile.take(h1 - h0, r1 - r0, S)
+            probs = None if chunk is None else tile_kernel.tile(chunk, q, k, r0, r1, kept, scale, buffer)
+            if probs is not None:
+                entropy = None if chunk.entropy is None else chunk.entropy[:, r0:r1]
+            else:  # torch's tile (a kernel that failed here was warned about: torch's from now on)
+                chunk, kt = None, k.chunk(h0, h1).transpose(1, 2) if kt is None else kt
+                probs, entropy = _torch_tile(q, kt, buffer, h0, h1, r0, r1, rows, kept, mask, scale, wants_entropy)
             for red, out in row_kinds:
                 red.fold_rows(out, h0, r0, probs)
             for (red, out), keys, run, ind in zip(pooled, gathers, runs, indicators):
@@ -280,14 +280,14 @@ def row_pass(
             del probs  # free this tile before the next one is allocated
 
 
-def _torch_tile(q, kt, tile, h0: int, h1: int, r0: int, r1: int, rows, kept: int, mask, scale: float, entropy: bool):
-    """One row tile's probabilities ``(h, r, S)`` (and its rows' entropy when asked, else `None`) by a float32
-    matmul and softmax: keys from ``kept`` on and where a boolean ``mask`` is `False` at −inf, an additive one
-    added."""
+def _torch_tile(q, kt, out, h0: int, h1: int, r0: int, r1: int, rows, kept: int, mask, scale: float, entropy: bool):
+    """One row tile's probabilities ``(h, r, S)`` in ``out`` (and its rows' entropy when asked, else `None`) by a
+    float32 matmul and softmax: keys from ``kept`` on and where a boolean ``mask`` is `False` at −inf, an additive
+    one added."""
     S = kt.shape[-1]
     idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
     q_rows = q.chunk(h0, h1, idx)
-    scores = torch.matmul(q_rows, kt, out=tile.take(h1 - h0, r1 - r0, S)).mul_(scale)  # (h, r, S)
+    scores = torch.matmul(q_rows, kt, out=out).mul_(scale)  # (h, r, S)
     if kept < S:
         scores[..., kept:] = -math.inf
     bias = None if mask is None else passes.apply_mask_(scores, mask, idx, h0, h1)

@@ -53,7 +53,7 @@ def available(device: torch.device) -> bool:
 
 
 def serves(device: torch.device, head_dim: int) -> bool:
-    """Whether ``auto`` takes the kernels (``planner.kernel_serves``): CUDA with Triton and a head dim they take (the
+    """Whether ``auto`` takes the kernels (``planner.choose_method``, ``tile_kernel.planned``): CUDA with Triton and a head dim they take (the
     interpreter on a CPU is far slower than SDPA: there ``auto`` means ``sdpa``)."""
     return device.type == "cuda" and available(device) and takes_head_dim(head_dim)
 

@@ -21,7 +21,6 @@ from ..runs.record_file import record_file_bytes
 from . import kernels, memory, passes, tile_kernel
 from .attention import fused_lse_supported, joint_extra_bytes
 from .context import context_reducers, plan_context_tiles
-from .kernels import serves as kernel_serves
 from .memory import CPU_ROW_TILE, TooSmall, usable
 from .reducers import REDUCERS, Reducer
 
@@ -29,7 +28,6 @@ __all__ = [
     "CapturePlan",
     "ModelShape",
     "TilePlan",
-    "kernel_serves",
     "choose_method",
     "fused_passes",
     "plan_capture",
@@ -99,7 +97,7 @@ def choose_method(
     """The method that serves the key-pooled kinds and statistics of ``reducers``: ``method`` as asked (one
     of ``CaptureOptions.method``, or ``"joint"`` for ``layer_output="joint"``), with ``"auto"`` made
     concrete: row tiles when they are formed anyway (``full``, ``topk``) or when there is no fused kernel; else
-    cogattn's Triton kernels where they serve (:func:`kernel_serves`: CUDA); else row tiles when the SDPA passes
+    cogattn's Triton kernels where they serve (``kernels.serves``: CUDA); else row tiles when the SDPA passes
     would be :data:`ROWS_BEAT_PASSES` or more, or the SDPA passes. `ValueError` where ``method`` cannot run."""
     device = torch.device(device)
     if not pooled_kinds(reducers):
@@ -108,7 +106,7 @@ def choose_method(
         formed = any(all_rows(r, seq_len) and not r.mean_rows for r in reducers)  # head-mean rows serve no other kind
         if formed or not fused_lse_supported(device):
             return "rows"  # each head's rows are formed anyway (``full``, ``topk``), or there is no fused kernel
-        if kernel_serves(device, head_dim):
+        if kernels.serves(device, head_dim):
             return "triton"
         if fused_passes(reducers, head_dim, lse_given) >= ROWS_BEAT_PASSES.get(device.type, 6):
             return "rows"
@@ -395,7 +393,8 @@ def plan_capture(
             raise
         tiles_within(options.memory_budget)  # too small without the waiting results too: that refusal
         raise memory.waiting_refusal(options.memory_budget, waiting, options.batch) from err
-    joint_bytes = 0
+    by_kernel = not any(mask_cost) and tile_kernel.planned(options.method, device, head_dim)  # as the recording does
+    tiles, joint_bytes = replace(tiles, kernel_tiles=by_kernel), 0
     n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)
     if options.layer_output == "joint" and n_cols:
         elem = torch.empty((), dtype=dtype).element_size()

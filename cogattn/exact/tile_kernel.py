@@ -8,18 +8,20 @@ The row pass (:func:`cogattn.exact.engine.row_pass`) takes them for tiles of eve
 where the plan says so (``TilePlan.kernel_tiles``: ``method`` ``auto`` on CUDA with Triton, or ``triton``). Each
 shape is checked once a process before its first tile is folded (:func:`agrees`): a few rows of the kernel's P
 against float32 ``softmax(q·kᵀ·scale)``, held to the kinds' bound; a kernel that fails to build or disagrees is
-warned about once and that shape's tiles are formed by torch from then on (:data:`TORCH_TILES`).
+warned about once and that shape's tiles are formed by torch from then on (:data:`TORCH_TILES`), as is a launch
+that raises later (that tile and the rest by torch).
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from . import checks, kernels, passes
 
-__all__ = ["CHECKED", "CONFIGS", "TORCH_TILES", "agrees", "planned", "probs", "row_stats"]
+__all__ = ["CHECKED", "CONFIGS", "TORCH_TILES", "Chunk", "agrees", "chunk", "planned", "probs", "tile"]
 
 # (query rows, keys, warps, stages, largest head dim) as ``kernels.CONFIGS``: a 64 × 128 tile's store needs 8 warps
 CONFIGS = [(64, 64, 4, 3, 256), (128, 64, 8, 3, 256), (64, 128, 8, 3, 256), (64, 64, 4, 2, 256)]
@@ -61,32 +63,56 @@ if kernels.triton is not None:
 def planned(method: str, device, head_dim: int) -> bool:
     """Whether row tiles of every row are formed by the kernels (``TilePlan.kernel_tiles``): under ``method`` ``auto``
     where the kernels serve (``kernels.serves``: CUDA with Triton), or ``triton`` asked where they run (the
-    interpreter too); ``rows``, ``sdpa`` and the output modes form them with torch, the checked fallback."""
+    interpreter too), whatever ``layer_output`` is; ``rows`` and ``sdpa`` asked form them with torch, the checked
+    fallback. ``method`` is the one asked (``CaptureOptions.method``), not the one chosen for the pooled kinds."""
     device = torch.device(device)
     if method == "auto":
         return kernels.serves(device, head_dim)
     return method == "triton" and kernels.available(device) and kernels.takes_head_dim(head_dim)
 
 
-def row_stats(q, k, h0: int, h1: int, kept: int, scale: float, entropy: bool):
-    """Every row's lse ``(h, S)`` over the first ``kept`` keys for heads ``h0:h1`` of the engine's head views ``q``
-    and ``k``, and their entropy (`None` unless asked): one sweep of the kernel without groups."""
-    swept = kernels.sweep(
-        q.x, k.x, kernels.key_order(None, kept, q.device), _heads(q, h0, h1), None, entropy, scale, kept
-    )
-    return swept.lse, swept.entropy
+@dataclass
+class Chunk:
+    """A head chunk's kernel tiles: the heads (int32 indices of q's and k's first axis), every row's lse ``(h, S)``
+    over the kept keys and, when asked, every row's entropy ``(h, S)``."""
+
+    heads: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor | None
 
 
-def probs(q, k, h0: int, h1: int, r0: int, r1: int, lse: torch.Tensor, kept: int, scale: float, out: torch.Tensor):
+def chunk(q, k, h0: int, h1: int, kept: int, scale: float, entropy: bool) -> Chunk | None:
+    """The :class:`Chunk` of heads ``h0:h1`` of the engine's head views ``q`` and ``k``: one sweep of the kernel
+    without groups; `None` where this shape takes torch's tiles, or the sweep fails (warned once, then torch's)."""
+    if _shape(q, k, kept) in TORCH_TILES:
+        return None
+    heads = (torch.arange(h0, h1, device=q.device) if q.heads is None else q.heads[h0:h1]).to(torch.int32)
+    try:
+        swept = kernels.sweep(q.x, k.x, kernels.key_order(None, kept, q.device), heads, None, entropy, scale, kept)
+    except Exception as err:  # a Triton that cannot build or launch the kernel here: torch tiles
+        return _failed(_shape(q, k, kept), err)
+    return Chunk(heads, swept.lse, swept.entropy)
+
+
+def tile(c: Chunk, q, k, r0: int, r1: int, kept: int, scale: float, out: torch.Tensor) -> torch.Tensor | None:
+    """:func:`probs` of rows ``r0:r1`` of the chunk ``c``; `None` where the launch fails (warned once; the shape
+    takes torch's tiles from then on)."""
+    try:
+        return probs(q, k, c.heads, r0, r1, c.lse, kept, scale, out)
+    except Exception as err:
+        return _failed(_shape(q, k, kept), err)
+
+
+def probs(q, k, heads, r0: int, r1: int, lse: torch.Tensor, kept: int, scale: float, out: torch.Tensor):
     """The probabilities of query rows ``r0:r1`` against every key, ``(h, r, S)`` float32, written into ``out``
-    (a row tile's buffer) for heads ``h0:h1`` of the head views ``q`` and ``k``, from their rows' lse ``(h, S)``;
-    the keys from ``kept`` on hold 0."""
+    (a row tile's buffer) for the ``heads`` (int32 indices of the first axis of the head views' tensors ``q.x`` and
+    ``k.x``), from their rows' float32 lse ``(h, S)``; the keys from ``kept`` on hold 0."""
     S, D = k.shape[1], q.shape[2]  # every key's column
-    H, R = h1 - h0, r1 - r0
+    H, R = len(heads), r1 - r0
     qx, kx = kernels._checked(q.x[:, r0:r1]), kernels._checked(k.x)
-    lse = lse[:, r0:r1].float().contiguous()
+    lse = lse[:, r0:r1]  # a view: the kernel reads its rows through the head stride
     out = out.view(H, R, S)
-    args = (qx, kx, _heads(q, h0, h1), lse, out, R, kept, S, scale)
+    args = (qx, kx, heads, lse, out, R, kept, S, scale)
     strides = (qx.stride(0), qx.stride(1), kx.stride(0), kx.stride(1), lse.stride(0), out.stride(0), out.stride(1))
     constants = dict(D=D, FP32=q.x.dtype == torch.float32, UPCAST=kernels.interpreted())
     with kernels._on(q.device):
@@ -106,19 +132,18 @@ def agrees(q, k, kept: int, scale: float) -> bool:
     the sequence, of the first selected head, against float32 ``softmax(q·kᵀ·scale)`` under the kinds' bound
     (``checks.bound``, in ``checks.error_units``); a kernel that raises or disagrees is warned about and its shape
     put in :data:`TORCH_TILES`."""
-    S, D = q.shape[1], q.shape[2]
-    shape = (str(q.device), q.x.dtype, S, D, kept)
+    S = q.shape[1]
+    shape = _shape(q, k, kept)
     if shape in TORCH_TILES:
         return False
     if shape in CHECKED:
         return True
     rows = torch.linspace(0, S - 1, min(8, S), device=q.device).round().long().unique()
     few = passes.HeadView(q.x[:, rows], q.heads)  # a copy of those rows
-    try:
-        lse, _ = row_stats(few, k, 0, 1, kept, scale, False)
-        got = probs(few, k, 0, 1, 0, len(rows), lse, kept, scale, torch.empty(len(rows) * S, device=q.device))
-    except Exception as err:  # a Triton that cannot build or launch the kernel here: torch tiles
-        return _failed(shape, f"it failed ({type(err).__name__}: {err})")
+    c = chunk(few, k, 0, 1, kept, scale, False)
+    got = None if c is None else tile(c, few, k, 0, len(rows), kept, scale, torch.empty(len(rows) * S, device=q.device))
+    if got is None:  # it failed: warned, and torch's tiles from now on
+        return False
     head = slice(0, 1) if q.heads is None else q.heads[:1]
     scores = q.x[head][:, rows].float() @ k.x[head][:, :kept].float().transpose(1, 2) * scale
     ref = torch.nn.functional.pad(torch.softmax(scores, -1), (0, S - kept))
@@ -126,19 +151,21 @@ def agrees(q, k, kept: int, scale: float) -> bool:
     error = ((got - ref).abs() / units).max().item() / checks.bound(q.x.dtype, False)
     CHECKED[shape] = error
     if not error <= 1:  # NaN too
-        return _failed(shape, f"its probabilities were off by {error:.3g} times the bound")
-    return True
+        _failed(shape, f"its probabilities were off by {error:.3g} times the bound")
+    return error <= 1
 
 
-def _heads(q, h0: int, h1: int) -> torch.Tensor:
-    return torch.arange(h0, h1, device=q.device) if q.heads is None else q.heads[h0:h1]
+def _shape(q, k, kept: int) -> tuple:
+    """What :data:`CHECKED` and :data:`TORCH_TILES` are keyed by: (device, dtype, S (the keys), D, kept keys)."""
+    return (str(q.device), q.x.dtype, k.shape[1], q.shape[2], kept)
 
 
-def _failed(shape: tuple, why: str) -> bool:
+def _failed(shape: tuple, why) -> None:
+    if isinstance(why, BaseException):
+        why = f"it failed ({type(why).__name__}: {why})"
     warnings.warn(
         f"cogattn's Triton row tiles on {shape[0]} are not used for this shape: {why}; its row tiles are formed by "
         "torch (float32 matmul and softmax).",
         stacklevel=5,
     )
     TORCH_TILES.add(shape)
-    return False
