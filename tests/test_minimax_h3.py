@@ -179,26 +179,9 @@ def test_the_layout_maps_pixel_frames_as_the_vae_encodes_its_clips():
     """The VAE encodes 17-frame clips on their own, each causal: a change to pixel frame j first changes the latent
     frame that layout.pixel_frames gives it, and no latent frame of another clip (a float64 tiny VAE, its own
     encoder); the decoded count is the layout's, and a call's layout carries the clips."""
-    from diffusers import AutoencoderKLMiniMaxH3
+    from cogattn.models.minimax_h3.tiny import _tiny_vaes
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        vae = AutoencoderKLMiniMaxH3(
-            latent_channels=2,
-            block_out_channels=(4, 4, 4, 4),
-            layers_per_block=1,
-            spatial_downsample_factors=(2, 2, 2, 2),
-            temporal_downsample_factors=(1, 2, 2, 1),
-            norm_num_groups=1,
-            decoder_num_layers=1,
-            decoder_num_attention_heads=1,
-            decoder_attention_head_dim=8,
-            decoder_num_register_tokens=1,
-            decoder_ffn_mult=1,
-            latents_mean=(0.0, 0.0),
-            latents_std=(1.0, 1.0),
-        )
-    vae = vae.double().eval()
+    vae = _tiny_vaes(0, torch.float64)[0].eval()  # the tiny pipeline's video VAE, in float64
     lay = minimax.layout_for_video(minimax.KNOWN["MiniMaxAI/MiniMax-H3"], 39, 32, 32, 4)
     assert (lay.frames, lay.clip_latents, lay.decoded_frames(), lay.default_pixel_frames) == (12, 5, [39], 39)
     ranges = lay.pixel_frames(39)
