@@ -5,9 +5,9 @@ the same numbers as the naive ``softmax(q @ k.T * scale)`` in float32:
 
 * :func:`row_pass`: tiles of ``r`` query rows × all ``S`` keys × ``h`` heads, one matmul and an
   in-place float32 softmax, or written once by cogattn's kernels from every row's lse
-  (:mod:`cogattn.exact.tile_kernel`, ``TilePlan.kernel_tiles``). Serves every kind; key-pooled sums are a gather, sums over runs of keys
-  (frames, blocks) or ``tile @ indicator``; ``entropy`` comes with the softmax, ``received`` is a sum
-  over the tile's rows.
+  (:mod:`cogattn.exact.tile_kernel`, ``TilePlan.kernel_tiles``). Serves every kind; key-pooled sums are a
+  gather, sums over runs of keys (frames, blocks) or ``tile @ indicator``; ``entropy`` comes with the softmax,
+  ``received`` is a sum over the tile's rows.
 * :func:`pooled_pass`, per head chunk, for the key-pooled kinds and the statistics without forming P
   (the passes are in :mod:`cogattn.exact.passes`): ``entropy`` from one fused pass with the keys as values;
   multi-key groups from indicator values (``Σ_{j∈group} P[i, j] = (P·V)[i, group]`` for the indicator
