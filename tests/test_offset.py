@@ -85,6 +85,28 @@ def test_offset_does_not_depend_on_the_budget(budget):
     assert (small - big).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("rows", [1, 4, 7, 13, 10_000])
+@pytest.mark.parametrize("mean", [False, True])
+def test_tiles_that_cut_lines_and_frames_of_queries(rows, mean):
+    """Row tiles of 1 to every row, all heads at once: a tile's whole lines of queries (one row of a frame) fold
+    by axis, and the lines it cuts at either end (and the text rows) a row at a time."""
+    from dataclasses import replace
+
+    from cogattn.exact.planner import size_tiles
+
+    torch.manual_seed(5)
+    layout = TokenLayout(8, 3, 3, 5)
+    H, S, D = 3, layout.seq_len, 16
+    q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2
+    red = REDUCERS["offset"](layout, H, mean)
+    plan = replace(size_tiles("rows", [red], S, H, D, 2**30), row_heads=H, row_rows=min(rows, S))
+    out = torch.zeros(red.shape(1)[1:])
+    capture(q, k, [red], [out], plan)
+    ref = naive_kind(naive_probs(q[None], k[None]), "offset", layout.text_len, layout.grid)[0]
+    ref = ref.mean(0, keepdim=True) if mean else ref
+    assert (out.double() - ref).abs().max() <= 1e-6
+
+
 def test_heads_chunks_and_head_mean_on_a_budget_that_splits_heads():
     """Tiles of several heads (an accelerator's plan) fold the head mean as the mean of the per-head maps."""
     from cogattn.exact.planner import size_tiles

@@ -17,8 +17,9 @@ class OffsetReducer(Reducer):
     With the mean mass on the text keys (not in the array) it sums to 1; without text in the sequence (Wan's
     self-attention) it sums to 1 alone. From exact rows: each video query's row, as an ``(F, Hp, Wp)`` grid of
     keys, is added to the window of the result that starts at the query's own offset ``(F − 1 − f_i, Hp − 1 − y_i,
-    Wp − 1 − x_i)``: one shifted add per row, no index tensor (a scatter with an index per entry is about ten
-    times slower on a CPU).
+    Wp − 1 − x_i)``, one axis at a time over a tile's whole lines of queries (:meth:`_fold_lines`: about Wp + Hp + F
+    shifted adds a tile, where one a row cost a GPU a launch per row), the lines a tile cuts a row at a time; no
+    index tensor (a scatter with an index per entry is about ten times slower on a CPU).
     """
 
     kind = "offset"
@@ -47,22 +48,61 @@ class OffsetReducer(Reducer):
         stop = grid.stop if self.query_limit is None else min(grid.stop, self.query_limit)
         return grid.start, max(grid.start, stop)
 
+    def row_columns(self, seq_len: int, cpu: bool = True) -> int:
+        """Per row of a tile, the partial sums :meth:`_fold_lines` holds: its lines' column offsets (about 2/Wp of
+        the row's video keys) and their row offsets."""
+        F, Hp, Wp = self.layout.grid
+        return -(-F * Hp * (2 * Wp - 1) // Wp) + -(-F * (2 * Hp - 1) * (2 * Wp - 1) // (Hp * Wp))
+
     def fold_rows(self, out, h0, r0, probs):
         h, r, _ = probs.shape
         first, stop = self._video_rows()
         start, end = max(r0, first), min(r0 + r, stop)
         if start >= end:
             return
-        F, Hp, Wp = self.layout.grid
+        Wp = self.layout.grid[2]
         scale = 1.0 / (stop - first) / (self.num_heads if self.mean_heads else 1)
         keys = probs[..., self.layout.grid_tokens]  # (h, r, V): the video keys of the tile's rows
         dest = out[:1] if self.mean_heads else out[h0 : h0 + h]
-        for token in range(start, end):
-            f, rest = divmod(token - first, Hp * Wp)
-            y, x = divmod(rest, Wp)
-            row = keys[:, token - r0].view(h, F, Hp, Wp)
-            if self.mean_heads and h > 1:
-                row = row.sum(0, keepdim=True)
-            dest[:, F - 1 - f : 2 * F - 1 - f, Hp - 1 - y : 2 * Hp - 1 - y, Wp - 1 - x : 2 * Wp - 1 - x].add_(
-                row, alpha=scale
-            )
+        a = start + (first - start) % Wp  # the whole lines of patches (Wp queries of one row of a frame) in [a, b)
+        b = max(a, end - (end - first) % Wp)
+        if a < b:
+            self._fold_lines(dest, keys[:, a - r0 : b - r0], (a - first) // Wp, scale)
+        for token in [*range(start, min(a, end)), *range(max(b, start), end)]:  # the rest, a row at a time
+            self._fold_row(dest, keys[:, token - r0], token - first, scale)
+
+    def _fold_row(self, dest, keys, at: int, scale: float):
+        """One video query's row ``keys`` ``(h, V)`` (video query ``at``) added to the window at its offset."""
+        F, Hp, Wp = self.layout.grid
+        f, rest = divmod(at, Hp * Wp)
+        y, x = divmod(rest, Wp)
+        row = keys.reshape(-1, F, Hp, Wp)
+        if self.mean_heads and row.shape[0] > 1:
+            row = row.sum(0, keepdim=True)
+        dest[:, F - 1 - f : 2 * F - 1 - f, Hp - 1 - y : 2 * Hp - 1 - y, Wp - 1 - x : 2 * Wp - 1 - x].add_(
+            row, alpha=scale
+        )
+
+    def _fold_lines(self, dest, keys, line0: int, scale: float):
+        """The rows ``keys`` ``(h, n·Wp, V)`` of ``n`` whole lines from line ``line0`` (line = frame·Hp + y), one axis
+        at a time, each a shifted add per query coordinate: the queries at column x add their keys at Δx = x_k − x
+        (``Wp`` adds over the tile), then the lines at row y their sums at Δy (``Hp`` adds), then each query frame
+        its sums at Δf (one add a frame): about Wp + Hp + F operations a tile, not one a row."""
+        F, Hp, Wp = self.layout.grid
+        h, n = keys.shape[0], keys.shape[1] // Wp
+        grid = keys.reshape(h, n, Wp, F, Hp, Wp)  # a view: lines × columns of queries, the keys as the grid
+        lines = keys.new_zeros(h, n, F, Hp, 2 * Wp - 1)
+        for x in range(Wp):
+            lines[..., Wp - 1 - x : 2 * Wp - 1 - x] += grid[:, :, x]
+        f0, f1 = line0 // Hp, (line0 + n - 1) // Hp + 1
+        frames = keys.new_zeros(h, f1 - f0, F, 2 * Hp - 1, 2 * Wp - 1)
+        for i in range(min(Hp, n)):  # the lines at one row y: every Hp-th from line i, in consecutive frames
+            f, y = divmod(line0 + i, Hp)
+            count = len(range(i, n, Hp))
+            frames[:, f - f0 : f - f0 + count, :, Hp - 1 - y : 2 * Hp - 1 - y] += lines[:, i::Hp]
+        total = keys.new_zeros(h, 2 * F - 1, 2 * Hp - 1, 2 * Wp - 1)
+        for j in range(f1 - f0):
+            total[:, F - 1 - (f0 + j) : 2 * F - 1 - (f0 + j)] += frames[:, j]
+        if self.mean_heads and h > 1:
+            total = total.sum(0, keepdim=True)
+        dest.add_(total, alpha=scale)
