@@ -17,9 +17,10 @@ class OffsetReducer(Reducer):
     With the mean mass on the text keys (not in the array) it sums to 1; without text in the sequence (Wan's
     self-attention) it sums to 1 alone. From exact rows: each video query's row, as an ``(F, Hp, Wp)`` grid of
     keys, is added to the window of the result that starts at the query's own offset ``(F − 1 − f_i, Hp − 1 − y_i,
-    Wp − 1 − x_i)``, one axis at a time over a tile's whole lines of queries (:meth:`_fold_lines`: about Wp + Hp + F
-    shifted adds a tile, where one a row cost a GPU a launch per row), the lines a tile cuts a row at a time; no
-    index tensor (a scatter with an index per entry is about ten times slower on a CPU).
+    Wp − 1 − x_i)``, by whole lines of queries (Wp of one row of a frame) where a tile holds them
+    (:meth:`_fold_lines`: the columns first, Wp shifted adds over the tile, then an add a line: a GPU launch a line,
+    not a row), the lines a tile cuts a row at a time; no index tensor (a scatter with an index per entry is about
+    ten times slower on a CPU).
     """
 
     kind = "offset"
@@ -49,10 +50,10 @@ class OffsetReducer(Reducer):
         return grid.start, max(grid.start, stop)
 
     def row_columns(self, seq_len: int, cpu: bool = True) -> int:
-        """Per row of a tile, the partial sums :meth:`_fold_lines` holds: its lines' column offsets (about 2/Wp of
-        the row's video keys) and their row offsets."""
+        """Per row of a tile, the column offsets of its line :meth:`_fold_lines` holds (about 2/Wp of the row's
+        video keys), twice with heads averaged (their sum over the heads as well); none with one column."""
         F, Hp, Wp = self.layout.grid
-        return -(-F * Hp * (2 * Wp - 1) // Wp) + -(-F * (2 * Hp - 1) * (2 * Wp - 1) // (Hp * Wp))
+        return 0 if Wp == 1 else -(-F * Hp * (2 * Wp - 1) // Wp) * (2 if self.mean_heads else 1)
 
     def fold_rows(self, out, h0, r0, probs):
         h, r, _ = probs.shape
@@ -66,8 +67,10 @@ class OffsetReducer(Reducer):
         dest = out[:1] if self.mean_heads else out[h0 : h0 + h]
         a = start + (first - start) % Wp  # the whole lines of patches (Wp queries of one row of a frame) in [a, b)
         b = max(a, end - (end - first) % Wp)
-        if a < b:
+        if a < b and Wp > 1:  # (a line of one query gains nothing)
             self._fold_lines(dest, keys[:, a - r0 : b - r0], (a - first) // Wp, scale)
+        else:
+            a = b = end
         for token in [*range(start, min(a, end)), *range(max(b, start), end)]:  # the rest, a row at a time
             self._fold_row(dest, keys[:, token - r0], token - first, scale)
 
@@ -84,25 +87,18 @@ class OffsetReducer(Reducer):
         )
 
     def _fold_lines(self, dest, keys, line0: int, scale: float):
-        """The rows ``keys`` ``(h, n·Wp, V)`` of ``n`` whole lines from line ``line0`` (line = frame·Hp + y), one axis
-        at a time, each a shifted add per query coordinate: the queries at column x add their keys at Δx = x_k − x
-        (``Wp`` adds over the tile), then the lines at row y their sums at Δy (``Hp`` adds), then each query frame
-        its sums at Δf (one add a frame): about Wp + Hp + F operations a tile, not one a row."""
+        """The rows ``keys`` ``(h, n·Wp, V)`` of ``n`` whole lines from line ``line0`` (line = frame·Hp + y): the
+        queries at column x add their keys at Δx = x_k − x (``Wp`` shifted adds over the tile), then each line its
+        sums at its (Δf, Δy) window: about Wp + n operations a tile, not one a row. It holds the lines' column
+        offsets alone (:meth:`row_columns`): nothing of the result's size."""
         F, Hp, Wp = self.layout.grid
         h, n = keys.shape[0], keys.shape[1] // Wp
         grid = keys.reshape(h, n, Wp, F, Hp, Wp)  # a view: lines × columns of queries, the keys as the grid
         lines = keys.new_zeros(h, n, F, Hp, 2 * Wp - 1)
         for x in range(Wp):
             lines[..., Wp - 1 - x : 2 * Wp - 1 - x] += grid[:, :, x]
-        f0, f1 = line0 // Hp, (line0 + n - 1) // Hp + 1
-        frames = keys.new_zeros(h, f1 - f0, F, 2 * Hp - 1, 2 * Wp - 1)
-        for i in range(min(Hp, n)):  # the lines at one row y: every Hp-th from line i, in consecutive frames
-            f, y = divmod(line0 + i, Hp)
-            count = len(range(i, n, Hp))
-            frames[:, f - f0 : f - f0 + count, :, Hp - 1 - y : 2 * Hp - 1 - y] += lines[:, i::Hp]
-        total = keys.new_zeros(h, 2 * F - 1, 2 * Hp - 1, 2 * Wp - 1)
-        for j in range(f1 - f0):
-            total[:, F - 1 - (f0 + j) : 2 * F - 1 - (f0 + j)] += frames[:, j]
         if self.mean_heads and h > 1:
-            total = total.sum(0, keepdim=True)
-        dest.add_(total, alpha=scale)
+            lines = lines.sum(0, keepdim=True)
+        for i in range(n):
+            f, y = divmod(line0 + i, Hp)
+            dest[:, F - 1 - f : 2 * F - 1 - f, Hp - 1 - y : 2 * Hp - 1 - y].add_(lines[:, i], alpha=scale)
