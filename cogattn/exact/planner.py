@@ -393,7 +393,7 @@ def plan_capture(
             raise
         tiles_within(options.memory_budget)  # too small without the waiting results too: that refusal
         raise memory.waiting_refusal(options.memory_budget, waiting, options.batch) from err
-    by_kernel = not any(mask_cost) and tile_kernel.planned(options.method, device, head_dim)  # as the recording does
+    by_kernel = bool(reducers) and not any(mask_cost) and tile_kernel.planned(options.method, device, head_dim)
     tiles, joint_bytes = replace(tiles, kernel_tiles=by_kernel), 0
     n_cols = sum(r.key_groups.num_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys)
     if options.layer_output == "joint" and n_cols:
