@@ -417,3 +417,31 @@ def test_plot_mistakes_are_one_clear_line(pipe):
     assert word_positions("Fox,", pipe.tokenizer, "a red fox, running", 8) == [2]
     fig = plot.word_heatmap(rec, "Fox,", tokenizer=pipe.tokenizer)
     assert '"Fox," (token 2)' in fig.axes[0].get_ylabel()
+
+
+@pytest.mark.parametrize(
+    "name", ["WanAnimate2Transformer3DModel", "SanaWMTransformer3DModel", "SanaWMLTX2RefinerTransformer3DModel"]
+)
+def test_a_video_transformer_cogattn_does_not_record_is_refused_saying_why(name, tmp_path):
+    """Wan-Animate-2 and SANA-WM (its refiner too): ``record`` on the transformer or its pipeline, and ``estimate``
+    of a checkpoint folder, refuse in the one line that says why, not as a class cogattn never heard of."""
+    import re
+
+    import diffusers
+
+    from cogattn.models import REFUSED
+
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        pytest.skip(f"this diffusers has no {name}")
+    module = cls.__new__(cls)  # the class alone names it: no weights are built
+    torch.nn.Module.__init__(module)
+    why = REFUSED[name]
+    assert name in why and "is not recorded: " in why and "\n" not in why
+    for target in (module, type("Pipe", (), {"transformer": module})()):
+        with pytest.raises(TypeError, match=re.escape(why)):
+            cogattn.record(target, kinds=("frame",))
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"_class_name": name}))
+    with pytest.raises(ValueError, match=re.escape(why)):
+        cogattn.estimate(str(tmp_path), num_frames=9, height=64, width=64, num_inference_steps=2, kinds=("frame",))

@@ -28,6 +28,7 @@ __all__ = [
     "FamilyRow",
     "KNOWN_MODELS",
     "ModelSpec",
+    "REFUSED",
     "Site",
     "TABLE",
     "UNAVAILABLE",
@@ -82,6 +83,17 @@ TABLE: dict[str, FamilyRow] = {
     "wan": FamilyRow(("WanTransformer3DModel",), ("text_dim",)),
     "wan_animate": FamilyRow(("WanAnimateTransformer3DModel",), ("inject_face_latents_blocks",)),
     "wan_vace": FamilyRow(("WanVACETransformer3DModel",)),
+}
+# video transformers of the installed diffusers that cogattn does not record, by class: why, in one line
+REFUSED: dict[str, str] = {
+    "WanAnimate2Transformer3DModel": "Wan-Animate-2 (WanAnimate2Transformer3DModel) is not recorded: its generation "
+    "pass attends to the keys and values a reference pass cached, packed with its own into a 128-aligned buffer "
+    "under a flex BlockMask, so a call's map is not a softmax of its own q and k; Wan Animate (WanAnimatePipeline) is.",
+    "SanaWMTransformer3DModel": "SANA-WM (SanaWMTransformer3DModel) is not recorded: three of every four of its "
+    "blocks are gated delta-net linear attention, which has no softmax map; SANA-Video (SanaVideoPipeline) is.",
+    "SanaWMLTX2RefinerTransformer3DModel": "SANA-WM's refiner (SanaWMLTX2RefinerTransformer3DModel) is not recorded: "
+    "its self-attention runs against a sliding-window cache of keys and values from earlier windows, not a call's "
+    "own q and k; LTX-2 (LTX2Pipeline), whose architecture it shares, is.",
 }
 # Made by importing every family's module the first time one of them is read (a module `__getattr__`):
 FAMILIES: list[ModelSpec]
@@ -150,8 +162,11 @@ def spec_for_module(module) -> ModelSpec | None:
 
 
 def spec_for_config(config: dict) -> ModelSpec:
-    """The family of a transformer config (its ``_class_name``, else the keys only one family has)."""
+    """The family of a transformer config (its ``_class_name``, else the keys only one family has); a class
+    cogattn does not record (:data:`REFUSED`) says why."""
     name = config.get("_class_name")
+    if name in REFUSED:
+        raise ValueError(REFUSED[name])
     if name is not None:
         candidates = [family for family, row in TABLE.items() if name in row.classes]
     else:

@@ -40,6 +40,8 @@ def find_transformer(target) -> tuple[object, object | None, ModelSpec]:
                 "module for the generation you record (or record the pipeline that holds it)."
             )
         return inner, pipeline, spec
+    if (name := type(inner).__name__) in models.REFUSED:  # a video transformer cogattn does not record: why
+        raise TypeError(models.REFUSED[name])
     known = ", ".join(c.__name__ for spec in models.FAMILIES for c in spec.transformers)  # imports every family
     missing = "".join(f"; {why}" for why in models.UNAVAILABLE.values())
     raise TypeError(
