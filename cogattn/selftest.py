@@ -61,7 +61,8 @@ __all__ = ["Row", "main", "run"]
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# the kinds the fast methods serve (the others always take row tiles), and those the output's lse serves
+# the kinds the fast methods serve (the others take row tiles: the kernels write them under triton), and those the
+# output's lse serves
 POOLED = ("frame", "video_to_text", "entropy", "received", "query_frame", "block", "tile")
 FROM_LSE = ("video_to_text", "received")  # run from the output call's lse alone: no float32 pass gives one
 
@@ -104,7 +105,7 @@ def layer_rows(device: torch.device, dtype: torch.dtype, seq_len: int, heads: in
 
     rows = []
     for method, skipped in methods(device):
-        kinds = list(JOINT_KINDS) if method == "rows" else list(POOLED)
+        kinds = list(JOINT_KINDS) if method in ("rows", "triton") else list(POOLED)  # triton: the kernels' rows too
         for kind in kinds:
             if skipped:
                 rows.append(Row(part, kind, method, "stock", None, tol, None, None, None, skipped))

@@ -10,6 +10,7 @@ import cogattn
 import cogattn.exact.attention as attention
 import cogattn.selftest as selftest
 import cogattn.selftest_pipelines as selftest_pipelines
+from cogattn.exact import kernels
 from cogattn.exact.checks import output_identical
 from cogattn.models import family
 from cogattn.selftest import main
@@ -36,6 +37,8 @@ def test_the_quick_selftest_passes_and_writes_its_report(tmp_path, capsys, monke
     kinds = {(r["kind"], r["method"], r["output"]) for r in rows if r["part"].startswith("layer")}
     assert {(k, "rows", "stock") for k in ("full", "frame", "video_to_text", "text_to_video", "query")} <= kinds
     assert {("frame", "sdpa", "stock"), ("frame", "joint", "joint"), ("video_to_text", "sdpa", "lse")} <= kinds
+    if kernels.available(torch.device("cpu")):  # the interpreter: the kernels' row tiles checked for every row kind
+        assert {(k, "triton", "stock") for k in ("full", "topk", "top_p", "frame_max", "offset")} <= kinds
     tiny = [r for r in rows if r["part"] == "tiny 1.0 t2v" and r["passed"] is not None]
     combos = {(r["method"], r["output"]) for r in tiny} - {("triton", "stock")}  # where Triton runs here
     assert combos == {("rows", "stock"), ("sdpa", "stock"), ("auto", "lse"), ("auto", "joint")}
