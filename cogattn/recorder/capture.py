@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from ..exact import engine, passes, tile_kernel
+from ..exact import engine, passes
 from ..exact.attention import attention_joint_for, attention_with_lse
 from ..exact.checks import SpotCheck, Verifier, probe_rows
 from ..exact.context import context_pass
@@ -274,9 +274,8 @@ class Capture:
             method = "rows"
         cost = passes.mask_cost(mask)  # the mask's rows of a tile count in the budget
         tiles = self._tiles_for(plan, S, len(chosen), D, query.device, copies, method, lse is not None, cost)
-        # the row tiles by the kernels where the method asked takes them (a shape back on row tiles: torch's)
-        by_kernel = shape not in self.verifier.rows_only and tile_kernel.planned(self.options.method, query.device, D)
-        tiles = replace(tiles, kernel_tiles=by_kernel)
+        # the row tiles by the kernels as planned for the method asked (a shape back on row tiles: torch's)
+        tiles = replace(tiles, kernel_tiles=plan.tiles.kernel_tiles and shape not in self.verifier.rows_only)
         heads = None if all_heads else torch.tensor(chosen, device=query.device)
         kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
         checked = tiles.method != "rows" and self.verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
