@@ -133,6 +133,30 @@ def test_recall_and_error_equal_the_naive_reference(layout, mean, budget):
         assert (ref - float(kind == "pattern_recall")).abs().max() > 1e-2  # the patterns drop real mass: a real check
 
 
+@pytest.mark.parametrize("mean", [False, True])
+def test_error_of_a_row_whose_kept_probabilities_all_underflow_is_the_softmax_over_its_kept_keys(mean):
+    """A video query whose every kept key lies > 104 logits below one outside its pattern: its float32 P·mask is
+    all 0 (0 / 0 renormalised); O_pattern comes from its exact scores, as the float64 reference forms it, for
+    patterns without a mask (whole frames, one patch a frame) and with one (STA), over several row tiles."""
+    layout = TokenLayout(text_len=0, frames=3, height=2, width=2)  # no text, which patterns always keep
+    torch.manual_seed(0)
+    H, S, D = 2, layout.seq_len, 16
+    q, k, v = torch.randn(H, S, D), torch.randn(H, S, D), torch.randn(H, S, D)
+    k[:, 0] = 0
+    k[:, 0, 0] = 1.0  # key 0 (frame 0) ...
+    q[0, 8] = 0
+    q[0, 8, 0] = 440.0  # ... dominates query 8 (frame 2) of head 0 by 110 logits (scale 1 / 4)
+    k[:, 8:] *= 0.01
+    pats = ("spatial", "temporal", "sta:1,1,1")
+    (error,), plan = _capture(q, k, v, layout, ("pattern_error",), mean, 6_000, pats)
+    assert plan.row_rows < S
+    P = naive_probs(q[None], k[None])
+    assert P[0, 0, 8, 8:].max() < 1e-45 and torch.softmax(q[0, 8] @ k[0].T / 4, -1)[8:].max() == 0  # lost in float32
+    ref = naive_kind(P, "pattern_error", 0, layout.grid, tile_shape=TILE, patterns=pats, v=v[None].double())[0]
+    ref = ref.mean(0, keepdim=True) if mean else ref
+    assert torch.isfinite(ref).all() and (error.double() - ref).abs().max() <= 1e-5
+
+
 def test_whole_frame_and_same_patch_patterns_form_no_mask_and_equal_their_rules_as_callables():
     """``spatial``, ``window:w`` and ``temporal`` sum runs of keys or gather a key per frame; the same rules given as
     callables go through masks: the numbers agree, over row tiles that cut frames (text first, last and none)."""

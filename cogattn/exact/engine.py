@@ -245,55 +245,86 @@ def row_pass(
         for g, gather, run in zip(groups, gathers, runs)
     ]
     wants_entropy = any(r.stat == "entropy" for r, _ in pooled)
+    for red, _ in row_kinds:  # the rows a reducer recomputes, masked as the tiles are (Reducer.scores)
+        red.scores = exact_scores(q, k, kept, mask, scale)
     tile = passes.TileBuffer(plan.row_heads * min(plan.row_rows, n_rows) * S, q.device)
     # every row without a mask: the kernels' tiles where the plan says so and this shape's check agrees
     by_kernel = plan.kernel_tiles and rows is None and mask is None and tile_kernel.agrees(q, k, kept, scale)
-    for h0 in range(0, H, plan.row_heads):
-        h1 = min(H, h0 + plan.row_heads)
-        chunk = tile_kernel.chunk(q, k, h0, h1, kept, scale, wants_entropy) if by_kernel else None
-        kt = None  # (h, D, S), a transposed view: bmm reads it without a copy
-        for r0 in range(0, n_rows, plan.row_rows):
-            r1 = min(n_rows, r0 + plan.row_rows)
-            buffer = tile.take(h1 - h0, r1 - r0, S)
-            probs = None if chunk is None else tile_kernel.tile(chunk, q, k, r0, r1, kept, scale, buffer)
-            if probs is not None:
-                entropy = None if chunk.entropy is None else chunk.entropy[:, r0:r1]
-            else:  # torch's tile (a kernel that failed here was warned about: torch's from now on)
-                chunk, kt = None, k.chunk(h0, h1).transpose(1, 2) if kt is None else kt
-                probs, entropy = _torch_tile(q, kt, buffer, h0, h1, r0, r1, rows, kept, mask, scale, wants_entropy)
-            for red, out in row_kinds:
-                red.fold_rows(out, h0, r0, probs)
-            for (red, out), keys, run, ind in zip(pooled, gathers, runs, indicators):
-                if red.stat == "received":  # over the formed rows (a query limit leaves the others out)
-                    formed = probs if red.query_limit is None else probs[:, : max(0, red.query_limit - r0)]
-                    red.fold_received(out, h0, formed.sum(1))
-                    continue
-                if red.stat == "entropy":
-                    sums = entropy[..., None]
-                elif keys is not None:
-                    sums = probs.index_select(-1, keys)
-                elif run is not None:
-                    sums = passes.run_sums(probs, run)
-                else:
-                    sums = torch.matmul(probs, ind) if ind is not None else passes.box_sums(probs, red.key_groups.boxes)
-                passes.fold(red, out, h0, r0, sums, probe)
-            del probs  # free this tile before the next one is allocated
+    try:
+        for h0 in range(0, H, plan.row_heads):
+            h1 = min(H, h0 + plan.row_heads)
+            chunk = tile_kernel.chunk(q, k, h0, h1, kept, scale, wants_entropy) if by_kernel else None
+            kt = None  # (h, D, S), a transposed view: bmm reads it without a copy
+            for r0 in range(0, n_rows, plan.row_rows):
+                r1 = min(n_rows, r0 + plan.row_rows)
+                buffer = tile.take(h1 - h0, r1 - r0, S)
+                probs = None if chunk is None else tile_kernel.tile(chunk, q, k, r0, r1, kept, scale, buffer)
+                if probs is not None:
+                    entropy = None if chunk.entropy is None else chunk.entropy[:, r0:r1]
+                else:  # torch's tile (a kernel that failed here was warned about: torch's from now on)
+                    chunk, kt = None, k.chunk(h0, h1).transpose(1, 2) if kt is None else kt
+                    probs, entropy = _torch_tile(q, kt, buffer, h0, h1, r0, r1, rows, kept, mask, scale, wants_entropy)
+                for red, out in row_kinds:
+                    red.fold_rows(out, h0, r0, probs)
+                _fold_pooled(pooled, gathers, runs, indicators, probs, entropy, h0, r0, probe)
+                del probs  # free this tile before the next one is allocated
+    finally:  # the reducers hold no q or k after the pass
+        for red, _ in row_kinds:
+            red.scores = None
+
+
+def _fold_pooled(pooled, gathers, runs, indicators, probs, entropy, h0: int, r0: int, probe) -> None:
+    """Fold a row tile's probabilities ``(h, r, S)`` (heads from ``h0``, rows from ``r0``) into the key-pooled kinds
+    and the row statistics: a gather of single keys, sums over runs of keys, else a product with the indicator."""
+    for (red, out), keys, run, ind in zip(pooled, gathers, runs, indicators):
+        if red.stat == "received":  # over the formed rows (a query limit leaves the others out)
+            formed = probs if red.query_limit is None else probs[:, : max(0, red.query_limit - r0)]
+            red.fold_received(out, h0, formed.sum(1))
+            continue
+        if red.stat == "entropy":
+            sums = entropy[..., None]
+        elif keys is not None:
+            sums = probs.index_select(-1, keys)
+        elif run is not None:
+            sums = passes.run_sums(probs, run)
+        else:
+            sums = torch.matmul(probs, ind) if ind is not None else passes.box_sums(probs, red.key_groups.boxes)
+        passes.fold(red, out, h0, r0, sums, probe)
 
 
 def _torch_tile(q, kt, out, h0: int, h1: int, r0: int, r1: int, rows, kept: int, mask, scale: float, entropy: bool):
     """One row tile's probabilities ``(h, r, S)`` in ``out`` (and its rows' entropy when asked, else `None`) by a
     float32 matmul and softmax: keys from ``kept`` on and where a boolean ``mask`` is `False` at −inf, an additive
     one added."""
-    S = kt.shape[-1]
     idx = slice(r0, r1) if rows is None else rows[r0:r1].to(q.device)
-    q_rows = q.chunk(h0, h1, idx)
-    scores = torch.matmul(q_rows, kt, out=out).mul_(scale)  # (h, r, S)
-    if kept < S:
-        scores[..., kept:] = -math.inf
-    bias = None if mask is None else passes.apply_mask_(scores, mask, idx, h0, h1)
+    q_rows, scores, bias = _scores(q, kt, out, h0, h1, idx, kept, mask, scale)
     if entropy:
         return passes.softmax_entropy(scores, q_rows, kt.transpose(1, 2), scale, bias)
     return passes.softmax_(scores), None
+
+
+def _scores(q, kt, out, h0: int, h1: int, idx, kept: int, mask, scale: float):
+    """The float32 scaled scores ``(h, r, S)`` of query rows ``idx`` of heads ``h0:h1`` against the keys ``kt``
+    ``(h, D, S)``, written into ``out`` (a new tensor with `None`), keys from ``kept`` on and where a boolean
+    ``mask`` is `False` at −inf, an additive one added: ``(q rows, scores, the bias added or None)``."""
+    q_rows = q.chunk(h0, h1, idx)
+    scores = torch.matmul(q_rows, kt, out=out).mul_(scale)  # (h, r, S)
+    if kept < kt.shape[-1]:
+        scores[..., kept:] = -math.inf
+    bias = None if mask is None else passes.apply_mask_(scores, mask, idx, h0, h1)
+    return q_rows, scores, bias
+
+
+def exact_scores(q, k, kept: int, mask, scale: float):
+    """A function ``(h0, h1, rows) → (h, r, S)`` float32 scores of query ``rows`` (an index tensor) of heads
+    ``h0:h1``, masked as the row tiles mask them: what a reducer recomputes for the few rows whose float32
+    probabilities lost what it needs (``Reducer.scores``)."""
+
+    def scores(h0: int, h1: int, rows: torch.Tensor) -> torch.Tensor:
+        kt = k.chunk(h0, h1).transpose(1, 2)
+        return _scores(q, kt, None, h0, h1, rows.to(q.device), kept, mask, scale)[1]
+
+    return scores
 
 
 def multi_key_indicator(reducers: list[Reducer], S: int, device=None, dtype=torch.float32) -> torch.Tensor:

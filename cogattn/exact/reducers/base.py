@@ -32,6 +32,9 @@ class Reducer:
     multi_key: ClassVar[bool] = False  # pools every query's keys in groups of several (frame, block, tile, ...)
     needs_value: ClassVar[bool] = False  # folds the attention's values V too (the engine sets ``value``)
     value = None  # set by the engine per item when ``needs_value``: the values' selected heads (a HeadView)
+    # set by the engine during a row pass: ``scores(h0, h1, rows)``, float32 scores (h, r, S) of query rows (an index
+    # tensor), masked as the tiles are, for the few rows whose float32 probabilities lost what a kind needs
+    scores = None
 
     def __init__(
         self,

@@ -137,15 +137,37 @@ class PatternErrorReducer(PatternRecallReducer):
         values = self._values(h0, probs.shape[0])  # (h, S, D)
         output = torch.bmm(part, values)  # O = P·V, (h, r, D)
         kept = None  # one buffer for every masked pattern's P·mask
-        for m, (pattern, mask) in enumerate(zip(self.resolved, self._row_masks(start, end, probs.device))):
+        patterned, masses = [], []
+        for pattern, mask in zip(self.resolved, self._row_masks(start, end, probs.device)):
             if mask is None:
                 mass, summed = self._structured(pattern, part, start, values)
             else:
                 kept = torch.empty_like(part) if kept is None else kept
                 torch.mul(part, mask, out=kept)
                 mass, summed = kept.sum(-1), torch.bmm(kept, values)
-            error = summed.div_(mass[..., None]).sub_(output).square_().mean(-1)  # (h, r)
+            patterned.append(summed.div_(mass[..., None]))  # O_pattern: P restricted to the mask, renormalised
+            masses.append(mass)
+        lost = torch.stack(masses) == 0  # (M, h, r): every kept probability underflowed (one device sync a tile)
+        if bool(lost.any()):
+            self._renormalise_lost(patterned, lost, h0, start, values)
+        for m, o_pattern in enumerate(patterned):
+            error = o_pattern.sub_(output).square_().mean(-1)  # (h, r)
             self._accumulate(out[:, m], h0, error.sum(-1) / V)
+
+    def _renormalise_lost(self, patterned, lost, h0: int, start: int, values) -> None:
+        """O_pattern of the rows where float32 underflowed every kept probability to 0 (each kept logit ~87 or more
+        below the row's largest: P·mask renormalises 0 / 0), from their exact scores (``Reducer.scores``): the
+        softmax over the pattern's kept keys times V, in place in ``patterned`` (M tensors ``(h, r, D)``)."""
+        rows = lost.any(0).any(0).nonzero().squeeze(1)  # the tile's rows lost for some pattern and head
+        h = lost.shape[1]
+        scores = self.scores(h0, h0 + h, rows + start)  # (h, n, S)
+        for m, pattern in enumerate(self.resolved):
+            where = lost[m][:, rows]  # (h, n)
+            if not bool(where.any()):
+                continue
+            keep = pattern.row_mask(self.layout, (rows + start).cpu()).to(scores.device)  # (n, S)
+            exact = torch.bmm(torch.softmax(scores.masked_fill(~keep, -torch.inf), -1), values)  # (h, n, D)
+            patterned[m][:, rows] = torch.where(where[..., None], exact, patterned[m][:, rows])
 
     def release(self) -> None:
         """Drop the values of the last item (the engine calls it when the item is done)."""
