@@ -285,6 +285,8 @@ def test_free_space_counts_whole_blocks(pipe, tmp_path, monkeypatch):
         (dict(kinds=None), TypeError, r"kinds must be a kind or a list of kinds .* got None"),
         (dict(info="prompt"), TypeError, r"info must be a dict"),
         (dict(memory_budget="0.1"), ValueError, r"memory_budget='0.1' is less than one byte"),
+        (dict(memory_budget="1e400"), ValueError, r"memory_budget='1e400' is more bytes than a float holds"),
+        (dict(memory_budget="1e308GiB"), ValueError, r"memory_budget='1e308GiB' is more bytes than a float holds"),
         (dict(storage_dtype="int8"), ValueError, r"storage_dtype='int8' is not one of"),
         (dict(method="rows", layer_output="joint"), ValueError, "Leave method='auto'"),
         (dict(save_dir=3), TypeError, "save_dir must be a folder path"),

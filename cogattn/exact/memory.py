@@ -64,7 +64,10 @@ def parse_bytes(value: int | str) -> int:
                 f"memory_budget={value!r} is not a byte size; use bytes or a number with a unit "
                 f"({', '.join(u for u in _UNITS if u)}), e.g. '1GiB'."
             )
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not math.isfinite(size):
+            raise ValueError(f"memory_budget={value!r} is more bytes than a float holds; give a size such as '1GiB'.")
+        n = int(size)
     if n <= 0:
         raise ValueError(f"memory_budget={value!r} is less than one byte; give a size such as '1GiB'.")
     return n
