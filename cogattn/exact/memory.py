@@ -23,6 +23,7 @@ __all__ = [
     "box_columns",
     "check_host",
     "context_tile",
+    "cpu_flash_bytes",
     "host_available",
     "least_budget",
     "one_refusal",
@@ -107,11 +108,25 @@ def row_tile_bytes(
 
 
 def pooled_bytes(
-    h: int, r: int, S: int, D: int, n_multi: int, n_single: int, copies: bool, joint: bool, stats=frozenset()
+    h: int,
+    r: int,
+    S: int,
+    D: int,
+    n_multi: int,
+    n_single: int,
+    copies: bool,
+    joint: bool,
+    stats=frozenset(),
+    cpu_threads: int = 0,
 ) -> int:
     # Phases of a head chunk, one after another: the entropy pass (its output), the multi-key sums, the
-    # single-key tiles, the received pass (the widened keys and queries and its output).
+    # single-key tiles, the received pass (the widened keys and queries and its output). Each fused call on a CPU
+    # also holds the flash kernel's workspace, per thread of ``cpu_threads`` (cpu_flash_bytes).
     width = -(-(D + 1) // 8) * 8
+    if cpu_threads:
+        return pooled_bytes(h, r, S, D, n_multi, n_single, copies, joint, stats) + cpu_flash_bytes(
+            S, width, cpu_threads
+        )
     stat_phases = [h * S * D + h * S] * ("entropy" in stats) + [3 * h * S * width + h * S + S * width] * (
         "received" in stats
     )
@@ -127,6 +142,14 @@ def pooled_bytes(
     outputs = h * S * D * (calls + 1) + 16 * h * S if calls > 1 else h * S * D
     single = h * r * n_single + h * D * n_single
     return _F32 * (held + max(outputs, single, *stat_phases))
+
+
+def cpu_flash_bytes(S: int, D: int, threads: int) -> int:
+    """The workspace of torch's CPU flash attention kernel for ``S`` queries and keys of head dim ``D`` (values of
+    ``D`` columns at most), float32: per thread a block of scores (256 query rows × 512 keys at most) and its rows'
+    outputs and statistics, allocated by every call beside its inputs and output."""
+    rows = 256 if S >= 768 else 64 if S >= 192 else 32
+    return _F32 * threads * (rows * min(512, S) + rows * (D + 2))
 
 
 def box_columns(grid: tuple[int, int, int], shape: tuple[int, int, int]) -> int:

@@ -172,8 +172,10 @@ def size_tiles(
     def row_bytes(h: int, r: int) -> int:
         return memory.row_tile_bytes(h, r, S, D, row_cols, copies_inputs, received, mean_row * H, mask_cost)
 
+    threads = torch.get_num_threads() if tile_cap is not None and method != "triton" else 0  # CPU flash calls
+
     def pooled_bytes(h: int, r: int) -> int:
-        return memory.pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, method == "joint", stats)
+        return memory.pooled_bytes(h, r, S, D, n_multi, n_single, copies_inputs, method == "joint", stats, threads)
 
     row_heads = row_rows = 0
     if row_sets:
