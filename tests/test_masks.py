@@ -23,6 +23,7 @@ from cogattn.models.cogvideox import tiny_pipeline
 
 LAYOUT = TokenLayout(text_len=5, frames=3, height=3, width=5)  # S = 50: blocks of 8 leave a last block of 2
 BLOCK = 8
+HISTORY = TokenLayout(text_len=4, frames=3, height=2, width=3, history_len=5)  # video tokens off the grid first
 HEAD_IDS = (2, 0, 1)
 
 
@@ -97,21 +98,23 @@ def source_of(probs, block_size=BLOCK, head_ids=HEAD_IDS):
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 7, 8, 16, 64])
-def test_block_grid(block_size):
-    grid = BlockGrid(LAYOUT, block_size)
-    S, T = LAYOUT.seq_len, LAYOUT.text_len
+@pytest.mark.parametrize("layout", [LAYOUT, HISTORY], ids=["text", "history"])
+def test_block_grid(block_size, layout):
+    grid = BlockGrid(layout, block_size)
+    S, T = layout.seq_len, layout.text_len
     assert len(grid) == grid.num_blocks == -(-S // block_size)
     tokens = [i for m in range(len(grid)) for i in grid.token_range(m)]
     assert tokens == list(range(S))  # runs from token 0, in order, covering every token once
     assert grid.sizes.tolist() == [len(r) for r in grid.ranges]
     assert grid.sizes[:-1].eq(block_size).all() and 1 <= grid.sizes[-1] <= block_size
     for m, r in enumerate(grid.ranges):
-        coords = [LAYOUT.coordinates(i) for i in r if i >= T]
+        coords = [c for c in map(layout.coordinates, r) if c is not None]
         assert grid.frames(m) == sorted({c[0] for c in coords})
         assert grid.rows(m) == sorted({c[1] for c in coords})
         assert grid.cols(m) == sorted({c[2] for c in coords})
         assert list(grid.text_tokens(m)) == [i for i in r if i < T]
         assert bool(grid.has_text[m]) == any(i < T for i in r)
+        assert bool(grid.off_grid[m]) == (len(coords) < len(r))  # text or history tokens
     with pytest.raises(ValueError, match="block_size"):
         BlockGrid(LAYOUT, 0)
 
@@ -119,7 +122,9 @@ def test_block_grid(block_size):
 @pytest.mark.parametrize("block_size", [1, 4, 7, 16])
 @pytest.mark.parametrize("text", [True, False])
 @pytest.mark.parametrize(
-    "layout", [LAYOUT, TokenLayout(text_len=0, frames=4, height=2, width=3)], ids=["text", "no-text"]
+    "layout",
+    [LAYOUT, TokenLayout(text_len=0, frames=4, height=2, width=3), HISTORY],
+    ids=["text", "no-text", "history"],
 )
 def test_masks_equal_token_definitions(layout, block_size, text):
     got = same_frame_mask(layout, block_size, text=text)

@@ -60,31 +60,33 @@ class BlockGrid:
     Attributes:
         num_blocks (`int`): N = ⌈S / block_size⌉ (also ``len(grid)``).
         sizes (`torch.Tensor`): ``(N,)`` int64, query tokens in each block (block_size, the last maybe fewer).
-        frame_touch (`torch.Tensor`): ``(N, F)`` bool, block m holds a video token of latent frame f.
+        frame_touch (`torch.Tensor`): ``(N, F)`` bool, block m holds a video token of latent frame f (video
+            tokens off the grid, a layout's ``history_len``, touch no frame and no patch).
         position_touch (`torch.Tensor`): ``(N, Hp, Wp)`` bool, block m holds a video token at patch
             (row, col) of some frame.
         has_text (`torch.Tensor`): ``(N,)`` bool, block m holds a text token (none when
             ``layout.text_len == 0``, Wan).
+        off_grid (`torch.Tensor`): ``(N,)`` bool, block m holds a token off the grid (text, history latents).
     """
 
     def __init__(self, layout: TokenLayout, block_size: int):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r}; use an int >= 1 (the source's block_size).")
         self.layout, self.block_size = layout, block_size
-        S, video, text = layout.seq_len, layout.video_tokens, layout.text_tokens
+        S, video, text = layout.seq_len, layout.grid_tokens, layout.text_tokens
         self.num_blocks = N = math.ceil(S / block_size)
-        starts = torch.arange(N) * block_size
-        self.sizes = torch.clamp(S - starts, max=block_size)
+        self.sizes = torch.clamp(S - torch.arange(N) * block_size, max=block_size)
         block = torch.arange(S) // block_size  # block of each token
-        v = torch.arange(layout.video_len)
-        frame, rest = v // layout.frame_tokens, v % layout.frame_tokens
-        row, col = rest // layout.width, rest % layout.width
+        v = torch.arange(layout.frames * layout.frame_tokens)  # the grid's tokens: history tokens have no position
+        frame, row, col = v // layout.frame_tokens, v % layout.frame_tokens // layout.width, v % layout.width
         self.frame_touch = torch.zeros(N, layout.frames, dtype=torch.bool)
         self.frame_touch[block[video], frame] = True
         self.position_touch = torch.zeros(N, layout.height, layout.width, dtype=torch.bool)
         self.position_touch[block[video], row, col] = True
         self.has_text = torch.zeros(N, dtype=torch.bool)
         self.has_text[block[text]] = True
+        self.off_grid = self.has_text.clone()
+        self.off_grid[block[layout.video_start : video.start]] = True  # the history tokens before the grid
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -133,7 +135,7 @@ def same_frame_mask(layout: TokenLayout, block_size: int, *, text: bool = True) 
     Args:
         layout (`TokenLayout`): the token layout.
         block_size (`int`): tokens per block.
-        text (`bool`, defaults to `True`): also keep every row and column of a block holding a text token.
+        text (`bool`, defaults to `True`): also keep every row and column of a block holding text or history tokens.
 
     Returns:
         `torch.Tensor`: ``(N, N)`` bool.
@@ -149,7 +151,7 @@ def temporal_window_mask(layout: TokenLayout, block_size: int, window: int, *, t
         layout (`TokenLayout`): the token layout.
         block_size (`int`): tokens per block.
         window (`int`): largest latent-frame distance kept, >= 0.
-        text (`bool`, defaults to `True`): also keep every row and column of a block holding a text token.
+        text (`bool`, defaults to `True`): also keep every row and column of a block holding text or history tokens.
 
     Returns:
         `torch.Tensor`: ``(N, N)`` bool.
@@ -172,7 +174,7 @@ def spatial_window_mask(layout: TokenLayout, block_size: int, radius: int, *, te
         layout (`TokenLayout`): the token layout.
         block_size (`int`): tokens per block.
         radius (`int`): largest row and column distance kept, in latent patches, >= 0.
-        text (`bool`, defaults to `True`): also keep every row and column of a block holding a text token.
+        text (`bool`, defaults to `True`): also keep every row and column of a block holding text or history tokens.
 
     Returns:
         `torch.Tensor`: ``(N, N)`` bool.
@@ -188,8 +190,8 @@ def spatial_window_mask(layout: TokenLayout, block_size: int, radius: int, *, te
 
 def _with_text(grid: BlockGrid, keep: torch.Tensor, text: bool) -> torch.Tensor:
     if text:
-        keep[grid.has_text] = True
-        keep[:, grid.has_text] = True
+        keep[grid.off_grid] = True
+        keep[:, grid.off_grid] = True
     return keep
 
 
@@ -341,18 +343,20 @@ def oracle_curve(
 
 
 def _grid(source: MapSource) -> BlockGrid:
+    return BlockGrid(_layout(source), int(source.block_size))
+
+
+def _layout(source: MapSource) -> TokenLayout:
     if source.layout is None:
         raise ValueError("this source has no token layout (it saw no generation); record a generation first.")
-    return BlockGrid(source.layout, int(source.block_size))
+    return source.layout
 
 
 class _TileGrid:
     """The groups of a ``tile`` map: the text, then the 3-D tiles of the source's ``tile_shape``."""
 
     def __init__(self, source: MapSource):
-        if source.layout is None:
-            raise ValueError("this source has no token layout (it saw no generation); record a generation first.")
-        self.layout, self.tile_shape = source.layout, tuple(source.tile_shape)
+        self.layout, self.tile_shape = _layout(source), tuple(source.tile_shape)
         groups = self.layout.tile_of_token(self.tile_shape)
         self.num_blocks = int(groups.max()) + 1
         self.sizes = torch.bincount(groups, minlength=self.num_blocks)
@@ -389,14 +393,10 @@ def _blocks(source: MapSource, grid, steps, layers, kind: str = "block"):
     for step, layer in pairs:
         blk = source.get(kind, step, layer)
         if blk.ndim != 4 or tuple(blk.shape[2:]) != (N, N):
-            if kind == "tile":
-                raise ValueError(
-                    f"the tile record of step {step}, layer {layer} has shape {tuple(blk.shape)}, not (B, H, {N}, {N})."
-                )
+            why = "" if kind == "tile" else f": S = {grid.layout.seq_len} and block_size = {grid.block_size} give "
             raise ValueError(
-                f"the block record of step {step}, layer {layer} has shape {tuple(blk.shape)}, but S = "
-                f"{grid.layout.seq_len} and block_size = {grid.block_size} give (B, H, {N}, {N}); the "
-                "source's block_size does not match its records."
+                f"the {kind} record of step {step}, layer {layer} has shape {tuple(blk.shape)}, not (B, H, {N}, {N})"
+                + ("." if kind == "tile" else f"{why}that; the source's block_size does not match its records.")
             )
         yield step, layer, blk.double()
 
