@@ -185,18 +185,20 @@ def test_the_config_holds_capture_options_and_the_output_key_ignores_how_maps_ar
 
 def test_resume_redoes_an_incomplete_prompt_and_skips_complete_ones(tmp_path, dump, quick_run):
     out = shutil.copytree(quick_run, tmp_path / "runs")
-    first, second, _ = _prompt_dirs(out)
+    first, second, third = _prompt_dirs(out)
     before = (first / "prompt.json").stat().st_mtime_ns
     meta = _meta(second)
     (second / "prompt.json").write_text(json.dumps({**meta, "complete": False}))  # as a killed run leaves it
     (second / "maps" / "run.json").unlink()
+    (third / "prompt.json").write_text("[]")  # JSON, but not what the tool writes: redone
     rerun = dump("--set", f"save_dir={out}", *QUICK, check=0)
-    assert "2 prompts already complete, skipped" in rerun.stdout
-    assert "1 prompts written" in rerun.stdout
+    assert "1 prompts already complete, skipped" in rerun.stdout
+    assert "2 prompts written" in rerun.stdout
     assert "[process" not in rerun.stdout  # one process: its lines need no name
     assert rerun.stdout.splitlines()[-1] == f"see the maps in the browser: cogattn view {out}"
     assert (first / "prompt.json").stat().st_mtime_ns == before  # untouched
     assert _meta(second)["complete"] and cogattn.load(second / "maps").complete
+    assert _meta(third)["complete"] and cogattn.load(third / "maps").complete
 
 
 def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick_run):

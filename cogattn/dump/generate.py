@@ -64,11 +64,13 @@ def load_pipeline(cfg: DumpConfig, device: str):
 
 
 def prompt_meta(folder: Path) -> dict:
-    """The ``prompt.json`` of a prompt's folder (``{}`` when there is none or it is unreadable)."""
+    """The ``prompt.json`` of a prompt's folder (``{}`` when there is none, it is unreadable or not an object: the
+    prompt is redone)."""
     try:
-        return json.loads((Path(folder) / "prompt.json").read_text())
-    except (OSError, ValueError):
+        meta = json.loads((Path(folder) / "prompt.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def is_complete(folder: Path) -> bool:
