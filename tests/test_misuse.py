@@ -4,6 +4,8 @@ Each test is one promise of "What happens when" in docs/streaming.md."""
 
 import gc
 import json
+import os
+import shutil
 import time
 import warnings
 from collections import namedtuple
@@ -219,15 +221,75 @@ def test_damaged_manifest_lines_are_skipped_and_reported(pipe, tmp_path):
     expected = {key: rec.get(*key) for key in rec.keys()}
     manifest = tmp_path / "manifest.jsonl"
     lines = manifest.read_bytes().split(b"\n")[:-1]
-    damaged = [lines[0], b"garbage {", b"", lines[1], b'{"kind": "frame"}', lines[2], lines[3], b"\0" * 40]
+    huge = [lines[1].replace(b'"step": 0', b'"step": Infinity'), lines[1].replace(b"999.0", b"1" + b"0" * 400)]
+    damaged = [lines[0], b"garbage {", b"", lines[1], b'{"kind": "frame"}', lines[2], lines[3], *huge, b"\0" * 40]
     manifest.write_bytes(b"\n".join(damaged) + b"\n" + b"\0" * 100)  # and a zero-filled tail, never committed
-    with pytest.warns(UserWarning, match=r"4 line\(s\) of .*manifest.jsonl.* cannot be read"):
+    with pytest.warns(UserWarning, match=r"6 line\(s\) of .*manifest.jsonl.* cannot be read"):
         run = cogattn.load(tmp_path)
-    assert [s.split(":")[1] for s in run.skipped_lines] == ["2", "3", "5", "8"]
+    assert [s.split(":")[1] for s in run.skipped_lines] == ["2", "3", "5", "8", "9", "10"]
+    assert all("OverflowError" in s for s in run.skipped_lines[3:5]), run.skipped_lines  # infinite, 400 digits
     assert "zero bytes" in run.skipped_lines[-1]
     assert run.keys() == sorted(expected)
     for key, value in expected.items():
         assert torch.equal(run.get(*key), value)
+
+
+@pytest.mark.parametrize("name", ["run.json", "manifest.jsonl", "record"])
+def test_a_pipe_in_place_of_a_runs_file_is_refused_not_waited_on(pipe, tmp_path, name):
+    """A FIFO (tar and rsync -a carry them) where a run's file should be: opening it would block for ever."""
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path):
+        generate(pipe, steps=1, output_type="latent")
+    file = tmp_path / (cogattn.load(tmp_path).record_info("frame", 0, 1).file if name == "record" else name)
+    file.unlink()
+    os.mkfifo(file)
+    with pytest.raises(cogattn.StoreError, match=r"is not a regular file"):
+        cogattn.load(tmp_path).get("frame", 0, 1)
+
+
+def test_numbers_past_a_floats_range_in_run_json_are_refused_in_one_line(pipe, tmp_path):
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path):
+        generate(pipe, steps=1, output_type="latent")
+    meta = json.loads((tmp_path / "run.json").read_text())
+    meta["timesteps"] = [10**400]
+    (tmp_path / "run.json").write_text(json.dumps(meta))
+    with pytest.raises(cogattn.StoreError, match=r"timesteps.*a number") as err:
+        cogattn.load(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_heads_all_without_their_list_are_the_configs_count_and_lines_of_another_are_skipped(pipe, tmp_path):
+    """A run.json of heads='all' that does not list its heads: the model config's count stands for them; a record
+    of another head count is skipped, not served to a reader that indexes heads by the config."""
+    with cogattn.record(pipe, kinds="frame", heads="all", save_dir=tmp_path):
+        generate(pipe, steps=1, output_type="latent")
+    meta = json.loads((tmp_path / "run.json").read_text())
+    meta["selection"]["heads_resolved"] = None  # as a run of an earlier version writes it
+    del meta["selection"]["source_heads"]
+    (tmp_path / "run.json").write_text(json.dumps(meta))
+    heads = meta["model"]["config"]["num_attention_heads"]
+    run = cogattn.load(tmp_path)
+    assert run.head_ids == tuple(range(heads)) and len(run) == 2
+    meta["model"]["config"]["num_attention_heads"] = heads + 1
+    (tmp_path / "run.json").write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match=r"2 line\(s\)"):
+        run = cogattn.load(tmp_path)
+    assert len(run) == 0 and all("head" in s for s in run.skipped_lines)
+
+
+def test_overwrite_removes_a_link_in_the_run_and_writes_nothing_through_it(pipe, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "notes.txt").write_text("mine")
+    run_dir = tmp_path / "run"
+    with cogattn.record(pipe, kinds="frame", save_dir=run_dir):
+        generate(pipe, steps=1, output_type="latent")
+    records = run_dir / "records"
+    shutil.rmtree(records)
+    records.symlink_to(outside, target_is_directory=True)  # a shared run whose records are a link
+    with cogattn.record(pipe, kinds="frame", save_dir=run_dir, overwrite=True):
+        generate(pipe, steps=1, output_type="latent")
+    assert [p.name for p in outside.iterdir()] == ["notes.txt"] and not records.is_symlink()
+    assert len(cogattn.load(run_dir)) == 2
 
 
 def test_a_damaged_record_file_is_named(pipe, tmp_path):

@@ -66,8 +66,9 @@ def load_pipeline(cfg: DumpConfig, device: str):
 def prompt_meta(folder: Path) -> dict:
     """The ``prompt.json`` of a prompt's folder (``{}`` when there is none, it is unreadable or not an object: the
     prompt is redone)."""
+    file = Path(folder) / "prompt.json"
     try:
-        meta = json.loads((Path(folder) / "prompt.json").read_text())
+        meta = json.loads(file.read_text()) if file.is_file() else {}  # a pipe would block the read
     except (OSError, ValueError, RecursionError):
         return {}
     return meta if isinstance(meta, dict) else {}

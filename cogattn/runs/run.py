@@ -14,6 +14,7 @@ that cannot be read (a disk fault, a power loss's zero-filled tail) is skipped a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -130,6 +131,9 @@ class Run:
         if not (self.path / MANIFEST).exists():
             raise FileNotFoundError(f"{str(self.path)!r} is not a cogattn run: it has no {MANIFEST}.")
         meta_file = self.path / META
+        for file in (self.path / MANIFEST, meta_file):  # a pipe or a device would block or never end a read
+            if file.exists() and not file.is_file():
+                raise StoreError(f"{str(file)!r} is not a regular file; the run cannot be read.")
         try:
             self.meta: dict = json.loads(meta_file.read_text()) if meta_file.exists() else {}
         except (OSError, ValueError) as err:
@@ -224,7 +228,7 @@ class Run:
 
     call_stats = property(lambda self: checked_call_stats(self.meta.get("call_stats", [])), doc="Recording.call_stats")
 
-    @property
+    @functools.cached_property
     def head_ids(self) -> tuple[int, ...] | None:
         """The model head of each slot of a result's head axis; `None` when heads were averaged."""
         sel = self.meta.get("selection") or {}
@@ -330,6 +334,8 @@ class Run:
                 f"record file {str(file)!r} (manifest.jsonl's 'file' {record.file!r}) resolves to {str(real)!r}, "
                 f"outside the run folder {str(root)!r}; a run's records are read from inside it only."
             )
+        if real.exists() and not real.is_file():  # a pipe would block the reader (and, in safetensors, every thread)
+            raise StoreError(f"record file {str(file)!r} is not a regular file; it cannot be read.")
         if index is not None:
             index = index if isinstance(index, tuple) else (index,)
             index = REDUCERS[kind].stored_index(index) if kind in REDUCERS else index
@@ -367,7 +373,7 @@ def _parse_line(raw: bytes, shapes: RecordShapes) -> RecordInfo | str:
             int(d["bytes"]),
             str(d["file"]),
         )
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, OverflowError) as err:  # OverflowError: infinities, 400-digit numbers
         return f"not a record line ({type(err).__name__}: {str(err)[:60]})"
     why = line_problem(info.step, info.layer, info.shape, info.nbytes, info.file)
     return why or shape_problem(info.kind, info.shape, shapes, info.layer) or info

@@ -281,6 +281,9 @@ class RecordShapes:
             heads = dict(sel.get("source_heads") or {})
             heads.setdefault("self", sel.get("heads_resolved"))
             heads = {src: len(ids) for src, ids in heads.items() if isinstance(ids, list)}
+            config = (meta.get("model") or {}).get("config") or {}
+            if sel.get("heads") == "all" and "self" not in heads and type(config.get("num_attention_heads")) is int:
+                heads["self"] = config["num_attention_heads"]  # a run that did not list the heads: the model's
         return cls(dims, layout, slots, dict(meta.get("sources") or {}), heads, dict(layer_layouts or {}))
 
 

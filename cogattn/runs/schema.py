@@ -97,6 +97,11 @@ def _whole(value, low: int = 0, high: int = MAX_INDEX - 1) -> bool:
 
 
 def _number(value) -> bool:
+    if type(value) is int:  # JSON's integers have any length: one past a float's range is no number a reader takes
+        try:
+            float(value)
+        except OverflowError:
+            return False
     return type(value) in (int, float)
 
 
@@ -171,7 +176,7 @@ MODEL = Fields(
         "experts": ListOf(TEXT),
         "layer_names": AnyOf((NULL, ListOf(TEXT))),
         "step_experts": AnyOf((NULL, ListOf(TEXT))),
-        "config": Fields("an object of the transformer's config", {"num_attention_heads": POSITIVE}),
+        "config": Fields("an object of the transformer's config", {"num_attention_heads": whole(1, MAX_INDEX)}),
         "dtype": AnyOf((TEXT, NULL)),
         "pipeline": AnyOf((TEXT, NULL)),
     },

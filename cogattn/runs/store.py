@@ -67,7 +67,7 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 def _is_run(path: Path) -> bool:
     try:
-        return json.loads((path / META).read_text()).get("format") == FORMAT
+        return (path / META).is_file() and json.loads((path / META).read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -77,7 +77,8 @@ def remove_run(path: Path, lock_too: bool = False, folder_too: bool = False) -> 
     well (once no recording holds it), with ``folder_too`` also the folder when nothing else is in it."""
     for name in (MANIFEST, META, RECORDS) + ((LOCK,) if lock_too else ()):
         p = path / name
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        # a link (to a folder too) is removed, never followed: the run's own files only
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
     if folder_too and path.is_dir() and not any(path.iterdir()):
         path.rmdir()
 
