@@ -201,6 +201,18 @@ def test_resume_redoes_an_incomplete_prompt_and_skips_complete_ones(tmp_path, du
     assert _meta(third)["complete"] and cogattn.load(third / "maps").complete
 
 
+def test_a_save_dir_under_the_home_folder_is_one_folder_and_resumes(tmp_path, dump, quick_run, monkeypatch):
+    """``save_dir: ~/runs``: the videos, prompt.json and the maps in one folder, and a rerun skips what is done."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    out = shutil.copytree(quick_run, tmp_path / "home" / "runs")
+    _, second, _ = _prompt_dirs(out)
+    (second / "prompt.json").write_text(json.dumps({**_meta(second), "complete": False}))
+    (second / "maps" / "run.json").unlink()
+    rerun = dump("--set", "save_dir=~/runs", *QUICK, check=0)
+    assert "2 prompts already complete, skipped" in rerun.stdout and "1 prompts written" in rerun.stdout
+    assert not (tmp_path / "~").exists() and _meta(second)["complete"] and cogattn.load(second / "maps").complete
+
+
 def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick_run):
     from cogattn.runs.folder import RunLock
 

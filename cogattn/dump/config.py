@@ -143,6 +143,8 @@ class DumpConfig:
     def __post_init__(self):
         if not isinstance(self.capture, CaptureOptions):  # the mapping of a config file
             self.capture = _capture(self.capture)
+        if isinstance(self.save_dir, str):  # "~/runs": one folder for the maps, the videos and prompt.json alike
+            self.save_dir = str(Path(self.save_dir).expanduser())
 
     def resolve(self, relative: str) -> Path:
         """A path from the config, relative to the config file's folder."""
