@@ -270,6 +270,7 @@ def _write(path: Path, text: str | bytes) -> Path:
 
 
 BAD_JSONL = '{"prompt": "a red fox"}\n{"prompt": "a cat",}\n'  # line 2: a key expected at column 20
+HUGE_SEED = '{"prompt": "a"}\n{"prompt": "b", "seed": 18446744073709551616}\n'  # 2**64: past torch's seeds
 LATIN1 = "a café at night".encode("latin-1")  # é is byte 5
 
 
@@ -290,6 +291,12 @@ LATIN1 = "a café at night".encode("latin-1")  # é is byte 5
             r'prompt as one JSON object on its own line, such as \{"prompt": "a red fox"\}\.$',
         ),
         ("not_utf8", r"prompts file .*latin1\.txt' is not UTF-8 text \(byte 5: b'\\xe9'\); save it as UTF-8\.$"),
+        ("string_seed", r"s\.jsonl:1: seed is '7'; give a whole number from 0 to 2\*\*63 - 1\.$"),
+        ("huge_seed", r"h\.jsonl:2: seed is 18446744073709551616; give a whole number"),
+        ("number_image", r"n\.jsonl:1: image is 5; give a string\.$"),
+        ("image_without_task", r"prompts \[0\] give an 'image', but task is 'text-to-video'; set task: image-to-video"),
+        ("config_seed", r"seed must be from 0 to 2\*\*63 - 1 and guidance_scale finite"),
+        ("infinite_guidance", r"guidance_scale inf\.$"),
         ("bad_override", "--set 'steps': expected key=value"),
         ("dotted_override", r"--set 'seed.x=1': only capture options have dotted keys"),
         ("unknown_output", r"capture: layer_output='fast' is not one of \['stock', 'lse', 'joint'\]"),
@@ -330,6 +337,15 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case
         ],
         "bad_jsonl": ["--set", f"prompts={_write(tmp_path / 'bad.jsonl', BAD_JSONL)}"],
         "not_utf8": ["--set", f"prompts={_write(tmp_path / 'latin1.txt', LATIN1)}"],
+        "string_seed": ["--set", f"prompts={_write(tmp_path / 's.jsonl', json.dumps({'prompt': 'x', 'seed': '7'}))}"],
+        "huge_seed": ["--set", f"prompts={_write(tmp_path / 'h.jsonl', HUGE_SEED)}"],
+        "number_image": ["--set", f"prompts={_write(tmp_path / 'n.jsonl', json.dumps({'prompt': 'x', 'image': 5}))}"],
+        "image_without_task": [
+            "--set",
+            f"prompts={_write(tmp_path / 'i.jsonl', json.dumps({'prompt': 'x', 'image': str(ROOT / 'configs/prompts/images/gradient.png')}))}",
+        ],
+        "config_seed": ["--set", "seed=18446744073709551616", "--dry-run"],
+        "infinite_guidance": ["--set", "guidance_scale=.inf", "--dry-run"],
         "bad_override": ["--set", "steps"],
         "dotted_override": ["--set", "seed.x=1"],
         "unknown_output": ["--set", "capture.layer_output=fast"],

@@ -64,6 +64,12 @@ def _read_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
         extra = sorted(set(obj) - allowed)
         if extra:
             raise ConfigError(f"{path}:{n}: unknown keys {extra}; allowed: {sorted(allowed)}.")
+        for key in ("negative_prompt", "image"):
+            if obj.get(key) is not None and not isinstance(obj[key], str):
+                raise ConfigError(f"{path}:{n}: {key} is {obj[key]!r}; give a string.")
+        seed = obj.get("seed")
+        if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+            raise ConfigError(f"{path}:{n}: seed is {seed!r}; give a whole number from 0 to 2**63 - 1.")
         prompt = Prompt(
             len(prompts),
             obj["prompt"],
@@ -112,4 +118,7 @@ def read_prompts(cfg: DumpConfig) -> list[Prompt]:
         missing = [p.index for p in prompts if p.image is None]
         if missing:
             raise ConfigError(f"task image-to-video needs an 'image' for every prompt; prompts {missing} have none.")
+    elif any(p.image is not None for p in prompts):  # an image the task never reads, which prompt.json would name
+        given = [p.index for p in prompts if p.image is not None]
+        raise ConfigError(f"prompts {given} give an 'image', but task is {cfg.task!r}; set task: image-to-video.")
     return prompts

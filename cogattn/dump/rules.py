@@ -12,6 +12,7 @@ as its ``ConfigError``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from ..models import FAMILIES, KNOWN_MODELS, ModelSpec
@@ -76,9 +77,10 @@ def check_call(cfg) -> None:
                 f"{key}: {value!r} must be a positive multiple of {vae * patch} (the {spec.title} VAE's {vae} × "
                 f"the patch size {patch})."
             )
-    if cfg.seed < 0 or not cfg.guidance_scale >= 0:
+    if not 0 <= cfg.seed < 2**63 or not 0 <= cfg.guidance_scale < math.inf:
         raise ValueError(
-            f"seed and guidance_scale must be ≥ 0; got seed {cfg.seed!r}, guidance_scale {cfg.guidance_scale!r}."
+            f"seed must be from 0 to 2**63 - 1 and guidance_scale finite and ≥ 0; got seed {cfg.seed!r}, "
+            f"guidance_scale {cfg.guidance_scale!r}."
         )
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise ValueError(f"device: {cfg.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'.")
