@@ -213,6 +213,28 @@ def test_a_save_dir_under_the_home_folder_is_one_folder_and_resumes(tmp_path, du
     assert not (tmp_path / "~").exists() and _meta(second)["complete"] and cogattn.load(second / "maps").complete
 
 
+def test_a_prompt_another_process_completed_meanwhile_is_kept(tmp_path, dump, quick_run, monkeypatch):
+    """A prompt found incomplete when the tool chose its prompts, then completed by another process before this one
+    took its lock: kept as the other wrote it, counted as skipped."""
+    import cogattn.dump.cli as cli
+
+    out = shutil.copytree(quick_run, tmp_path / "runs")
+    _, second, _ = _prompt_dirs(out)
+    finished = (second / "prompt.json").read_text()
+    (second / "prompt.json").write_text(json.dumps({**_meta(second), "complete": False}))
+    record = (second / "maps" / "run.json").stat().st_mtime_ns
+    real = cli.run_prompt
+
+    def another_process_finishes_first(pipe, cfg, prompt, folder, *args):
+        (folder / "prompt.json").write_text(finished)
+        return real(pipe, cfg, prompt, folder, *args)
+
+    monkeypatch.setattr(cli, "run_prompt", another_process_finishes_first)
+    rerun = dump("--set", f"save_dir={out}", *QUICK, check=0)
+    assert "0 prompts written, 3 skipped, 0 failed" in rerun.stdout
+    assert (second / "maps" / "run.json").stat().st_mtime_ns == record and _meta(second)["complete"]
+
+
 def test_a_prompt_another_process_is_writing_is_left_alone(tmp_path, dump, quick_run):
     from cogattn.runs.folder import RunLock
 

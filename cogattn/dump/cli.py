@@ -144,6 +144,7 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
         skipped = len(mine) - len(todo)
         if skipped:
             print(f"{process}{skipped} prompts already complete, skipped", flush=True)
+        finished_elsewhere = 0  # by another process while this one worked
         if todo:
             pipe = load_pipeline(cfg, device)
             if mesh is not None:
@@ -151,13 +152,14 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
             for prompt in tqdm(todo, desc=f"{process}prompts", position=0, disable=None):
                 try:
                     writes = mesh is None or mesh.writer  # under a mesh: its first process alone
-                    run_prompt(pipe, cfg, prompt, out / prompt.key(), state.process_index, writes)
+                    if not run_prompt(pipe, cfg, prompt, out / prompt.key(), state.process_index, writes, mesh is None):
+                        finished_elsewhere += 1
                 except Exception as err:  # one prompt's failure must not stop the others
                     failures.append((prompt, err))
                     print(f"prompt {prompt.index} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
                     if os.environ.get("COGATTN_DEBUG"):
                         traceback.print_exc()
-    done = len(todo) - len(failures)
+    done, skipped = len(todo) - len(failures) - finished_elsewhere, skipped + finished_elsewhere
     print(f"{process}{done} prompts written, {skipped} skipped, {len(failures)} failed -> {out}", flush=True)
     for prompt, err in failures:
         print(f"  failed: prompt {prompt.index} ({prompt.prompt[:40]!r}): {type(err).__name__}: {err}", file=sys.stderr)

@@ -136,8 +136,11 @@ def _write_head_table(maps: Path, path: Path) -> bool:
     return True
 
 
-def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int, writes: bool = True) -> None:
-    """Generate one video with capture into ``folder`` (a fresh or incomplete one is (re)made).
+def run_prompt(
+    pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int, writes: bool = True, alone: bool = True
+) -> bool:
+    """Generate one video with capture into ``folder`` (a fresh or incomplete one is (re)made); `False` where another
+    process completed it since this one chose its prompts (``alone``: no mesh waits on this process), left as it is.
 
     Args:
         pipe: the pipeline from :func:`load_pipeline`.
@@ -148,22 +151,26 @@ def run_prompt(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int
         process (`int`): index of this process under ``accelerate launch`` (kept in ``prompt.json``).
         writes (`bool`): `False` on a process of a context-parallel mesh other than its first: it takes part in the
             generation and writes nothing (its recording neither: :mod:`cogattn.dump.parallel`).
+        alone (`bool`): `False` in a mesh, whose processes generate every prompt they agreed on together.
     """
     if not writes:
         _generate(pipe, cfg, prompt, folder, process, writes=False)
-        return
+        return True
     folder.mkdir(parents=True, exist_ok=True)
     try:  # held until the prompt is complete: another process never deletes or mixes into it
         lock = RunLock(folder)
     except StoreError:
         raise StoreError(f"{str(folder)!r} is being written by another process; it is left alone.") from None
     try:
+        if alone and is_complete(folder):  # finished by another process since the list was made: kept
+            return False
         for old in folder.iterdir():  # an incomplete earlier attempt
             if old.name != LOCK:
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
         _generate(pipe, cfg, prompt, folder, process)
     finally:
         lock.release()
+    return True
 
 
 def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int, writes: bool = True) -> None:
