@@ -70,8 +70,9 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
         `Estimate`: records, bytes and peak extra memory over all prompts; raises `ConfigError` or the
         `ValueError` of ``cogattn.estimate``.
     """
-    if cfg.offload != "none" and cfg.device == "cpu":
-        raise ConfigError(f"offload: {cfg.offload!r} needs a GPU device, but device is 'cpu'.")
+    if cfg.offload != "none" and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
+        why = "device is 'cpu'" if cfg.device == "cpu" else "device 'auto' finds no GPU on this machine"
+        raise ConfigError(f"offload: {cfg.offload!r} needs a GPU device, but {why}; set offload: none.")
     if cfg.device.startswith("cuda"):
         index = int(cfg.device.partition(":")[2] or 0)
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
