@@ -50,9 +50,12 @@ def pick_item(source, batch: int | str | None = None) -> int:
                 " (batch='all' under guidance records both halves); pass a slot index."
             )
         return roles.index(batch)
-    if isinstance(batch, bool):
-        raise TypeError(f"batch={batch!r}: pass a slot index, 'cond', 'uncond' or None.")
-    return operator.index(batch)
+    try:
+        if isinstance(batch, bool):
+            raise TypeError
+        return operator.index(batch)
+    except TypeError:
+        raise TypeError(f"batch={batch!r}: pass a slot index, 'cond', 'uncond' or None.") from None
 
 
 def item_label(source, batch: int | str | None = None) -> str:

@@ -65,6 +65,9 @@ def test_readers_show_the_conditional_item_by_default_and_name_it(guided, tmp_pa
         assert pick_item(source) == pick_item(source, "cond") == 1 and pick_item(source, "uncond") == 0
         assert item_label(source) == f"batch item 1, conditional: {PROMPT!r}"
         assert item_label(source, 0) == "batch item 0, unconditional: 'blue sky'"
+        for bad in (1.0, True, [1]):
+            with pytest.raises(TypeError, match=r"batch=.*: pass a slot index, 'cond', 'uncond' or None\.$"):
+                pick_item(source, bad)
     fig = plot.word_heatmap(run, [2], steps=0)
     assert f"batch item 1, conditional: {PROMPT!r}" in _title(fig)
     assert "unconditional: 'blue sky'" in _title(plot.word_heatmap(run, [2], steps=0, batch="uncond"))
