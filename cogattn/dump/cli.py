@@ -70,9 +70,8 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
         `Estimate`: records, bytes and peak extra memory over all prompts; raises `ConfigError` or the
         `ValueError` of ``cogattn.estimate``.
     """
-    if cfg.offload != "none" and (cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())):
-        why = "device is 'cpu'" if cfg.device == "cpu" else "device 'auto' finds no GPU on this machine"
-        raise ConfigError(f"offload: {cfg.offload!r} needs a GPU device, but {why}; set offload: none.")
+    if cfg.offload != "none" and cfg.device == "cpu":
+        raise ConfigError(f"offload: {cfg.offload!r} needs a GPU device, but device is 'cpu'; set offload: none.")
     if cfg.device.startswith("cuda"):
         index = int(cfg.device.partition(":")[2] or 0)
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
@@ -191,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         need, free, existing = disk_need(cfg, prompts, result)
         if need > free and not args.dry_run:  # a dry run plans for another machine as well: it reports
             raise ConfigError(_disk_line(need, free, existing))
+        if not args.dry_run and cfg.offload != "none" and cfg.device == "auto" and not torch.cuda.is_available():
+            raise ConfigError(f"offload: {cfg.offload!r} needs a GPU, but device 'auto' finds none; set offload: none.")
         if not args.dry_run and cfg.tiny_spec() is None and (refusal := cfg.spec().refusal(cfg.model_config())):
             raise ConfigError(refusal)
     except (ConfigError, ValueError, TypeError) as err:
