@@ -190,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         need, free, existing = disk_need(cfg, prompts, result)
         if need > free and not args.dry_run:  # a dry run plans for another machine as well: it reports
             raise ConfigError(_disk_line(need, free, existing))
-        if not args.dry_run and cfg.offload != "none" and cfg.device == "auto" and not torch.cuda.is_available():
-            raise ConfigError(f"offload: {cfg.offload!r} needs a GPU, but device 'auto' finds none; set offload: none.")
         if not args.dry_run and cfg.tiny_spec() is None and (refusal := cfg.spec().refusal(cfg.model_config())):
             raise ConfigError(refusal)
+        if not args.dry_run and cfg.offload != "none" and cfg.device == "auto" and not torch.cuda.is_available():
+            raise ConfigError(f"offload: {cfg.offload!r} needs a GPU, but device 'auto' finds none; set offload: none.")
     except (ConfigError, ValueError, TypeError) as err:
         print(f"{PROG}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
