@@ -11,7 +11,9 @@ import contextlib
 import io
 import json
 import math
+import os
 import shutil
+import warnings
 from pathlib import Path
 from urllib.error import HTTPError
 from urllib.request import urlopen
@@ -671,3 +673,121 @@ def test_the_page_lists_an_unreadable_run_with_its_line_live_and_in_the_export(m
         finally:
             browser.close()
     assert not problems and not dialogs, (problems, dialogs)
+
+
+# -- one number of run.json, or one folder's name, costs only what the run holds --------------------------------
+def _add_block(folder: Path) -> None:
+    """A ``block`` record beside each ``frame`` record: one block a side, as S = 53 and block_size 128 give."""
+    manifest = folder / "maps" / "manifest.jsonl"
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    for x in [json.loads(x) for x in lines if json.loads(x)["kind"] == "frame"]:
+        file = f"records/block/step{x['step']:04d}_layer{x['layer']:03d}.safetensors"
+        (folder / "maps" / file).parent.mkdir(exist_ok=True)
+        save_file({"map": torch.ones(1, 2, 1, 1)}, str(folder / "maps" / file))
+        line = {**x, "kind": "block", "shape": [1, 2, 1, 1], "bytes": (folder / "maps" / file).stat().st_size}
+        lines.append(json.dumps({**line, "file": file}).encode() + b"\n")
+    manifest.write_bytes(b"".join(lines))
+
+
+@pytest.mark.parametrize("change", ["block_size", "no layout"])
+def test_a_block_mask_is_made_only_for_a_block_map_of_run_json_s_size(folder, monkeypatch, change):
+    """The block record's N is checked against ⌈S / block_size⌉ before a mask is made of run.json's layout (a
+    block_size of 1 asks for an S × S mask over a 1 × 1 map), and a run without a layout answers one line."""
+    from cogattn.view import data
+
+    _add_block(folder)
+    assert "recall" in RunView(folder / "maps").block(1, "mean", "mean", "same_frame")  # the reference: N = 1
+    made = []
+    monkeypatch.setitem(data.MASKS, "same_frame", lambda layout, size: made.append(size) or 1 / 0)
+    _set_meta(folder, lambda m: m["selection"].update(block_size=1) if change == "block_size" else m.pop("layout"))
+    with _served(folder) as server:
+        status, body = _get(f"{server.url}api/block?step=1&layer=0&head=0&mask=same_frame")
+        error = _strict_json(body)["error"]
+        assert status == 200 and len(error.splitlines()) == 1 and "mask 'none'" in error and not made
+        assert ("1 × 1 blocks" in error and "53 × 53" in error) if change == "block_size" else "no layout" in error
+        got = _strict_json(_get(f"{server.url}api/block?step=1&layer=0&head=0")[1])  # the map itself is shown
+        assert got["shape"] == [1, 1] and got["values"] == [1.0]
+
+
+def test_an_unexpected_error_in_one_run_costs_that_run_only(made, tmp_path, monkeypatch):
+    """A run without a layout (its block panel, its export), and any error of a run nothing foresaw, in the
+    listing and in the export: one line naming the run, and the other run is listed, served and exported."""
+    root, good, bad = _two_runs(made, tmp_path)
+    for run in (good, bad):
+        _add_block(run)
+    _set_meta(bad, lambda meta: meta.pop("layout"))
+    data = _embedded(export(root, tmp_path / "report.html"))
+    assert sorted(data["summaries"]) == ["bad", "good"] and data["left_out"] == []
+    assert "no layout" in data["maps"]["bad|block|1|mean|mean|same_frame"]["error"]
+    init, summary = RunView.__init__, RunView.summary
+
+    def broken_init(self, path):
+        if Path(path).parent.name == "bad":
+            raise AttributeError("'NoneType' object has no attribute 'seq_len'")
+        init(self, path)
+
+    monkeypatch.setattr(RunView, "summary", lambda self: 1 / 0 if self.path.parent.name == "bad" else summary(self))
+    left: list[str] = []
+    data = _embedded(export(root, tmp_path / "report.html", left_out=left))
+    assert list(data["summaries"]) == ["good"] and left == data["left_out"] and len(left) == 1
+    assert left[0] == "bad: left out (ZeroDivisionError: division by zero)"
+    monkeypatch.setattr(RunView, "__init__", broken_init)
+    problems: list[str] = []
+    assert list(open_runs(root, problems)) == ["good"]
+    assert problems == ["bad: left out (AttributeError: 'NoneType' object has no attribute 'seq_len')"]
+    with _served(root) as server:
+        rows = {r["name"]: r for r in _strict_json(_get(f"{server.url}api/runs")[1])}
+        assert rows["good"]["status"] == "finished" and rows["bad"]["status"] == "unreadable"
+        assert rows["bad"]["error"].startswith("AttributeError: ")
+        assert _get(f"{server.url}api/map?run=good&kind=frame&step=1")[0] == 200
+
+
+def test_one_number_in_run_json_does_not_make_the_summary_large(folder):
+    """The audio bins' seconds and the text tokens' labels are sent for what the records hold, at most MAX_LABELS:
+    an audio axis with no audio record, or a text of 2**17 tokens, is not a list of 2**17 entries."""
+    from cogattn.view.labels import MAX_LABELS, token_labels
+
+    _set_prompt(folder, tokens=None)  # no kept labels: one per token, from run.json's text_len
+    sizes = {}
+    for name, change in [
+        ("audio", lambda meta: meta["layout"].update(audio={"tokens": 2**17})),
+        ("text_len", lambda meta: meta["layout"].update(text_len=2**17)),
+    ]:
+        _set_meta(folder, change)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the records run.json's text no longer fits are skipped
+            with _served(folder) as server:
+                status, body = _get(f"{server.url}api/summary")
+        summary = _strict_json(body)
+        assert status == 200 and "frame" in summary["kinds"] and summary["audio_seconds"] is None
+        assert len(summary["tokens"]) <= MAX_LABELS and len(summary["negative_tokens"]) <= MAX_LABELS
+        sizes[name] = len(body)
+    assert max(sizes.values()) < 100_000, sizes
+    held = type("Record", (), {"kind": "video_to_text", "shape": (1, 1, 10**7, 1, 1, 1)})
+    long = type("Run", (), {"layout": type("Layout", (), {"prompt_len": 10**7}), "batch_roles": None})
+    long.text_spans, long.records = ({"prompt": (2, 10**7)},), lambda: [held]
+    labels = token_labels(long, None)  # a run that holds 10**7 text tokens: the first MAX_LABELS
+    assert len(labels) == MAX_LABELS and labels[:3] == ["pad 0", "pad 1", "prompt 0"]
+
+
+def test_a_run_folder_whose_name_is_not_text_is_listed_and_served_with_the_others(made, tmp_path):
+    """A folder name of Latin-1 bytes (b"caf\\xe9", from an archive) is not UTF-8: the run gets a name that is text
+    (its byte written \\xe9), the page's URLs of it reach it, and the runs after it are listed too."""
+    from urllib.parse import quote
+
+    from cogattn.view.labels import run_names
+
+    root = tmp_path / "runs"
+    for name in ("a_first", "z_last"):
+        shutil.copytree(made, root / name)
+    shutil.copytree(made, os.fsdecode(os.fsencode(str(root)) + b"/m_caf\xe9"))
+    with _served(root) as server:
+        rows = _strict_json(_get(f"{server.url}api/runs")[1])
+        assert [r["name"] for r in rows] == ["a_first", "m_caf\\xe9", "z_last"]
+        assert [r["status"] for r in rows] == ["finished"] * 3
+        for row in rows:
+            name = quote(row["name"].encode("utf-8"))  # as encodeURIComponent writes it
+            status, body = _get(f"{server.url}api/summary?run={name}")
+            assert status == 200 and _strict_json(body)["kinds"] == ["entropy", "frame", "video_to_text"]
+            assert _get(f"{server.url}file/{name}/thumbnail")[0] == 200
+    assert run_names(["a\\xe9", "a\udce9", "a\udce9", "b\ud800"]) == ["a\\xe9", "a\\xe9 (2)", "a\\xe9 (3)", "b\\ud800"]

@@ -14,6 +14,7 @@ import json
 
 from .data import RunView, open_runs
 from .files import finite, prompt_of
+from .labels import one_line
 from .page import TYPES
 from .params import ENDPOINTS, parse
 from .sparse import decay, density, tile, track
@@ -45,12 +46,14 @@ def answer(views: dict[str, RunView], unreadable: dict[str, str], path: str, que
         cogattn.view.params.BadRequest: a parameter missing, or out of the run's range (the server answers 400).
     """
     if path == "/api/runs":
-        rows = [
-            {"name": n, "prompt": prompt_of(v.run), "status": v.run.status, "thumbnail": v.files.thumbnail is not None}
-            for n, v in views.items()
-        ]
+        rows, failed = [], dict(unreadable)
+        for n, v in views.items():
+            try:
+                rows.append({"name": n, "prompt": prompt_of(v.run), "status": v.run.status, "thumbnail": v.files.thumbnail is not None})  # fmt: skip
+            except Exception as err:  # a value of the run nothing checked: that row says so, the others are listed
+                failed[n] = one_line(err)
         rows += [{"name": n, "prompt": None, "status": "unreadable", "thumbnail": False, "error": why}
-                 for n, why in unreadable.items()]  # fmt: skip
+                 for n, why in failed.items()]  # fmt: skip
         return _json(200, rows)
     if path.startswith("/file/"):
         parts = path.split("/", 3)

@@ -31,6 +31,7 @@ from ..items import item_label, pick_item
 from ..runs.folder import MANIFEST, find_runs
 from ..runs.run import Run
 from .files import PromptFiles, info
+from .labels import audio_seconds, one_line, run_names, token_labels
 from .sparse import options as sparse_options
 
 __all__ = ["RunView", "colormap", "open_runs"]
@@ -44,6 +45,7 @@ MASKS = {  # the block-sparse masks the block panel outlines (window 1 latent fr
     "spatial_window": lambda layout, size: spatial_window_mask(layout, size, 1),
 }
 HEAD_COLUMNS = ("same_frame_mass", "text_mass", "entropy_mean", "sink_share")  # the head atlas's colourings
+MAX_MASK_CELLS = 2**26  # a block mask's work, N × (F + Hp·Wp): 10 times a 720p HunyuanVideo's at block_size 64
 POINT_HINT = "To see where a video point attends, record 'full', 'query', 'topk' or 'query_frame'."  # not an error
 
 
@@ -55,16 +57,18 @@ def colormap(name: str = "viridis", n: int = 256) -> list[list[int]]:
 
 
 def open_runs(path: str | Path, problems: list[str], unreadable: dict[str, str] | None = None) -> dict[str, RunView]:
-    """:class:`RunView` of each run under ``path``; a run that cannot be opened (a damaged ``run.json``) is left out
-    with one line in ``problems`` (and ``unreadable``: name → why). Raises `FileNotFoundError` when none is left."""
+    """:class:`RunView` of each run under ``path``, by a name that is valid text (:func:`~cogattn.view.labels.run_names`);
+    a run that cannot be opened (a damaged ``run.json``, or any error reading it) is left out with one line in
+    ``problems`` (and ``unreadable``: name → why). Raises `FileNotFoundError` when none is left."""
     views = {}
-    for name, run in find_runs(path).items():
+    found = find_runs(path)
+    for name, run in zip(run_names(found), found.values()):
         try:
             views[name] = RunView(run)
-        except (StoreError, OSError, ValueError) as err:
-            problems.append(f"{name}: left out ({err})")
+        except Exception as err:  # whatever a run's files cause (a bug too), it costs that run only
+            problems.append(f"{name}: left out ({one_line(err)})")
             if unreadable is not None:
-                unreadable[name] = str(err)
+                unreadable[name] = one_line(err)
     if not views:
         raise FileNotFoundError(f"no run under {str(path)!r} can be read: {'; '.join(problems)}")
     return views
@@ -95,27 +99,10 @@ class RunView:
         return _roles(self.run)
 
     def tokens(self, key: str = "tokens") -> list[str]:
-        """A label for each text token of the word kinds: the batch tool's token strings where it kept them
-        (``"negative_tokens"``: the negative prompt's, the unconditional item's text, each at its item's spans);
-        else each token's index, named by its part where the run keeps the item's spans (HunyuanVideo 1.5's
-        ``image``, ``glyph`` and ``prompt`` tokens, then ``pad``)."""
-        layout = self.run.layout
-        if layout is None:
-            return []
-        kept = self.files.prompt.get(key)
-        n = layout.prompt_len
-        if isinstance(kept, list) and kept:
-            return [str(t) for t in kept[:n]]
-        names = [f"token {i}" for i in range(n)]
-        spans = self.run.text_spans
-        if spans:
-            roles = list(self.run.batch_roles or ())
-            want = "uncond" if key == "negative_tokens" else "cond"
-            slot = roles.index(want) if want in roles else 0
-            names = [f"pad {i}" for i in range(n)]
-            for part, (a, b) in spans[min(slot, len(spans) - 1)].items():
-                names[a:b] = [f"{part} {i - a}" for i in range(a, b)]
-        return names
+        """A label for each text token the records hold, at most :data:`~cogattn.view.labels.MAX_LABELS`
+        (:func:`~cogattn.view.labels.token_labels`): the batch tool's token strings where it kept them
+        (``"negative_tokens"``: the negative prompt's), else each token's index, named by its part."""
+        return token_labels(self.run, self.files.prompt.get(key), key)
 
     def summary(self) -> dict:
         """What the page needs first: the kinds, steps, layers and heads held, the layout, the metadata."""
@@ -136,9 +123,7 @@ class RunView:
             "layout": None
             if layout is None
             else {"frames": layout.frames, "height": layout.height, "width": layout.width},
-            "audio_seconds": None  # each audio bin's [start, end) in seconds (LTX-2), for the audio panel's readout
-            if layout is None or layout.audio is None
-            else [[round(float(t), 4) for t in span] for span in layout.audio.seconds()],
+            "audio_seconds": audio_seconds(run),  # each audio bin's [start, end) in seconds, at most MAX_LABELS
             "groups": _group_names(layout),
             "tokens": self.tokens(),
             "video": None if files.video is None else files.video.suffix.lstrip("."),
@@ -269,6 +254,8 @@ class RunView:
         if "error" in payload or mask == "none":
             return payload
         lay, size = self.run.layout, self.run.block_size
+        if (why := _block_misfit(payload["shape"], lay, size)) is not None:  # before any mask is made of the layout
+            return {"error": why}
         keep = MASKS[mask](lay, size)
         layers = self.layers_at("block", step, layer)
         table = mask_recall(self.run, keep, steps=[int(step)], layers=layers if isinstance(layers, list) else [layers])
@@ -385,6 +372,25 @@ def _on_grid(m: torch.Tensor, lay, kind: str) -> torch.Tensor:
             raise StoreError(f"run.json has no layout, so the {kind} record cannot be laid on the video grid")
         raise StoreError(_misfit(kind, f"{m.shape[-1] if m.dim() else 0} tokens, not", lay))
     return m[lay.grid_tokens].reshape(lay.frames, lay.height, lay.width)
+
+
+def _block_misfit(shape: list[int], lay, size: int) -> str | None:
+    """Why a block mask of run.json's layout cannot be laid over a block map of ``shape``, or `None`: the map must be
+    N × N with N = ⌈S / block_size⌉, and the mask's work (N × (F + Hp·Wp) cells) at most :data:`MAX_MASK_CELLS`."""
+    if lay is None:
+        return "run.json has no layout, so no block mask can be made for the block map; choose mask 'none'."
+    n = -(-lay.seq_len // size)
+    if shape != [n, n]:
+        return (
+            f"the block map is {' × '.join(map(str, shape))} blocks, but run.json's layout ({lay.seq_len} tokens) and "
+            f"block_size {size} give {n} × {n}: the run's files do not agree; choose mask 'none' to see the map."
+        )
+    if n * (lay.frames + lay.height * lay.width) > MAX_MASK_CELLS:
+        return (
+            f"a block mask over {n} blocks of a {lay.frames} × {lay.height} × {lay.width} grid is more than this page "
+            "draws; choose mask 'none', or plot it with cogattn.plot.block_map."
+        )
+    return None
 
 
 def _number(value) -> float:

@@ -30,10 +30,10 @@ import torch
 from ..analysis.head_stats import TABLE_KINDS
 from ..analysis.maps import aggregate
 from ..analysis.words import item_spans
-from ..errors import StoreError
 from ..exact.reducers.audio import AUDIO_KINDS
 from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 from .files import finite, prompt_of
+from .labels import one_line
 from .page import static_file
 from .params import MAX_SIDE, MAX_STEPS, MAX_TOKENS
 from .sparse import decay, density, tile
@@ -177,17 +177,18 @@ def export(
     for name, view in views.items():
         try:
             summary, maps = _answers(view, tokens, steps, side)
-        except (StoreError, OSError, ValueError) as err:  # a damaged run costs itself only
-            left_out.append(f"{name}: left out ({err})")
-            unreadable[name] = str(err)
+            row = {"name": name, "prompt": prompt_of(view.run), "status": view.run.status}
+            video = view.files.file("video")  # after the summary: a video that does not decode is dropped there
+            if video is not None and video.stat().st_size <= MAX_VIDEO:
+                mime = "image/gif" if video.suffix == ".gif" else "video/mp4"
+                data["files"][f"{name}/video"] = f"data:{mime};base64,{base64.b64encode(video.read_bytes()).decode()}"
+        except Exception as err:  # a damaged run (or a value of it nothing checked) costs itself only
+            left_out.append(f"{name}: left out ({one_line(err)})")
+            unreadable[name] = one_line(err)
             continue
-        data["runs"].append({"name": name, "prompt": prompt_of(view.run), "status": view.run.status})
+        data["runs"].append(row)
         data["summaries"][name] = summary
         data["maps"].update({f"{name}|{key}": value for key, value in maps.items()})
-        video = view.files.file("video")  # after the summary: a video that does not decode is dropped there
-        if video is not None and video.stat().st_size <= MAX_VIDEO:
-            mime = "image/gif" if video.suffix == ".gif" else "video/mp4"
-            data["files"][f"{name}/video"] = f"data:{mime};base64,{base64.b64encode(video.read_bytes()).decode()}"
     data["runs"] += [{"name": n, "prompt": None, "status": "unreadable", "error": why} for n, why in unreadable.items()]
     data["left_out"] = list(left_out)  # the page lists these runs as unreadable, each with its line
     page = static_file("index.html").decode()

@@ -44,8 +44,12 @@ function embedded(path, q) {
 
 function fileUrl(name, what) {
   if (EMBEDDED) return EMBEDDED.files[`${name}/${what}`] || null;
-  return `file/${encodeURIComponent(name)}/${what}`;
+  return `file/${escaped(name)}/${what}`;
 }
+
+// A run's name in a URL. The server names every run with valid text; a lone surrogate here would make
+// encodeURIComponent throw and stop the table (the runs after it unlisted), so one is written as U+FFFD.
+const escaped = (name) => encodeURIComponent(String(name).replace(/[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/g, "\uFFFD"));
 
 // -- colours: the plots' colormap, sent by the server ----------------------------------------------------
 function limits(values, log) {
@@ -798,7 +802,7 @@ async function listRuns(runs) {
     });
     if (r.error) cells[1].className = "error"; // a run that cannot be read: why, in one line
     tr.append(thumb, ...cells);
-    tr.addEventListener("click", () => (location.search = "?run=" + encodeURIComponent(r.name)));
+    tr.addEventListener("click", () => (location.search = "?run=" + escaped(r.name)));
     body.append(tr);
   }
   $("search").addEventListener("input", () => {
