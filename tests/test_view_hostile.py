@@ -158,6 +158,20 @@ def test_a_prompt_json_that_links_out_of_the_folder_is_not_read(folder, tmp_path
     assert view.files.prompt == {} and "LEAKED" not in view.tokens()
 
 
+def test_pipes_in_place_of_prompt_json_and_the_video_are_not_waited_on(folder):
+    """FIFOs (tar and rsync -a carry them) where the prompt's files are: a read would block the server for ever."""
+    view = RunView(folder / "maps")
+    for name in ("prompt.json", "video.gif"):
+        (folder / name).unlink()
+        os.mkfifo(folder / name)
+    assert view.files.file("video") is None  # made a pipe after the run was opened
+    view = RunView(folder / "maps")
+    assert view.files.prompt == {} and view.files.video is None
+    with _served(folder) as server:
+        assert _strict_json(_get(f"{server.url}api/runs")[1])[0]["status"] == "finished"
+        assert _get(f"{server.url}file/prompt/video")[0] == 404
+
+
 @pytest.fixture
 def outside_record(folder) -> tuple[Path, list[bytes]]:
     """A readable record outside the run, of the first frame record's shape, every value 7."""

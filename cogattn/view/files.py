@@ -87,7 +87,8 @@ class PromptFiles:
         if not batch:
             return
         try:  # the batch tool's facts about the prompt; a damaged file costs the labels and the video only
-            prompt = json.loads(inside(parent, "prompt.json", "the prompt folder", "prompt.json").read_text())
+            file = inside(parent, "prompt.json", "the prompt folder", "prompt.json")
+            prompt = json.loads(file.read_text()) if file.is_file() else {}  # a pipe would block the page
             self.prompt = prompt if isinstance(prompt, dict) else {}
         except (OSError, ValueError):
             pass
@@ -112,9 +113,10 @@ class PromptFiles:
         if path is None:
             return None
         try:
-            return inside(self.folder, str(path.relative_to(self.folder)), "the prompt folder", what)
+            found = inside(self.folder, str(path.relative_to(self.folder)), "the prompt folder", what)
         except ValueError:
             return None
+        return found if found.is_file() else None  # a pipe put there since would block the server
 
     def frame_count(self) -> int:
         """Frames of the video the page can overlay (0 without one, for an MP4 this Python cannot decode,
