@@ -14,6 +14,8 @@ from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import SPEC as COGVIDEOX
 from cogattn.reference import kind_error
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # the CPU plans' numbers: one thread's flash workspace
+
 LAYOUTS = [TokenLayout(8, 3, 3, 5), TokenLayout(5, 2, 7, 3), TokenLayout(3, 1, 1, 1)]
 KINDS = list(COGVIDEOX.kinds())  # the kinds of a joint text + video attention
 # blocks and tiles that do not divide S or the grid; masses p down to one key and up to every key

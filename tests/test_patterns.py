@@ -157,6 +157,35 @@ def test_error_of_a_row_whose_kept_probabilities_all_underflow_is_the_softmax_ov
     assert torch.isfinite(ref).all() and (error.double() - ref).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("pats", [("spatial",), ("sta:1,3,3", "temporal")], ids=["runs", "masks"])
+def test_rows_recomputed_where_every_kept_probability_underflows_stay_in_the_budget(pats):
+    """Every query of frames 1-3 loses its own frame's mass to key 0 (110 logits above): their O_pattern comes from
+    their exact scores, written into the tile's P·mask buffer the plan counts; the live bytes stay in the budget."""
+    from test_engine import _live_peak
+
+    from cogattn.exact import memory
+
+    layout = TokenLayout(text_len=0, frames=4, height=16, width=16)
+    H, S, D, budget = 4, layout.seq_len, 64, 3 * 2**20
+    torch.manual_seed(0)
+    q, k, v = torch.randn(H, S, D), torch.randn(H, S, D), torch.randn(H, S, D)
+    k[:, 0] = 0
+    k[:, 0, 0] = 1.0
+    q[:, :, 0] = 880.0
+    k[:, 1:] *= 0.01
+    red = [REDUCERS["pattern_error"](layout, H, False, None, patterns=pats)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plan = plan_tiles(red, S, H, D, budget, "rows", "cpu")
+        out = torch.zeros(red[0].shape(1)[1:])
+        capture(q, k, red, [out.clone()], plan, value=v)
+        peak = _live_peak(lambda: capture(q, k, red, [out], plan, value=v))
+    finally:
+        torch.set_num_threads(threads)
+    assert plan.row_rows < S and torch.isfinite(out).all() and peak <= memory.usable(budget), (peak, plan)
+
+
 def test_whole_frame_and_same_patch_patterns_form_no_mask_and_equal_their_rules_as_callables():
     """``spatial``, ``window:w`` and ``temporal`` sum runs of keys or gather a key per frame; the same rules given as
     callables go through masks: the numbers agree, over row tiles that cut frames (text first, last and none)."""

@@ -68,8 +68,8 @@ def _read_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
             if obj.get(key) is not None and not isinstance(obj[key], str):
                 raise ConfigError(f"{path}:{n}: {key} is {obj[key]!r}; give a string.")
         seed = obj.get("seed")
-        if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
-            raise ConfigError(f"{path}:{n}: seed is {seed!r}; give a whole number from 0 to 2**63 - 1.")
+        if seed is not None and (type(seed) is not int or not 0 <= seed < 2**64):
+            raise ConfigError(f"{path}:{n}: seed is {seed!r}; give a whole number from 0 to 2**64 - 1.")
         prompt = Prompt(
             len(prompts),
             obj["prompt"],

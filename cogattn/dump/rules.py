@@ -77,9 +77,9 @@ def check_call(cfg) -> None:
                 f"{key}: {value!r} must be a positive multiple of {vae * patch} (the {spec.title} VAE's {vae} × "
                 f"the patch size {patch})."
             )
-    if not 0 <= cfg.seed < 2**63 or not 0 <= cfg.guidance_scale < math.inf:
+    if not 0 <= cfg.seed < 2**64 or not 0 <= cfg.guidance_scale < math.inf:
         raise ValueError(
-            f"seed must be from 0 to 2**63 - 1 and guidance_scale finite and ≥ 0; got seed {cfg.seed!r}, "
+            f"seed must be from 0 to 2**64 - 1 and guidance_scale finite and ≥ 0; got seed {cfg.seed!r}, "
             f"guidance_scale {cfg.guidance_scale!r}."
         )
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):

@@ -316,13 +316,13 @@ def _scores(q, kt, out, h0: int, h1: int, idx, kept: int, mask, scale: float):
 
 
 def exact_scores(q, k, kept: int, mask, scale: float):
-    """A function ``(h0, h1, rows) → (h, r, S)`` float32 scores of query ``rows`` (an index tensor) of heads
-    ``h0:h1``, masked as the row tiles mask them: what a reducer recomputes for the few rows whose float32
+    """A function ``(h0, h1, rows, out=None) → (h, r, S)`` float32 scores of query ``rows`` (an index tensor) of
+    heads ``h0:h1`` (written into ``out`` where given), masked as the row tiles mask them: what a reducer recomputes for the few rows whose float32
     probabilities lost what it needs (``Reducer.scores``)."""
 
-    def scores(h0: int, h1: int, rows: torch.Tensor) -> torch.Tensor:
+    def scores(h0: int, h1: int, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         kt = k.chunk(h0, h1).transpose(1, 2)
-        return _scores(q, kt, None, h0, h1, rows.to(q.device), kept, mask, scale)[1]
+        return _scores(q, kt, out, h0, h1, rows.to(q.device), kept, mask, scale)[1]
 
     return scores
 

@@ -136,38 +136,34 @@ class PatternErrorReducer(PatternRecallReducer):
         part, V = probs[:, start - r0 : end - r0], self.layout.frames * self.layout.frame_tokens
         values = self._values(h0, probs.shape[0])  # (h, S, D)
         output = torch.bmm(part, values)  # O = P·V, (h, r, D)
-        kept = None  # one buffer for every masked pattern's P·mask
-        patterned, masses = [], []
-        for pattern, mask in zip(self.resolved, self._row_masks(start, end, probs.device)):
+        kept = None  # one buffer for every masked pattern's P·mask, and the scores of the rows rescued
+        for m, (pattern, mask) in enumerate(zip(self.resolved, self._row_masks(start, end, probs.device))):
             if mask is None:
                 mass, summed = self._structured(pattern, part, start, values)
             else:
                 kept = torch.empty_like(part) if kept is None else kept
                 torch.mul(part, mask, out=kept)
                 mass, summed = kept.sum(-1), torch.bmm(kept, values)
-            patterned.append(summed.div_(mass[..., None]))  # O_pattern: P restricted to the mask, renormalised
-            masses.append(mass)
-        lost = torch.stack(masses) == 0  # (M, h, r): every kept probability underflowed (one device sync a tile)
-        if bool(lost.any()):
-            self._renormalise_lost(patterned, lost, h0, start, values)
-        for m, o_pattern in enumerate(patterned):
+            o_pattern = summed.div_(mass[..., None])  # P restricted to the mask, renormalised
+            lost = mass == 0  # (h, r): every kept probability underflowed (a device sync, as _structured's)
+            if bool(lost.any()):
+                kept = torch.empty_like(part) if kept is None else kept
+                self._renormalise_lost(o_pattern, lost, pattern, h0, start, values, kept)
             error = o_pattern.sub_(output).square_().mean(-1)  # (h, r)
             self._accumulate(out[:, m], h0, error.sum(-1) / V)
 
-    def _renormalise_lost(self, patterned, lost, h0: int, start: int, values) -> None:
-        """O_pattern of the rows where float32 underflowed every kept probability to 0 (each kept logit ~87 or more
-        below the row's largest: P·mask renormalises 0 / 0), from their exact scores (``Reducer.scores``): the
-        softmax over the pattern's kept keys times V, in place in ``patterned`` (M tensors ``(h, r, D)``)."""
-        rows = lost.any(0).any(0).nonzero().squeeze(1)  # the tile's rows lost for some pattern and head
-        h = lost.shape[1]
-        scores = self.scores(h0, h0 + h, rows + start)  # (h, n, S)
-        for m, pattern in enumerate(self.resolved):
-            where = lost[m][:, rows]  # (h, n)
-            if not bool(where.any()):
-                continue
-            keep = pattern.row_mask(self.layout, (rows + start).cpu()).to(scores.device)  # (n, S)
-            exact = torch.bmm(torch.softmax(scores.masked_fill(~keep, -torch.inf), -1), values)  # (h, n, D)
-            patterned[m][:, rows] = torch.where(where[..., None], exact, patterned[m][:, rows])
+    def _renormalise_lost(self, o_pattern, lost, pattern, h0: int, start: int, values, buffer) -> None:
+        """O_pattern ``(h, r, D)`` of the rows where float32 underflowed every kept probability to 0 (each kept logit
+        ~87 or more below the row's largest: P·mask renormalises 0 / 0), in place, from their exact scores
+        (``Reducer.scores``, written into ``buffer``, the tile's P·mask buffer, which the plan counts): the softmax
+        over the pattern's kept keys times V."""
+        rows = lost.any(0).nonzero().squeeze(1)  # the tile's rows lost for some head
+        h, n, S = lost.shape[0], len(rows), buffer.shape[-1]
+        scores = self.scores(h0, h0 + h, rows + start, out=buffer.view(-1)[: h * n * S].view(h, n, S))
+        keep = pattern.row_mask(self.layout, (rows + start).cpu()).to(scores.device)  # (n, S)
+        scores.masked_fill_(keep.logical_not_(), -torch.inf).sub_(scores.amax(-1, keepdim=True)).exp_()  # in place
+        exact = torch.bmm(scores.div_(scores.sum(-1, keepdim=True)), values)  # (h, n, D)
+        o_pattern[:, rows] = torch.where(lost[:, rows, None], exact, o_pattern[:, rows])
 
     def release(self) -> None:
         """Drop the values of the last item (the engine calls it when the item is done)."""

@@ -49,7 +49,13 @@ function fileUrl(name, what) {
 
 // A run's name in a URL. The server names every run with valid text; a lone surrogate here would make
 // encodeURIComponent throw and stop the table (the runs after it unlisted), so one is written as U+FFFD.
-const escaped = (name) => encodeURIComponent(String(name).replace(/[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/g, "\uFFFD"));
+function escaped(name) {
+  try {
+    return encodeURIComponent(String(name));
+  } catch (err) { // a lone surrogate (no lookbehind in the pattern: Safari before 16.4 would refuse the file)
+    return encodeURIComponent(String(name).replace(/[\uD800-\uDFFF]/g, "\uFFFD"));
+  }
+}
 
 // -- colours: the plots' colormap, sent by the server ----------------------------------------------------
 function limits(values, log) {
