@@ -159,6 +159,24 @@ def test_query_frame_gives_the_frame_numbers(probs):
     assert row["dt_1"] == pytest.approx(ref["dt_1"], abs=2e-5)
 
 
+def test_entropy_is_over_the_grid_s_queries_where_history_tokens_precede_it():
+    """FramePack's history latents are video tokens off the grid: the entropy columns are the grid queries' alone,
+    as the naive numbers take them (a query with coordinates)."""
+    layout = TokenLayout(text_len=3, frames=2, height=2, width=3, history_len=5)
+    g = torch.Generator().manual_seed(3)
+    P = torch.randn(2, 4, layout.seq_len, layout.seq_len, generator=g, dtype=torch.float64).mul(2).softmax(-1)
+    P[:, :, layout.video_start : layout.grid_tokens.start] = torch.eye(layout.seq_len, dtype=torch.float64)[
+        layout.video_start : layout.grid_tokens.start
+    ]  # history queries of entropy 0: counted, they would lower the mean
+    entropy = -(P * P.clamp(min=1e-300).log()).sum(-1)
+    table = head_table(FakeSource(layout, {("entropy", 0, 0): entropy.float()}))
+    for row in table.itertuples():
+        slot = HEAD_IDS.index(row.head)
+        want = naive_numbers(P[row.item, slot], layout)
+        assert row.entropy_mean == pytest.approx(want["entropy_mean"], abs=1e-5)
+        assert row.entropy_std == pytest.approx(want["entropy_std"], abs=1e-5)
+
+
 def test_missing_kinds_are_nan(probs):
     table = head_table(source_of(probs, kinds=("entropy",)))
     assert table[["text_mass", "dt_0", "sink_share"]].isna().all().all()

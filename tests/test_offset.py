@@ -354,3 +354,7 @@ def test_distance_decay_draws_the_mean_curves_and_their_fits(recording):
         assert ax.get_yscale() == "log" and ax.get_xlabel() and ax.get_ylabel()
     same = plot.distance_decay(table, by="layer")  # from the table itself
     assert np.allclose(same.axes[0].get_lines()[0].get_ydata(), temporal.get_lines()[0].get_ydata())
+    assert table.attrs["frame_unit"] == "latent frame"  # CogVideoX 1.0: no temporal patches
+    assert temporal.get_xlabel() == same.axes[0].get_xlabel() == "temporal distance |Δt| (latent frames)"
+    table.attrs["frame_unit"] = "temporal patch"  # CogVideoX 1.5's: a Δt step is 2 latent frames
+    assert plot.distance_decay(table, by="layer").axes[0].get_xlabel() == "temporal distance |Δt| (temporal patches)"

@@ -17,6 +17,8 @@ from tiny_calls import generate
 
 import cogattn
 from cogattn import plot
+from cogattn.exact import patterns
+from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.plot import animation as plot_animation
 
@@ -287,6 +289,35 @@ def test_block_map_data_ticks_outline_and_recall(tiny):
         plot.block_map(rec, mask[:8, :8])
     with pytest.raises(ValueError, match="one head at a time"):
         plot.block_map(rec, heads="all")
+    with pytest.raises(ValueError, match=r"one \(N, N\) mask; got \(2, 2, 9, 9\): choose one batch item and head"):
+        plot.block_map(rec, mask.expand(2, 2, 9, 9))
+    spatial = plot.block_map(rec, "spatial")  # a token pattern: its block mask, as mask_recall takes it
+    (outline,) = [c for c in panels(spatial)[0].collections if c.get_gid() == "mask-outline"]
+    want = patterns.parse("spatial").block_mask(rec.layout, BLOCK)
+    assert np.array_equal(_cells_inside(outline.get_segments(), 9), want.numpy())
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        TokenLayout(text_len=8, frames=3, height=3, width=5),
+        TokenLayout(text_len=7, frames=3, height=2, width=4, text_position="end"),  # HunyuanVideo
+        TokenLayout(text_len=5, frames=2, height=2, width=3, history_len=9),  # FramePack's history latents
+    ],
+    ids=["text-first", "text-last", "history"],
+)
+def test_block_map_ticks_are_where_each_group_s_first_token_is(layout):
+    """Each tick at the block coordinate of the first token of the text, the history and each latent frame, in the
+    sequence's order, from every token's own group."""
+    from cogattn.plot.stats import _group_starts
+
+    first = {}
+    for i in range(layout.seq_len):
+        c = layout.coordinates(i)
+        name = "text" if i in range(layout.text_start, layout.text_start + layout.text_len) else "history"
+        first.setdefault(name if c is None else f"f{c[0]}", i)
+    starts, labels = _group_starts(layout, BLOCK)
+    assert labels == sorted(first, key=first.get) and starts == [first[n] / BLOCK - 0.5 for n in labels]
 
 
 def test_mask_outline_is_the_boundary_of_the_kept_cells():
@@ -348,6 +379,21 @@ def test_heads_recorded_as_their_mean_and_kinds_not_recorded(tiny):
 
 
 # -- a loaded run ----------------------------------------------------------------------------------
+def test_query_map_of_a_run_reads_the_query_s_row_alone(tiny, run, monkeypatch):
+    """A video point's map from ``full`` on disk: each record's row of that query is read, never the (S, S) map."""
+    reads = []
+    real = type(run).get
+
+    def spy(self, kind, step, layer, index=None):
+        reads.append((kind, index))
+        return real(self, kind, step, layer, index)
+
+    monkeypatch.setattr(type(run), "get", spy)
+    plot.query_map(run, (1, 1, 2), steps=0, layers=1)
+    token = run.layout.token_index(1, 1, 2)
+    assert reads and all(kind == "full" and index is not None and token in index for kind, index in reads), reads
+
+
 def test_a_loaded_run_plots_the_same(tiny, run):
     from cogattn.analysis.masks import same_frame_mask
 

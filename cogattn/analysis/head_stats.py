@@ -271,7 +271,7 @@ def _record_rows(
     if "frame" in present:
         video = present["frame"].double()[:, :, layout.text_groups :, :]
     elif "query_frame" in present:
-        qf = present["query_frame"].double()[:, :, layout.video_tokens, :]
+        qf = present["query_frame"].double()[:, :, layout.grid_tokens, :]
         video = qf.reshape(B, H, F, layout.frame_tokens, -1).mean(3)
     if video is not None:
         text_mass, dt = _frame_numbers(layout, video)
@@ -280,7 +280,7 @@ def _record_rows(
     columns = {"text_mass": text_mass, "same_frame_mass": dt[..., 0]}
     columns.update({f"dt_{d}": dt[..., d] for d in range(F)})
     if "entropy" in present:
-        e = present["entropy"].double()[:, :, layout.video_tokens]
+        e = present["entropy"].double()[:, :, layout.grid_tokens]
         columns["entropy_mean"], columns["entropy_std"] = e.mean(-1), e.std(-1, unbiased=False)
     else:
         columns["entropy_mean"] = columns["entropy_std"] = nan
@@ -294,7 +294,7 @@ def _record_rows(
     else:
         columns["sink_share"] = nan
     ps, kept = density
-    top_p = present["top_p"].double()[:, :, layout.video_tokens] if "top_p" in present and ps else None
+    top_p = present["top_p"].double()[:, :, layout.grid_tokens] if "top_p" in present and ps else None
     if top_p is not None and top_p.shape[-1] != len(ps):
         raise ValueError(
             f"the top_p record of step {step}, layer {layer} holds {top_p.shape[-1]} masses, but the source names "

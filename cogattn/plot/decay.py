@@ -78,7 +78,8 @@ def offset_map(
             continue
         im = ax.imshow(arrays[i], cmap=CMAP, norm=norms[i], interpolation="nearest", extent=extent, gid=MAP_GID)
         images.append(im)
-        ax.set_title(f"Δt = {i - (F - 1):+d} {unit}s" if i != F - 1 else f"Δt = 0 (same {unit})", fontsize=8)
+        units = unit + ("es" if unit.endswith("ch") else "s")  # latent frames, temporal patches
+        ax.set_title(f"Δt = {i - (F - 1):+d} {units}" if i != F - 1 else f"Δt = 0 (same {unit})", fontsize=8)
         ax.set_xlabel("Δx (patch columns)", fontsize=7)
         ax.set_ylabel("Δy (patch rows)", fontsize=7)
         ax.tick_params(labelsize=6)
@@ -131,8 +132,10 @@ def distance_decay(
     fig = new_figure(fig, (9.6, 4.0))
     axes = fig.subplots(1, 2)
     colours = ListedColormap(colormaps["viridis"](np.linspace(0, 0.9, max(2, len(curves)))))
+    frames = table.attrs.get("frame_unit", "latent frame")
+    frames += "es" if frames.endswith("ch") else "s"
     for ax, prefix, name, unit in (
-        (axes[0], "t", "dt", "temporal distance |Δt| (latent frames)"),
+        (axes[0], "t", "dt", f"temporal distance |Δt| ({frames})"),
         (axes[1], "s", "ds", "spatial distance (patches, Euclidean, rounded)"),
     ):
         columns = [c for c in curves.columns if c.startswith(f"{name}_")]

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from ..analysis.layouts import for_layers
 from ..analysis.maps import aggregate, choose
 from ..analysis.masks import mask_recall
+from ..exact.patterns import Pattern, parse
 from ..items import pick_item
 from ..runs.run import MapSource
 from .overlays import token_figure
@@ -169,17 +170,13 @@ def _recall(source: MapSource, mask, step_list: list[int], layer_list: list[int]
 
 
 def _group_starts(layout, block_size: int) -> tuple[list[float], list[str]]:
-    """Where the text (when the sequence has it) and each latent frame start, in block coordinates, and
-    their names."""
-    sizes = layout.group_sizes()
-    names = ["text"] * layout.text_groups + [f"f{f}" for f in range(layout.frames)]
-    starts, labels, token = [], [], 0
-    for size, name in zip(sizes, names):
-        if size:
-            starts.append(token / block_size - 0.5)
-            labels.append(name)
-        token += size
-    return starts, labels
+    """Where the text (when the sequence has it, first or last), the history tokens off the grid and each latent
+    frame start, in block coordinates, in the sequence's order, and their names."""
+    groups = [(layout.text_start, "text")] * bool(layout.text_len)
+    groups += [(layout.video_start, "history")] * bool(layout.history_len)
+    groups += [(layout.grid_tokens.start + f * layout.frame_tokens, f"f{f}") for f in range(layout.frames)]
+    groups.sort()
+    return [token / block_size - 0.5 for token, _ in groups], [name for _, name in groups]
 
 
 def block_map(
@@ -204,9 +201,9 @@ def block_map(
 
     Args:
         source (`MapSource`): a `Recording` or a `Run` holding kind ``block``.
-        mask (`torch.Tensor | None`, defaults to `None`): an ``(N, N)`` bool tensor, `True` where the mask
-            keeps a block, e.g. ``cogattn.analysis.masks.same_frame_mask(source.layout, source.block_size)``; `None`: no
-            outline.
+        mask (`torch.Tensor | str | Pattern | None`, defaults to `None`): an ``(N, N)`` bool tensor, `True` where the
+            mask keeps a block, e.g. ``cogattn.analysis.masks.same_frame_mask(source.layout, source.block_size)``, or a
+            token pattern (``"spatial"``, ``"sta:3,3,3"``: its block mask); `None`: no outline.
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged; the steps all of one
             expert's (Wan 2.2 A14B: ``steps="transformer"`` or ``"transformer_2"`` takes its steps).
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
@@ -238,6 +235,13 @@ def block_map(
     ax.set_xlabel(f"key block ({size} tokens each; ticks: where {starts_of} start)", fontsize=8)
     ax.set_ylabel("query block", fontsize=8)
     what = f"block → block attention ({N} × {N} blocks)"
+    if isinstance(mask, (str, Pattern)) or callable(mask):  # a token pattern: its block mask, as mask_recall takes it
+        mask = parse(mask, tuple(getattr(source, "tile_shape", None) or (4, 4, 4))).block_mask(layout, size)
+    if isinstance(mask, torch.Tensor) and mask.ndim != 2:
+        raise ValueError(
+            f"block_map outlines one (N, N) mask; got {tuple(mask.shape)}: choose one batch item and head of a mask "
+            "made per item and head, e.g. mask[0, 0]."
+        )
     if mask is not None:
         recall = _recall(
             source,
