@@ -240,6 +240,16 @@ def test_token_stat_received_marks_the_top_sinks(tiny):
     assert not any(ln.get_gid() == "sink-token" for ax in panels(plot.token_stat(rec, "entropy")) for ln in ax.lines)
 
 
+def test_sink_names_count_text_from_its_strip_and_name_history_tokens():
+    """A sink's name in the title: the text by its index in the text strip (text last too), a history token as such."""
+    from cogattn.plot.stats import _token_name
+
+    last = TokenLayout(text_len=7, frames=2, height=2, width=3, text_position="end")
+    history = TokenLayout(text_len=5, frames=2, height=2, width=3, history_len=4)
+    assert [_token_name(last, t) for t in (0, 11, 12, 18)] == ["f0 (0, 0)", "f1 (1, 2)", "text 0", "text 6"]
+    assert [_token_name(history, t) for t in (4, 5, 8, 9)] == ["text 4", "history 0", "history 3", "f0 (0, 0)"]
+
+
 # -- block map -------------------------------------------------------------------------------------
 def _cells_inside(segments, n):
     """The cells an outline encloses, by crossing its vertical edges along each row (parity)."""

@@ -368,7 +368,9 @@ def query_map(
     source = for_layers(source, locate_query(source, query)[0], layers)  # layers of another layout: theirs
     layout = source.layout
     kind, index, token = locate_query(source, query)
-    row = aggregate(source, kind, steps=steps, layers=layers, heads=heads, batch=batch, row=index)  # (S,): that row read
+    row = aggregate(
+        source, kind, steps=steps, layers=layers, heads=heads, batch=batch, row=index
+    )  # (S,): that row read
     point = layout.coordinates(token)
     style = dict(fig=fig, num_pixel_frames=num_pixel_frames, scale=scale, limits=limits, alpha=alpha)
     style["interpolation"] = interpolation

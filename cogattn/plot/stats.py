@@ -29,9 +29,14 @@ MASK_GID = "mask-outline"  # gid of the outline of a mask's kept blocks
 
 # -- per-token statistics on the video -------------------------------------------------------------
 def _token_name(layout, token: int) -> str:
-    """``"text 3"`` or ``"f1 (0, 2)"``: latent frame, then (patch row, patch column)."""
+    """``"text 3"`` (the text's own index, as its strip counts), ``"history 4"`` (a video token off the grid) or
+    ``"f1 (0, 2)"``: latent frame, then (patch row, patch column)."""
     point = layout.coordinates(token)
-    return f"text {token}" if point is None else f"f{point[0]} {point[1:]}"
+    if point is not None:
+        return f"f{point[0]} {point[1:]}"
+    if layout.text_start <= token < layout.text_start + layout.text_len:
+        return f"text {token - layout.text_start}"
+    return f"history {token - layout.video_start}"
 
 
 def token_stat(
@@ -108,7 +113,9 @@ def token_stat(
         top = torch.topk(values, min(sinks, len(values))).indices.tolist()
         for rank, token in enumerate(top, 1):
             point = layout.coordinates(token)
-            if point is None:
+            if point is None:  # the text strip holds the text alone: a history token is named, not marked
+                if text_ax is None or not layout.text_start <= token < layout.text_start + layout.text_len:
+                    continue
                 where, (x, y) = text_ax, (token - layout.text_start, 0)
             else:
                 f, y, x = point
