@@ -269,3 +269,33 @@ def test_tiny_recording_against_its_full_map():
         assert row["recall"] == pytest.approx(float(kept_mass(P, mask, 6)), abs=1e-5)
         blocks = naive_block(P[None, None], 6)[0, 0] * BlockGrid(lay, 6).sizes[:, None]
         assert best == pytest.approx(float(blocks.topk(2, -1).values.sum() / S), abs=1e-5)
+
+
+def test_recall_weighs_the_query_rows_a_model_forms_alone(tmp_path):
+    """Mochi forms no query row of an item's padded text: its block maps average over the formed rows, and recall
+    weighs those alone (a keep-all mask keeps all of an item's mass; same-frame recall is the naive mass of its
+    formed rows), in memory and read back from run.json's ``query_lengths``."""
+    from cogattn.models.mochi import tiny_call
+    from cogattn.models.mochi import tiny_pipeline as mochi
+
+    pipe = mochi()
+    call = tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), True)
+    kw = dict(kinds=("block", "full"), batch="all", heads="all", block_size=4, steps=[0], layers=[0])
+    with cogattn.record(pipe, **kw, save_dir=tmp_path / "run") as rec:
+        pipe(**call, num_inference_steps=2, output_type="latent", generator=torch.Generator().manual_seed(1))
+    layout, run = rec.layout, cogattn.load(tmp_path / "run")
+    formed = [layout.seq_len - layout.text_len + n for n in rec.text_lengths]
+    assert list(rec.query_lengths) == run.query_lengths == formed and min(formed) < layout.seq_len
+    N = -(-layout.seq_len // 4)
+    frame = same_frame_mask(layout, 4)
+    keep = frame[torch.arange(layout.seq_len) // 4][:, torch.arange(layout.seq_len) // 4].double()
+    P = rec.get("full", 0, 0).double()
+    for source in (rec, run):
+        every = mask_recall(source, torch.ones(N, N, dtype=torch.bool))
+        assert (every["recall"] - 1).abs().max() < 1e-5
+        got = mask_recall(source, frame)
+        for row in got.itertuples():
+            n = formed[row.item]
+            assert row.recall == pytest.approx((P[row.item, row.head, :n] * keep[:n]).sum().item() / n, abs=1e-5)
+        best = oracle_curve(source, ks=[N])
+        assert (best["recall"] - 1).abs().max() < 1e-5

@@ -190,7 +190,7 @@ def decay_table(
     table.attrs["batch_roles"] = list(getattr(source, "batch_roles", None) or ())
     table.attrs["batch_items"] = list(getattr(source, "batch_items", None) or ())  # what titles number them by
     table.attrs["per_key"] = per_key
-    layout = getattr(source, "layout", None)  # Δt in temporal patches where the transformer patches time (CogVideoX 1.5)
+    layout = getattr(source, "layout", None)  # Δt in temporal patches where time is patched (CogVideoX 1.5)
     table.attrs["frame_unit"] = "temporal patch" if layout is not None and layout.patch_size_t else "latent frame"
     return table
 

@@ -22,7 +22,6 @@ Masks are ``(N, N)`` bool tensors over blocks (never expanded to tokens); combin
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -32,6 +31,7 @@ from ..errors import NotRecordedError
 from ..exact.patterns import Pattern, parse
 from ..layout import TokenLayout
 from ..runs.run import MapSource
+from .groups import BlockGrid, TileGrid, block_grid, query_weights
 from .layouts import for_layers
 from .maps import choose, expert_steps
 
@@ -48,84 +48,6 @@ __all__ = [
     "temporal_window_mask",
     "top_p_mask",
 ]
-
-
-class BlockGrid:
-    """The blocks of ``block_size`` tokens of a layout's joint sequence, and what each one holds.
-
-    Args:
-        layout (`TokenLayout`): the token layout (``source.layout``).
-        block_size (`int`): tokens per block (``source.block_size``).
-
-    Attributes:
-        num_blocks (`int`): N = ⌈S / block_size⌉ (also ``len(grid)``).
-        sizes (`torch.Tensor`): ``(N,)`` int64, query tokens in each block (block_size, the last maybe fewer).
-        frame_touch (`torch.Tensor`): ``(N, F)`` bool, block m holds a video token of latent frame f (video
-            tokens off the grid, a layout's ``history_len``, touch no frame and no patch).
-        position_touch (`torch.Tensor`): ``(N, Hp, Wp)`` bool, block m holds a video token at patch
-            (row, col) of some frame.
-        has_text (`torch.Tensor`): ``(N,)`` bool, block m holds a text token (none when
-            ``layout.text_len == 0``, Wan).
-        off_grid (`torch.Tensor`): ``(N,)`` bool, block m holds a token off the grid (text, history latents).
-    """
-
-    def __init__(self, layout: TokenLayout, block_size: int):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r}; use an int >= 1 (the source's block_size).")
-        self.layout, self.block_size = layout, block_size
-        S, video, text = layout.seq_len, layout.grid_tokens, layout.text_tokens
-        self.num_blocks = N = math.ceil(S / block_size)
-        self.sizes = torch.clamp(S - torch.arange(N) * block_size, max=block_size)
-        block = torch.arange(S) // block_size  # block of each token
-        v = torch.arange(layout.frames * layout.frame_tokens)  # the grid's tokens: history tokens have no position
-        frame, row, col = v // layout.frame_tokens, v % layout.frame_tokens // layout.width, v % layout.width
-        self.frame_touch = torch.zeros(N, layout.frames, dtype=torch.bool)
-        self.frame_touch[block[video], frame] = True
-        self.position_touch = torch.zeros(N, layout.height, layout.width, dtype=torch.bool)
-        self.position_touch[block[video], row, col] = True
-        self.has_text = torch.zeros(N, dtype=torch.bool)
-        self.has_text[block[text]] = True
-        self.off_grid = self.has_text.clone()
-        self.off_grid[block[layout.video_start : video.start]] = True  # the history tokens before the grid
-
-    def __len__(self) -> int:
-        return self.num_blocks
-
-    def __repr__(self) -> str:
-        return f"BlockGrid(S={self.layout.seq_len}, block_size={self.block_size}, N={self.num_blocks})"
-
-    def token_range(self, m: int) -> range:
-        """Token indices of block ``m`` (query and key tokens alike)."""
-        if not 0 <= m < self.num_blocks:
-            raise ValueError(f"block {m} is outside 0..{self.num_blocks - 1}.")
-        return range(m * self.block_size, min((m + 1) * self.block_size, self.layout.seq_len))
-
-    @property
-    def ranges(self) -> list[range]:
-        """Token range of every block, in order."""
-        return [self.token_range(m) for m in range(self.num_blocks)]
-
-    def frames(self, m: int) -> list[int]:
-        """Latent frames block ``m`` touches."""
-        return self.frame_touch[self._check(m)].nonzero().flatten().tolist()
-
-    def rows(self, m: int) -> list[int]:
-        """Patch rows block ``m`` touches (in any frame)."""
-        return self.position_touch[self._check(m)].any(1).nonzero().flatten().tolist()
-
-    def cols(self, m: int) -> list[int]:
-        """Patch columns block ``m`` touches (in any frame)."""
-        return self.position_touch[self._check(m)].any(0).nonzero().flatten().tolist()
-
-    def text_tokens(self, m: int) -> range:
-        """Text tokens in block ``m`` (empty when it holds none)."""
-        r = self.token_range(m)
-        text = self.layout.text_tokens
-        return range(max(r.start, text.start), max(min(r.stop, text.stop), max(r.start, text.start)))
-
-    def _check(self, m: int) -> int:
-        self.token_range(m)
-        return m
 
 
 # -- masks ------------------------------------------------------------------------------------------
@@ -263,13 +185,12 @@ def mask_recall(
     if kind not in ("block", "tile"):
         raise ValueError(f"kind={kind!r}; mask_recall reads a 'block' or a 'tile' map.")
     source = for_layers(source, kind, layers, "mask_recall")  # layers of another layout: theirs
-    grid = _grid(source) if kind == "block" else _TileGrid(source)
+    grid = block_grid(source) if kind == "block" else TileGrid(source)
     if isinstance(mask, (str, Pattern)) or callable(mask):  # a token pattern: its block or tile mask
         pattern = parse(mask, tuple(getattr(source, "tile_shape", None) or (4, 4, 4)))  # "sta:"'s tiles: the run's
         shape = grid.block_size if kind == "block" else grid.tile_shape
         mask = (pattern.block_mask if kind == "block" else pattern.tile_mask)(source.layout, shape)
     keep = _check_mask(mask, grid).double()
-    w, S = grid.sizes.double(), source.layout.seq_len
     parts = []
     for step, layer, blk in _blocks(source, grid, steps, layers, kind):
         if keep.ndim == 4 and keep.shape[:2] != blk.shape[:2]:
@@ -277,6 +198,7 @@ def mask_recall(
                 f"mask is {tuple(keep.shape)}; the {kind} record of step {step}, layer {layer} is "
                 f"{tuple(blk.shape)}: pass one (N, N) mask or one per batch item and head."
             )
+        w, S = query_weights(source, grid, blk.shape[0])
         recall = ((blk * keep).sum(-1) * w).sum(-1) / S  # (B, H)
         parts.append(_rows(source, step, layer, recall[..., None]))
     return pd.concat(parts, ignore_index=True)
@@ -296,7 +218,7 @@ def mask_density(source: MapSource, mask: torch.Tensor, kind: str = "block") -> 
     """
     if kind not in ("block", "tile"):
         raise ValueError(f"kind={kind!r}; mask_density reads a 'block' or a 'tile' mask.")
-    grid = _grid(source) if kind == "block" else _TileGrid(source)
+    grid = block_grid(source) if kind == "block" else TileGrid(source)
     w = grid.sizes.double()
     return (_check_mask(mask, grid).double() * w[:, None] * w).sum((-2, -1)) / source.layout.seq_len**2
 
@@ -327,39 +249,19 @@ def oracle_curve(
     import pandas as pd  # slow to import: only where a table is made
 
     source = for_layers(source, "block", layers, "oracle_curve")  # layers of another layout: theirs
-    grid = _grid(source)
-    N, S = grid.num_blocks, source.layout.seq_len
+    grid = block_grid(source)
+    N = grid.num_blocks
     ks = list(range(1, N + 1)) if ks is None else [ks] if isinstance(ks, int) else list(ks)
     bad = [k for k in ks if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= N]
     if bad or not ks:
         raise ValueError(f"ks={ks!r}; use key-block counts in 1..{N} (N = ⌈S / block_size⌉ blocks).")
-    w = grid.sizes.double()
     parts = []
     for step, layer, blk in _blocks(source, grid, steps, layers):
         best = blk.sort(-1, descending=True).values.cumsum(-1)  # (B, H, N, N): mass of the top k per row
-        recall = (best * w[:, None]).sum(-2) / S  # (B, H, N) over k = 1..N
+        w, S = query_weights(source, grid, blk.shape[0])
+        recall = (best * w[..., None]).sum(-2) / S[..., None]  # (B, H, N) over k = 1..N
         parts.append(_rows(source, step, layer, recall[..., [k - 1 for k in ks]], ks))
     return pd.concat(parts, ignore_index=True)
-
-
-def _grid(source: MapSource) -> BlockGrid:
-    return BlockGrid(_layout(source), int(source.block_size))
-
-
-def _layout(source: MapSource) -> TokenLayout:
-    if source.layout is None:
-        raise ValueError("this source has no token layout (it saw no generation); record a generation first.")
-    return source.layout
-
-
-class _TileGrid:
-    """The groups of a ``tile`` map: the text, then the 3-D tiles of the source's ``tile_shape``."""
-
-    def __init__(self, source: MapSource):
-        self.layout, self.tile_shape = _layout(source), tuple(source.tile_shape)
-        groups = self.layout.tile_of_token(self.tile_shape)
-        self.num_blocks = int(groups.max()) + 1
-        self.sizes = torch.bincount(groups, minlength=self.num_blocks)
 
 
 def _check_mask(mask, grid) -> torch.Tensor:

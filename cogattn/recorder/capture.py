@@ -54,6 +54,7 @@ class Capture:
         self.verifier = Verifier(options.verify)
         self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
         self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
+        self.query_lengths: dict[int, int] = {}  # result slot → the query rows the model forms, where it forms fewer
         self.text_spans: dict[int, dict] = {}  # result slot → its text's parts, where the family packs them per item
         self.skips = Skips()  # selected attention calls that did not run (a cache skipped them)
         self.stats: dict[tuple[int, int, str], dict[int, list[float]]] = {}  # (step, layer, name) → slot → per head
@@ -136,8 +137,7 @@ class Capture:
         key = (kind, layer)
         if key not in self.pending or self.pending[key][0] != self.step:
             self.pending[key] = [self.step]
-        parts = self.pending[key]
-        parts.append((slots, out.cpu()))
+        (parts := self.pending[key]).append((slots, out.cpu()))
         if sum(len(s) for s, _ in parts[1:]) == n:
             del self.pending[key]
             whole = torch.empty((n, *out.shape[1:]))
@@ -268,10 +268,8 @@ class Capture:
         copies = query.dtype != torch.float32 or not all_heads or not query[0].is_contiguous()
         shape = (str(query.device), query.dtype, S, len(chosen), D)
         method = "rows" if shape in self.verifier.rows_only else plan.tiles.method
-        if method == "joint" and lse is None:  # the output call fell back to the stock one
-            method = "auto"
-        if mask is not None:  # the fused passes take no mask: row tiles apply it
-            method = "rows"
+        method = "auto" if method == "joint" and lse is None else method  # the output call fell back to the stock one
+        method = "rows" if mask is not None else method  # the fused passes take no mask: row tiles apply it
         cost = passes.mask_cost(mask)  # the mask's rows of a tile count in the budget
         tiles = self._tiles_for(plan, S, len(chosen), D, query.device, copies, method, lse is not None, cost)
         # the row tiles by the kernels as planned for the method asked (a shape back on row tiles: torch's)
@@ -286,6 +284,8 @@ class Capture:
         for slot, b in zip(slots, items):  # each item's valid text, as the mask keeps it, and its parts
             if kept is not None and int(kept[b]) < res.layout.seq_len:
                 self.text_lengths.setdefault(slot, res.layout.text_kept(int(kept[b])))
+            if formed is not None and formed[b] < res.layout.seq_len:  # Mochi's padded text: rows never formed
+                self.query_lengths.setdefault(slot, formed[b])
             if self.steps.spans is not None:
                 self.text_spans.setdefault(slot, self.steps.spans[b])
         args = (query, key, items, reducers)

@@ -31,6 +31,7 @@ def run_meta(rec) -> dict:
             "heads_resolved": res and list(res.heads),
             "source_heads": {src: ids and list(ids) for src, ids in rec.source_heads.items()},
             "text_lengths": None if rec.text_lengths is None else list(rec.text_lengths),
+            "query_lengths": None if rec.query_lengths is None else list(rec.query_lengths),
             "text_spans": rec.text_spans and [{k: list(v) for k, v in s.items()} for s in rec.text_spans],
         },
         "model": {

@@ -239,18 +239,11 @@ class Recording:
             self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models, self._branches)
         num_steps, most_steps = self._steps.step_counts()
 
-        def planned(options, lay=layout):
-            return plan_capture(
-                options,
-                self._shape,
-                lay,
-                batch_size=batch_size * self._steps.calls_per_step,  # Wan's guidance batch spans two calls
-                guidance=self._steps.guidance,
-                num_steps=num_steps,
-                device=device,
-                sources=self._spec.context_kinds,
-                calls_per_step=self._steps.calls_per_step,
-            )
+        calls, common = self._steps.calls_per_step, dict(guidance=self._steps.guidance, num_steps=num_steps)
+        common.update(device=device, sources=self._spec.context_kinds, calls_per_step=calls)
+
+        def planned(options, lay=layout):  # Wan's guidance batch spans two calls
+            return plan_capture(options, self._shape, lay, batch_size=batch_size * calls, **common)
 
         plan = planned(self.options)
         if mesh is not None:  # the exchanged q and k of this rank's heads count in its budget
@@ -282,6 +275,11 @@ class Recording:
     def text_lengths(self) -> tuple[int, ...] | None:
         """Per slot of the results' batch axis, its valid text tokens where a mask keeps fewer than T (`None`: all)."""
         return self._capture.per_slot(self._capture.text_lengths, self.layout and self.layout.text_len)
+
+    query_lengths = property(
+        lambda self: self._capture.per_slot(self._capture.query_lengths, self.layout and self.layout.seq_len),
+        doc="Per slot of the batch axis, the query rows the model forms where it forms fewer than S (`None`: all).",
+    )
 
     @property
     def text_spans(self) -> tuple[dict[str, tuple[int, int]], ...] | None:

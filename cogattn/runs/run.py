@@ -204,6 +204,9 @@ class Run:
         return (self.meta.get("selection") or {}).get("text_lengths")
 
     text_spans = property(lambda self: self._text_spans, doc="``Recording.text_spans``, checked when loaded.")
+    query_lengths = property(
+        lambda self: (self.meta.get("selection") or {}).get("query_lengths"), doc="``Recording.query_lengths``."
+    )
 
     @property
     def layer_names(self) -> list[str] | None:

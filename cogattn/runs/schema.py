@@ -165,6 +165,7 @@ SELECTION = Fields(
             lambda v: isinstance(v, dict) and all(x is None or INDICES.problem(x, "") is None for x in v.values()),
         ),
         "text_lengths": AnyOf((NULL, ListOf(whole(0, MAX_TOKENS)))),
+        "query_lengths": AnyOf((NULL, ListOf(whole(0, MAX_TOKENS)))),
         # text_spans: checked_text_spans, against the layout
     },
 )
