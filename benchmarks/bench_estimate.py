@@ -57,13 +57,13 @@ def measure_captures(rec, device: str) -> list[int]:
     """Wrap ``rec.capture`` to record the peak extra memory of every layer capture."""
     peaks, inner, memory = [], rec.capture, PeakMemory(device)
 
-    def measured(layer, query, key, lse=None, sums=None):
+    def measured(*args, **kwargs):  # every argument a family's processor passes (value= too)
         memory.start()
-        inner(layer, query, key, lse, sums)
+        inner(*args, **kwargs)
         peaks.append(memory.stop())
 
     rec.capture = measured
-    joint = rec.attention
+    joint = rec._capture.attention  # Recording.attention is a property that reads the capture side's
 
     def measured_joint(layer, query, key, value):  # layer_output="joint": the widened call, beyond the stock output
         memory.start()
@@ -72,7 +72,7 @@ def measure_captures(rec, device: str) -> list[int]:
             peaks.append(memory.stop() - result[0].nbytes)
         return result
 
-    rec.attention = measured_joint
+    rec._capture.attention = measured_joint
     return peaks
 
 
