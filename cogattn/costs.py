@@ -20,6 +20,7 @@ from .exact.layer_plans import records as layer_records
 from .exact.planner import CapturePlan, ModelShape, TilePlan, plan_capture
 from .layout import TokenLayout
 from .models import spec_for_config, transformer_config
+from .models.call_sizes import check_sizes
 from .options import CaptureOptions
 from .recorder.mesh import CHECKED_FAMILIES, exchange_bytes
 
@@ -93,8 +94,9 @@ class Estimate:
     @property
     def peak_extra_memory(self) -> int:
         """Predicted peak memory capture adds to a generation (:attr:`CapturePlan.peak_extra_memory`, the largest of
-        its layouts' plans)."""
-        return max(p.peak_extra_memory for p in (self.plan, *self.others))
+        its layouts' plans; under context parallelism a rank's, its exchange of q and k included)."""
+        exchange = self.parallel.exchange_bytes if self.parallel is not None else 0
+        return max(p.peak_extra_memory for p in (self.plan, *self.others)) + exchange
 
     def table(self) -> str:
         lay = self.layout
@@ -195,6 +197,9 @@ def estimate(
     spec = spec_for_config(cfg)
     spec.check_kinds(options.kinds)
     spec.check_options(options, cfg)
+    check_sizes(spec, cfg, num_frames=num_frames, height=height, width=width, num_inference_steps=num_inference_steps)
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+        raise ValueError(f"num_prompts: {num_prompts!r} must be a whole number of at least 1.")
     (num_heads, head_dim), num_layers = spec.attention_shape(cfg), spec.num_layers(cfg)
     model = ModelShape(num_layers, num_heads, head_dim, dtype, spec.shapes(cfg))
     options.check_model(

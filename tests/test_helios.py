@@ -190,3 +190,17 @@ def test_a_released_checkpoint_is_planned_offline_with_every_chunk_s_steps():
     assert {kind: n for kind, _, _, n in est.records} == {"entropy": 4 * 50 * 40, "video_to_text": 4 * 50 * 40}
     assert "layout: 2400 history + 9×24×40 video tokens, S = 11,040; cross-attention to 512 text tokens" in est.table()
     assert [helios.call_steps(n, 5) for n in (33, 34, 132)] == [5, 10, 20]  # 1, 2 and 4 chunks of 5 steps
+
+
+def test_a_call_of_any_number_of_frames_is_planned_and_taken_by_the_batch_tool():
+    """The pipeline makes ⌈num_frames / 33⌉ chunks of any count (the batch tool refused 66 frames, its own example,
+    for not being 4k + 1); 0 frames is one line."""
+    from cogattn.dump.config import ConfigError, load_config
+
+    est = cogattn.estimate("BestWishYsh/Helios-Base", num_frames=66, height=384, width=640, num_inference_steps=3,
+                           kinds=("entropy",), steps="all")  # fmt: skip
+    assert est.records[0][3] == 2 * 3 * 40  # two chunks of three steps, 40 layers
+    config = "configs/tiny-helios.yaml"
+    assert load_config(config, ["num_frames=66"]).num_frames == 66
+    with pytest.raises(ConfigError, match=r"^num_frames: 0 must be at least 1 \(33, 66, 99"):
+        load_config(config, ["num_frames=0"])

@@ -361,6 +361,32 @@ def test_bad_options_are_one_clear_line(pipe, kwargs, error, match):
     assert "\n" not in str(err.value) and _hooks(pipe) == 0
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(height=481), r"height: 481 must be a positive multiple of 16 \(the CogVideoX VAE's 8 × the patch size 2\)"),
+        (dict(num_inference_steps=0), r"num_inference_steps: 0 must be at least 1"),
+        (dict(num_inference_steps=-1), r"num_inference_steps: -1 must be at least 1"),
+        (dict(num_frames=48), r"num_frames: 48; the CogVideoX VAE decodes 4k \+ 1 frames .*: use 45 or 49"),
+        (dict(num_frames=49.0), r"num_frames: 49.0 must be a whole number"),
+        (dict(num_prompts=0), r"num_prompts: 0 must be a whole number of at least 1"),
+        (dict(model="nvidia/Cosmos3-Nano", num_frames=189, height=712, width=1280),
+         r"height: 712 must be a positive multiple of 16 \(the Cosmos 3 VAE's 16; the transformer pads to whole"),
+    ],
+)  # fmt: skip
+def test_an_estimate_of_a_call_the_pipeline_refuses_is_one_line(kwargs, match):
+    """``estimate`` checks the call's sizes as the batch tool does (before: a plan of -42 records for -1 steps, and
+    of a height the pipeline refuses); Cosmos 3's transformer pads its latents to whole patches, so 720 rows plan."""
+    call = dict(model="THUDM/CogVideoX-5b", num_frames=49, height=480, width=720, num_inference_steps=50)
+    call.update(kwargs)
+    with pytest.raises(ValueError, match=match) as err:
+        cogattn.estimate(call.pop("model"), kinds=("frame",), **call)
+    assert "\n" not in str(err.value)
+    est = cogattn.estimate("nvidia/Cosmos3-Nano", kinds=("frame",), num_frames=189, height=720, width=1280,
+                           num_inference_steps=2)  # fmt: skip
+    assert est.layout.grid == (48, 23, 40) and est.num_records == 2 * 36
+
+
 def test_memory_budget_accepts_exponents_in_either_case():
     assert cogattn.CaptureOptions(memory_budget="1E9").memory_budget == 10**9
     assert cogattn.CaptureOptions(memory_budget="1.5e9").memory_budget == 1_500_000_000

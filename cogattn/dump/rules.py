@@ -1,8 +1,9 @@
 """The rules of a ``cogattn-dump`` config's pipeline call, checked before anything loads (a bad value would
 fail every prompt).
 
-The common rules read the model's family spec (``cogattn.models.ModelSpec``): the VAE's tk + 1 frames (Allegro's:
-tk or tk + 1; a VAE of clips, MiniMax-H3's: its family's rule), pixels in whole patches (``pixels_per_patch``), the tasks the family's pipelines take,
+The common rules read the model's family spec (``cogattn.models.ModelSpec``): the call's sizes as
+:func:`cogattn.estimate` checks them (``cogattn.models.call_sizes``: the VAE's frames, pixels in whole patches, at
+least one step), the tasks the family's pipelines take,
 ``true_cfg_scale`` where the pipeline has it (``guidance_argument``), ``guidance_scale_2`` for two experts, and
 the tiny pipelines' options (``tiny_options``, set for their family's ``tiny_name`` only); then the family's own
 (``call_rules``). Each refusal is a `ValueError` with one line for the user, which ``config.py`` raises
@@ -16,6 +17,7 @@ import math
 import re
 
 from ..models import FAMILIES, KNOWN_MODELS, ModelSpec
+from ..models.call_sizes import check_sizes
 
 __all__ = ["check_call", "check_tiny_options"]
 
@@ -49,34 +51,14 @@ def check_tiny_options(cfg) -> None:
 def check_call(cfg) -> None:
     """The pipeline call of ``cfg`` (a ``DumpConfig``): the common rules, then its family's; sets
     ``max_sequence_length`` left out to the family's."""
-    for key in ("num_inference_steps", "fps", "max_sequence_length"):
+    for key in ("fps", "max_sequence_length"):
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ValueError(f"{key}: {getattr(cfg, key)!r} must be at least 1.")
     spec = cfg.spec()
     spec.check_task(cfg.task, tiny=cfg.tiny_spec() is not None)
     config = cfg.model_config()
-    layout = spec.layout_for_video(config, 1, 16, 16, 1)
-    tc = layout.temporal_compression  # the VAE's: 4, Mochi's 6, LTX-Video's 8
-    if not layout.causal_vae and (cfg.num_frames < 1 or cfg.num_frames % tc > 1):  # Allegro's: tc frames from frame 0
-        below = max(tc, cfg.num_frames // tc * tc)
-        raise ValueError(
-            f"num_frames: {cfg.num_frames!r}; the {spec.title} VAE decodes {tc} frames per latent frame "
-            f"({spec.frame_counts}): use {below} or {below + tc}."
-        )
-    if layout.causal_vae and not layout.clip_latents and (cfg.num_frames < 1 or (cfg.num_frames - 1) % tc):
-        below = max(1, (cfg.num_frames - 1) // tc * tc + 1)
-        raise ValueError(
-            f"num_frames: {cfg.num_frames!r}; the {spec.title} VAE decodes {tc}k + 1 frames ({spec.frame_counts}): "
-            f"use {below} or {below + tc}."
-        )
-    vae, patch = spec.pixels_per_patch(config)
-    for key in ("height", "width"):
-        value = getattr(cfg, key)
-        if value < vae * patch or value % (vae * patch):
-            raise ValueError(
-                f"{key}: {value!r} must be a positive multiple of {vae * patch} (the {spec.title} VAE's {vae} × "
-                f"the patch size {patch})."
-            )
+    sizes = ("num_frames", "height", "width", "num_inference_steps")
+    check_sizes(spec, config, **{key: getattr(cfg, key) for key in sizes}, padded=False)
     if not 0 <= cfg.seed < 2**64 or not 0 <= cfg.guidance_scale < math.inf:
         raise ValueError(
             f"seed must be from 0 to 2**64 - 1 and guidance_scale finite and ≥ 0; got seed {cfg.seed!r}, "
