@@ -19,7 +19,7 @@ from tiny_calls import generate
 
 import cogattn
 import cogattn.runs.store as store
-from cogattn.models.cogvideox import tiny_pipeline
+from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 
 
 @pytest.fixture
@@ -152,6 +152,87 @@ def test_a_dropped_recording_takes_its_hook_with_it(pipe):
     gc.collect()
     assert _hooks(pipe) == 0
     assert torch.equal(generate(pipe), stock) and torch.equal(generate(pipe), stock)
+
+
+def test_a_dropped_recording_of_results_in_memory_stops_recording(pipe):
+    """Its processors hold it weakly: dropped, it is collected and the stock processors are back (before, they kept
+    it alive and recorded the next generation where no one could read it)."""
+    stock, originals = generate(pipe, output_type="latent"), pipe.transformer.attn_processors
+    cogattn.record(pipe, kinds="frame")  # the result dropped at once
+    gc.collect()
+    assert _hooks(pipe) == 0 and all(pipe.transformer.attn_processors[n] is originals[n] for n in originals)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no recording left open to close
+        assert torch.equal(generate(pipe, output_type="latent"), stock)
+
+
+def test_another_call_at_a_lower_timestep_is_another_generation(pipe):
+    """Video-to-video at a small strength starts below the last generation's timesteps: told at its first call by
+    the scheduler's timesteps set anew (before, its steps were appended to the first generation's)."""
+    from diffusers import CogVideoXVideoToVideoPipeline
+
+    v2v = CogVideoXVideoToVideoPipeline(**pipe.components)
+    v2v.set_progress_bar_config(disable=True)
+    emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
+    call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, height=48, width=80, output_type="latent")
+    call.update(video=[torch.rand(3, 48, 80, generator=torch.Generator().manual_seed(i)) for i in range(9)])
+    with pytest.raises(RuntimeError, match="a second generation started"), cogattn.record(pipe) as rec:
+        v2v(**call, num_inference_steps=2, strength=1.0, max_sequence_length=TINY_TEXT_LEN)
+        first = list(rec.timesteps)
+        v2v(**call, num_inference_steps=50, strength=0.1, max_sequence_length=TINY_TEXT_LEN)
+    assert rec.timesteps == first == [999.0, 499.0]  # the second call's 99, 79, ... are not appended
+    assert {step for _, step, _ in rec.keys()} == {0, 1}
+
+
+def test_another_pipeline_running_the_recorded_transformer_is_refused(pipe):
+    """A pipeline made from the recorded one's components runs its transformer: its guidance and steps are not the
+    recorded pipeline's (before, guidance read off gave the negative prompt's item as the prompt's); refused at its
+    first call, the recording left as it was, and the recorded pipeline's own call recorded."""
+    from diffusers import CogVideoXPipeline
+
+    other = CogVideoXPipeline(**pipe.components)
+    other.set_progress_bar_config(disable=True)
+    rec = cogattn.record(pipe, kinds="frame")
+    with pytest.raises(ValueError, match=r"another pipeline \(CogVideoXPipeline\) than the one recorded"):
+        generate(other, output_type="latent")
+    assert rec.timesteps == [] and rec.status == "running"
+    generate(pipe, output_type="latent")
+    rec.close()
+    assert rec.batch_roles == ("cond",) and len(rec.timesteps) == 2 and rec.status == "finished"
+
+
+def test_a_recording_left_open_after_a_failed_first_step_is_closed_interrupted(pipe, tmp_path):
+    """The next generation starts at the same timestep, its scheduler set anew: the open recording is closed (before,
+    every later call was refused as a second call at that timestep); a recording closed by hand short of its steps
+    reads interrupted, not finished and complete."""
+    rec = cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "run")
+
+    def fail(pipeline, i, t, kwargs):
+        raise ValueError("a callback's mistake")
+
+    with pytest.raises(ValueError, match="a callback's mistake"):
+        generate(pipe, steps=3, output_type="latent", callback_on_step_end=fail)
+    stock = tiny_pipeline()  # a pipeline of the same weights, never recorded
+    with pytest.warns(UserWarning, match="the recording was closed with its 1 steps"):
+        out = generate(pipe, output_type="latent")
+    assert torch.equal(out, generate(stock, output_type="latent")) and _hooks(pipe) == 0
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert (rec.status, run["status"], run["complete"], run["steps"]) == ("interrupted", "interrupted", False, 1)
+    rec = cogattn.record(pipe, kinds="frame")
+
+    def ctrl_c_at_step_1(pipeline, i, t, kwargs):
+        if i == 1:
+            raise KeyboardInterrupt
+        return kwargs
+
+    with pytest.raises(KeyboardInterrupt):
+        generate(pipe, steps=3, output_type="latent", callback_on_step_end=ctrl_c_at_step_1)
+    rec.close()
+    assert (rec.status, len(rec.timesteps)) == ("interrupted", 2)
+    rec = cogattn.record(pipe, kinds="frame")
+    generate(pipe, steps=3, output_type="latent")
+    rec.close()
+    assert (rec.status, len(rec.timesteps)) == ("finished", 3)
 
 
 def test_a_recording_left_open_closes_at_the_next_generation(pipe):

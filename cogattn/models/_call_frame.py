@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import sys
 
-__all__ = ["call_locals", "window_reader"]
+__all__ = ["call_locals", "running_pipelines", "window_reader"]
 
 
 def call_locals(pipeline) -> dict | None:
@@ -20,6 +20,20 @@ def call_locals(pipeline) -> dict | None:
     while frame is not None and frame.f_code is not code:
         frame = frame.f_back
     return None if frame is None else frame.f_locals
+
+
+def running_pipelines(transformer) -> list:
+    """The pipelines whose ``__call__`` on the stack runs ``transformer`` (their ``transformer`` or
+    ``transformer_2``), innermost first; none where no pipeline's call runs it (a bare call, a loop of the user's)."""
+    found, frame = [], sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__call__" else None
+        if owner is not None and any(
+            getattr(owner, name, None) is transformer for name in ("transformer", "transformer_2")
+        ):
+            found.append(owner)
+        frame = frame.f_back
+    return found
 
 
 def window_reader(index: str, count: str):

@@ -27,7 +27,7 @@ from .capture import Capture
 from .guiders import Branches
 from .mesh import ElsewhereStore, distributed
 from .meta import run_meta
-from .sites import Transformers, find_transformer
+from .sites import SinkRef, Transformers, find_transformer
 from .steps import StepTracker, WeakHook
 
 __all__ = ["Recording", "record"]
@@ -310,8 +310,8 @@ class Recording:
     # -- processors and cleanup --------------------------------------------------------------------
     def install_processors(self) -> None:
         """Replace the stock processors of every captured attention module (of every expert);
-        :meth:`close` restores them."""
-        self._models.install(self)
+        :meth:`close` restores them. They hold a recording of results in memory alone weakly (`SinkRef`)."""
+        self._models.install(self if self.options.save_dir is not None else SinkRef(self))
 
     @property
     def status(self) -> str:
@@ -324,7 +324,8 @@ class Recording:
 
         Args:
             status (`str | None`): how the generation ended (``"failed"``, ``"interrupted"``); by default
-                ``"finished"``, or ``"interrupted"`` when the pipeline's interrupt flag is set.
+                ``"finished"``, or ``"interrupted"`` when the pipeline's interrupt flag is set or the generation ran
+                fewer steps than its pipeline said at its first call (a Ctrl-C in a recording left open).
 
         Raises `StoreError` if a record or the metadata could not be written; the committed records stay
         readable."""
@@ -336,8 +337,9 @@ class Recording:
             hook.remove()
         self._models.restore()
         self._branches.restore()
-        if status is None:
-            status = "interrupted" if self._steps.pipeline_attr("interrupt") else "finished"
+        if status is None:  # closed by hand: a generation short of the steps its pipeline said was cut short
+            short = 0 < len(self.timesteps) < (self._steps.told_steps or 0)
+            status = "interrupted" if short or self._steps.pipeline_attr("interrupt") else "finished"
         self._status = status
         if status == "finished" and self.step is not None:  # an interrupted last step is not a skipped one
             self._capture.end_step(self.step)
@@ -362,8 +364,8 @@ class Recording:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
+        if exc_type is None:  # the pipeline returned: finished, or stopped by its interrupt flag
+            self.close("interrupted" if self._steps.pipeline_attr("interrupt") else "finished")
             return
         status = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed"
         try:  # an exception is on its way out: finish what can be finished, and never mask it

@@ -10,12 +10,30 @@ back; :class:`EagerWhileRecording` runs a compiled transformer eagerly while a r
 from __future__ import annotations
 
 import warnings
+import weakref
 
 from .. import models
 from ..models import ModelSpec, spec_for_module
 from .mesh import CHECKED_FAMILIES, find_mesh
 
-__all__ = ["EagerWhileRecording", "Transformers", "find_transformer", "uncompiled"]
+__all__ = ["EagerWhileRecording", "SinkRef", "Transformers", "find_transformer", "uncompiled"]
+
+
+class SinkRef:
+    """The processors' weak hold on a recording whose results live in memory alone: one dropped without close()
+    is collected (its finalizer puts the stock processors back) instead of living on in the processors, recording
+    the next generation where no one can read it. Attributes are the recording's."""
+
+    __slots__ = ("_sink", "__weakref__")
+
+    def __init__(self, sink):
+        self._sink = weakref.ref(sink)
+
+    def __getattr__(self, name: str):
+        sink = self._sink()
+        if sink is None:
+            raise ReferenceError("the recording these processors fed is gone")
+        return getattr(sink, name)
 
 
 def find_transformer(target) -> tuple[object, object | None, ModelSpec]:

@@ -22,6 +22,7 @@ import torch
 
 from ..layout import TokenLayout
 from ..models import ModelSpec
+from ..models._call_frame import running_pipelines
 from ..models.spec import StepTime
 from .guiders import Branches
 
@@ -60,6 +61,8 @@ class StepTracker:
         self.off_grid: tuple | None = None  # the grid of a window of another grid: nothing from it is recorded
         self._window_start = 0  # the first step of the running window
         self._step_index: int | None = None  # the scheduler's step_index when the running step began
+        self._schedule = None  # a weak reference to the scheduler's timesteps of the running loop (`_renewed`)
+        self.told_steps: int | None = None  # the steps the pipeline said at the first call (`step_counts`)
         self.call = 0  # the call of the step now running: 0, or 1 for Wan's unconditional call
         self.layout: TokenLayout | None = None
         self.batch_size: int | None = None
@@ -128,11 +131,20 @@ class StepTracker:
         t = float(time)
         window = self.read_window()
         if not self.timesteps:
+            # another pipeline made from the recorded one's parts: its guidance and steps would be read wrong
+            running = running_pipelines(module) if self.pipeline is not None else []
+            if running and not any(p is self.pipeline for p in running):
+                name = type(running[0]).__name__
+                raise ValueError(
+                    f"the transformer runs in a call of another pipeline ({name}) than the one recorded "
+                    f"({type(self.pipeline).__name__}); record the pipeline you call: `cogattn.record(<your {name}>, ...)`."
+                )
             self.layout, self.batch_size, self.device = layout, batch_size, device
             guided = self.branches.guided(expert) if self.branches else None
             self._guidance = self.spec.guidance_on(self.pipeline) if guided is None else guided
             self._guidance_read = True
             self.window, self.num_windows = window if window is not None else (0, None)
+            self._schedule, self.told_steps = self._timesteps_ref(), self.step_counts()[0]
             self._append(t, expert, time)
             return "first"
         # A step's later call keeps the video and batch but may differ in its text (negative embeddings of another
@@ -145,11 +157,13 @@ class StepTracker:
             if not same_call or self.off_grid:
                 self.off_grid = self.off_grid or layout.grid
                 return "reshaped"
-            self._window_start = len(self.timesteps)
+            self._window_start, self._schedule = len(self.timesteps), self._timesteps_ref()
             self._append(t, expert, time)
             return "next"
         if self.off_grid and window is not None and window[0] == self.window:
             return "reshaped"  # a later call of the window of another grid
+        if same_call and self._renewed():  # another pipeline call, whatever its timestep (a lower strength's)
+            return "another"
         same_time = time.same_step(self._time) if isinstance(time, StepTime) else t == float(self._time)
         num_steps = self.pipeline_attr("num_timesteps")  # of the running window, in a windowed call
         # the scheduler stepped since this step began: a call at its timestep is the next step's (Heun's second
@@ -187,6 +201,21 @@ class StepTracker:
         nor one to record again."""
         self.running = False
 
+    def _timesteps_ref(self) -> weakref.ref | None:
+        """A weak reference to the pipeline's scheduler's ``timesteps`` (a tensor each ``set_timesteps`` makes anew),
+        `None` where there is none."""
+        timesteps = getattr(self.pipeline_attr("scheduler"), "timesteps", None)
+        return weakref.ref(timesteps) if isinstance(timesteps, torch.Tensor) else None
+
+    def _renewed(self) -> bool:
+        """Whether the scheduler's timesteps were set again since the running loop began: another pipeline call,
+        told at its first transformer call even where it starts at a lower timestep (video-to-video at a small
+        strength) or at the timestep the last generation stopped at (one that failed at its first step)."""
+        if self._schedule is None:
+            return False
+        timesteps = getattr(self.pipeline_attr("scheduler"), "timesteps", None)
+        return isinstance(timesteps, torch.Tensor) and timesteps is not self._schedule()
+
     def _scheduler_index(self) -> int | None:
         """The pipeline's scheduler's ``step_index`` (how many of its steps have run), `None` where it keeps none."""
         index = getattr(self.pipeline_attr("scheduler"), "step_index", None)
@@ -207,7 +236,8 @@ class StepTracker:
         self.windows.clear()
         self.layout = self.batch_size = self.device = self._guidance = self._time = None
         self.window = self.num_windows = self.off_grid = None
-        self._guidance_read, self._window_start, self._step_index = False, 0, None
+        self._guidance_read, self._window_start, self._step_index, self._schedule = False, 0, None, None
+        self.told_steps = None
 
     def step_counts(self) -> tuple[int | None, int | None]:
         """``(steps, at most)`` of the generation, told at its first call: the pipeline's ``num_timesteps``
