@@ -206,7 +206,9 @@ def mask_recall(
 
 def mask_density(source: MapSource, mask: torch.Tensor, kind: str = "block") -> torch.Tensor:
     """The share of all (query, key) token pairs a block or tile mask computes: ``Σ_m Σ_n mask[m, n]·w_m·w_n / S²``,
-    w the tokens of each group; the mean over queries of the share of key tokens kept (1 for a full mask).
+    w the tokens of each group; the mean over queries of the share of key tokens kept (1 for a full mask). Every
+    token of the layout counts, an item's padded text too: the pairs a kernel over the sequence computes (where
+    :func:`mask_recall` weighs the rows the model forms).
 
     Args:
         source (`MapSource`): a `Recording` or a `Run` (its layout, ``block_size`` or ``tile_shape``).
