@@ -19,6 +19,7 @@ from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 from cogattn.plot import animation as plot_animation
 from cogattn.plot import video as plot_video
+from cogattn.reference import naive_kind
 
 PROMPT = "a red fox running in the snow"  # tiny tokenizer: a red fox running in the snow </s>
 KINDS = ("frame", "video_to_text", "text_to_video", "query", "full")
@@ -199,6 +200,20 @@ def test_video_array_accepts_every_output_type(tiny):
     pil = [Image.fromarray(f) for f in uint8]
     assert np.allclose(plot_video.video_array(uint8), hwc, atol=1 / 255)
     assert np.array_equal(plot_video.video_array([pil]), uint8 / np.float32(255))
+    # a uint8 tensor is bytes too, in either axis order: not floats above 1 clipped to white
+    for tensor in (torch.from_numpy(uint8), torch.from_numpy(uint8).permute(0, 3, 1, 2)):
+        assert np.array_equal(plot_video.video_array(tensor), uint8 / np.float32(255))
+
+
+def test_upsample_to_video_gives_the_video_once_per_copy_of_the_grid():
+    """Two copies of the grid (Motif-Video's decoder layers): copy c's pixel frame n is map c·N + n, the map of
+    copy c's latent frame covering n."""
+    layout = TokenLayout(text_len=0, frames=6, height=3, width=5, grids=2)
+    maps = torch.rand(6, 3, 5, generator=torch.Generator().manual_seed(0))
+    up = plot.upsample_to_video(maps, layout, 9, (48, 80))
+    owner = [0, 1, 1, 1, 1, 2, 2, 2, 2]  # of one copy: 3 latent frames, 9 pixel frames
+    expected = maps[owner + [3 + f for f in owner]].repeat_interleave(16, 1).repeat_interleave(16, 2)
+    assert up.shape == (18, 48, 80) and torch.equal(up, expected)
 
 
 # -- aggregation -----------------------------------------------------------------------------------
@@ -457,6 +472,61 @@ def test_query_map_text_queries_full_fallback_and_errors(tiny):
         plot.query_map(rec, 2)
     with pytest.raises(ValueError, match="outside the latent grid"):
         plot.query_map(rec, (3, 0, 0))
+
+
+class _Rows:
+    """A recording of one step and layer of a ``layout`` made from seeded probabilities ``P`` ``(1, 2, S, S)``: the
+    ``query`` rows of ``queries`` (token indices) and each token's ``entropy``."""
+
+    def __init__(self, layout, queries, family=None, prompt=None):
+        S = layout.seq_len
+        self.P = (torch.randn(1, 2, S, S, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3).softmax(
+            -1
+        )
+        self.records = {
+            ("query", 0, 0): self.P[:, :, list(queries)],
+            ("entropy", 0, 0): naive_kind(self.P, "entropy", 0, (0, 0, 0)),
+        }
+        self.layout, self.queries, self.family, self.info = layout, tuple(queries), family, {"prompt": prompt}
+        self.head_ids, self.timesteps, self.batch_roles = (0, 1), [999], None
+
+    def keys(self):
+        return sorted(self.records)
+
+    def get(self, kind, step, layer):
+        if (kind, step, layer) not in self.records:
+            raise NotRecordedError(f"no record ({kind!r}, {step}, {layer})")
+        return self.records[(kind, step, layer)].float()
+
+
+@pytest.mark.parametrize("figure", ["query_map", "token_stat"])
+def test_a_pipeline_and_its_tokenizer_name_the_same_text_ticks(figure):
+    """Past 40 text tokens the strip names the prompt's tokens, not the padding after them, and ticks every tenth
+    of the axis by index: the same for tokenizer=pipe (the call docs/statistics.md shows) as for its tokenizer."""
+    pipe = tiny_pipeline()
+    source = _Rows(TokenLayout(text_len=64, frames=2, height=3, width=5), [70], family="cogvideox", prompt=PROMPT)
+    prompt_tokens = ["a", "red", "fox", "running", "in", "the", "snow", "</s>"]  # then 56 × <pad>
+    assert words.text_tokens(pipe.tokenizer, PROMPT, 64) == prompt_tokens + [pipe.tokenizer.pad_token] * 56
+    want = sorted(set(range(8)) | set(range(0, 64, 6)))
+    draw = getattr(plot, figure)
+    for tokenizer in (pipe, pipe.tokenizer):
+        fig = draw(source, 0, tokenizer=tokenizer) if figure == "query_map" else draw(source, tokenizer=tokenizer)
+        text = panels(fig)[-1]
+        assert list(text.get_xticks()) == want, type(tokenizer).__name__
+        assert [t.get_text() for t in text.get_xticklabels()] == prompt_tokens + [str(i) for i in want[8:]]
+
+
+def test_query_map_names_a_text_query_by_its_text_index_and_a_history_query_as_history():
+    """The title names the query token as the strip counts it: text last (HunyuanVideo), its index in the text; a
+    video token off the grid (FramePack's, Helios's history) as history."""
+    last = TokenLayout(text_len=7, frames=2, height=2, width=3, text_position="end")  # video 0..11, text 12..18
+    history = TokenLayout(text_len=5, frames=2, height=2, width=3, history_len=4)  # text 0..4, history 5..8
+    for layout, token, name in ((last, 14, "text 2"), (history, 6, "history 1"), (history, 3, "text 3")):
+        source = _Rows(layout, [token])
+        fig = plot.query_map(source, 0)
+        assert fig.get_suptitle().splitlines()[0] == f"where {name} attends"
+        row = source.P[0].mean(0)[token].float().numpy()
+        assert np.allclose(heat(panels(fig)[0]).get_array(), row[layout.grid_tokens][:6].reshape(2, 3), atol=1e-6)
 
 
 # -- sources, files, animations, widgets -----------------------------------------------------------

@@ -242,12 +242,12 @@ def test_token_stat_received_marks_the_top_sinks(tiny):
 
 def test_sink_names_count_text_from_its_strip_and_name_history_tokens():
     """A sink's name in the title: the text by its index in the text strip (text last too), a history token as such."""
-    from cogattn.plot.stats import _token_name
+    from cogattn.plot.style import token_name
 
     last = TokenLayout(text_len=7, frames=2, height=2, width=3, text_position="end")
     history = TokenLayout(text_len=5, frames=2, height=2, width=3, history_len=4)
-    assert [_token_name(last, t) for t in (0, 11, 12, 18)] == ["f0 (0, 0)", "f1 (1, 2)", "text 0", "text 6"]
-    assert [_token_name(history, t) for t in (4, 5, 8, 9)] == ["text 4", "history 0", "history 3", "f0 (0, 0)"]
+    assert [token_name(last, t) for t in (0, 11, 12, 18)] == ["f0 (0, 0)", "f1 (1, 2)", "text 0", "text 6"]
+    assert [token_name(history, t) for t in (4, 5, 8, 9)] == ["text 4", "history 0", "history 3", "f0 (0, 0)"]
 
 
 # -- block map -------------------------------------------------------------------------------------

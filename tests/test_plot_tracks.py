@@ -1,11 +1,13 @@
 """plot.track_figure and plot.motion_figure draw what cogattn.analysis.tracks computes, at the patch centres of the grid or
-the video; the wheel's colours encode direction; the batch tool's previews of a frame_max run."""
+the video, patches without a match crossed out; the wheel's colours encode direction; layers over two copies of the
+grid (Motif-Video's decoder) drawn over the video once per copy; the batch tool's previews of a frame_max run."""
 
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from matplotlib.colors import rgb_to_hsv
 from PIL import Image
 from tiny_calls import generate
@@ -14,8 +16,10 @@ import cogattn
 from cogattn import plot
 from cogattn.analysis.tracks import motion_field, track
 from cogattn.dump.previews import write_previews
+from cogattn.exact.reducers.ranked import FrameMax
 from cogattn.models.cogvideox import tiny_pipeline
-from cogattn.plot.tracks import ARROW_GID, MATCH_GID, STILL_GID, WHEEL_GID, WHEEL_LEGEND_GID, flow_colors
+from cogattn.plot.tracks import ARROW_GID, MATCH_GID, NO_MATCH_GID, STILL_GID, WHEEL_GID, WHEEL_LEGEND_GID, flow_colors
+from cogattn.plot.video import video_array
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +142,133 @@ def test_the_wheel_figure_shows_the_field_s_colours_and_its_legend(runs, with_vi
     assert legend[0, 0, 3] == 0  # outside the disc: transparent
     with pytest.raises(ValueError, match="style='flow'"):
         plot.motion_figure(run, 0, 2, step=1, layer=1, style="flow")
+
+
+class _Hidden:
+    """``run`` as if a mask hid latent frame ``frame`` from the query tokens ``hidden``: their ``frame_max`` holds no
+    key of it (probability 0, token −1), as SkyReels-V2's block-causal mask leaves a later frame."""
+
+    def __init__(self, run, frame, hidden):
+        self._run, self._frame, self._hidden = run, frame, hidden
+
+    def __getattr__(self, name):
+        return getattr(self._run, name)
+
+    def get(self, kind, step, layer):
+        got = self._run.get(kind, step, layer)
+        if kind != "frame_max":
+            return got
+        values, indices = got.values.clone(), got.indices.clone()
+        group = self._run.layout.text_groups + self._frame
+        values[:, :, self._hidden, group], indices[:, :, self._hidden, group] = 0, -1
+        return FrameMax(values, indices)
+
+
+@pytest.mark.parametrize("style", ["arrows", "wheel"])
+@pytest.mark.parametrize("lost_rows", [[0], [0, 1, 2]])
+def test_patches_without_a_match_are_crossed_out_not_drawn_as_still(runs, style, lost_rows):
+    """No key of frame 1 has attention for the patches of ``lost_rows`` of frame 0: the field is NaN there (not 0, a
+    match that did not move), the figure draws no arrow or still dot there but a cross, and says "no match" where
+    no patch has one."""
+    run = runs["all"]
+    lay = run.layout
+    hidden = [lay.token_index(0, y, x) for y in lost_rows for x in range(lay.width)]
+    source = _Hidden(run, 1, hidden)
+    whole = motion_field(run, 0, 1, 1, 1, head=1).numpy()
+    flow = motion_field(source, 0, 1, 1, 1, head=1).numpy()
+    lost = np.zeros((lay.height, lay.width), dtype=bool)
+    lost[lost_rows] = True
+    assert np.isnan(flow[lost]).all() and np.array_equal(flow[~lost], whole[~lost])
+    fig = plot.motion_figure(source, 0, 1, step=1, layer=1, head=1, style=style)
+    ax = fig.axes[0]
+    yy, xx = np.mgrid[: lay.height, : lay.width]
+    assert np.array_equal(_one(ax, NO_MATCH_GID, "lines").get_xydata(), np.stack([xx[lost], yy[lost]], -1))
+    assert ("no match" in [t.get_text() for t in ax.texts]) == lost.all()
+    if style == "arrows":
+        q = _one(ax, ARROW_GID)
+        assert np.array_equal(q.XY, np.stack([xx[~lost], yy[~lost]], -1))
+        assert np.array_equal(np.asarray(q.U), whole[~lost][:, 1]) and np.array_equal(
+            np.asarray(q.V), whole[~lost][:, 0]
+        )
+        at_rest = (whole == 0).all(-1) & ~lost
+        assert np.array_equal(_one(ax, STILL_GID, "lines").get_xydata(), np.stack([xx[at_rest], yy[at_rest]], -1))
+    else:
+        colours = _one(ax, WHEEL_GID, "images").get_array()
+        assert np.allclose(colours[lost], 0.5)  # grey: neither black (no motion) nor a direction
+        top = np.hypot(*whole[~lost].T).max(initial=0.0)
+        if top > 0:
+            assert np.allclose(colours[~lost], flow_colors(whole[~lost], top))
+
+
+# -- layers over two copies of the grid ------------------------------------------------------------
+DECODER = "single_transformer_blocks.1.attn"  # the tiny Motif-Video transformer's decoder block: layer 2
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    """A tiny Motif-Video generation: ``full`` and ``frame_max`` of its decoder layer, over two copies of the grid
+    (6 latent frames of a 9-frame video), and the video ``(9, 3, 32, 48)``: 16 pixels a patch."""
+    motif = pytest.importorskip("cogattn.models.motif_video", reason="this diffusers lacks Motif-Video (0.42 has it)")
+    pipe = motif.tiny_pipeline("text-to-video")
+    call = motif.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), False)
+    with cogattn.record(pipe, kinds=("full", "frame_max"), layers=[DECODER], heads="all") as rec:
+        video = pipe(**call, num_inference_steps=1, output_type="pt", generator=torch.Generator().manual_seed(1))
+    assert rec.layout_of(2).grids == 2 and rec.layout_of(2).frames == 6
+    return rec, video.frames[0]
+
+
+MIDDLE_OF = [0, 3, 7]  # the middle pixel frame of each latent frame of one copy (9 frames: 1, 4, 4)
+
+
+def _decoder_rows(rec, token):
+    """The ``full`` head-mean row of decoder ``token`` over each latent frame: ``(6, 2, 3)``."""
+    lay = rec.layout_of(2)
+    row = rec.get("full", 0, 2)[0].mean(0)[token]
+    return row[lay.grid_tokens].view(lay.grid).numpy()
+
+
+def test_a_query_map_of_the_decoder_shows_each_copy_s_frames_over_the_video(decoder):
+    rec, video = decoder
+    point = (4, 1, 2)  # copy 2's latent frame 1: refused before as outside the generation's 3 frames
+    maps = _decoder_rows(rec, rec.layout_of(2).token_index(*point))
+    axes = [ax for ax in plot.query_map(rec, point, video, layers=2).axes if ax.get_label() != "<colorbar>"]
+    assert len(axes) == 6  # no text in the decoder's sequence
+    for f, ax in enumerate(axes):
+        assert ax.get_title() == f"px {MIDDLE_OF[f % 3]} · f{f}"
+        (im,) = [im for im in ax.images if im.get_gid() == "attention"]
+        assert np.allclose(im.get_array(), np.kron(maps[f], np.ones((16, 16))), atol=1e-6)
+        assert np.array_equal(ax.images[0].get_array(), video_array(video)[MIDDLE_OF[f % 3]])
+        crosses = [ln for ln in ax.lines if ln.get_gid() == "query-point"]
+        assert len(crosses) == (f == 4)
+
+
+def test_a_track_on_the_decoder_is_drawn_in_both_copies_over_the_video(decoder):
+    rec, video = decoder
+    point = (4, 1, 2)
+    t = track(rec, point, 0, 2, head=1)
+    fig = plot.track_figure(rec, point, video, step=0, layer=2, head=1)
+    axes = _panels(fig)
+    assert len(axes) == 6
+    for f, ax in enumerate(axes):
+        assert ax.get_title() == f"f{f} · px {[0, 1, 5][f % 3]}{['', '–4', '–8'][f % 3]} (shows px {MIDDLE_OF[f % 3]})"
+        row, col = t.positions[f].tolist()
+        assert np.allclose(_one(ax, MATCH_GID).get_offsets(), [[(col + 0.5) * 16, (row + 0.5) * 16]])
+        assert len([ln for ln in ax.lines if ln.get_gid() == "query-point"]) == (f == 4)
+    frames = rec.get("full", 0, 2)[0, 1, rec.layout_of(2).token_index(*point), rec.layout_of(2).grid_tokens]
+    best = frames.view(6, 6).argmax(-1)  # each latent frame's argmax, from the full row of head 1
+    assert t.positions.tolist() == [[int(b) // 3, int(b) % 3] for b in best]
+
+
+def test_the_decoder_s_motion_field_from_the_second_copy_is_drawn_over_its_frame(decoder):
+    rec, video = decoder
+    flow = motion_field(rec, 4, 1, 0, 2, head=1).numpy()
+    fig = plot.motion_figure(rec, 4, 1, video, step=0, layer=2, head=1)  # a StopIteration before
+    ax = fig.axes[0]
+    assert ax.get_title() == "f4 · px 1–4 (shows px 3) → f1"
+    assert np.array_equal(ax.images[0].get_array(), video_array(video)[3])
+    q = _one(ax, ARROW_GID)
+    assert np.array_equal(np.asarray(q.U), flow[..., 1].ravel() * 16)
+    assert np.array_equal(np.asarray(q.V), flow[..., 0].ravel() * 16)
 
 
 def test_previews_of_a_frame_max_run_pick_one_map(runs, tmp_path, monkeypatch):

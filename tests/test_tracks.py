@@ -1,4 +1,5 @@
-"""``cogattn.analysis.tracks`` against the argmax of each frame of the ``full`` map of the same tiny generation."""
+"""``cogattn.analysis.tracks`` against the argmax of each frame of the ``full`` map of the same tiny generation, and
+where a block-causal mask leaves a frame no key with attention (SkyReels-V2), no match."""
 
 import pytest
 import torch
@@ -51,11 +52,12 @@ def test_motion_field_is_each_patch_s_argmax_in_the_other_frame(runs, frames):
     lay = run.layout
     a, b = frames
     flow = motion_field(run, a, b, step=1, layer=1, head=1)
-    assert flow.shape == (lay.height, lay.width, 2) and flow.dtype == torch.long
+    assert flow.shape == (lay.height, lay.width, 2) and flow.dtype == torch.float32
     for y in range(lay.height):
         for x in range(lay.width):
             row = _frame_rows(run, 1, lay.token_index(a, y, x))[b]
-            dy, dx = flow[y, x].tolist()
+            dy, dx = map(int, flow[y, x].tolist())
+            assert dy == flow[y, x, 0] and dx == flow[y, x, 1]  # whole patches
             assert row[(y + dy) * lay.width + (x + dx)] == row.max()
 
 
@@ -71,3 +73,32 @@ def test_matches_of_one_map_and_what_is_refused(runs):
         track(runs["mean"], (0, lay.height, 0), 1, 1)
     with pytest.raises(ValueError, match="frame_b=99"):
         motion_field(runs["mean"], 0, 99, 1, 1)
+
+
+def test_motion_field_is_nan_where_a_block_causal_mask_leaves_no_key_with_attention():
+    """SkyReels-V2 diffusion forcing, 4 latent frames in causal blocks of 2: frames 0 and 1 never see frames 2 and 3.
+    Where a patch's ``full`` row over frame b is all 0 the field is NaN (no match), never 0 (a match that did not
+    move); elsewhere it is the argmax."""
+    skyreels = pytest.importorskip("cogattn.models.skyreels_v2")
+    if "skyreels_v2" not in {spec.family for spec in cogattn.models.FAMILIES}:
+        pytest.skip("this diffusers lacks SkyReels-V2")
+    pipe = skyreels.tiny_diffusion_forcing_pipeline()
+    emb = torch.randn(1, 512, 16, generator=torch.Generator().manual_seed(0))
+    call = dict(prompt=None, prompt_embeds=emb, negative_prompt_embeds=-emb, height=32, width=48, ar_step=0)
+    call.update(num_frames=13, base_num_frames=13, causal_block_size=2, num_inference_steps=1, output_type="latent")
+    with cogattn.record(pipe, kinds=("full", "frame_max"), layers=[0], heads="all", batch="cond") as rec:
+        pipe(**call, generator=torch.Generator().manual_seed(1))
+    lay = rec.layout
+    assert lay.grid == (4, 2, 3)
+    P = rec.get("full", 0, 0)[0, 1]
+    for a, b in [(0, 2), (1, 3), (2, 0), (3, 2)]:
+        flow = motion_field(rec, a, b, step=0, layer=0, head=1)
+        for y in range(lay.height):
+            for x in range(lay.width):
+                row = P[lay.token_index(a, y, x), lay.grid_tokens].view(lay.frames, lay.frame_tokens)[b]
+                if row.max() == 0:  # the mask hides frame b from this query
+                    assert flow[y, x].isnan().all(), (a, b, y, x)
+                else:
+                    dy, dx = map(int, flow[y, x].tolist())
+                    assert row[(y + dy) * lay.width + (x + dx)] == row.max()
+        assert flow.isnan().all() == (b // 2 > a // 2)  # a later causal block: no key of it has attention

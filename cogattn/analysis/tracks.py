@@ -11,7 +11,7 @@ which ``frame_max`` does not keep): call once per map and compare or vote over t
     from cogattn.analysis.tracks import track, motion_field
 
     t = track(run, (0, 12, 20), step=10, layer=16, head=3)  # t.positions (F, 2), t.confidence (F,)
-    flow = motion_field(run, 0, 4, step=10, layer=16, head=3)  # (Hp, Wp, 2): (dy, dx) of each patch
+    flow = motion_field(run, 0, 4, step=10, layer=16, head=3)  # (Hp, Wp, 2): (dy, dx) of each patch, NaN: no match
 """
 
 from __future__ import annotations
@@ -138,8 +138,9 @@ def motion_field(
         step, layer, head, batch: one map, as in :func:`frame_matches`.
 
     Returns:
-        `torch.Tensor`: ``(Hp, Wp, 2)`` int64, ``[y, x] = (row − y, col − x)`` of the match; 0 where frame b
-        has no key with attention for that patch.
+        `torch.Tensor`: ``(Hp, Wp, 2)`` float32, ``[y, x] = (row − y, col − x)`` of the match (whole patches, exact);
+        NaN where frame b has no key with attention for that patch (no match: a mask that hides frame b from it,
+        SkyReels-V2's block-causal one), never 0, which is a match that did not move.
     """
     source = for_layers(source, "frame_max", layer)  # a layer of another layout: its own
     lay = source.layout
@@ -151,5 +152,5 @@ def motion_field(
     tokens = matches.indices[queries, lay.text_groups + frame_b]
     within = tokens - lay.grid_tokens.start - frame_b * lay.frame_tokens
     here = torch.arange(lay.frame_tokens)
-    flow = torch.stack([within // lay.width - here // lay.width, within % lay.width - here % lay.width], -1)
-    return torch.where((tokens >= 0)[:, None], flow, 0).view(lay.height, lay.width, 2)
+    flow = torch.stack([within // lay.width - here // lay.width, within % lay.width - here % lay.width], -1).float()
+    return torch.where((tokens >= 0)[:, None], flow, torch.nan).view(lay.height, lay.width, 2)

@@ -48,6 +48,7 @@ __all__ = [
     "PromptText",
     "clean_prompt",
     "item_spans",
+    "pad_name",
     "text_tokens",
     "word_positions",
 ]
@@ -128,7 +129,7 @@ class _Bare:
 
 
 def _format(source, clean: bool, family: str | None = None):
-    if isinstance(source, PromptFormat):
+    if isinstance(source, (PromptFormat, _Bare)):
         return source
     if hasattr(source, "convert_ids_to_tokens"):
         spec = family_spec(family) if family in TABLE else None  # imports that family's module alone
@@ -143,6 +144,13 @@ def _format(source, clean: bool, family: str | None = None):
     if getattr(source, "tokenizer", None) is not None or getattr(source, "text_tokenizer", None) is not None:
         return PromptFormat(source)
     raise TypeError(f"{type(source).__name__} is not a pipeline, a PromptFormat or a tokenizer; pass `pipe`.")
+
+
+def pad_name(tokenizer, *, clean: bool = False, family: str | None = None) -> str:
+    """The name :func:`text_tokens` gives a padding token: the tokenizer's own padding token, or ``"<pad>"``; the
+    same for a pipeline, its :class:`PromptFormat` and its tokenizer (``tokenizer``, ``clean`` and ``family`` as
+    :func:`text_tokens` takes them)."""
+    return getattr(_format(tokenizer, clean, family).tokenizer, "pad_token", None) or PAD_TOKEN
 
 
 def text_tokens(
@@ -178,8 +186,7 @@ def text_tokens(
     """
     fmt = _format(tokenizer, clean, family)
     spans = _spans(spans, prompt_start, text_len)
-    pad = getattr(fmt.tokenizer, "pad_token", None) or PAD_TOKEN
-    names = [pad] * text_len
+    names = [pad_name(fmt)] * text_len
     a, b = spans.get("image", (0, 0))
     names[a:b] = [IMAGE_TOKEN] * (b - a)
     a, b = spans.get("glyph", (0, 0))

@@ -9,8 +9,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..analysis.layouts import for_layers
-from ..analysis.maps import aggregate, locate_query
-from ..analysis.words import item_spans, text_tokens, word_positions
+from ..analysis.maps import aggregate, locate_query, recorded_kinds
+from ..analysis.words import item_spans, pad_name, text_tokens, word_positions
 from ..layout import TokenLayout
 from ..runs.run import MapSource
 from .style import (
@@ -27,6 +27,7 @@ from .style import (
     pixel_ranges,
     set_title,
     single_head,
+    token_name,
 )
 from .video import upsample_to_video, video_array
 
@@ -45,7 +46,7 @@ def _text_ticks(
     names = text_tokens(tokenizer, prompt, T, spans=spans, family=family) if named_tokens else None
     if T <= limit:
         return list(range(T)), names or [str(t) for t in range(T)]
-    pad = getattr(tokenizer, "pad_token", None)
+    pad = pad_name(tokenizer, family=family) if names else None  # the pipeline's tokenizer's, as text_tokens names it
     named = [i for i, n in enumerate(names) if n != pad][:limit] if names else []
     keep = sorted(set(named) | set(range(0, T, max(1, T // 10))))
     return keep, [names[i] if i in named else str(i) for i in keep]
@@ -95,14 +96,15 @@ def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt, bat
 
 # -- word maps on the video ------------------------------------------------------------------------
 def _video_panels(layout: TokenLayout, video, frames, num_pixel_frames: int | None):
-    """``(pixel video or None, [(panel frame, latent frame)], pixel ranges or None)``."""
+    """``(pixel video or None, [(panel frame, latent frame)], pixel ranges or None)``. Over a video, a layout of
+    ``grids`` copies of the grid (Motif-Video's decoder layers) shows the chosen pixel frames once per copy."""
     frames = [frames] if isinstance(frames, int) else frames
     if video is not None:
         pixels = video_array(video)
-        ranges = layout.pixel_frames(len(pixels))
-        owner = layout.latent_of_pixel(len(pixels))
+        ranges = layout.pixel_frames(len(pixels))  # once per copy of the grid
+        owner = layout.latent_of_pixel(len(pixels))  # the latent frame of one copy
         if frames is None:
-            frames = [r[len(r) // 2] for r in ranges]  # the middle pixel frame of each latent frame
+            frames = [r[len(r) // 2] for r in ranges[: layout.one_grid.frames]]  # the middle one of each latent frame
         elif frames == "all":
             frames = list(range(len(pixels)))
         for n in frames:
@@ -110,7 +112,8 @@ def _video_panels(layout: TokenLayout, video, frames, num_pixel_frames: int | No
                 raise ValueError(
                     f"pixel frame {n} is out of range; the video has {len(pixels)} frames (0..{len(pixels) - 1})."
                 )
-        return pixels, [(n, owner[n]) for n in frames], ranges
+        copy = layout.one_grid.frames
+        return pixels, [(n, c * copy + owner[n]) for c in range(layout.grids) for n in frames], ranges
     ranges = pixel_ranges(layout, num_pixel_frames)
     frames = list(range(layout.frames)) if frames in (None, "all") else list(frames)
     for f in frames:
@@ -119,6 +122,13 @@ def _video_panels(layout: TokenLayout, video, frames, num_pixel_frames: int | No
                 f"latent frame {f} is out of range; the layout has F = {layout.frames} (0..{layout.frames - 1})."
             )
     return None, [(f, f) for f in frames], ranges
+
+
+def _on_video(maps, layout: TokenLayout, pixels, panels, mode: str) -> list[np.ndarray]:
+    """Each panel's map ``(H, W)`` on its pixel frame: the frame of :func:`upsample_to_video` of the panel's copy."""
+    up = upsample_to_video(maps, layout, len(pixels), pixels.shape[1:3], mode)
+    copy = layout.one_grid.frames
+    return [up[f // copy * len(pixels) + n].numpy() for n, f in panels]
 
 
 def _draw_panel(ax, heat: np.ndarray, norm, pixels, n: int, alpha: float):
@@ -151,8 +161,7 @@ def token_figure(source: MapSource, values, video, kind: str, labels: tuple[str,
     if pixels is None:
         arrays = [grid[f].numpy() for _, f in panels]
     else:
-        up = upsample_to_video(grid, layout, len(pixels), pixels.shape[1:3], style["interpolation"])
-        arrays = [up[n].numpy() for n, _ in panels]
+        arrays = _on_video(grid, layout, pixels, panels, style["interpolation"])
     if T:
         arrays.append(values[layout.text_tokens].numpy()[None])
     limits = style["limits"]
@@ -237,7 +246,8 @@ def word_heatmap(
         prompt (`str | None`, defaults to `None`): the prompt; `None` takes ``info["prompt"]`` of the
             recording or run.
         frames (`int | Sequence[int] | "all" | None`, defaults to `None`): pixel frames to show (latent
-            frames without a video); `None`: the middle pixel frame of every latent frame.
+            frames without a video); `None`: the middle pixel frame of every latent frame. A layer over two copies of
+            the grid (Motif-Video's decoder) shows each pixel frame once per copy.
         steps, layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): averaged.
         heads (`"mean" | int`, defaults to ``"mean"``): one head, or the mean.
         batch (`int | "cond" | "uncond"`, *optional*): slot of the recorded batch axis; by default the
@@ -274,8 +284,7 @@ def word_heatmap(
         if pixels is None:
             arrays += [word_map[f].numpy() for _, f in panels]
         else:
-            up = upsample_to_video(word_map, layout, len(pixels), pixels.shape[1:3], interpolation)
-            arrays += [up[n].numpy() for n, _ in panels]
+            arrays += _on_video(word_map, layout, pixels, panels, interpolation)
     norms = color_norms(arrays, scale, limits)
     nrows, ncols = len(chosen), len(panels)
     h, w = pixels.shape[1:3] if pixels is not None else (layout.height, layout.width)
@@ -365,7 +374,8 @@ def query_map(
             f"query={query!r} is a list, which `queries=` reads as token indices; query_map draws one query: "
             f"a position among the recorded queries (an int) or a video point (frame, row, col) as a tuple{point}."
         )
-    source = for_layers(source, locate_query(source, query)[0], layers)  # layers of another layout: theirs
+    rows = "query" if "query" in recorded_kinds(source) else "full"  # which layers "all" takes: the rows' kind
+    source = for_layers(source, rows, layers)  # layers of another layout: theirs, before the point is read on it
     layout = source.layout
     kind, index, token = locate_query(source, query)
     row = aggregate(
@@ -384,6 +394,6 @@ def query_map(
             if pixels is not None:  # patch centre in pixels
                 x, y = (x + 0.5) * w / layout.width, (y + 0.5) * h / layout.height
             ax.plot([x], [y], marker="x", color="cyan", markersize=9, mew=2, gid=POINT_GID)
-    who = f"text token {token}" if point is None else f"video point (frame, row, col) = {point}"
+    who = token_name(layout, token) if point is None else f"video point (frame, row, col) = {point}"
     set_title(fig, f"where {who} attends", describe(source, kind, steps, layers, heads, batch))
     return fig

@@ -19,7 +19,17 @@ from ..exact.patterns import Pattern, parse
 from ..items import pick_item
 from ..runs.run import MapSource
 from .overlays import token_figure
-from .style import CMAP, MAP_GID, add_colorbars, color_norms, describe, new_figure, set_title, single_head
+from .style import (
+    CMAP,
+    MAP_GID,
+    add_colorbars,
+    color_norms,
+    describe,
+    new_figure,
+    set_title,
+    single_head,
+    token_name,
+)
 
 __all__ = ["MASK_GID", "SINK_GID", "block_map", "mask_outline", "token_stat"]
 
@@ -28,17 +38,6 @@ MASK_GID = "mask-outline"  # gid of the outline of a mask's kept blocks
 
 
 # -- per-token statistics on the video -------------------------------------------------------------
-def _token_name(layout, token: int) -> str:
-    """``"text 3"`` (the text's own index, as its strip counts), ``"history 4"`` (a video token off the grid) or
-    ``"f1 (0, 2)"``: latent frame, then (patch row, patch column)."""
-    point = layout.coordinates(token)
-    if point is not None:
-        return f"f{point[0]} {point[1:]}"
-    if layout.text_start <= token < layout.text_start + layout.text_len:
-        return f"text {token - layout.text_start}"
-    return f"history {token - layout.video_start}"
-
-
 def token_stat(
     source: MapSource,
     kind: str = "entropy",
@@ -138,7 +137,7 @@ def token_stat(
             f"{values[layout.video_tokens].mean().item():.3g}"
         )
     if top:
-        named = [f"#{k} {_token_name(layout, t)}: {values[t].item():.3g}" for k, t in enumerate(top, 1)]
+        named = [f"#{k} {token_name(layout, t)}: {values[t].item():.3g}" for k, t in enumerate(top, 1)]
         what += "\ntop sinks (marked): " + ", ".join(named)
     set_title(fig, what, describe(source, kind, steps, layers, heads, batch))
     return fig

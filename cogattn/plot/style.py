@@ -1,5 +1,5 @@
 """What every cogattn figure shares: colour scales for heavy-tailed attention, colour bars with units,
-titles that say which steps, layers and heads a map averages, and tick labels for frames and patches."""
+titles that say which steps, layers and heads a map averages, and the names of frames, patches and tokens."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ __all__ = [
     "set_title",
     "single_head",
     "span_text",
+    "token_name",
 ]
 
 MAP_GID = "attention"  # gid of every image that shows attention (tests and animate() find them by it)
@@ -267,6 +268,17 @@ def frame_label(f: int, ranges: list[range] | None, sep: str = "\n") -> str:
         sep (`str`, defaults to a newline): between the two parts.
     """
     return f"f{f}" if ranges is None else f"f{f}{sep}{_px_text(ranges[f])}"
+
+
+def token_name(layout: TokenLayout, token: int) -> str:
+    """``"text 3"`` (the text's own index, as its strip counts), ``"history 4"`` (a video token off the grid) or
+    ``"f1 (0, 2)"``: latent frame, then (patch row, patch column)."""
+    point = layout.coordinates(token)
+    if point is not None:
+        return f"f{point[0]} {point[1:]}"
+    if layout.text_start <= token < layout.text_start + layout.text_len:
+        return f"text {token - layout.text_start}"
+    return f"history {token - layout.video_start}"
 
 
 def single_head(heads, what: str):

@@ -36,6 +36,7 @@ from .style import (
 __all__ = [
     "ARROW_GID",
     "MATCH_GID",
+    "NO_MATCH_GID",
     "PATH_GID",
     "STILL_GID",
     "WHEEL_GID",
@@ -49,6 +50,7 @@ MATCH_GID = "track-match"  # each panel's matched point (a one-point scatter)
 PATH_GID = "track-path"  # the whole track, dashed, in every panel
 ARROW_GID = "motion-arrows"  # the quiver of motion_figure(style="arrows")
 STILL_GID = "motion-still"  # dots at the patches whose match did not move
+NO_MATCH_GID = "motion-no-match"  # crosses at the patches without a match in the other frame (NaN in the field)
 WHEEL_GID = "motion-wheel"  # the colour image of motion_figure(style="wheel")
 WHEEL_LEGEND_GID = "motion-wheel-legend"
 MATCH_COLOR = "#ffd400"
@@ -114,8 +116,8 @@ def track_figure(
             ``heads="mean"`` (:func:`cogattn.analysis.tracks.frame_matches`).
         batch (`int | "cond" | "uncond"`, *optional*): the batch slot (:func:`cogattn.items.pick_item`).
         frames (`int | Sequence[int] | "all" | None`, defaults to `None`): pixel frames to show (latent frames
-            without a video), each with the match of the latent frame covering it; `None`: one panel per
-            latent frame (its middle pixel frame).
+            without a video), each with the match of the latent frame covering it (once per copy of the grid, for a
+            layer over two: Motif-Video's decoder); `None`: one panel per latent frame (its middle pixel frame).
         num_pixel_frames (`int | None`, defaults to `None`): without a video, the decoded video's frame count,
             to name the pixel frames of each latent frame.
         fig (`Figure | None`, defaults to `None`): draw into this (empty) figure.
@@ -178,10 +180,11 @@ def track_figure(
 def flow_colors(flow, max_magnitude: float | None = None) -> np.ndarray:
     """Displacements as colours of a direction wheel: hue is the direction as seen on screen, counter-clockwise
     from right (→ hue 0, red; ↑ 1/4, chartreuse; ← 1/2, cyan; ↓ 3/4, violet), value the magnitude over
-    ``max_magnitude`` (no motion is black), saturation 1.
+    ``max_magnitude`` (no motion is black), saturation 1; a patch without a match (NaN) is grey.
 
     Args:
-        flow: ``(..., 2)`` displacements ``(dy, dx)``, rows growing downwards (:func:`cogattn.analysis.tracks.motion_field`).
+        flow: ``(..., 2)`` displacements ``(dy, dx)``, rows growing downwards (:func:`cogattn.analysis.tracks.motion_field`;
+            NaN: no match).
         max_magnitude (`float | None`, defaults to `None`): the magnitude of full brightness; `None` takes the
             field's largest (all black when nothing moves).
 
@@ -193,12 +196,14 @@ def flow_colors(flow, max_magnitude: float | None = None) -> np.ndarray:
         raise ValueError(f"flow of shape {f.shape}; expected (..., 2) displacements (dy, dx).")
     if max_magnitude is not None and not (np.isfinite(max_magnitude) and max_magnitude > 0):
         raise ValueError(f"max_magnitude={max_magnitude!r}; pass a positive number, or None for the field's largest.")
-    dy, dx = f[..., 0], f[..., 1]
+    matched = ~np.isnan(f).any(-1)
+    dy, dx = np.where(matched, f[..., 0], 0.0), np.where(matched, f[..., 1], 0.0)
     magnitude = np.hypot(dy, dx)
     top = float(magnitude.max(initial=0.0)) if max_magnitude is None else float(max_magnitude)
     hue = (np.arctan2(-dy, dx) / (2 * np.pi)) % 1.0  # −dy: rows grow downwards, so "up" is +90°
     value = np.clip(magnitude / top, 0.0, 1.0) if top > 0 else np.zeros_like(magnitude)
-    return hsv_to_rgb(np.stack([hue, np.ones_like(hue), value], -1))
+    rgb = hsv_to_rgb(np.stack([hue, np.ones_like(hue), value], -1))
+    return np.where(matched[..., None], rgb, 0.5)
 
 
 def _wheel_legend(ax, top: float) -> None:
@@ -238,7 +243,8 @@ def motion_figure(
         step, layer, head, batch: one map, as in :func:`track_figure`.
         style (`str`, defaults to ``"arrows"``): ``"arrows"`` (a quiver from each patch centre to its match,
             coloured by length; a dot where the match did not move) or ``"wheel"`` (hue the direction, value
-            the length).
+            the length). Either way a grey cross marks a patch without a match in ``f1`` (a mask hides ``f1`` from
+            it: SkyReels-V2's block-causal one), and "no match" is written where no patch has one.
         num_pixel_frames (`int | None`, defaults to `None`): without a video, the decoded video's frame count,
             to name the pixel frames of ``f0``.
         alpha (`float`, defaults to 0.7): opacity of the wheel's colours over the video.
@@ -246,7 +252,8 @@ def motion_figure(
 
     Returns:
         `Figure`: the quiver has gid ``"motion-arrows"`` (its U, V in the axes' units: patches on the grid,
-        pixels over a video), the wheel's image ``"motion-wheel"``.
+        pixels over a video; the matched patches in row order), the wheel's image ``"motion-wheel"``, the crosses
+        ``"motion-no-match"``.
     """
     if style not in ("arrows", "wheel"):
         raise ValueError(f"style={style!r}; choose 'arrows' or 'wheel'.")
@@ -263,17 +270,18 @@ def motion_figure(
     else:
         ax = fig.subplots()
     _background(ax, layout, pixels, n)
+    matched = ~np.isnan(flow).any(-1)  # NaN: frame f1 has no key with attention for that patch
     magnitude = np.hypot(flow[..., 0], flow[..., 1])
-    top = float(magnitude.max())
-    if style == "arrows":
-        yy, xx = np.mgrid[: layout.height, : layout.width]
-        X, Y = (xx + off) * sx, (yy + off) * sy
+    top = float(magnitude[matched].max(initial=0.0))
+    yy, xx = np.mgrid[: layout.height, : layout.width]
+    X, Y = (xx + off) * sx, (yy + off) * sy
+    if style == "arrows":  # arrows at the matched patches alone, in row order
         U, V = flow[..., 1] * sx, flow[..., 0] * sy
         q = ax.quiver(
-            X, Y, U, V, magnitude, cmap="viridis", norm=Normalize(0, max(top, 1.0)), angles="xy", scale_units="xy",
-            scale=1, width=0.006, gid=ARROW_GID,
+            *(a[matched] for a in (X, Y, U, V, magnitude)), cmap="viridis", norm=Normalize(0, max(top, 1.0)),
+            angles="xy", scale_units="xy", scale=1, width=0.006, gid=ARROW_GID,
         )  # fmt: skip
-        still = magnitude == 0
+        still = matched & (magnitude == 0)
         ax.plot(X[still], Y[still], linestyle="none", marker=".", color="white", mec="black", gid=STILL_GID)
         bar = fig.colorbar(q, ax=ax, shrink=0.8)
         bar.set_label("displacement (patches)", fontsize=8)
@@ -285,6 +293,10 @@ def motion_figure(
             colours, extent=extent, interpolation="nearest", alpha=None if pixels is None else alpha, gid=WHEEL_GID
         )
         _wheel_legend(side, top)
+    lost = ~matched
+    ax.plot(X[lost], Y[lost], linestyle="none", marker="x", color="0.5", mew=1.5, zorder=4, gid=NO_MATCH_GID)
+    if not matched.any():
+        ax.text(0.5, 0.5, "no match", transform=ax.transAxes, ha="center", fontsize=8)
     unit = frame_unit(layout)
     title = frame_label(f0, ranges, " · ")
     ax.set_title(f"{title}{'' if pixels is None else f' (shows px {n})'} → f{f1}", fontsize=8)
@@ -294,7 +306,8 @@ def motion_figure(
     how = "arrows" if style == "arrows" else "colours (hue: direction, brightness: length)"
     set_title(
         fig,
-        f"motion from {unit} {f0} to {f1}, as {how}\neach patch to its highest-attention key in {unit} {f1}",
+        f"motion from {unit} {f0} to {f1}, as {how}\neach patch to its highest-attention key in {unit} {f1}"
+        + (" (×: no match)" if lost.any() else ""),
         _detail(source, step, layer, head, batch),
     )
     return fig

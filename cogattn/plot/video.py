@@ -35,8 +35,9 @@ def video_array(video) -> np.ndarray:
         if len(video) == 1 and isinstance(video[0], (list, tuple)):
             video = video[0]
         arr = np.stack([np.asarray(im.convert("RGB") if hasattr(im, "convert") else im) for im in video])
-    elif isinstance(video, torch.Tensor):
-        arr = video.detach().float().cpu().numpy()
+    elif isinstance(video, torch.Tensor):  # uint8 kept as it is, for the test below; bf16 has no numpy dtype
+        video = video.detach().cpu()
+        arr = video.numpy() if video.dtype == torch.uint8 else video.float().numpy()
     else:
         arr = np.asarray(video)
     if arr.ndim == 5:
@@ -63,7 +64,9 @@ def upsample_to_video(
 
     Pixel frame ``n`` gets the map of the latent frame (temporal patch) covering it (see
     :meth:`cogattn.TokenLayout.pixel_frames`), resized from ``(Hp, Wp)`` patches to ``(H, W)`` pixels;
-    one patch is ``H / Hp`` pixels high (16 for CogVideoX: 2 latent pixels of 8).
+    one patch is ``H / Hp`` pixels high (16 for CogVideoX: 2 latent pixels of 8). A layout of ``grids`` copies of
+    the grid (Motif-Video's decoder layers) gives the video once per copy: copy ``c``'s pixel frame ``n`` is map
+    ``c·N + n``.
 
     Args:
         maps (`torch.Tensor`): ``(F, Hp, Wp)``, e.g. ``aggregate(rec, "video_to_text")[token]``
@@ -76,7 +79,7 @@ def upsample_to_video(
         temporal_compression (`int | None`): the VAE's temporal compression; defaults to the layout's.
 
     Returns:
-        `torch.Tensor`: ``(N, H, W)`` float32.
+        `torch.Tensor`: ``(grids·N, H, W)`` float32 (``(N, H, W)`` for one copy of the grid).
     """
     if tuple(maps.shape) != layout.grid:
         raise ValueError(f"maps of shape {tuple(maps.shape)}; expected the latent grid (F, Hp, Wp) = {layout.grid}.")
@@ -84,7 +87,9 @@ def upsample_to_video(
         raise ValueError(f"mode={mode!r}; choose 'nearest' or 'bilinear'.")
     extra = {} if mode == "nearest" else {"align_corners": False}
     up = F.interpolate(maps.float()[None], size=tuple(size), mode=mode, **extra)[0]
-    return up[layout.latent_of_pixel(num_pixel_frames, temporal_compression)]
+    owner = layout.latent_of_pixel(num_pixel_frames, temporal_compression)  # latent frames of one copy
+    copy = layout.one_grid.frames
+    return up[[c * copy + f for c in range(layout.grids) for f in owner]]
 
 
 def _ffmpeg() -> str | None:
