@@ -659,3 +659,23 @@ def test_readme_figures_script_makes_every_committed_figure(tmp_path):
         with Image.open(tmp_path / name) as im:
             assert im.format == ("GIF" if name.endswith(".gif") else "PNG")
             assert getattr(im, "n_frames", 1) == (4 if name.endswith(".gif") else 1)  # one frame per step
+
+
+def test_a_grid_padded_to_whole_patches_is_placed_patch_by_patch_and_cut_at_the_video_s_edge():
+    """Cosmos 3 at 720 × 1280: 45 latent rows padded to 23 patches of 32 pixels. Patch row r covers pixels
+    32r .. 32r + 31, the last cut at 720 (before, the 23 rows were stretched over 720 pixels: 31.3 each, the last
+    starting at pixel 689); a grid that fits the video exactly is unchanged."""
+    from cogattn.plot.video import patch_pixels, upsample_to_video
+
+    lay = TokenLayout(0, 2, 23, 40, patch_size=2)
+    maps = torch.arange(23, dtype=torch.float32)[None, :, None].expand(2, 23, 40)  # each patch row's index
+    up = upsample_to_video(maps, lay, 5, (720, 1280))
+    assert up.shape == (5, 720, 1280)
+    assert torch.equal(up[0, :, 0], (torch.arange(720) // 32).float())
+    assert patch_pixels(lay, (720, 1280)) == (32.0, 32.0) and patch_pixels(lay, (360, 640)) == (16.0, 16.0)
+    exact = TokenLayout(0, 2, 30, 45)
+    assert patch_pixels(exact, (480, 720)) == (16.0, 16.0)
+    grid = torch.rand(2, 30, 45)
+    assert torch.equal(
+        upsample_to_video(grid, exact, 5, (480, 720))[0], grid[0].repeat_interleave(16, 0).repeat_interleave(16, 1)
+    )

@@ -29,7 +29,7 @@ from .style import (
     single_head,
     token_name,
 )
-from .video import upsample_to_video, video_array
+from .video import patch_pixels, upsample_to_video, video_array
 
 __all__ = ["query_map", "word_heatmap"]
 
@@ -392,7 +392,8 @@ def query_map(
         if point is not None and f == point[0]:
             _, y, x = point
             if pixels is not None:  # patch centre in pixels
-                x, y = (x + 0.5) * w / layout.width, (y + 0.5) * h / layout.height
+                sy, sx = patch_pixels(layout, (h, w))
+                x, y = (x + 0.5) * sx, (y + 0.5) * sy
             ax.plot([x], [y], marker="x", color="cyan", markersize=9, mew=2, gid=POINT_GID)
     who = token_name(layout, token) if point is None else f"video point (frame, row, col) = {point}"
     set_title(fig, f"where {who} attends", describe(source, kind, steps, layers, heads, batch))

@@ -30,6 +30,7 @@ from .style import (
     single_head,
     token_name,
 )
+from .video import patch_pixels
 
 __all__ = ["MASK_GID", "SINK_GID", "block_map", "mask_outline", "token_stat"]
 
@@ -123,7 +124,8 @@ def token_stat(
                     continue
                 where = axes[column[0]]
                 if pixels is not None:  # patch centre in pixels
-                    x, y = (x + 0.5) * w / layout.width, (y + 0.5) * h / layout.height
+                    sy, sx = patch_pixels(layout, (h, w))
+                    x, y = (x + 0.5) * sx, (y + 0.5) * sy
             where.plot([x], [y], marker="o", mfc="none", color="cyan", markersize=10, mew=1.5, gid=SINK_GID)
             where.annotate(str(rank), (x, y), xytext=(5, 5), textcoords="offset points", color="cyan", fontsize=7)
     S = layout.seq_len

@@ -32,6 +32,7 @@ from .style import (
     set_title,
     span_text,
 )
+from .video import patch_pixels
 
 __all__ = [
     "ARROW_GID",
@@ -67,8 +68,7 @@ def _to_axes(layout, pixels) -> tuple[float, float, float]:
     ``((x + offset)·sx, (y + offset)·sy)``; on the patch grid (``pixels`` `None`) at ``(x, y)``."""
     if pixels is None:
         return 1.0, 1.0, 0.0
-    H, W = pixels.shape[1:3]
-    return H / layout.height, W / layout.width, 0.5
+    return (*patch_pixels(layout, pixels.shape[1:3]), 0.5)
 
 
 def _background(ax, layout, pixels, n: int) -> None:

@@ -17,7 +17,18 @@ import torch.nn.functional as F
 
 from ..layout import TokenLayout
 
-__all__ = ["upsample_to_video", "video_array", "write_animation"]
+__all__ = ["patch_pixels", "upsample_to_video", "video_array", "write_animation"]
+
+
+def patch_pixels(layout: TokenLayout, size: tuple[int, int]) -> tuple[float, float]:
+    """Pixels of a video of ``size`` ``(H, W)`` per patch row and per patch column. A grid padded to whole patches
+    (Cosmos 3's transformer pads 45 latent rows to 23 patches of 32 pixels for 720 rows) has patches of ⌈H / Hp⌉
+    pixels, the last cut by the video's edge; where no whole number of pixels fits so, the grid is stretched."""
+    steps = []
+    for pixels, patches in zip(size, (layout.height, layout.width)):
+        step = -(-int(pixels) // patches)
+        steps.append(float(step) if (patches - 1) * step < pixels else pixels / patches)
+    return steps[0], steps[1]
 
 
 def video_array(video) -> np.ndarray:
@@ -64,7 +75,8 @@ def upsample_to_video(
 
     Pixel frame ``n`` gets the map of the latent frame (temporal patch) covering it (see
     :meth:`cogattn.TokenLayout.pixel_frames`), resized from ``(Hp, Wp)`` patches to ``(H, W)`` pixels;
-    one patch is ``H / Hp`` pixels high (16 for CogVideoX: 2 latent pixels of 8). A layout of ``grids`` copies of
+    one patch is ``H / Hp`` pixels high (16 for CogVideoX: 2 latent pixels of 8; a grid padded to whole patches,
+    Cosmos 3's, is cut at the video's edge: :func:`patch_pixels`). A layout of ``grids`` copies of
     the grid (Motif-Video's decoder layers) gives the video once per copy: copy ``c``'s pixel frame ``n`` is map
     ``c·N + n``.
 
@@ -86,7 +98,9 @@ def upsample_to_video(
     if mode not in ("nearest", "bilinear"):
         raise ValueError(f"mode={mode!r}; choose 'nearest' or 'bilinear'.")
     extra = {} if mode == "nearest" else {"align_corners": False}
-    up = F.interpolate(maps.float()[None], size=tuple(size), mode=mode, **extra)[0]
+    (sy, sx), (H, W) = patch_pixels(layout, size), size
+    whole = [round(s * n) if s % 1 == 0 else p for s, n, p in zip((sy, sx), (layout.height, layout.width), (H, W))]
+    up = F.interpolate(maps.float()[None], size=whole, mode=mode, **extra)[0][:, :H, :W]  # a padded grid's: cut
     owner = layout.latent_of_pixel(num_pixel_frames, temporal_compression)  # latent frames of one copy
     copy = layout.one_grid.frames
     return up[[c * copy + f for c in range(layout.grids) for f in owner]]
