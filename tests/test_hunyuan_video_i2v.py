@@ -158,3 +158,32 @@ def test_the_batch_tool_s_rules_for_image_to_video(sets, message, monkeypatch):
     )
     with pytest.raises(ConfigError, match=message):
         load_config(config, sets)
+
+
+def test_framepack_s_siglip_tokens_lead_its_text_and_a_word_is_found_after_them():
+    """FramePack's transformer puts the image's SigLIP tokens before the prompt's (``cat([image, text])``): the
+    layout names them (``image_len``, as read from the call and as planned) and a word of the prompt is found
+    after them (before, ``prompt_start`` was 0 and the prompt's words were put on the image tokens)."""
+    framepack = cogattn.models.hunyuan_video_framepack
+    if framepack is None:
+        pytest.skip("this diffusers has no FramePack")
+    pipe = framepack.tiny_pipeline(num_heads=3)
+    seen = {}
+
+    def image_tokens(module, args, kwargs):
+        seen.setdefault("image", kwargs["image_embeds"].shape[1])
+
+    pipe.transformer.register_forward_pre_hook(image_tokens, with_kwargs=True)
+    image = PIL.Image.fromarray(torch.randint(0, 256, (32, 48, 3), dtype=torch.uint8).numpy())
+    prompt = "a red fox runs"
+    with cogattn.record(pipe, kinds=("entropy",)) as rec:
+        pipe(prompt=prompt, image=image, num_frames=9, height=32, width=48, num_inference_steps=1,
+             output_type="latent", generator=torch.Generator().manual_seed(0))  # fmt: skip
+    lay, n = rec.layout, seen["image"]
+    planned = framepack.layout_for_video(pipe.transformer.config, 9, 32, 48, lay.text_len - n)
+    assert (lay.image_len, lay.prompt_start, planned.image_len) == (n, n, n) and n > 0
+    assert lay.spans() == {"image": (0, n), "prompt": (n, lay.text_len)}
+    spans = words.item_spans(rec, 0)
+    fox = words.word_positions("fox", pipe, prompt, lay.text_len, spans=spans, family="hunyuan_video_framepack")
+    alone = words.word_positions("fox", pipe, prompt, lay.text_len - n, family="hunyuan_video_framepack")
+    assert fox == [i + n for i in alone]

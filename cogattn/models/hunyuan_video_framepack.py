@@ -158,6 +158,7 @@ def read_call(config, args: tuple, kwargs: dict):
     _, _, frames, height, width = hidden.shape
     layout = TokenLayout(
         text_len=int(image.shape[1]) + int(text.shape[1]),
+        image_len=int(image.shape[1]),  # SigLIP's tokens lead the text (the transformer's cat([image, text]))
         frames=frames // p_t,
         height=height // p,
         width=width // p,
@@ -182,6 +183,7 @@ def layout_for_video(config: dict, num_frames: int, height: int, width: int, tex
     p, latent_height, latent_width = int(config["patch_size"]), int(height) // 8, int(width) // 8
     return TokenLayout(
         text_len=image_tokens(config) + (text_len or TEXT_LEN),
+        image_len=image_tokens(config),
         frames=LATENT_WINDOW,
         height=latent_height // p,
         width=latent_width // p,
