@@ -4,14 +4,18 @@ import re
 
 import pytest
 import torch
+from reference import KINDS as RECORDED
 from reference import assert_topk, naive_kind, naive_probs
+from tiny_calls import PROMPT, generate
 
+import cogattn
 from cogattn.exact import memory
 from cogattn.exact.engine import capture
 from cogattn.exact.planner import plan_tiles
 from cogattn.exact.reducers import REDUCERS
 from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import SPEC as COGVIDEOX
+from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.reference import kind_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the CPU plans' numbers: one thread's flash workspace
@@ -420,3 +424,30 @@ def test_a_masks_rows_count_in_the_tiles_budget(gpu_tiles):
         missed = cost[0] * plain.row_heads * plain.row_rows * S + cost[1] * plain.row_rows * S
         if gpu_tiles:  # tiles as large as the budget: without the mask's rows they would overrun it
             assert plain.peak_bytes + missed > memory.usable(budget), name
+
+
+@pytest.mark.parametrize("method", ["rows", "sdpa"])
+def test_a_recording_under_another_default_dtype_equals_the_float32_default_one(method):
+    """``torch.set_default_dtype(torch.float64)`` (or bfloat16) in the user's script: every buffer the capture makes
+    names its dtype, so a recording runs and stores what it stores under float32's default, bit for bit."""
+    pooled = ("frame", "block", "tile", "query_frame", "video_to_text", "entropy", "received")
+    kinds = RECORDED if method == "rows" else pooled
+    pipe = tiny_pipeline(num_heads=2)
+    sizes = dict(block_size=8, tile_shape=(1, 2, 2), queries=[0, (1, 2, 4)] if method == "rows" else None)
+    sizes.update(patterns=("spatial",) if method == "rows" else None, topk=4)
+
+    def record(default):
+        torch.set_default_dtype(default)
+        try:
+            with cogattn.record(pipe, kinds=kinds, heads="all", method=method, **sizes) as rec:
+                generate(pipe, steps=1, output_type="latent", prompt=PROMPT)  # no random embeddings: the same call
+        finally:
+            torch.set_default_dtype(torch.float32)
+        return rec
+
+    want, got = record(torch.float32), record(torch.float64)
+    assert sorted(got.keys()) == sorted(want.keys()) and len(want.keys()) == len(kinds) * 2
+    for key in want.keys():
+        a, b = want.get(*key), got.get(*key)
+        for x, y in zip(a, b) if isinstance(a, tuple) else [(a, b)]:
+            assert x.dtype == y.dtype and torch.equal(x, y), key

@@ -11,7 +11,7 @@ from reference import QKSpy, assert_matches_naive, naive_kind, naive_probs
 from tiny_calls import generate
 
 import cogattn
-from cogattn.exact import kernels, tile_kernel
+from cogattn.exact import checks, kernels, tile_kernel
 from cogattn.exact.engine import capture
 from cogattn.exact.key_groups import KeyGroups
 from cogattn.exact.planner import plan_tiles
@@ -225,8 +225,63 @@ def test_method_triton_runs_the_kernel_for_every_served_kind(kind, monkeypatch):
     spy.remove()
     layers = len(pipe.transformer.transformer_blocks)
     assert rec.plan.tiles.method == "triton" and all(c.what == "triton" for c in rec.checks)
-    assert calls.count("sweep") == layers and calls.count("received") == layers * (kind == "received")
+    # received: a launch a layer call, and the first call's spot check runs the kernel on its rows too
+    assert calls.count("sweep") == layers and calls.count("received") == (layers + 1) * (kind == "received")
     assert_matches_naive(rec, spy, [1], "all", kinds=(kind,))
+
+
+@pytest.fixture
+def no_shape_failed(monkeypatch):
+    """No shape sent to row tiles before: each test sees its own first check."""
+    monkeypatch.setattr(checks, "ROWS_ONLY", set())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_spot_check_runs_the_received_kernel(dtype, monkeypatch, no_shape_failed):
+    """``method="triton"``: the check of ``received`` runs the kernel the capture ran (q and k in the model's dtype)
+    on its rows with the lse the capture took, against their exact column sums: a kernel 5% off is caught, warned
+    about once, and nothing it made is stored."""
+    real = kernels.received
+    seen = []
+
+    def received(q, k, *a, **kw):
+        seen.append(q.dtype)
+        return real(q, k, *a, **kw) * 1.05
+
+    monkeypatch.setattr(kernels, "received", received)
+    pipe = tiny_pipeline(num_heads=2, dtype=dtype).to(DEVICE)
+    spy = QKSpy(pipe.transformer)
+    with pytest.warns(UserWarning, match=r"spot check failed: triton on") as warned:
+        with cogattn.record(pipe, kinds="received", batch="cond", heads="all", method="triton") as rec:
+            generate(pipe, steps=2, output_type="latent")
+    spy.remove()
+    assert [(c.step, c.layer, c.what, c.passed) for c in rec.checks] == [(0, 0, "triton", False)]
+    assert rec.checks[0].max_error > 1e-3 and len([w for w in warned if "spot check" in str(w.message)]) == 1
+    assert seen == [dtype, dtype]  # the capture's launch and the check's, in the model's dtype
+    assert_matches_naive(rec, spy, [1], "all", kinds=("received",))
+
+
+def test_a_failed_check_of_the_kernel_shows_in_chosen_methods(kernel_on_this_device, monkeypatch, no_shape_failed):
+    """``auto`` takes the kernel; its group sums are off, the spot check fails and the shape goes to row tiles:
+    ``rec.chosen_methods`` says ``"rows"`` for it, and the maps are exact."""
+    real = kernels.sweep
+
+    def sweep(*a, **kw):
+        out = real(*a, **kw)
+        if out.sums is not None:
+            out.sums.mul_(1.01)
+        return out
+
+    monkeypatch.setattr(kernels, "sweep", sweep)
+    pipe = tiny_pipeline(num_heads=2).to(DEVICE)
+    spy = QKSpy(pipe.transformer)
+    with pytest.warns(UserWarning, match="spot check failed: triton"):
+        with cogattn.record(pipe, kinds="frame", batch="cond", heads="all", method="auto") as rec:
+            generate(pipe, steps=2, output_type="latent")
+    spy.remove()
+    assert [(c.what, c.passed) for c in rec.checks] == [("triton", False)]
+    assert list(rec.chosen_methods.values()) == ["rows"]
+    assert_matches_naive(rec, spy, [1], "all", kinds=("frame",))
 
 
 COMPILE = """
@@ -237,7 +292,7 @@ from triton.compiler import ASTSource
 from cogattn.exact import kernels, tile_kernel
 
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-stacks = []
+stacks, scales = [], []
 for name, signature, constants, warps, stages in json.loads(sys.argv[1]):
     sig = dict(signature, **dict.fromkeys(constants, "constexpr"))
     src = ASTSource(fn=getattr(kernels, name, None) or getattr(tile_kernel, name), signature=sig, constexprs=constants)
@@ -247,7 +302,9 @@ for name, signature, constants, warps, stages in json.loads(sys.argv[1]):
         f.flush()
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
     stacks.append(int(re.search(r"STACK:(\\d+)", usage.stdout).group(1)))
-print(json.dumps(stacks))
+    ptx = compiled.asm["ptx"]  # the row tiles' scale back of a subnormal P: 2^-64, by a multiply that keeps it
+    scales.append(name != "_probs_kernel" or ("0f1F800000" in ptx and not re.search(r"mul\\.[a-z.]*ftz", ptx)))
+print(json.dumps([stacks, scales]))
 """
 
 SWEEP_ARGS = "Q K HIDX KIDX GID LSE_IN OUT LSE_OUT ENT S NK scale sq_h sq_s sk_h sk_s so_h so_s sl_h".split()
@@ -262,7 +319,8 @@ def test_kernels_compile_for_a_gpu_without_spilling():
     """Every launch config the autotuner may take builds for an H100/H200 with Triton's own compiler and ptxas (no
     GPU needed: the compiled path's front end, passes and register allocation, which the interpreter never runs),
     for bf16 (and float32), the lse found online, permuted key groups and entropy (the most the sweep carries), at head dims 64
-    and 128, and keeps its state in registers (no stack: no spills); so do ``received`` and the row tiles' kernel."""
+    and 128, and keeps its state in registers (no stack: no spills); so do ``received`` and the row tiles' kernel, whose scale
+    back of a subnormal probability is a multiply that does not flush it (no ``.ftz``)."""
     import json
     import os
     import subprocess
@@ -293,7 +351,8 @@ def test_kernels_compile_for_a_gpu_without_spilling():
         [sys.executable, "-c", COMPILE, json.dumps(jobs)], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    stacks = json.loads(done.stdout.strip().splitlines()[-1])
+    stacks, scales = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(scales), [j[0] for j, kept in zip(jobs, scales) if not kept]  # subnormal P kept on the GPU too
     spilled = [(j[0], j[2]["D"], j[2]["BM"], j[2]["BN"], j[3], j[4], s) for j, s in zip(jobs, stacks) if s]
     assert len(stacks) == len(jobs) and not spilled, spilled
 

@@ -75,7 +75,9 @@ def lse_only(qm: torch.Tensor, km: torch.Tensor, scale: float) -> torch.Tensor:
         if lse is not None:
             return lse
     qf, kf = qm.float(), km.float()
-    return sdpa_with_lse(qf, kf, torch.zeros(1, 1, *kf.shape[2:], device=qf.device).expand_as(kf), scale)[1]
+    return sdpa_with_lse(
+        qf, kf, torch.zeros(1, 1, *kf.shape[2:], dtype=kf.dtype, device=qf.device).expand_as(kf), scale
+    )[1]
 
 
 def joint_width(head_dim: int, num_cols: int) -> int:

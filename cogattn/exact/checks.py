@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import TokenLayout
-from . import passes
+from . import kernels, passes
 from .reducers import REDUCERS, Reducer
 
 __all__ = [
@@ -124,27 +124,34 @@ def probe_rows(layout: TokenLayout, count: int = 8) -> torch.Tensor:
     video (``count`` in all, fewer when the sequence is shorter), sorted."""
     T, V, t0, v0 = layout.text_len, layout.video_len, layout.text_start, layout.video_start
     text = [t0, t0 + T - 1] if T > 1 else [t0] if T else []
-    video = torch.linspace(v0, v0 + V - 1, max(1, count - len(text))).round().long().tolist() if V else []
+    video = (
+        torch.linspace(v0, v0 + V - 1, max(1, count - len(text)), dtype=torch.float64).round().long().tolist()
+        if V
+        else []
+    )
     return torch.tensor(sorted(set(text + video)), dtype=torch.long)
 
 
 class RowProbe:
     """The key-pooled values a method produced for ``rows``, per kind: ``(H, len(rows), C)`` float32. For
     ``received``, which has no per-query value, the rows' lse its pass used ``(H, len(rows), 1)``, and
-    ``lse_from_output`` says whether that was the output call's (else a float32 pass's)."""
+    ``lse_from_output`` says whether that was the output call's (else a float32 pass's). Where the kernels wrote
+    the row tiles (``TilePlan.kernel_tiles``), ``"probs"``: the rows' probabilities ``(H, len(rows), S)``."""
 
     def __init__(self, rows: torch.Tensor, num_heads: int):
         self.rows, self.num_heads = rows, num_heads
         self.values: dict[str, torch.Tensor] = {}
         self.lse_from_output = False
 
-    def take(self, red: Reducer, h0: int, r0: int, values: torch.Tensor) -> None:
-        """Keep what of ``values`` ``(h, r, C)`` (heads ``h0:``, query rows ``r0:``) falls on the probe's rows."""
+    def take(self, red: Reducer | str, h0: int, r0: int, values: torch.Tensor) -> None:
+        """Keep what of ``values`` ``(h, r, C)`` (heads ``h0:``, query rows ``r0:``) falls on the probe's rows, under
+        the reducer's kind (or the name ``red``)."""
         h, r, C = values.shape
         inside = (self.rows >= r0) & (self.rows < r0 + r)
         if not inside.any():
             return
-        buf = self.values.setdefault(red.kind, torch.full((self.num_heads, len(self.rows), C), float("nan")))
+        nan = torch.full((self.num_heads, len(self.rows), C), float("nan"), dtype=torch.float32)
+        buf = self.values.setdefault(red if isinstance(red, str) else red.kind, nan)
         idx = (self.rows[inside] - r0).to(values.device)
         buf[h0 : h0 + h, inside] = values[:, idx].float().cpu()
 
@@ -208,30 +215,42 @@ class Verifier:
         column sums of those rows, so the check covers that lse too. The check keeps the worst error
         relative to its bound."""
         worst = (0.0, 0.0, TOLERANCE.get(q.dtype, 1e-5))  # (error / bound, error, bound)
+        kernel_tiles, kernel_pass = method.startswith("triton tiles"), method.split(",")[0] == "triton"
         for b, probe in probes:
             qb = q[b] if heads is None else q[b].index_select(0, heads.to(q.device))
             kb = k[b] if heads is None else k[b].index_select(0, heads.to(k.device))
-            q_rows = qb[:, probe.rows.to(q.device)].float()
-            logits = (q_rows @ kb.float().transpose(1, 2)) * scale
+            q_rows = qb[:, probe.rows.to(q.device)]
+            logits = (q_rows.float() @ kb.float().transpose(1, 2)) * scale
             kept = kb.shape[1] if key_counts is None else int(key_counts[b])
             logits[..., kept:] = -math.inf  # masked keys: probability 0
             lse, probs = torch.logsumexp(logits, -1), torch.softmax(logits, -1)
+            compared = [("probs", probe.values["probs"], probs, False)] if "probs" in probe.values else []
             for red in reducers:
                 if red.key_groups is None and red.stat is None:
-                    continue  # row kinds are exact rows
+                    continue  # row kinds: the rows' probabilities, compared above where the kernels wrote them
                 got = probe.values.get(red.kind)
-                if red.stat == "received":
+                if red.stat == "received" and kernel_tiles:  # a column sum of the kernels' tiles: of the rows'
+                    got = probe.values.get("probs")
+                    got = None if got is None else got.sum(1)
+                    exact, from_output = probs.sum(1), False
+                elif red.stat == "received":
                     exact, from_output = probs.sum(1), probe.lse_from_output
-                    if got is not None:
-                        got = passes.received_pass(q_rows, kb[:, :kept].float(), got[..., 0].to(q.device), scale)
-                        got = torch.nn.functional.pad(got, (0, kb.shape[1] - kept))
+                    if got is not None and kernel_pass:  # the kernel the capture ran, q and k in the model's dtype
+                        got = kernels.received(q_rows, kb, got[..., 0].to(q.device), None, scale, keys=kept)
+                    elif got is not None:
+                        got = passes.received_pass(
+                            q_rows.float(), kb[:, :kept].float(), got[..., 0].to(q.device), scale
+                        )
+                    got = None if got is None else torch.nn.functional.pad(got, (0, kb.shape[1] - kept))
                 else:
                     exact = red.from_rows(probs)
                     single = red.key_groups is not None and red.key_groups.single_keys
                     by_output = method.startswith("joint") or (method.startswith("triton") and probe.lse_from_output)
                     from_output = (single and probe.lse_from_output) or (not single and by_output)
+                compared.append((red.stat or red.kind, got, exact, from_output))
+            for kind, got, exact, from_output in compared:
                 tol = bound(q.dtype, from_output)
-                units = error_units(red.stat or red.kind, probs, lse, exact)
+                units = error_units("full" if kind == "probs" else kind, probs, lse, exact)
                 if got is None:
                     error = float("nan")  # a gap fails
                 else:

@@ -56,7 +56,7 @@ def context_pass(
     n_heads = H if heads is None else len(heads)
     scale = 1.0 / math.sqrt(D)
     hc, rc = tile
-    outs = [torch.zeros(r.shape(len(items)), device=query.device) for r in reducers]
+    outs = [torch.zeros(r.shape(len(items)), dtype=torch.float32, device=query.device) for r in reducers]
     with full_fp32_matmul():
         for i, b in enumerate(items):
             for h0 in range(0, n_heads, hc):

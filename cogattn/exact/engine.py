@@ -190,7 +190,7 @@ def capture_items(
         served the key-pooled kinds; and with ``probe_rows``, ``[(item, RowProbe)]`` for a spot check.
     """
     num_heads = query.shape[1] if heads is None else len(heads)
-    outs = [torch.zeros(r.shape(len(items)), device=query.device) for r in reducers]
+    outs = [torch.zeros(r.shape(len(items)), dtype=torch.float32, device=query.device) for r in reducers]
     probes, method = [], plan.method
     with full_fp32_matmul():
         for i, b in enumerate(items):
@@ -264,6 +264,8 @@ def row_pass(
                 else:  # torch's tile (a kernel that failed here was warned about: torch's from now on)
                     chunk, kt = None, k.chunk(h0, h1).transpose(1, 2) if kt is None else kt
                     probs, entropy = _torch_tile(q, kt, buffer, h0, h1, r0, r1, rows, kept, mask, scale, wants_entropy)
+                if probe is not None and by_kernel:  # the kernels' rows, for the spot check
+                    probe.take("probs", h0, r0, probs)
                 for red, out in row_kinds:
                     red.fold_rows(out, h0, r0, probs)
                 _fold_pooled(pooled, gathers, runs, indicators, probs, entropy, h0, r0, probe)
@@ -366,7 +368,7 @@ def pooled_pass(
     needs_qk = (multi and given_sums is None) or given_lse is None or bool(stats)  # attention passes run
     indicator = ranges = None
     if needs_qk:
-        indicator = torch.zeros(K, n_calls * D, device=q.device)  # zero values cost the same as any
+        indicator = torch.zeros(K, n_calls * D, dtype=torch.float32, device=q.device)  # zero values cost as any
         if n_cols:
             indicator[:, :n_cols] = multi_key_indicator([r for r, _ in multi], S, q.device)[:K]
             ranges = passes.key_ranges([r.key_groups for r, _ in multi], K, D)  # local groups: runs of keys

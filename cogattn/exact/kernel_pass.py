@@ -22,14 +22,15 @@ __all__ = ["KernelChoice", "kernel_pass"]
 class KernelChoice:
     """``method="auto"``'s kernel path, owned by a recording: ``chosen`` maps each shape ``(device, dtype, S, heads,
     D)`` to ``"triton"``, or to ``"sdpa"`` where the kernel failed to build or run there (warned once; that shape
-    then takes the SDPA pass)."""
+    then takes the SDPA pass), or to ``"rows"`` where a spot check of the kernel failed (the shape is on row tiles:
+    ``checks.ROWS_ONLY``; the recording's capture sets it)."""
 
     def __init__(self):
         self.chosen: dict[tuple, str] = {}
 
     def run(self, fn, shape: tuple, outs: list[torch.Tensor], probe=None) -> bool:
         """Run the kernel pass ``fn`` unless ``shape`` fell back before; ``False`` (``outs`` zeroed again, the
-        ``probe`` emptied) where it fails or failed, for the caller's SDPA pass."""
+        ``probe``'s pooled values dropped) where it fails or failed, for the caller's SDPA pass."""
         if self.chosen.get(shape) == "sdpa":
             return False
         try:
@@ -43,8 +44,8 @@ class KernelChoice:
             self.chosen[shape] = "sdpa"
             for out in outs:
                 out.zero_()
-            if probe is not None:
-                probe.values.clear()
+            if probe is not None:  # the pass's values; the row tiles' probabilities stay (``RowProbe``)
+                probe.values = {"probs": probe.values["probs"]} if "probs" in probe.values else {}
             return False
         self.chosen[shape] = "triton"
         return True

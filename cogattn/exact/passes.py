@@ -201,10 +201,10 @@ def indicator_sums(
     _, h, S, D = qf.shape
     K = indicator.shape[0]  # the keys: S, or those a key mask keeps
     if ranges is not None:  # flash attention's running max over the runs: sums rescaled only when it rises
-        sums, top, total = torch.zeros(h, S, n_calls * D, device=qf.device), None, None
+        sums, top, total = torch.zeros(h, S, n_calls * D, dtype=qf.dtype, device=qf.device), None, None
         for a, b, cols in ranges:
             cols = cols.to(qf.device)
-            v = torch.zeros(b - a, D, device=qf.device)
+            v = torch.zeros(b - a, D, dtype=qf.dtype, device=qf.device)
             v[:, : len(cols)] = indicator[a:b, cols]
             out, part = attention.sdpa_with_lse(qf, kf[:, :, a:b], v.expand(1, h, b - a, D), scale)
             part = part[0].double()  # (h, S)
@@ -222,7 +222,7 @@ def indicator_sums(
             del out, scaled
         sums.div_(total.float()[..., None])
         return sums, (top + total.log()).float()[None]
-    sums = torch.empty(h, S, n_calls * D, device=qf.device) if n_calls > 1 else None
+    sums = torch.empty(h, S, n_calls * D, dtype=qf.dtype, device=qf.device) if n_calls > 1 else None
     for c in range(n_calls):
         v = indicator[:, c * D : (c + 1) * D].contiguous().expand(1, h, K, D)  # shared over heads
         out, lse = attention.sdpa_with_lse(qf, kf, v, scale)
@@ -239,7 +239,7 @@ class TileBuffer:
     allocating each anew costs page faults on a CPU."""
 
     def __init__(self, numel: int, device):
-        self.buffer = torch.empty(numel, device=device)
+        self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
 
     def take(self, h: int, r: int, S: int) -> torch.Tensor:
         return self.buffer[: h * r * S].view(h, r, S)

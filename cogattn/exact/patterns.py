@@ -85,8 +85,8 @@ class Pattern:
         """``(N, N)`` bool over token groups (``groups`` ``(S,)``: each token's group): a pair of groups kept
         where any of its token pairs is kept."""
         S = layout.seq_len
-        indicator = torch.zeros(S, num_groups).index_put_((torch.arange(S), groups), torch.ones(S))
-        hits = torch.zeros(num_groups, num_groups)
+        indicator = torch.zeros(S, num_groups, dtype=torch.float32).index_put_((torch.arange(S), groups), torch.ones(S))
+        hits = torch.zeros(num_groups, num_groups, dtype=torch.float32)
         for r0 in range(0, S, 1024):  # (1024, S) masks at a time
             rows = slice(r0, min(S, r0 + 1024))
             hits.index_add_(0, groups[rows], self.row_mask(layout, rows).float() @ indicator)

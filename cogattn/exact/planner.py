@@ -98,10 +98,20 @@ def choose_method(
     of ``CaptureOptions.method``, or ``"joint"`` for ``layer_output="joint"``), with ``"auto"`` made
     concrete: row tiles when they are formed anyway (``full``, ``topk``) or when there is no fused kernel; else
     cogattn's Triton kernels where they serve (``kernels.serves``: CUDA); else row tiles when the SDPA passes
-    would be :data:`ROWS_BEAT_PASSES` or more, or the SDPA passes. `ValueError` where ``method`` cannot run."""
+    would be :data:`ROWS_BEAT_PASSES` or more, or the SDPA passes. `ValueError` where ``method`` cannot run
+    (``triton`` where the kernels cannot, whatever the kinds: its row tiles are the kernels' too)."""
     device = torch.device(device)
+    if method == "triton" and not kernels.available(device):
+        raise ValueError(
+            f"method='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); device is {device}, Triton "
+            f"{'is' if kernels.triton is not None else 'is not'} installed. Use method='auto'."
+        )
+    if method == "triton" and not kernels.takes_head_dim(head_dim):
+        raise ValueError(
+            f"method='triton' needs a head dim that is a power of two ≥ 16, not {head_dim}. Use method='auto'."
+        )
     if not pooled_kinds(reducers):
-        return "rows"  # every kind is served by row tiles
+        return "rows"  # every kind is served by row tiles (the kernels' under ``triton``: ``tile_kernel.planned``)
     if method == "auto":
         formed = any(all_rows(r, seq_len) and not r.mean_rows for r in reducers)  # head-mean rows serve no other kind
         if formed or not fused_lse_supported(device):
@@ -113,15 +123,6 @@ def choose_method(
         return "sdpa"
     if method == "joint" and not fused_lse_supported(device):
         raise ValueError(f"layer_output='joint' needs a fused attention kernel with log-sum-exp; device is {device}.")
-    if method == "triton" and not kernels.available(device):
-        raise ValueError(
-            f"method='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); device is {device}, Triton "
-            f"{'is' if kernels.triton is not None else 'is not'} installed. Use method='auto'."
-        )
-    if method == "triton" and not kernels.takes_head_dim(head_dim):
-        raise ValueError(
-            f"method='triton' needs a head dim that is a power of two ≥ 16, not {head_dim}. Use method='auto'."
-        )
     if method == "sdpa" and not fused_lse_supported(device):
         raise ValueError(f"method='sdpa' needs a fused attention kernel with log-sum-exp; device is {device}.")
     return method

@@ -52,7 +52,11 @@ if kernels.triton is not None:
         q = _tokens(Q, head, sq_h, sq_s, offs_m, row_ok, D, UPCAST)
         k = _tokens(K, head, sk_h, sk_s, offs_n, col_ok, D, UPCAST)
         lse2 = tl.load(LSE + h * sl_h + offs_m, mask=row_ok, other=0.0) * LOG2E
-        p = tl.exp2(_dot(q, k, FP32, UPCAST) * (scale * LOG2E) - lse2[:, None])
+        x = _dot(q, k, FP32, UPCAST) * (scale * LOG2E) - lse2[:, None]
+        # a GPU's exp2 (ex2.approx.ftz) flushes a result below 2^-126 to 0, which top_p at p = 1 and frame_max count:
+        # such a P is formed 2^64 times larger and scaled back by a multiplication, which keeps it subnormal
+        low = x < -126.0
+        p = tl.exp2(tl.where(low, x + 64.0, x)) * tl.where(low, 5.421010862427522e-20, 1.0)  # 2^-64
         p = tl.where(col_ok[None, :], p, 0.0)  # the keys past the kept ones: probability 0
         out = OUT + h.to(tl.int64) * so_h + offs_m[:, None].to(tl.int64) * so_r + offs_n[None, :]
         tl.store(out, p, mask=row_ok[:, None] & (offs_n < S)[None, :])
@@ -130,28 +134,33 @@ def probs(q, k, heads, r0: int, r1: int, lse: torch.Tensor, kept: int, scale: fl
 def agrees(q, k, kept: int, scale: float) -> bool:
     """Whether kernel tiles serve this shape: checked once a process (:data:`CHECKED`) on 8 query rows spread over
     the sequence, of the first selected head, against float32 ``softmax(q·kᵀ·scale)`` under the kinds' bound
-    (``checks.bound``, in ``checks.error_units``); a kernel that raises or disagrees is warned about and its shape
-    put in :data:`TORCH_TILES`."""
+    (``checks.bound``, in ``checks.error_units``), their probabilities and their entropy (the sweep's, which the
+    ``entropy`` kind takes from the chunk); a kernel that raises or disagrees is warned about and its shape put in
+    :data:`TORCH_TILES`. The recording's spot checks then hold the tiles of its captures to the same bounds."""
     S = q.shape[1]
     shape = _shape(q, k, kept)
     if shape in TORCH_TILES:
         return False
     if shape in CHECKED:
         return True
-    rows = torch.linspace(0, S - 1, min(8, S), device=q.device).round().long().unique()
+    rows = torch.linspace(0, S - 1, min(8, S), dtype=torch.float64, device=q.device).round().long().unique()
     few = passes.HeadView(q.x[:, rows], q.heads)  # a copy of those rows
-    c = chunk(few, k, 0, 1, kept, scale, False)
-    got = None if c is None else tile(c, few, k, 0, len(rows), kept, scale, torch.empty(len(rows) * S, device=q.device))
+    c = chunk(few, k, 0, 1, kept, scale, True)
+    buffer = torch.empty(len(rows) * S, dtype=torch.float32, device=q.device)
+    got = None if c is None else tile(c, few, k, 0, len(rows), kept, scale, buffer)
     if got is None:  # it failed: warned, and torch's tiles from now on
         return False
     head = slice(0, 1) if q.heads is None else q.heads[:1]
     scores = q.x[head][:, rows].float() @ k.x[head][:, :kept].float().transpose(1, 2) * scale
-    ref = torch.nn.functional.pad(torch.softmax(scores, -1), (0, S - kept))
-    units = checks.error_units("full", ref, torch.logsumexp(scores, -1), ref)
-    error = ((got - ref).abs() / units).max().item() / checks.bound(q.x.dtype, False)
+    ref, lse = torch.nn.functional.pad(torch.softmax(scores, -1), (0, S - kept)), torch.logsumexp(scores, -1)
+    log_p = torch.log_softmax(scores.double(), -1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    units = checks.error_units("full", ref, lse, ref), checks.error_units("entropy", ref, lse)
+    errors = ((got - ref).abs() / units[0]).max().double(), ((c.entropy.double() - entropy).abs() / units[1]).max()
+    error = torch.stack(errors).max().item() / checks.bound(q.x.dtype, False)  # NaN where either is
     CHECKED[shape] = error
     if not error <= 1:  # NaN too
-        _failed(shape, f"its probabilities were off by {error:.3g} times the bound")
+        _failed(shape, f"its probabilities or entropy were off by {error:.3g} times the bound")
     return error <= 1
 
 

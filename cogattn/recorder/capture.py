@@ -140,7 +140,7 @@ class Capture:
         (parts := self.pending[key]).append((slots, out.cpu()))
         if sum(len(s) for s, _ in parts[1:]) == n:
             del self.pending[key]
-            whole = torch.empty((n, *out.shape[1:]))
+            whole = torch.empty((n, *out.shape[1:]), dtype=out.dtype)
             for s, part in parts[1:]:
                 whole[s] = part
             del parts
@@ -273,10 +273,14 @@ class Capture:
         cost = passes.mask_cost(mask)  # the mask's rows of a tile count in the budget
         tiles = self._tiles_for(plan, S, len(chosen), D, query.device, copies, method, lse is not None, cost)
         # the row tiles by the kernels as planned for the method asked (a shape back on row tiles: torch's)
-        tiles = replace(tiles, kernel_tiles=plan.tiles.kernel_tiles and shape not in self.verifier.rows_only)
+        tiles = replace(
+            tiles, kernel_tiles=plan.tiles.kernel_tiles and mask is None and shape not in self.verifier.rows_only
+        )
         heads = None if all_heads else torch.tensor(chosen, device=query.device)
-        kinds = tuple(r.kind for r in reducers if r.key_groups is not None or r.stat is not None)
-        checked = tiles.method != "rows" and self.verifier.due((*shape[:2], tiles.method, shape[2:]), kinds)
+        # checked: a fast method's kinds, and every kind where the kernels write the row tiles ("triton tiles")
+        what = "triton tiles" if tiles.method == "rows" and tiles.kernel_tiles else tiles.method
+        kinds = tuple(r.kind for r in reducers if tiles.kernel_tiles or r.key_groups is not None or r.stat is not None)
+        checked = what != "rows" and self.verifier.due((*shape[:2], what, shape[2:]), kinds)
         rows = probe_rows(res.layout) if checked else None
         counts = None if key_counts is None else [int(n) for n in key_counts]
         formed = None if query_counts is None else [int(n) for n in query_counts]
@@ -288,34 +292,22 @@ class Capture:
                 self.query_lengths.setdefault(slot, formed[b])
             if self.steps.spans is not None:
                 self.text_spans.setdefault(slot, self.steps.spans[b])
-        args = (query, key, items, reducers)
+        value = value if self.wants_value else None
+        choice = self.kernel if self.options.method == "auto" else None
         outs, used, probes = engine.capture_items(
-            *args,
-            tiles,
-            heads,
-            lse,
-            sums,
-            self.kernel if self.options.method == "auto" else None,
-            rows,
-            counts,
-            formed,
-            mask,
-            value if self.wants_value else None,
+            query, key, items, reducers, tiles, heads, lse, sums, choice, rows, counts, formed, mask, value
         )
         if probes:
-            what = used if lse is None or used == "joint" else f"{used}, lse of the output call"
-            scale = D**-0.5
-            check = self.verifier.check_maps(probes, query, key, heads, reducers, self.step, layer, what, scale, counts)
-            if not check.passed:  # nothing wrong is stored: this call again, and later ones, on row tiles
+            lse_of_output = ", lse of the output call" if lse is not None and used not in ("rows", "joint") else ""
+            what, at = (what if used == "rows" else used) + lse_of_output, (self.step, layer)
+            check = self.verifier.check_maps(probes, query, key, heads, reducers, *at, what, D**-0.5, counts)
+            if not check.passed:  # nothing wrong is stored: this call again, and later ones, on torch's row tiles
                 self.verifier.maps_failed(check, shape)
+                if shape in self.kernel.chosen:  # rec.chosen_methods: no longer the kernel's
+                    self.kernel.chosen[shape] = "rows"
                 rows_tiles = self._tiles_for(plan, S, len(chosen), D, query.device, copies, "rows")
                 outs, _, _ = engine.capture_items(
-                    *args,
-                    rows_tiles,
-                    heads,
-                    key_counts=counts,
-                    query_counts=formed,
-                    value=value if self.wants_value else None,
+                    query, key, items, reducers, rows_tiles, heads, key_counts=counts, query_counts=formed, value=value
                 )
         return outs
 

@@ -42,7 +42,8 @@ class FrameReducer(Reducer):
             formed = group[: self.query_limit]  # a query limit leaves out rows the model never forms
             counts = torch.bincount(formed, minlength=self.key_groups.num_groups).clamp_(min=1)
             met, inverse = torch.unique(group[r0:end], return_inverse=True)
-            pool = torch.zeros(len(met), end - r0).scatter_(0, inverse[None], (1.0 / counts[group[r0:end]])[None])
+            weights = (1.0 / counts[group[r0:end]]).float()[None]
+            pool = torch.zeros(len(met), end - r0, dtype=torch.float32).scatter_(0, inverse[None], weights)
             self._pools[key] = (met.to(device), pool.to(device))
         return self._pools[key]
 
