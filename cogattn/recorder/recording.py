@@ -158,7 +158,8 @@ class Recording:
 
     chosen_methods = property(
         lambda self: dict(self._capture.kernel.chosen),
-        doc='``method="auto"`` on CUDA, per shape: ``"triton"`` (the kernel), or ``"sdpa"`` where it failed (warned).',
+        doc='``method="auto"`` on CUDA, per shape: ``"triton"`` (the kernel), ``"sdpa"`` where it failed to build or run,'
+        ' ``"rows"`` where it failed a spot check (each warned).',
     )
 
     # -- step tracking -----------------------------------------------------------------------------
