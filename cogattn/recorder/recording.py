@@ -158,8 +158,7 @@ class Recording:
 
     chosen_methods = property(
         lambda self: dict(self._capture.kernel.chosen),
-        doc='``method="auto"`` on CUDA, per shape: ``"triton"`` (the kernel), ``"sdpa"`` where it failed to build or run,'
-        ' ``"rows"`` where it failed a spot check (each warned).',
+        doc='``method="auto"`` on CUDA, per shape: ``"triton"``, ``"sdpa"`` (failed to run) or ``"rows"`` (failed a check).',
     )
 
     # -- step tracking -----------------------------------------------------------------------------
