@@ -176,7 +176,7 @@ def test_another_call_at_a_lower_timestep_is_another_generation(pipe):
     emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
     call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, height=48, width=80, output_type="latent")
     call.update(video=[torch.rand(3, 48, 80, generator=torch.Generator().manual_seed(i)) for i in range(9)])
-    with pytest.raises(RuntimeError, match="a second generation started"), cogattn.record(pipe) as rec:
+    with pytest.raises(RuntimeError, match="a second generation started"), cogattn.record(v2v) as rec:
         v2v(**call, num_inference_steps=2, strength=1.0, max_sequence_length=TINY_TEXT_LEN)
         first = list(rec.timesteps)
         v2v(**call, num_inference_steps=50, strength=0.1, max_sequence_length=TINY_TEXT_LEN)
