@@ -26,7 +26,14 @@ __all__ = [
     "naive_pattern",
     "naive_probs",
     "select",
+    "worst",
 ]
+
+
+def worst(*errors: float) -> float:
+    """The largest of ``errors``, NaN where any is NaN (Python's ``max`` keeps its first argument over a NaN, so a
+    NaN result would read as no error)."""
+    return math.nan if any(e != e for e in errors) else max(errors)
 
 
 def _scores(q, k, scale, key_mask):
@@ -292,7 +299,7 @@ def kind_error(
         )
         if mean_heads:
             lo, hi = lo.mean(1, keepdim=True), hi.mean(1, keepdim=True)
-        return max(0.0, (lo - got.double()).max().item(), (got.double() - hi).max().item())
+        return worst(0.0, (lo - got.double()).max().item(), (got.double() - hi).max().item())
     if kind == "frame_max":
         values, indices = got
         ref = naive_kind(P, kind, T, grid, text_at_end=text_at_end)[..., 0]
@@ -302,12 +309,12 @@ def kind_error(
         group = torch.arange(F).repeat_interleave(n) + (T > 0)
         group = torch.cat([group, torch.zeros(T, dtype=torch.long)] if text_at_end else [group.new_zeros(T), group])
         outside = (indices >= 0) & (group[indices.clamp(min=0, max=S - 1)] != torch.arange(ref.shape[-1]))
-        error = max((values.double() - ref).abs().max().item(), (at - ref).abs().max().item())
-        return max(error, float(outside.any()))
+        error = worst((values.double() - ref).abs().max().item(), (at - ref).abs().max().item())
+        return worst(error, float(outside.any()))
     if kind == "topk":
         values, indices = got
         ref = P.topk(values.shape[-1], dim=-1).values
-        return max((values.double() - ref).abs().max().item(), (P.gather(-1, indices) - ref).abs().max().item())
+        return worst((values.double() - ref).abs().max().item(), (P.gather(-1, indices) - ref).abs().max().item())
     ref = naive_kind(P, kind, T, grid, queries, text_at_end=text_at_end, **sizes)
     if tuple(got.shape) != tuple(ref.shape):
         raise ValueError(f"{kind}: shape {tuple(got.shape)}, the reference's {tuple(ref.shape)}")

@@ -173,7 +173,10 @@ def run(
             instead of being skipped.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.empty(0, device=device)  # an absent device fails here, before any part runs
+    try:  # an absent device fails here, before any part runs
+        torch.empty(0, device=device)
+    except AssertionError as err:  # a torch built without CUDA asserts
+        raise RuntimeError(f"device {device} is not available here: {err}") from None
     dt = DTYPES[dtype]
     t0 = time.perf_counter()
     rows = _guarded("layer", layer_rows, device, dt, seq_len)

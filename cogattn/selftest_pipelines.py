@@ -21,7 +21,7 @@ from .exact.kernels import available as triton_available
 from .exact.reducers.audio import AUDIO_KINDS
 from .models import FAMILIES, cogvideox, transformer_config
 from .recorder.recording import record
-from .reference import kind_error, naive_audio, naive_context, naive_kind, naive_lse, naive_probs, select
+from .reference import kind_error, naive_audio, naive_context, naive_kind, naive_lse, naive_probs, select, worst
 
 __all__ = [
     "JOINT_KINDS",
@@ -83,7 +83,9 @@ def missing_package(err: ImportError) -> str | None:
     """The skip note for ``err`` where it says a package is not installed, else `None` (then it is a bug).
 
     diffusers' placeholder classes (``ConsisIDPipeline`` without OpenCV, ...) raise an `ImportError` that
-    names the library and often its pip package; a plain ``import`` names the module.
+    names the library and often its pip package; a plain ``import`` names the module; a name missing from a
+    library the tiny pipelines import (an older transformers without ``T5Gemma2Encoder``) asks for a newer one. A
+    name missing from cogattn, diffusers or torch is a bug.
     """
     text = " ".join(str(err).split())
     library = re.search(r"requires the (.+?) library", text)
@@ -93,6 +95,9 @@ def missing_package(err: ImportError) -> str | None:
     top = (err.name or "").split(".")[0]
     if top and importlib.util.find_spec(top) is None:  # an installed module's failing import is no skip
         return f"needs {top}, not installed"
+    name = re.search(r"cannot import name '(\w+)' from '(\w+)", text)
+    if name and name.group(2) == top and top not in ("cogattn", "diffusers", "torch"):  # an older release of a
+        return f"needs a newer {top} (with {name.group(1)}: pip install -U {top})"  # library the pipeline imports
     return None
 
 
@@ -163,7 +168,7 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
             rec.capture = spy
             with rec:
                 video, seconds = timed(generate, device)
-            worst, limit_of_worst, passed = 0.0, TOLERANCE.get(dtype, 1e-5), True
+            largest, limit_of_largest, passed = 0.0, TOLERANCE.get(dtype, 1e-5), True
             for step, layer, q, k, v in calls:
                 P, lse = (x[list(rec.batch_items)] for x in (naive_probs(q, k), naive_lse(q, k)))
                 v = None if v is None else v[list(rec.batch_items)].double()
@@ -174,19 +179,21 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, configs=PIPELINES) -
                     got = rec.get(kind, step, layer)
                     err = kind_error(got, P, kind, lay.text_len, lay.grid, tokens, lse, patterns=PATTERNS, v=v, **SIZES)
                     passed &= err <= limit
-                    if err / limit >= worst / limit_of_worst:
-                        worst, limit_of_worst = err, limit
+                    if not err / limit < largest / limit_of_largest:  # NaN too
+                        largest, limit_of_largest = err, limit
             same = bool(torch.equal(video, stock))
             promised = output_identical(output, device, dtype)
             note = "" if promised else "not the stock call: its last bits may differ"
+            unchecked = _unchecked(rec, {(step, layer) for step, layer, *_ in calls})
+            passed, note = (False, unchecked) if unchecked else (passed, note)
             rows.append(
                 Row(
                     part,
                     "all",
                     method,
                     output,
-                    worst,
-                    limit_of_worst,
+                    largest,
+                    limit_of_largest,
                     same,
                     seconds / t_stock,
                     passed and (same or not promised),
@@ -265,7 +272,7 @@ def _item_error(rec, kind: str, step: int, layer: int, b: int, P, lse, queries: 
     tokens = [0, lay.token_index(1, 1, 2)]
     if paired:
         inside = type(got)(*(x[:, :, :n] for x in got))
-        return max(
+        return worst(
             kind_error(inside, P, kind, T, lay.grid, tokens, lse, True, patterns=PATTERNS, v=v, **SIZES),
             got.values[:, :, n:].abs().max().item(),
         )
@@ -274,7 +281,20 @@ def _item_error(rec, kind: str, step: int, layer: int, b: int, P, lse, queries: 
     err = kind_error(got[corner], P, kind, T, lay.grid, tokens, lse, True, patterns=PATTERNS, v=v, **SIZES)
     outside = got.clone()
     outside[corner] = 0
-    return max(err, outside.abs().max().item())
+    return worst(err, outside.abs().max().item())
+
+
+def _unchecked(rec, checked: set) -> str:
+    """Why a recording's rows cannot pass on what was checked: no call handed over, a selected call that did not
+    run (``rec.skipped``), or a (step, layer) recorded that the reference never saw; empty where all was checked."""
+    recorded = {(step, layer) for _, step, layer in rec.keys()}
+    if not checked:
+        return "no attention call was handed to the recording"
+    if rec.skipped:
+        return f"{len(rec.skipped.calls)} selected attention calls were not recorded"
+    if recorded - checked:
+        return f"{len(recorded - checked)} recorded (step, layer) pairs were never checked"
+    return ""
 
 
 def _missing_row(part: str, err: ImportError, strict: bool) -> Row:
@@ -324,9 +344,11 @@ def family_rows(
 
         try:
             generate()  # warm up
-        except RuntimeError as err:  # a backend with no kernel for this device or dtype
+        except RuntimeError as err:  # a backend with no kernel for this device or dtype: skipped; else a failure
             why = str(err).strip().splitlines()[0][:120]
-            return rows + [Row(part, "all", "rows", "stock", None, None, None, None, None, f"does not run here: {why}")]
+            note = f"does not run here: {why}" if backend else f"the stock call failed: {why}"
+            rows.append(Row(part, "all", "rows", "stock", None, None, None, None, None if backend else False, note))
+            continue
         except ImportError as err:  # a package the call itself imports
             rows.append(_missing_row(part, err, strict))
             continue
@@ -350,7 +372,7 @@ def family_rows(
                 setattr(rec, name, _spying(rec, getattr(rec, name), name == "capture_context", calls))
             with rec:
                 video, seconds = timed(generate, device)
-            limit, worst, lay = TOLERANCE.get(dtype, 1e-5), 0.0, rec.layout
+            limit, error, lay = TOLERANCE.get(dtype, 1e-5), 0.0, rec.layout
             for (step, layer, source), found in calls.items():
                 found = found[::-1]  # the guidance batch [uncond..., cond...]: a step's later call first
                 q, k = torch.cat([x[0] for x in found]), torch.cat([x[1] for x in found])
@@ -362,7 +384,7 @@ def family_rows(
                     for kind in [c for c in context if spec.source(c) == source]:
                         made = naive_audio(P, kind, lay.grid) if kind in AUDIO_KINDS else naive_context(P, lay.grid)
                         ref = select(made, rec.batch_items, "all")
-                        worst = max(worst, (rec.get(kind, step, layer).double() - ref).abs().max().item())
+                        error = worst(error, (rec.get(kind, step, layer).double() - ref).abs().max().item())
                     continue
                 items = [n for x in found for n in _item_counts(x[2], len(x[0]))]
                 masks = [None if x[4] is None else x[4][min(i, len(x[4]) - 1)] for x in found for i in range(len(x[0]))]
@@ -377,9 +399,8 @@ def family_rows(
                     held = {k for k, s, n in rec.keys() if (s, n) == (step, layer)}  # no text kind without text
                     for kind in [k for k in self_kinds if k in held or rec.layout_of(layer) == rec.layout]:
                         vb = None if v is None else v[b : b + 1]
-                        worst = max(worst, _item_error(rec, kind, step, layer, b, P, lse, queries, vb))
-            same = bool(torch.equal(video, stock))
-            rows.append(
-                Row(part, "all", method, "stock", worst, limit, same, seconds / t_stock, worst <= limit and same)
-            )
+                        error = worst(error, _item_error(rec, kind, step, layer, b, P, lse, queries, vb))
+            same, unchecked = bool(torch.equal(video, stock)), _unchecked(rec, {(s, n) for s, n, _ in calls})
+            passed = error <= limit and same and not unchecked  # NaN fails
+            rows.append(Row(part, "all", method, "stock", error, limit, same, seconds / t_stock, passed, unchecked))
     return rows

@@ -253,3 +253,65 @@ def test_a_family_that_needs_a_missing_package_is_one_skipped_line_and_the_verdi
     ]
     # an import that fails in an installed package is a bug, not a missing package: no skip
     assert missing_package(ImportError("cannot import name 'Nope' from 'diffusers'", name="diffusers")) is None
+
+
+def test_a_nan_or_an_unchecked_layer_fails_a_family_s_row(monkeypatch):
+    """A NaN in a family's map fails its row (``max(0.0, nan)`` is 0.0: it read as no error); so does a recording
+    to which a layer was never handed (its reference had nothing to check, so the row passed at error 0)."""
+    from cogattn.recorder.capture import Capture
+    from cogattn.recorder.recording import Recording
+    from cogattn.selftest_pipelines import family_rows
+
+    wan, real_get, real_layer = family("wan"), Recording.get, Capture.layer_to_capture
+
+    def nan_get(self, kind, step, layer):
+        got = real_get(self, kind, step, layer)
+        if kind == "frame":
+            got = got.clone()
+            got.view(-1)[0] = float("nan")
+        return got
+
+    monkeypatch.setattr(Recording, "get", nan_get)
+    (row,) = family_rows(wan, torch.device("cpu"), torch.float32, quick=True)[:1]
+    assert row.passed is False and row.max_error != row.max_error  # NaN, shown as such
+    monkeypatch.setattr(Recording, "get", real_get)
+    monkeypatch.setattr(
+        Capture, "layer_to_capture", lambda self, attn: None if (n := real_layer(self, attn)) == 1 else n
+    )
+    with pytest.warns(UserWarning, match="selected attention calls .* did not run"):
+        (row,) = family_rows(wan, torch.device("cpu"), torch.float32, quick=True)[:1]
+    assert row.passed is False and "selected attention calls were not recorded" in row.note
+
+
+def test_a_family_whose_stock_call_fails_is_a_failed_row_and_its_other_pipelines_still_run(monkeypatch):
+    import dataclasses
+
+    from cogattn.selftest_pipelines import family_rows
+
+    wan = family("wan")
+
+    def broken(task, **kwargs):
+        pipe = wan.tiny_pipeline(task, **kwargs)
+        if task == wan.tiny_tasks[0]:  # its first pipeline's transformer raises, as a broken tiny pipeline does
+
+            def forward(*args, **kwargs):
+                raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+            pipe.transformer.forward = forward
+        return pipe
+
+    rows = family_rows(dataclasses.replace(wan, tiny_pipeline=broken), torch.device("cpu"), torch.float32, quick=True)
+    assert (
+        rows[0].passed is False and rows[0].note == "the stock call failed: mat1 and mat2 shapes cannot be multiplied"
+    )
+    assert len(rows) == len(wan.tiny_tasks) and all(r.passed for r in rows[1:])  # skipped before: no row, a pass
+
+
+def test_an_older_library_without_a_name_a_tiny_pipeline_imports_is_a_skip_and_cuda_without_cuda_one_line(capsys):
+    from cogattn.selftest_pipelines import missing_package
+
+    old = ImportError("cannot import name 'T5Gemma2Encoder' from 'transformers' (/x/__init__.py)", name="transformers")
+    assert missing_package(old) == "needs a newer transformers (with T5Gemma2Encoder: pip install -U transformers)"
+    if not torch.cuda.is_available():  # a torch built without CUDA asserts: one line, exit 2
+        assert main(["--device", "cuda", "--quick"]) == 2
+        assert capsys.readouterr().err.startswith("selftest: device cuda is not available here")
