@@ -312,15 +312,15 @@ class TokenLayout:
 
     @property
     def default_pixel_frames(self) -> int | None:
-        """Frames of the decoded video when the layout alone decides it (an odd F without temporal patches:
-        4·(F − 1) + 1); `None` where several video lengths give the same F (temporal patches; an even F,
-        which CogVideoX decodes to 4F frames and Wan to 4F − 3)."""
+        """Frames of the decoded video when the layout alone decides it (F without temporal patches: tc·(F − 1) + 1,
+        but for an even F of a 4× VAE); `None` where several video lengths give the same F (temporal patches; an
+        even F of a 4× VAE, which CogVideoX decodes to 4F frames and Wan to 4F − 3)."""
         if self.grids > 1:
             return self.one_grid.default_pixel_frames
         if self.clip_latents:
             return self._clips()[-1].stop
-        odd = self.frames % 2 == 1
-        causal = odd and not self.patch_size_t and self.causal_vae  # Allegro's: the call's count, 4F − 3 … 4F
+        one = self.frames % 2 == 1 or self.temporal_compression != VAE_TEMPORAL  # only a 4× VAE decodes pairs
+        causal = one and not self.patch_size_t and self.causal_vae  # Allegro's: the call's count, 4F − 3 … 4F
         return self.temporal_compression * (self.frames - 1) + 1 if causal else None
 
     def decoded_frames(self, temporal_compression: int | None = None) -> list[int]:
@@ -380,12 +380,11 @@ class TokenLayout:
         elif tc == VAE_TEMPORAL and n % (2 * tc) == 0:
             latent, late = n // tc, 0  # CogVideoX's VAE, an even L: tc frames each from frame 0
         else:
+            cog = f"(Wan; CogVideoX with L odd) or {tc}L (CogVideoX with L even)" if tc == VAE_TEMPORAL else ""
             raise ValueError(
-                f"a decoded video has {tc}L − {tc - 1} frames for L latent frames (Wan; CogVideoX with L odd) or "
-                f"{tc}L (CogVideoX with L even), never {n} frames: the pipelines round `num_frames` (Wan to "
-                f"num_frames // {tc} * {tc} + 1, with a warning; CogVideoX makes (num_frames − 1) // {tc} + 1 latent "
-                f"frames). Pass the frame count of the decoded video; for this layout (F = {self.frames}): "
-                f"{', '.join(map(str, self.decoded_frames(tc)))}."
+                f"a decoded video has {tc}L − {tc - 1} frames for L latent frames{' ' + cog if cog else ''}, never {n} frames; the "
+                f"pipelines round `num_frames`. Pass the frame count of the decoded video; for this layout "
+                f"(F = {self.frames}): {', '.join(map(str, self.decoded_frames(tc)))}."
             )
         p = self.patch_size_t or 1
         padding = (-latent) % p

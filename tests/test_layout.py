@@ -148,3 +148,16 @@ def test_a_vae_that_is_not_causal_packs_its_frames_from_frame_0_and_the_pipeline
         assert load_config(root / "tiny-allegro.yaml", [f"num_frames={n}"]).num_frames == n
     with pytest.raises(ConfigError, match="decodes 4 frames per latent frame .*: use 12 or 16"):
         load_config(root / "tiny-allegro.yaml", ["num_frames=14"])
+
+
+def test_a_vae_other_than_4x_decodes_one_count_for_an_even_number_of_latent_frames():
+    """Only a 4× VAE (CogVideoX's) decodes pairs of latent frames: Mochi's 19 frames (4 latent frames of 6) and
+    LTX's 121 (16 of 8) are the layout's own count (it was None: their figures lost the pixel-frame labels), and a
+    wrong count is refused without naming CogVideoX's pairs."""
+    mochi, ltx = TokenLayout(0, 4, 2, 2, temporal_compression=6), TokenLayout(0, 16, 2, 2, temporal_compression=8)
+    assert (mochi.default_pixel_frames, ltx.default_pixel_frames) == (19, 121) == (mochi.decoded_frames()[0], 121)
+    assert [len(r) for r in mochi.pixel_frames(19)] == [1, 6, 6, 6]
+    assert TokenLayout(0, 4, 2, 2).default_pixel_frames is None  # CogVideoX's 16 or Wan's 13
+    with pytest.raises(ValueError, match=r"6L − 5 frames for L latent frames, never 24 frames; .*: 19\.$") as err:
+        mochi.pixel_frames(24)
+    assert "CogVideoX" not in str(err.value)
