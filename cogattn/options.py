@@ -181,7 +181,7 @@ class CaptureOptions:
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}.")
         if self.info is not None and not isinstance(self.info, dict):
             raise TypeError(f"info must be a dict of JSON-able facts (or None), got {self.info!r}.")
-        if self.save_dir is not None and not isinstance(self.save_dir, (str, os.PathLike)):
+        if self.save_dir is not None and (not isinstance(self.save_dir, (str, os.PathLike)) or self.save_dir == ""):
             raise TypeError(f"save_dir must be a folder path (or None), got {self.save_dir!r}.")
         normalised = dict(
             kinds=tuple(dict.fromkeys(kinds)),
@@ -349,8 +349,8 @@ def _indices(name: str, value, upper: int | None, words: Sequence[str]) -> str |
         raise TypeError(f"{name} must be one of {list(words)} or a non-empty list of indices, got {value!r}.")
     out = []
     for i in value:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"{name} must hold integer indices, got {i!r} in {value!r}.")
+        if isinstance(i, bool) or not isinstance(i, int):  # a NumPy integer too: `.tolist()` makes ints
+            raise TypeError(f"{name} must hold Python int indices, got {i!r} ({type(i).__name__}) in {value!r}.")
         if i < 0 or (upper is not None and i >= upper):
             bound = f"0..{upper - 1}" if upper is not None else "≥ 0"
             raise ValueError(f"{name} index {i} is out of range; valid indices are {bound}.")
@@ -402,8 +402,8 @@ def _check_queries(queries) -> list | None:
             out.append(tuple(q))
         else:
             raise TypeError(
-                f"query {q!r} is neither a token index (int >= 0) nor a video coordinate (frame, row, col) "
-                "of non-negative ints."
+                f"query {q!r} ({type(q).__name__}) is neither a token index (a Python int >= 0) nor a video "
+                "coordinate (frame, row, col) of non-negative ints; `.tolist()` makes NumPy integers ints."
             )
     return out
 

@@ -12,6 +12,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import forked
+import numpy as np
 import pytest
 import torch
 from reference import QKSpy, assert_matches_naive
@@ -433,6 +434,9 @@ def test_free_space_counts_whole_blocks(pipe, tmp_path, monkeypatch):
         (dict(storage_dtype="int8"), ValueError, r"storage_dtype='int8' is not one of"),
         (dict(method="rows", layer_output="joint"), ValueError, "Leave method='auto'"),
         (dict(save_dir=3), TypeError, "save_dir must be a folder path"),
+        (dict(save_dir=""), TypeError, "save_dir must be a folder path"),  # not the working folder by accident
+        (dict(kinds="top_p", top_p=(0.5, 0.5)), ValueError, r"top_p=\(0.5, 0.5\) lists a p twice"),
+        (dict(heads=[np.int64(1)]), TypeError, r"heads must hold Python int indices, got np.int64\(1\) \(int64\)"),
         (dict(colour="red"), TypeError, r"unknown capture option \['colour'\]"),
     ],
 )

@@ -27,6 +27,8 @@ def check_top_p(value) -> tuple[float, ...]:
             f"top_p={value!r}; pass masses p in (0, 1], e.g. (0.5, 0.9, 0.95, 0.99): top_p counts the fewest keys "
             "whose largest probabilities reach each p."
         )
+    if len(set(values)) < len(values):
+        raise ValueError(f"top_p={value!r} lists a p twice; give each mass once.")
     return tuple(float(p) for p in values)
 
 
