@@ -49,8 +49,13 @@ def test_the_plan_forms_tiles_by_kernel_where_asked_and_the_kernels_serve(monkey
     frame = [REDUCERS["full"](TokenLayout(2, 1, 2, 2), 1, False)]
     tiles = {m: plan_tiles(frame, 6, 1, 16, 2**30, m, "cpu").kernel_tiles for m in ("rows", "sdpa", "auto", "triton")}
     assert tiles == {"rows": False, "sdpa": False, "auto": False, "triton": True}  # auto: SDPA beats the interpreter
-    with pytest.raises(ValueError, match="method='triton' needs a head dim that is a power of two ≥ 16, not 24"):
+    with pytest.raises(
+        ValueError, match="method='triton' needs a head dim that is a power of two from 16 to 256, not 24"
+    ):
         plan_tiles(frame, 6, 1, 24, 2**30, "triton", "cpu")  # refused as for the pooled kinds, not torch's tiles
+    with pytest.raises(ValueError, match="power of two from 16 to 256, not 512"):  # no tile config is sized for it
+        plan_tiles(frame, 6, 1, 512, 2**30, "triton", "cpu")
+    assert [kernels.takes_head_dim(d) for d in (8, 16, 24, 64, 128, 256, 512)] == [0, 1, 0, 1, 1, 1, 0]
     monkeypatch.setattr(kernels, "available", lambda device: False)  # no Triton, or a CPU without the interpreter
     with pytest.raises(ValueError, match="method='triton' needs Triton and a CUDA device"):
         plan_tiles(frame, 6, 1, 16, 2**30, "triton", "cpu")

@@ -261,14 +261,15 @@ def _head_index(x: torch.Tensor, heads: torch.Tensor | None) -> torch.Tensor:
 
 
 def takes_head_dim(D: int) -> bool:
-    """Whether the kernels' tiles take head dim ``D`` (a power of two ≥ 16)."""
-    return D >= 16 and not D & (D - 1)
+    """Whether the kernels' tiles take head dim ``D``: a power of two from 16 to 256 (their configs are sized up
+    to 256; a 64-row tile of a larger one would not fit in registers)."""
+    return 16 <= D <= 256 and not D & (D - 1)
 
 
 def _checked(x: torch.Tensor) -> torch.Tensor:
     D = x.shape[-1]
     if not takes_head_dim(D):
-        raise ValueError(f"head dim {D} is not a power of two ≥ 16, which the kernel's tiles need.")
+        raise ValueError(f"head dim {D} is not a power of two from 16 to 256, which the kernel's tiles need.")
     return x if x.stride(-1) == 1 else x.contiguous()  # rows of D contiguous values; any head and row strides
 
 
@@ -285,7 +286,7 @@ def sweep(
     """Exact key-group sums of the attention probabilities, and each row's lse (and entropy), in one pass.
 
     Args:
-        q (`torch.Tensor`): queries ``(H, S, D)`` in the model's dtype (fp32, fp16 or bf16; D a power of two ≥ 16),
+        q (`torch.Tensor`): queries ``(H, S, D)`` in the model's dtype (fp32, fp16 or bf16; D a power of two, 16 to 256),
             any head and row strides.
         k (`torch.Tensor`): keys ``(H, S_k, D)``, the same dtype.
         order (`KeyOrder`): the groups, from :func:`key_order` over the kept keys.

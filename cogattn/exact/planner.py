@@ -108,7 +108,7 @@ def choose_method(
         )
     if method == "triton" and not kernels.takes_head_dim(head_dim):
         raise ValueError(
-            f"method='triton' needs a head dim that is a power of two ≥ 16, not {head_dim}. Use method='auto'."
+            f"method='triton' needs a head dim that is a power of two from 16 to 256, not {head_dim}. Use method='auto'."
         )
     if not pooled_kinds(reducers):
         return "rows"  # every kind is served by row tiles (the kernels' under ``triton``: ``tile_kernel.planned``)
