@@ -404,7 +404,7 @@ class Capture:
     def _tiles_for(
         self, plan, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False, mask_cost=(0, 0)
     ) -> TilePlan:
-        key = (plan.layout, S, D, torch.device(device).type, copies, method, lse, mask_cost)
+        key = (plan.layout, S, H, D, torch.device(device).type, copies, method, lse, mask_cost)  # H: a rank's heads
         if key not in self.tiles:
             budget = plan.tile_budget  # memory_budget less the results waiting for a step's last call
             self.tiles[key] = plan_tiles(plan.reducers, S, H, D, budget, method, device, copies, lse, mask_cost)
