@@ -35,7 +35,8 @@ def pick_item(source, batch: int | str | None = None) -> int:
     prompt's, never the negative prompt's, unless asked for.
 
     Raises:
-        ValueError: ``"cond"``/``"uncond"`` where no such item was recorded, or another word.
+        ValueError: ``"cond"``/``"uncond"`` where no such item was recorded, or another word; a slot index the
+            results do not hold.
         TypeError: ``batch`` is neither an integer, a word nor `None`.
     """
     roles = getattr(source, "batch_roles", None)
@@ -53,9 +54,15 @@ def pick_item(source, batch: int | str | None = None) -> int:
     try:
         if isinstance(batch, bool):
             raise TypeError
-        return operator.index(batch)
+        slot = operator.index(batch)
     except TypeError:
         raise TypeError(f"batch={batch!r}: pass a slot index, 'cond', 'uncond' or None.") from None
+    slots = len(getattr(source, "batch_items", None) or roles or ())  # 0: the source does not say
+    if slots and not 0 <= slot < slots:  # -1 would read the last slot under another item's label
+        raise ValueError(
+            f"batch={batch!r} is out of range: {slots} batch item(s) were recorded (slots 0..{slots - 1})."
+        )
+    return slot
 
 
 def item_label(source, batch: int | str | None = None) -> str:

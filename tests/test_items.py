@@ -68,6 +68,9 @@ def test_readers_show_the_conditional_item_by_default_and_name_it(guided, tmp_pa
         for bad in (1.0, True, [1]):
             with pytest.raises(TypeError, match=r"batch=.*: pass a slot index, 'cond', 'uncond' or None\.$"):
                 pick_item(source, bad)
+        for bad in (-1, 2):  # -1 read the last slot under the label "batch item -1"
+            with pytest.raises(ValueError, match=rf"batch={bad} is out of range: 2 batch item\(s\) were recorded"):
+                item_label(source, bad)
     fig = plot.word_heatmap(run, [2], steps=0)
     assert f"batch item 1, conditional: {PROMPT!r}" in _title(fig)
     assert "unconditional: 'blue sky'" in _title(plot.word_heatmap(run, [2], steps=0, batch="uncond"))
