@@ -1,6 +1,7 @@
 """``cogattn.analysis.tracks`` against the argmax of each frame of the ``full`` map of the same tiny generation, and
 where a block-causal mask leaves a frame no key with attention (SkyReels-V2), no match."""
 
+import numpy as np
 import pytest
 import torch
 from tiny_calls import generate
@@ -44,6 +45,8 @@ def test_track_is_the_argmax_of_each_frame_of_the_full_row(runs, heads, head):
         at = rows.gather(1, (t.positions[:, 0] * lay.width + t.positions[:, 1])[:, None])[:, 0]
         assert torch.equal(at, best)  # the matched key holds the frame's largest probability (either of a tie)
         assert torch.allclose(t.confidence, best, rtol=1e-6, atol=1e-7)
+    if head != "mean":  # a NumPy integer is the same head (it was refused as neither an index nor 'mean')
+        assert torch.equal(track(run, point, step=1, layer=1, head=np.int64(head)).positions, t.positions)
 
 
 @pytest.mark.parametrize("frames", [(0, 1), (2, 0), (1, 1)])

@@ -16,6 +16,7 @@ which ``frame_max`` does not keep): call once per map and compare or vote over t
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -60,6 +61,8 @@ def frame_matches(
             not made from the heads' argmaxes), or a head that is neither.
         NotRecordedError: ``frame_max``, the step, the layer or the head was not recorded.
     """
+    if not isinstance(head, str) and hasattr(head, "__index__") and not isinstance(head, bool):
+        head = operator.index(head)  # a NumPy integer too
     if isinstance(head, bool) or not (isinstance(head, int) or head == "mean"):
         raise ValueError(
             f"head={head!r}; pass one recorded head index, or 'mean' for a run recorded with heads='mean'."
