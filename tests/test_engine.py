@@ -451,3 +451,24 @@ def test_a_recording_under_another_default_dtype_equals_the_float32_default_one(
         a, b = want.get(*key), got.get(*key)
         for x, y in zip(a, b) if isinstance(a, tuple) else [(a, b)]:
             assert x.dtype == y.dtype and torch.equal(x, y), key
+
+
+@pytest.mark.parametrize("position", ["start", "end"])
+@pytest.mark.parametrize("method", ["rows", "sdpa"])
+def test_text_kinds_of_a_layout_with_history_tokens_take_the_grid_s_tokens(position, method):
+    """video_to_text's queries and text_to_video's keys are the grid's: a history before the grid (FramePack's,
+    LTX-2's keyframes) is left out (they read the history as video and raised a shape error)."""
+    layout = TokenLayout(5, 2, 2, 3, history_len=4, text_position=position)
+    torch.manual_seed(0)
+    H, S, D = 2, layout.seq_len, 16
+    q, k = torch.randn(H, S, D), torch.randn(H, S, D)
+    kinds = ("video_to_text", "text_to_video")
+    reducers = [REDUCERS[kind](layout, H, False) for kind in kinds]
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    capture(q, k, reducers, outs, plan_tiles(reducers, S, H, D, 2**26, method, "cpu"))
+    P = naive_probs(q[None], k[None])[0]
+    text, grid = slice(layout.text_start, layout.text_start + 5), layout.grid_tokens
+    assert grid.stop - grid.start == 12 and (grid.start == 9 if position == "start" else grid.start == 4)
+    want = (P[:, grid, text].transpose(1, 2), P[:, text, grid])  # (H, T, F·Hp·Wp)
+    for got, ref in zip(outs, want):
+        assert got.shape == (H, 5, 2, 2, 3) and (got.double().flatten(2) - ref).abs().max() <= 1e-6

@@ -157,6 +157,47 @@ def test_error_of_a_row_whose_kept_probabilities_all_underflow_is_the_softmax_ov
     assert torch.isfinite(ref).all() and (error.double() - ref).abs().max() <= 1e-5
 
 
+def test_error_of_a_row_whose_kept_mass_is_subnormal_is_the_softmax_over_its_kept_keys():
+    """Kept keys 103 and 103.4 logits below one outside the pattern: their float32 probabilities are subnormal, both
+    1.4e-45, so P·mask renormalised weighs them 0.5 / 0.5 where the softmax over them gives 0.599 / 0.401 (the
+    error read 0.0 against 0.0195); below NEGLIGIBLE_MASS the row is taken from its exact scores."""
+    layout = TokenLayout(0, 2, 1, 2)  # no text: frame 0 is tokens 0, 1; frame 1 tokens 2, 3
+    S = layout.seq_len
+    q = torch.ones(1, S, 1)
+    k = torch.tensor([-103.0, -103.4, 0.0, -50.0]).view(1, S, 1)  # token 0's own frame far below key 2
+    v = torch.tensor([1.0, -1.0, 0.0, 0.0]).view(1, S, 1)
+    red = REDUCERS["pattern_error"](layout, 1, False, patterns=("spatial",))
+    out = torch.zeros(red.shape(1)[1:])
+    capture(q, k, [red], [out], plan_tiles([red], S, 1, 1, 2**26, "rows", "cpu"), scale=1.0, value=v)
+    P = torch.softmax(q.double() @ k.double().transpose(1, 2), -1)[0]
+    assert 0 < torch.softmax(q[0] @ k[0].T, -1)[0, :2].max() < 2**-126  # subnormal in float32
+    frame = torch.tensor([0, 0, 1, 1])
+    kept = P * (frame[:, None] == frame[None])
+    ref = ((kept @ v[0].double()) / kept.sum(-1, keepdim=True) - P @ v[0].double()).pow(2).mean()
+    assert ref > 0.019 and abs(out.item() - ref.item()) <= 1e-6 * ref.item()
+
+
+def test_pattern_kinds_average_over_the_video_rows_the_model_forms():
+    """A query limit that cuts the grid's rows: recall and error are means over the formed video queries (the mean
+    was over every video query, half the recall here), as offset's."""
+    layout = TokenLayout(3, 2, 2, 2)
+    torch.manual_seed(0)
+    H, S, D = 1, layout.seq_len, 8
+    q, k, v = torch.randn(H, S, D), torch.randn(H, S, D), torch.randn(H, S, D)
+    reducers = [REDUCERS[kind](layout, H, False, patterns=("spatial",)) for kind in ("pattern_recall", "pattern_error")]
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    capture(q, k, reducers, outs, plan_tiles(reducers, S, H, D, 2**26, "rows", "cpu"), queries=S - 4, value=v)
+    formed = slice(layout.grid_tokens.start, S - 4)  # the first 4 of 8 video queries
+    P = naive_probs(q[None], k[None])[0, 0]
+    frame = torch.full((S,), -1)
+    frame[layout.grid_tokens] = torch.arange(8) // 4
+    keep = (frame[:, None] == frame[None]) | (frame[None] == -1)  # a query's own frame and the text
+    recall = (P * keep)[formed].sum(-1).mean()
+    output, kept = P @ v[0].double(), P * keep
+    error = ((kept @ v[0].double()) / kept.sum(-1, keepdim=True) - output)[formed].pow(2).mean()
+    assert abs(outs[0].item() - recall.item()) <= 1e-6 and abs(outs[1].item() - error.item()) <= 1e-6
+
+
 @pytest.mark.parametrize("pats", [("spatial",), ("sta:1,3,3", "temporal")], ids=["runs", "masks"])
 def test_rows_recomputed_where_every_kept_probability_underflows_stay_in_the_budget(pats):
     """Every query of frames 1-3 loses its own frame's mass to key 0 (110 logits above): their O_pattern comes from

@@ -8,7 +8,11 @@ import torch
 from ..patterns import DEFAULT_PATTERNS, resolve
 from .base import Reducer
 
-__all__ = ["PatternErrorReducer", "PatternRecallReducer"]
+__all__ = ["NEGLIGIBLE_MASS", "PatternErrorReducer", "PatternRecallReducer"]
+
+# A row's kept mass below which pattern_error renormalises from exact scores: above it, the kept probabilities below
+# float32's 2⁻¹²⁶ (their absolute rounding ~2⁻¹⁵⁰ each) weigh under 2⁻³⁷ of it, even over 10⁵ kept keys.
+NEGLIGIBLE_MASS = 2.0**-96
 
 
 class PatternRecallReducer(Reducer):
@@ -41,6 +45,13 @@ class PatternRecallReducer(Reducer):
 
     def clear_unformed(self, out, limit):
         pass  # a mean over video queries, which a query limit (Mochi's padded text) never cuts
+
+    def _formed_video(self) -> int:
+        """The video queries whose rows the model forms (all but where a query limit cuts the grid): the mean's."""
+        grid = self.layout.grid_tokens
+        return max(
+            1, min(grid.stop, self.layout.seq_len if self.query_limit is None else self.query_limit) - grid.start
+        )
 
     def _video_rows(self, r0: int, r: int) -> tuple[int, int]:
         """The video queries among rows ``r0:r0+r`` (every row is a query token in order), formed ones only."""
@@ -96,7 +107,7 @@ class PatternRecallReducer(Reducer):
         start, end = self._video_rows(r0, probs.shape[1])
         if start >= end:
             return
-        part, V = probs[:, start - r0 : end - r0], self.layout.frames * self.layout.frame_tokens
+        part, V = probs[:, start - r0 : end - r0], self._formed_video()
         rows = part.transpose(0, 1)  # (r, h, S), a view
         for m, (pattern, mask) in enumerate(zip(self.resolved, self._row_masks(start, end, probs.device))):
             if mask is None:
@@ -133,7 +144,7 @@ class PatternErrorReducer(PatternRecallReducer):
         start, end = self._video_rows(r0, probs.shape[1])
         if start >= end:
             return
-        part, V = probs[:, start - r0 : end - r0], self.layout.frames * self.layout.frame_tokens
+        part, V = probs[:, start - r0 : end - r0], self._formed_video()
         values = self._values(h0, probs.shape[0])  # (h, S, D)
         output = torch.bmm(part, values)  # O = P·V, (h, r, D)
         kept = None  # one buffer for every masked pattern's P·mask, and the scores of the rows rescued
@@ -145,7 +156,9 @@ class PatternErrorReducer(PatternRecallReducer):
                 torch.mul(part, mask, out=kept)
                 mass, summed = kept.sum(-1), torch.bmm(kept, values)
             o_pattern = summed.div_(mass[..., None])  # P restricted to the mask, renormalised
-            lost = mass == 0  # (h, r): every kept probability underflowed (a device sync, as _structured's)
+            # (h, r): a kept mass so small that subnormal (or underflowed) kept probabilities weigh in it, which its
+            # renormalisation would magnify: from the exact scores (a device sync, as _structured's)
+            lost = mass < NEGLIGIBLE_MASS
             if bool(lost.any()):
                 kept = torch.empty_like(part) if kept is None else kept
                 self._renormalise_lost(o_pattern, lost, pattern, h0, start, values, kept)
@@ -153,8 +166,9 @@ class PatternErrorReducer(PatternRecallReducer):
             self._accumulate(out[:, m], h0, error.sum(-1) / V)
 
     def _renormalise_lost(self, o_pattern, lost, pattern, h0: int, start: int, values, buffer) -> None:
-        """O_pattern ``(h, r, D)`` of the rows where float32 underflowed every kept probability to 0 (each kept logit
-        ~87 or more below the row's largest: P·mask renormalises 0 / 0), in place, from their exact scores
+        """O_pattern ``(h, r, D)`` of the rows whose kept mass is below :data:`NEGLIGIBLE_MASS` (kept logits ~66 or more
+        below the row's largest: float32 keeps a kept probability below 2⁻¹²⁶ with few bits, or none, and P·mask
+        renormalises their rounding, or 0 / 0), in place, from their exact scores
         (``Reducer.scores``, written into ``buffer``, the tile's P·mask buffer, which the plan counts): the softmax
         over the pattern's kept keys times V."""
         rows = lost.any(0).nonzero().squeeze(1)  # the tile's rows lost for some head

@@ -122,17 +122,15 @@ class VideoToTextReducer(Reducer):
         return (num_batch, self.out_heads, self.layout.text_len, *self.layout.grid)
 
     def fold_pooled(self, out, h0, r0, pooled):
-        video = self.layout.video_tokens
-        start, end = (
-            max(r0, video.start),
-            min(r0 + pooled.shape[1], video.stop),
-        )  # text queries are not part of this kind
+        grid = self.layout.grid_tokens  # text queries and a history off the grid are not part of this kind
+        start, end = max(r0, grid.start), min(r0 + pooled.shape[1], grid.stop)
         if start >= end:
             return
         part = pooled[:, start - r0 : end - r0].transpose(1, 2)  # (h, T, r')
-        flat = out.view(self.out_heads, self.layout.text_len, self.layout.video_len)
-        self._accumulate(flat[:, :, start - video.start : end - video.start], h0, part)
+        flat = out.view(self.out_heads, self.layout.text_len, grid.stop - grid.start)
+        self._accumulate(flat[:, :, start - grid.start : end - grid.start], h0, part)
 
     def clear_unformed(self, out, limit):
-        flat = out.view(self.out_heads, self.layout.text_len, self.layout.video_len)  # its queries: the video
-        flat[:, :, max(0, limit - self.layout.video_start) :] = 0
+        grid = self.layout.grid_tokens  # its queries: the grid's
+        flat = out.view(self.out_heads, self.layout.text_len, grid.stop - grid.start)
+        flat[:, :, max(0, limit - grid.start) :] = 0

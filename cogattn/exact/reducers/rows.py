@@ -61,8 +61,9 @@ class TextToVideoReducer(Reducer):
         return (num_batch, self.out_heads, self.layout.text_len, *self.layout.grid)
 
     def fold_rows(self, out, h0, r0, probs):
-        flat = out.view(self.out_heads, self.layout.text_len, self.layout.video_len)
-        self._accumulate(flat[:, r0 : r0 + probs.shape[1]], h0, probs[..., self.layout.video_tokens])
+        grid = self.layout.grid_tokens  # its keys: the grid's (a history off the grid is left out)
+        flat = out.view(self.out_heads, self.layout.text_len, grid.stop - grid.start)
+        self._accumulate(flat[:, r0 : r0 + probs.shape[1]], h0, probs[..., grid])
 
 
 class TopK(NamedTuple):
