@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from .exact import kernels
 from .exact.attention import attention_joint, attention_with_lse, fused_lse_supported
@@ -179,12 +180,16 @@ def run(
         raise RuntimeError(f"device {device} is not available here: {err}") from None
     dt = DTYPES[dtype]
     t0 = time.perf_counter()
-    rows = _guarded("layer", layer_rows, device, dt, seq_len)
-    rows += _guarded("tiny cogvideox", pipeline_rows, device, dt, PIPELINES[:1] if quick else PIPELINES)
+    parts = [("layer", layer_rows, (device, dt, seq_len), {})]
+    parts.append(("tiny cogvideox", pipeline_rows, (device, dt, PIPELINES[:1] if quick else PIPELINES), {}))
     for spec in [spec for spec in FAMILIES if spec.family != "cogvideox"]:
-        rows += _guarded(f"tiny {spec.family}", family_rows, spec, device, dt, quick=quick, strict=strict)
-    if not quick:
-        rows += _guarded("backends", backend_rows, device, dt)
+        parts.append((f"tiny {spec.family}", family_rows, (spec, device, dt), dict(quick=quick, strict=strict)))
+    parts += [] if quick else [("backends", backend_rows, (device, dt), {})]
+    rows = []
+    with tqdm(parts, desc="selftest", unit="part", file=sys.stderr, disable=None) as bar:  # a terminal's alone
+        for part, rows_of, args, kwargs in bar:
+            bar.set_postfix_str(part)
+            rows += _guarded(part, rows_of, *args, **kwargs)
     checked = [r for r in rows if r.passed is not None]  # the verdict is over what ran: a skip is no pass
     return {
         "rows": [asdict(r) for r in rows],

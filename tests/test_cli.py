@@ -525,6 +525,15 @@ def test_module_and_script_entry_points(entry, tmp_path, capsys, monkeypatch):
     assert not out.exists()
 
 
+def test_cogattn_help_lists_its_commands_and_exits_0(capsys):
+    from cogattn.__main__ import main as cogattn_main
+
+    assert cogattn_main(["--help"]) == 0 and cogattn_main(["-h"]) == 0
+    out = capsys.readouterr().out
+    assert "cogattn view PATH" in out and "cogattn dump CONFIG" in out
+    assert cogattn_main(["nope"]) == 2 and capsys.readouterr().err.startswith("usage: cogattn {view,dump}")
+
+
 def test_cuda_without_a_gpu_is_refused_before_anything_loads(tmp_path, dump, monkeypatch):
     import torch
 
@@ -534,6 +543,21 @@ def test_cuda_without_a_gpu_is_refused_before_anything_loads(tmp_path, dump, mon
         proc.stderr.strip()
         == "dump_maps: device: 'cuda', but this machine has no CUDA device; use device: auto or cpu."
     )
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_one_line_and_exit_1(tmp_path, dump, monkeypatch):
+    """A checkpoint neither cached nor reachable (the Hub's OSError, after a hundred lines of traceback before):
+    one line naming it and what to do; nothing written."""
+    import cogattn.dump.cli as cli
+
+    def offline(cfg, device):
+        raise OSError(f"Cannot load model {cfg.model}: model is not cached locally and an error occurred\nwhile ...")
+
+    monkeypatch.setattr(cli, "load_pipeline", offline)
+    proc = dump("--set", f"save_dir={tmp_path / 'runs'}", check=1)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("dump_maps: could not load tiny: Cannot load model tiny: model is not cached locally and")
+    assert "HF_HUB_OFFLINE=1" in line and not any((tmp_path / "runs").glob("*/maps/*"))
 
 
 def test_tiny_version_read_as_a_number_is_accepted(dump):

@@ -146,7 +146,10 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
             print(f"{process}{skipped} prompts already complete, skipped", flush=True)
         finished_elsewhere = 0  # by another process while this one worked
         if todo:
-            pipe = load_pipeline(cfg, device)
+            try:
+                pipe = load_pipeline(cfg, device)
+            except OSError as err:  # not in the cache with the Hub out of reach, a folder without its files
+                raise LoadError(f"could not load {cfg.model}: {' '.join(str(err).split())[:300]}") from None
             if mesh is not None:
                 mesh.enable(pipe, cfg.spec().experts)
             for prompt in tqdm(todo, desc=f"{process}prompts", position=0, disable=None):
@@ -168,6 +171,10 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
     return 1 if failures else 0
 
 
+class LoadError(RuntimeError):
+    """The pipeline could not be loaded (a checkpoint not in the cache, the Hub out of reach): one line, exit 1."""
+
+
 @contextlib.contextmanager
 def _whole(prompts: list):
     """The prompts of a mesh, every one for each of its processes (``split_between_processes``' shape)."""
@@ -178,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the tool with command-line arguments ``argv`` (``sys.argv[1:]`` when `None`).
 
     Returns:
-        `int`: the exit code: 0 done, 1 some prompts failed, 2 bad input (one line on stderr, nothing
-        written).
+        `int`: the exit code: 0 done, 1 some prompts failed or the pipeline could not be loaded (one line), 2 bad
+        input (one line on stderr, nothing written).
     """
     args = _parse(argv)
     try:
@@ -215,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # found once the pipeline is loaded (guidance_scale_2 with one expert)
         print(f"{PROG}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except LoadError as err:
+        print(
+            f"{PROG}: {err}. Without a network, download the checkpoint where there is one and set model: to its "
+            "folder (or keep it in the Hugging Face cache: HF_HUB_OFFLINE=1 reads the cache alone).",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         out = Path(cfg.save_dir)
         done = sum(1 for p in prompts if is_complete(out / p.key()))
