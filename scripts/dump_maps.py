@@ -7,7 +7,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cogattn.dump import main
-
 if __name__ == "__main__":
+    try:  # torch and diffusers take seconds to import: a Ctrl-C then is one line too
+        from cogattn.dump import main
+    except KeyboardInterrupt:
+        print("\ndump_maps: interrupted before anything was written.", file=sys.stderr)
+        sys.exit(130)
     sys.exit(main())

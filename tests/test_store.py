@@ -264,3 +264,66 @@ def test_overwrite_never_deletes_a_folder_that_is_not_a_cogattn_run(pipe, tmp_pa
     with pytest.raises(cogattn.StoreError, match="holds no cogattn run"):
         cogattn.record(pipe, save_dir=tmp_path, overwrite=True)
     assert (tmp_path / "records" / "theirs.bin").exists()
+
+
+def test_a_folder_whose_lock_cannot_be_written_is_named_not_said_to_be_busy(tmp_path, monkeypatch):
+    """A full disk or a read-only prompt folder: RunLock's StoreError names the folder (before, a bare OSError, and
+    the batch tool said another process was writing it); only a held lock is LockHeldError."""
+    import io
+
+    import cogattn.dump.generate as generate
+    from cogattn.runs import folder as runs_folder
+
+    class FullDisk(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runs_folder, "open", lambda path, mode: FullDisk(), raising=False)
+    monkeypatch.setattr(runs_folder, "fcntl", None)  # the lock taken, its holder's line fails to write
+    with pytest.raises(cogattn.StoreError, match=r"cannot write to '.*a': No space left on device") as err:
+        runs_folder.RunLock(tmp_path / "a")
+    assert not isinstance(err.value, runs_folder.LockHeldError)
+    monkeypatch.undo()
+    held = runs_folder.RunLock(tmp_path)
+
+    def unwritable(folder):
+        raise cogattn.StoreError(f"cannot write to {str(folder)!r}: Read-only file system; choose another save_dir.")
+
+    monkeypatch.setattr(generate, "RunLock", unwritable)
+    with pytest.raises(cogattn.StoreError, match="Read-only file system"):
+        generate.run_prompt(None, None, None, tmp_path / "p", 0, True, True)
+    monkeypatch.undo()
+    with pytest.raises(runs_folder.LockHeldError, match="being written by another recording"):
+        runs_folder.RunLock(tmp_path)  # a lock held (here, by this process's other file)
+    held.release()
+
+
+def test_a_run_killed_before_its_run_json_is_replaced_by_overwrite(tmp_path, monkeypatch):
+    """A kill between the manifest and run.json leaves manifest.jsonl, .lock and run.json.tmp: load reads it as a
+    stopped run, so overwrite=True replaces it (it was refused as holding no run) and leaves no run.json.tmp; a
+    Ctrl-C inside write_json_atomic leaves no temporary file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("manifest.jsonl", ".lock", "run.json.tmp"):
+        (run / name).write_text("")
+    assert cogattn.load(run).status == "stopped"
+    store.prepare_folder(run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.jsonl").write_text("")
+    (tmp_path / "other" / "notes.txt").write_text("mine")  # not a run's: never deleted
+    with pytest.raises(cogattn.StoreError, match="holds no cogattn run"):
+        store.prepare_folder(tmp_path / "other", overwrite=True)
+
+    def interrupted(path, mode, *args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store.os, "open", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.write_json_atomic(tmp_path / "x.json", {})
+    monkeypatch.undo()
+    (tmp_path / "x.json.tmp").write_text("")  # left by a Ctrl-C after the open: cleaned by the next failure too
+    monkeypatch.setattr(store.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        store.write_json_atomic(tmp_path / "x.json", {})
+    assert not (tmp_path / "x.json.tmp").exists()

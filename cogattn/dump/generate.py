@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import shutil
 import time
 import wave
@@ -21,8 +20,9 @@ from ..analysis.head_stats import TABLE_KINDS, head_table
 from ..analysis.words import PromptFormat, item_spans, text_tokens
 from ..errors import StoreError
 from ..recorder.recording import record
-from ..runs.folder import LOCK, RunLock
+from ..runs.folder import LOCK, LockHeldError, RunLock
 from ..runs.run import load
+from ..runs.store import write_json_atomic
 from .config import ConfigError, DumpConfig
 from .previews import write_previews
 from .prompts import Prompt
@@ -77,12 +77,6 @@ def prompt_meta(folder: Path) -> dict:
 def is_complete(folder: Path) -> bool:
     """Whether the prompt in ``folder`` was written to the end (a rerun skips it)."""
     return prompt_meta(folder).get("complete") is True
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def _save_video(frames, path_stem: Path, cfg: DumpConfig) -> Path:
@@ -159,7 +153,7 @@ def run_prompt(
     folder.mkdir(parents=True, exist_ok=True)
     try:  # held until the prompt is complete: another process never deletes or mixes into it
         lock = RunLock(folder)
-    except StoreError:
+    except LockHeldError:  # (a folder it cannot write is RunLock's own StoreError, naming it)
         raise StoreError(f"{str(folder)!r} is being written by another process; it is left alone.") from None
     try:
         if alone and is_complete(folder):  # finished by another process since the list was made: kept
@@ -193,7 +187,7 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
         "config": cfg.to_dict(),
     }
     if writes:
-        _write_json(folder / "prompt.json", meta)
+        write_json_atomic(folder / "prompt.json", meta)
     device = pipe._execution_device
     call = dict(
         prompt=prompt.prompt,
@@ -267,4 +261,4 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
         written = write_previews(folder / "maps", folder / "previews", frames, text, prompt.prompt)
         meta["previews"] = [p.name for p in written]
     meta["complete"] = True
-    _write_json(folder / "prompt.json", meta)
+    write_json_atomic(folder / "prompt.json", meta)

@@ -23,11 +23,16 @@ MAX_INDEX = 2**20  # a step, layer, head or token: no generation has more, and a
 FORMAT = "cogattn-run/1"  # run.json's "format": a reader refuses another (docs/versioning.md)
 
 
+class LockHeldError(StoreError):
+    """Another recording holds a run folder's lock (:class:`RunLock`): the folder is being written."""
+
+
 class RunLock:
     """An exclusive OS lock (``flock``) on a run folder's lock file, held while a recording writes the run.
 
     The OS releases it when the file is closed or the process dies, so a run whose writer was killed is
-    never locked for good. Raises `StoreError` naming the holder when another writer has the folder."""
+    never locked for good. Raises `LockHeldError` naming the holder when another writer has the folder, and
+    `StoreError` naming the folder when its lock file cannot be written (read-only, a full disk)."""
 
     def __init__(self, folder: Path):
         self.path = Path(folder) / LOCK
@@ -44,14 +49,18 @@ class RunLock:
                 self._file.seek(0)
                 holder = self._file.read().strip() or "another process"
                 self._file.close()
-                raise StoreError(
+                raise LockHeldError(
                     f"the run in {str(folder)!r} is being written by another recording ({holder}); wait for it to "
                     "finish, or choose another save_dir."
                 ) from None
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"process {os.getpid()}")
-        self._file.flush()
+        try:  # who holds it, for the message above
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(f"process {os.getpid()}")
+            self._file.flush()
+        except OSError as err:
+            self._file.close()
+            raise StoreError(f"cannot write to {str(folder)!r}: {err.strerror or err}.") from err
 
     def release(self) -> None:
         if not self._file.closed:

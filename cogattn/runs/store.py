@@ -63,11 +63,19 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise StoreError(f"writing {str(path)!r} failed: {err.strerror or err}.") from err
+    except BaseException:  # Ctrl-C halfway: no temporary file left behind either
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _is_run(path: Path) -> bool:
+    """Whether ``path`` holds a cogattn run: its ``run.json``, or a run killed before it wrote one (a manifest among
+    a run's own files alone)."""
     try:
-        return (path / META).is_file() and json.loads((path / META).read_text()).get("format") == FORMAT
+        if (path / META).is_file():
+            return json.loads((path / META).read_text()).get("format") == FORMAT
+        names = {p.name for p in path.iterdir()}
+        return MANIFEST in names and names <= {MANIFEST, META + ".tmp", RECORDS, LOCK}
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -75,7 +83,7 @@ def _is_run(path: Path) -> bool:
 def remove_run(path: Path, lock_too: bool = False, folder_too: bool = False) -> None:
     """Delete the files of a cogattn run (nothing else) from ``path``: with ``lock_too`` its lock file as
     well (once no recording holds it), with ``folder_too`` also the folder when nothing else is in it."""
-    for name in (MANIFEST, META, RECORDS) + ((LOCK,) if lock_too else ()):
+    for name in (MANIFEST, META, META + ".tmp", RECORDS) + ((LOCK,) if lock_too else ()):
         p = path / name
         # a link (to a folder too) is removed, never followed: the run's own files only
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
