@@ -248,18 +248,28 @@ def test_estimate_plans_each_rank_of_a_mesh():
         cogattn.estimate("Wan-AI/Wan2.1-T2V-14B-Diffusers", parallel={"ulysses": 2}, **call)  # 20 heads a rank
 
 
-def _batch_rank(rank, port, argv, out, codes):
+def _batch_rank(rank, port, argv, out, codes, hold=False):
     """One process of ``torchrun``, as accelerate reads it from the environment, running the batch tool twice (the
-    second run must skip every prompt the first completed); puts each run's exit code and prompt.json times."""
+    second run must skip every prompt the first completed); puts each run's exit code and prompt.json times. With
+    ``hold``, the first process's first run finds the first prompt's folder locked, as by another batch run."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     _shims()
     torch.accelerator.device_count = lambda: 1  # the first shim, for the whole run (enable_parallelism is inside)
     try:
         from cogattn.dump.cli import main
+        from cogattn.dump.config import load_config
+        from cogattn.dump.prompts import read_prompts
+        from cogattn.runs.folder import RunLock
 
+        held = None
+        if hold and rank == 0:
+            first = out / read_prompts(load_config(argv[0], [a for a in argv[2::2]]))[0].key()
+            first.mkdir(parents=True)
+            held = RunLock(first)  # another open file of the lock: this process's own run cannot take it
         for _ in range(2):
             code = main(argv)
+            held = held and held.release()
             dist.barrier()  # the first process has written before either looks again
             codes.put((rank, code, {str(p): p.stat().st_mtime_ns for p in out.glob("*/prompt.json")}))
     except BaseException as err:  # reported to the test, which fails with it
@@ -306,6 +316,31 @@ def test_the_batch_tool_splits_each_generation_over_a_mesh(tmp_path):
         run = json.loads((folder / "maps" / "run.json").read_text())
         assert run["mesh"] == {"ring": 1, "ulysses": 2, "ranks": 2} and run["complete"]
         assert cogattn.load(folder / "maps").keys()
+
+
+def test_a_prompt_the_mesh_s_first_process_cannot_prepare_is_skipped_by_every_process(tmp_path):
+    """The first prompt's folder locked by another run: the mesh's first process cannot take it, so no process
+    generates it (before, the other process generated it while the first went on to the next prompt: their collectives
+    paired two prompts, whose maps were written complete and wrong, or hung); the next prompt is generated together,
+    and a second run does the first."""
+    from cogattn.dump.config import default_config
+
+    port, out = _free_port(), tmp_path / "out"
+    argv = [
+        str(default_config().parent / "tiny-wan.yaml"), "--set", f"save_dir={out}", "--set", "device=cpu",
+        "--set", "parallel={ulysses: 2}", "--set", "previews=false",
+    ]  # fmt: skip
+    codes = SPAWN.Queue()
+    procs = [SPAWN.Process(target=_batch_rank, args=(r, port, argv, out, codes, True)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [codes.get(timeout=300) for _ in range(4)]
+    for p in procs:
+        p.join(60)
+    assert sorted((rank, code) for rank, code, _ in got) == [(0, 0), (0, 1), (1, 0), (1, 1)], got
+    first, second = [times for rank, _, times in got if rank == 0]
+    assert len(first) == 1 and len(second) == 2 and set(first.items()) < set(second.items())  # the other kept
+    assert all(json.loads(p.read_text())["complete"] for p in out.glob("*/prompt.json"))
 
 
 def test_the_batch_tool_s_dry_run_plans_a_rank_of_the_mesh_and_refuses_what_cp_cannot(capsys):

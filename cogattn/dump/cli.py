@@ -34,7 +34,7 @@ import torch
 from ..costs import Estimate, estimate
 from ..runs.store import disk_bytes
 from .config import ConfigError, DumpConfig, default_config, load_config
-from .generate import is_complete, load_pipeline, prompt_meta, run_prompt
+from .generate import NotPrepared, is_complete, load_pipeline, prompt_meta, run_prompt
 from .parallel import check_parallel, meshes
 from .prompts import Prompt, read_prompts
 
@@ -144,7 +144,7 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
         skipped = len(mine) - len(todo)
         if skipped:
             print(f"{process}{skipped} prompts already complete, skipped", flush=True)
-        finished_elsewhere = 0  # by another process while this one worked
+        finished_elsewhere, done = 0, 0  # by another process while this one worked; by this one
         if todo:
             try:
                 pipe = load_pipeline(cfg, device)
@@ -154,15 +154,26 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
                 mesh.enable(pipe, cfg.spec().experts)
             for prompt in tqdm(todo, desc=f"{process}prompts", position=0, disable=None):
                 try:
-                    writes = mesh is None or mesh.writer  # under a mesh: its first process alone
-                    if not run_prompt(pipe, cfg, prompt, out / prompt.key(), state.process_index, writes, mesh is None):
+                    writes, agree = (True, None) if mesh is None else (mesh.writer, mesh.agree)  # its first writes
+                    folder = out / prompt.key()
+                    if run_prompt(pipe, cfg, prompt, folder, state.process_index, writes, mesh is None, agree):
+                        done += 1
+                    else:
                         finished_elsewhere += 1
                 except Exception as err:  # one prompt's failure must not stop the others
                     failures.append((prompt, err))
                     print(f"prompt {prompt.index} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
                     if os.environ.get("COGATTN_DEBUG"):
                         traceback.print_exc()
-    done, skipped = len(todo) - len(failures) - finished_elsewhere, skipped + finished_elsewhere
+                    if mesh is not None and not isinstance(err, NotPrepared):  # failed while generating together
+                        print(
+                            f"{process}stopping: after a failure inside a generation the mesh's processes would no "
+                            "longer run the same prompt (run the command again to resume)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        break
+    skipped += finished_elsewhere
     print(f"{process}{done} prompts written, {skipped} skipped, {len(failures)} failed -> {out}", flush=True)
     for prompt, err in failures:
         print(f"  failed: prompt {prompt.index} ({prompt.prompt[:40]!r}): {type(err).__name__}: {err}", file=sys.stderr)

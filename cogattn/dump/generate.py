@@ -27,7 +27,7 @@ from .config import ConfigError, DumpConfig
 from .previews import write_previews
 from .prompts import Prompt
 
-__all__ = ["load_pipeline", "run_prompt", "prompt_meta", "is_complete"]
+__all__ = ["NotPrepared", "is_complete", "load_pipeline", "prompt_meta", "run_prompt"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -130,8 +130,20 @@ def _write_head_table(maps: Path, path: Path) -> bool:
     return True
 
 
+class NotPrepared(StoreError):
+    """A context-parallel mesh's first process could not prepare a prompt's folder: every process of the mesh skips
+    the prompt (none generates it), and the mesh goes on with the next, its processes still together."""
+
+
 def run_prompt(
-    pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int, writes: bool = True, alone: bool = True
+    pipe,
+    cfg: DumpConfig,
+    prompt: Prompt,
+    folder: Path,
+    process: int,
+    writes: bool = True,
+    alone: bool = True,
+    agree=None,
 ) -> bool:
     """Generate one video with capture into ``folder`` (a fresh or incomplete one is (re)made); `False` where another
     process completed it since this one chose its prompts (``alone``: no mesh waits on this process), left as it is.
@@ -146,21 +158,39 @@ def run_prompt(
         writes (`bool`): `False` on a process of a context-parallel mesh other than its first: it takes part in the
             generation and writes nothing (its recording neither: :mod:`cogattn.dump.parallel`).
         alone (`bool`): `False` in a mesh, whose processes generate every prompt they agreed on together.
+        agree (`Callable | None`): in a mesh, ``Meshes.agree``: the first process's word that the prompt's folder is
+            ready, on every process; where it is not, none generates the prompt (`NotPrepared`), so the mesh's
+            processes never run two prompts against each other.
     """
     if not writes:
+        if agree is not None and not agree(None):
+            raise NotPrepared("the mesh's first process could not prepare this prompt's folder; skipped")
         _generate(pipe, cfg, prompt, folder, process, writes=False)
         return True
-    folder.mkdir(parents=True, exist_ok=True)
-    try:  # held until the prompt is complete: another process never deletes or mixes into it
-        lock = RunLock(folder)
-    except LockHeldError:  # (a folder it cannot write is RunLock's own StoreError, naming it)
-        raise StoreError(f"{str(folder)!r} is being written by another process; it is left alone.") from None
     try:
-        if alone and is_complete(folder):  # finished by another process since the list was made: kept
-            return False
-        for old in folder.iterdir():  # an incomplete earlier attempt
-            if old.name != LOCK:
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        folder.mkdir(parents=True, exist_ok=True)
+        try:  # held until the prompt is complete: another process never deletes or mixes into it
+            lock = RunLock(folder)
+        except LockHeldError:  # (a folder it cannot write is RunLock's own StoreError, naming it)
+            raise StoreError(f"{str(folder)!r} is being written by another process; it is left alone.") from None
+        try:
+            if alone and is_complete(folder):  # finished by another process since the list was made: kept
+                lock.release()
+                return False
+            for old in folder.iterdir():  # an incomplete earlier attempt
+                if old.name != LOCK:
+                    shutil.rmtree(old) if old.is_dir() else old.unlink()
+        except BaseException:
+            lock.release()
+            raise
+    except Exception as err:
+        if agree is None:
+            raise
+        agree(False)
+        raise NotPrepared(str(err)) from err
+    if agree is not None:
+        agree(True)
+    try:
         _generate(pipe, cfg, prompt, folder, process)
     finally:
         lock.release()

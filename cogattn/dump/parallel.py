@@ -67,9 +67,10 @@ class Meshes:
         """The prompts of this process's mesh: every ``count``-th from its ``index``."""
         return prompts[self.index :: self.count]
 
-    def agree(self, todo: list) -> list:
-        """The mesh's first process's ``todo``, on every process of the mesh (one order for all)."""
-        box = [todo if self.writer else None]
+    def agree(self, value):
+        """The mesh's first process's ``value`` (its prompts to do, its word that a prompt's folder is ready), on every
+        process of the mesh: one order and one decision for all."""
+        box = [value if self.writer else None]
         dist.broadcast_object_list(box, src=self.root, group=self.group)
         return box[0]
 

@@ -155,7 +155,8 @@ class Capture:
         for kind, layer in [key for key, parts in self.pending.items() if parts[0] == step]:
             del self.pending[(kind, layer)]  # another of the step's calls skipped it
             self.skips.partial.add((step, layer, "context" if kind in context else "self"))
-        if self.plan is None or self.stopped or not self.options.wants_step(step):
+        elsewhere = self.mesh is not None and not self.mesh.writer  # a rank that stores nothing: rank 0's are the run's
+        if self.plan is None or self.stopped or not self.options.wants_step(step) or elsewhere:
             return
         for layer, role in set(self.roles.values()):
             plan = self.plan_of(layer)
