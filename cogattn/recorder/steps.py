@@ -201,20 +201,21 @@ class StepTracker:
         nor one to record again."""
         self.running = False
 
-    def _timesteps_ref(self) -> weakref.ref | None:
-        """A weak reference to the pipeline's scheduler's ``timesteps`` (a tensor each ``set_timesteps`` makes anew),
-        `None` where there is none."""
+    def _timesteps(self) -> torch.Tensor | None:
+        """The pipeline's scheduler's ``timesteps`` (a tensor each ``set_timesteps`` makes anew), `None` where there
+        is none."""
         timesteps = getattr(self.pipeline_attr("scheduler"), "timesteps", None)
-        return weakref.ref(timesteps) if isinstance(timesteps, torch.Tensor) else None
+        return timesteps if isinstance(timesteps, torch.Tensor) else None
+
+    def _timesteps_ref(self) -> weakref.ref | None:
+        return None if (timesteps := self._timesteps()) is None else weakref.ref(timesteps)
 
     def _renewed(self) -> bool:
         """Whether the scheduler's timesteps were set again since the running loop began: another pipeline call,
         told at its first transformer call even where it starts at a lower timestep (video-to-video at a small
         strength) or at the timestep the last generation stopped at (one that failed at its first step)."""
-        if self._schedule is None:
-            return False
-        timesteps = getattr(self.pipeline_attr("scheduler"), "timesteps", None)
-        return isinstance(timesteps, torch.Tensor) and timesteps is not self._schedule()
+        timesteps = self._timesteps()
+        return self._schedule is not None and timesteps is not None and timesteps is not self._schedule()
 
     def _scheduler_index(self) -> int | None:
         """The pipeline's scheduler's ``step_index`` (how many of its steps have run), `None` where it keeps none."""
