@@ -33,9 +33,11 @@ class Parallel:
 
     Args:
         ring, ulysses (`int`): the mesh's degrees.
-        heads (`int`): the most selected heads one rank computes.
-        exchange_bytes (`int`): what a rank holds of the exchanged q and k (and the buffers they cross in) for a call.
-        moved_bytes (`int`): what a rank sends in the all-to-all of one captured call.
+        heads (`int`): the most selected heads one rank computes (rank 0 every one for ``topk``/``frame_max`` with
+            ``heads="mean"``, whose row is the head mean).
+        exchange_bytes (`int`): what a rank holds of the exchanged q and k (v too for ``pattern_error``; the buffers
+            they cross in) for a call.
+        moved_bytes (`int`): what a rank sends in the all-to-alls of one captured call.
         calls (`int`): captured calls per generation.
     """
 
@@ -275,12 +277,17 @@ def _parallel(parallel: dict, spec, options: CaptureOptions, plan: CapturePlan, 
     elem = torch.empty((), dtype=model.dtype).element_size()
     halves = max(1, len({r for r in res.roles if r})) if spec.guidance_calls == 2 else 1  # Wan: a call per half
     items = -(-len(res.batch) // halves)  # the selected items of one call
-    exchange = exchange_bytes(len(res.heads), items, lay.seq_len, D, elem, n)
+    exchange = exchange_bytes(len(res.heads), items, lay.seq_len, D, elem, n, plan.reducers)
     if exchange >= options.memory_budget:
         raise ValueError(
             f"memory_budget={options.memory_budget:,} bytes holds less than a rank's exchange of q and k under "
             f"context parallelism ({exchange:,} bytes): raise it above that."
         )
-    moved = 2 * items * heads * (n - 1) * (lay.seq_len // n) * D * elem  # to the other ranks, their heads' part
+    # to the other ranks, their heads' part, once for the kinds of the head-mean row (every head, padded for all)
+    groups, tensors = {r.mean_rows for r in plan.reducers}, 3 if any(r.needs_value for r in plan.reducers) else 2
+    moved = (
+        tensors * items * (n - 1) * (lay.seq_len // n) * D * elem * sum(len(res.heads) if w else heads for w in groups)
+    )
+    heads = len(res.heads) if True in groups else heads  # rank 0 computes every head of those
     calls = plan.layers_captured * plan.steps_captured(num_steps) * halves
     return Parallel(ring, ulysses, heads, exchange, moved, calls)

@@ -22,6 +22,7 @@ from cp_shims import shims as _shims
 from test_wan import WanSpy, assert_matches_spy
 
 import cogattn
+from cogattn.errors import StoreError
 from cogattn.models.wan import tiny_pipeline
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
@@ -208,6 +209,69 @@ def test_chronoedit_records_under_ulysses(tmp_path):
     _ranks(_family_rank, 2, tmp_path, pipe, call, kinds)
 
 
+def _rank0_alone_rank(rank, world, out, pipe):
+    """What rank 0 alone meets under Ulysses 2, raised on both ranks at one point of the generation (else rank 1
+    waits in the next collective): its save_dir not empty at the first call, a record it cannot write (the
+    generation stops after that call), its run that cannot be closed."""
+    from cogattn.runs.store import RunWriter
+
+    _enable(pipe.transformer, 1, 2)
+    run = dict(kinds=("frame", "entropy"), batch="all")
+    rank1 = "rank 0 of the context-parallel mesh could not {}, so this rank stops too: StoreError: "
+    if rank == 0:  # (rank 1's save_dir is not looked at: it writes nothing)
+        (out / "full").mkdir()
+        (out / "full" / "notes.txt").write_text("mine")
+    dist.barrier()
+    expected = (StoreError, "is not empty") if rank == 0 else (RuntimeError, rank1.format("start the run"))
+    with pytest.raises(expected[0], match=expected[1]):
+        with cogattn.record(pipe, save_dir=out / "full", **run):
+            pipe(**CALL, **_prompt())
+    calls, put = [], RunWriter.put
+
+    def failing_put(self, *args):  # the third record fails (step 0's second layer)
+        calls.append(args)
+        if len(calls) == 3:
+            raise StoreError("the disk is full (a test)")
+        return put(self, *args)
+
+    RunWriter.put = failing_put
+    try:
+        expected = (StoreError, "the disk is full") if rank == 0 else (RuntimeError, rank1.format("write the run"))
+        with pytest.raises(expected[0], match=expected[1]):
+            with cogattn.record(pipe, save_dir=out / "put", **run) as rec:
+                pipe(**CALL, **_prompt())
+        assert rec.timesteps == rec.timesteps[:1] and rec.status == "failed"  # stopped after the step-0 call
+        assert len(calls) == (4 if rank == 0 else 0)  # step 0: 2 layers × 2 kinds, all tried
+    finally:
+        RunWriter.put = put
+    close = RunWriter.close
+
+    def failing_close(self, meta=None):
+        close(self, meta)
+        raise StoreError("run.json could not be written (a test)")
+
+    RunWriter.close = failing_close
+    try:
+        expected = (
+            (StoreError, "run.json could not") if rank == 0 else (RuntimeError, rank1.format("finish writing the run"))
+        )
+        with pytest.raises(expected[0], match=expected[1]):
+            with cogattn.record(pipe, save_dir=out / "close", **run):
+                pipe(**CALL, **_prompt())
+    finally:
+        RunWriter.close = close
+    with cogattn.record(pipe, save_dir=out / "fine", **run) as rec:  # and the mesh goes on together
+        pipe(**CALL, **_prompt())
+    assert rec.status == "finished" and len(rec.timesteps) == 2
+
+
+def test_what_rank_0_alone_meets_is_raised_on_every_rank(tmp_path):
+    _ranks(_rank0_alone_rank, 2, tmp_path, tmp_path, tiny_pipeline(num_heads=4))
+    assert cogattn.load(tmp_path / "fine").keys() == [
+        (k, s, i) for k in ("entropy", "frame") for s in (0, 1) for i in (0, 1)
+    ]
+
+
 def _refused_rank(rank, world, pipe, call):
     _enable(pipe.transformer, 2, 1)
     with pytest.raises(ValueError, match="does not record ltx_video under context parallelism yet"):
@@ -238,6 +302,15 @@ def test_estimate_plans_each_rank_of_a_mesh():
     assert est.peak_extra_memory <= 2**30 < est.peak_extra_memory + share.exchange_bytes
     assert f"predicted peak extra memory: {est.peak_extra_memory:,} bytes" in est.table()
     assert "ring 2 × ulysses 2 (4 ranks): at most 3 heads a rank" in est.table()
+    assert share.moved_bytes == 2 * 3 * 3 * (S // 4) * 128 * 2  # q and k of its 3 heads' slice to the 3 others
+    # topk with heads="mean" (the head-mean row): every head on rank 0, each rank's buffers padded to all 40; the
+    # values too for pattern_error; frame's exchange of 10 heads a rank, sent as well
+    est = cogattn.estimate(
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers", kinds=("frame", "topk", "pattern_error"), heads="mean", batch="cond", patterns=("spatial",),
+        parallel={"ring": 2, "ulysses": 2}, device="cuda", memory_budget=2**34, **call,
+    )  # fmt: skip
+    assert est.parallel.heads == 40 and est.parallel.exchange_bytes == 3 * 40 * S * 128 * 2 * 2
+    assert est.parallel.moved_bytes == 3 * 3 * (S // 4) * 128 * 2 * (10 + 40)
     with pytest.raises(ValueError, match="does not record cogvideox under context parallelism"):
         cogattn.estimate("THUDM/CogVideoX-5b", num_frames=49, height=480, width=720, num_inference_steps=50,
                          parallel={"ulysses": 2})  # fmt: skip

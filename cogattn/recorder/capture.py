@@ -21,10 +21,11 @@ import torch
 
 from ..exact import engine, passes
 from ..exact.attention import attention_joint_for, attention_with_lse
-from ..exact.checks import SpotCheck, Verifier, probe_rows
+from ..exact.checks import Verifier, probe_rows
 from ..exact.context import context_pass
 from ..exact.planner import CapturePlan, TilePlan, plan_tiles
 from ..runs.skips import Skips
+from ..runs.store import StoreError
 from .mesh import Mesh
 
 __all__ = ["Capture"]
@@ -51,6 +52,7 @@ class Capture:
         self.tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method, lse) of the calls seen
         self.kernel = engine.KernelChoice()
         self.mesh: Mesh | None = None  # the context-parallel mesh, found at the generation's first call
+        self.latched: Exception | None = None  # rank 0's store error under a mesh, until every rank raises it
         self.verifier = Verifier(options.verify)
         self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
         self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
@@ -131,8 +133,7 @@ class Capture:
         block for one call before the next call starts; :attr:`CapturePlan.waiting_bytes` counts them)."""
         n = len(self.plan.resolved.batch)
         if len(slots) == n:
-            self.store.put(kind, self.step, layer, self.steps.timesteps[-1], out)
-            self._stored.add((self.step, layer, role))
+            self._store(kind, layer, out, role)
             return
         key = (kind, layer)
         if key not in self.pending or self.pending[key][0] != self.step:
@@ -144,8 +145,18 @@ class Capture:
             for s, part in parts[1:]:
                 whole[s] = part
             del parts
-            self.store.put(kind, self.step, layer, self.steps.timesteps[-1], whole)
-            self._stored.add((self.step, layer, role))
+            self._store(kind, layer, whole, role)
+
+    def _store(self, kind: str, layer: int, out: torch.Tensor, role: str) -> None:
+        """``store.put``; under a mesh its `StoreError` is kept and raised on every rank at once (`Mesh.settle`)."""
+        try:
+            self.store.put(kind, self.step, layer, self.steps.timesteps[-1], out)
+        except StoreError as err:
+            if self.mesh is None:
+                raise
+            self.latched = self.latched or err
+            return
+        self._stored.add((self.step, layer, role))
 
     def end_step(self, step: int) -> None:
         """After ``step``: list the selected ``(layer, role)`` that stored no record (a cache skipped the
@@ -397,10 +408,7 @@ class Capture:
         plans = [self.plan, *self.layer_plans.values()] if self.plan is not None else []
         return any(r.needs_value for p in plans if p is not None for r in p.reducers)
 
-    @property
-    def checks(self) -> list[SpotCheck]:
-        """The spot checks made so far."""
-        return list(self.verifier.checks)
+    checks = property(lambda self: list(self.verifier.checks), doc="The spot checks made so far.")
 
     def _tiles_for(
         self, plan, S: int, H: int, D: int, device, copies: bool, method: str, lse: bool = False, mask_cost=(0, 0)

@@ -132,13 +132,25 @@ class Mesh:
         ``calls_per_step`` calls); `ValueError` where that is all of it."""
         res, elem = plan.resolved, torch.empty((), dtype=model.dtype).element_size()
         items = max(1, -(-len(res.batch) // calls_per_step))
-        held = exchange_bytes(len(res.heads), items, res.layout.seq_len, model.head_dim, elem, self.size)
+        held = exchange_bytes(len(res.heads), items, res.layout.seq_len, model.head_dim, elem, self.size, plan.reducers)
         if held >= options.memory_budget:
             raise ValueError(
                 f"memory_budget={options.memory_budget:,} bytes holds less than a rank's exchange of q and k under "
                 f"context parallelism ({held:,} bytes): raise it above that."
             )
         return dataclasses.replace(options, memory_budget=options.memory_budget - held)
+
+    def settle(self, error: BaseException | None, what: str) -> None:
+        """Rank 0's ``error`` (`None`: none), met by it alone (its run folder, its disk), raised on every rank: one
+        broadcast, so that no rank waits for rank 0 in the generation's next collective. Rank 0 raises ``error``, the
+        others a `RuntimeError` naming it; every rank calls this at the same point of the generation."""
+        box = [None if error is None else f"{type(error).__name__}: {error}"] if self.writer else [None]
+        dist.broadcast_object_list(box, src=self._root(), group=self.group)
+        if box[0] is None:
+            return
+        if self.writer:
+            raise error
+        raise RuntimeError(f"rank 0 of the context-parallel mesh {what}, so this rank stops too: {box[0]}")
 
     def local(self, reducer, heads: int):
         """A copy of ``reducer`` for this rank's ``heads`` of its selection (kept for the recording's life)."""
@@ -178,10 +190,14 @@ class Mesh:
         return dist.get_global_rank(self.group, 0)
 
 
-def exchange_bytes(heads: int, items: int, seq_len: int, head_dim: int, elem: int, ranks: int) -> int:
+def exchange_bytes(heads: int, items: int, seq_len: int, head_dim: int, elem: int, ranks: int, reducers=()) -> int:
     """What a rank holds of one call's exchange over ``ranks``: q and k of every token of its part of ``heads`` (the
-    largest part) for ``items`` batch items, and the buffers of the slice they cross in (as large again)."""
-    return 2 * items * -(-heads // ranks) * seq_len * head_dim * elem * 2
+    largest part) for ``items`` batch items, and the buffers of the slice they cross in (as large again). With
+    ``reducers`` (a plan's): every head where a kind of the head-mean row takes them all on rank 0
+    (:meth:`Mesh.parts` with ``whole``), and the values too where a kind folds them (``pattern_error``)."""
+    whole = any(r.mean_rows for r in reducers)
+    tensors = 3 if any(r.needs_value for r in reducers) else 2
+    return tensors * items * (heads if whole else -(-heads // ranks)) * seq_len * head_dim * elem * 2
 
 
 def find_mesh(configs) -> Mesh | None:

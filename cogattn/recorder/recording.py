@@ -16,14 +16,14 @@ import torch
 
 from ..errors import NotRecordedError
 from ..exact import engine
-from ..exact.checks import SpotCheck
 from ..exact.layer_plans import layer_plans, records
-from ..exact.planner import CapturePlan, ModelShape, plan_capture
+from ..exact.planner import ModelShape, plan_capture
 from ..layout import TokenLayout
 from ..options import CaptureOptions
-from ..runs.skips import Skips, cache_in_use
+from ..runs.skips import cache_in_use
 from ..runs.store import MemoryStore, RunWriter, StoreError
 from .capture import Capture
+from .facts import Facts
 from .guiders import Branches
 from .mesh import ElsewhereStore, distributed
 from .meta import run_meta
@@ -33,7 +33,7 @@ from .steps import StepTracker, WeakHook
 __all__ = ["Recording", "record"]
 
 
-class Recording:
+class Recording(Facts):
     """Attention maps of one generation, keyed by ``(kind, step, layer)``.
 
     Building a recording checks the options against the model and registers its forward pre-hook; it
@@ -76,7 +76,7 @@ class Recording:
         self._capture = Capture(self.options, self._steps, self._models.roles)  # the store follows
         self._closed = False
         self._entered = False  # used as a context manager: a second generation raises instead of closing
-        self._status = "running"
+        self._status, self._raising = "running", False  # _raising: closed on an exception's way out (__exit__)
         # In a torch.distributed process the run folder waits for the first call: rank 0 of a context-parallel mesh
         # alone makes it, and that mesh is known then (enable_parallelism may come after record)
         self._deferred = self.options.save_dir is not None and distributed()
@@ -102,81 +102,12 @@ class Recording:
         except NotRecordedError as err:
             raise self.skipped.error(kind, step, layer, self._sources.get(kind), self.options.batch, str(err)) from None
 
-    mesh = property(
-        lambda self: self._capture.mesh,
-        doc="The context-parallel mesh (:class:`cogattn.recorder.mesh.Mesh`: ``ring``, ``ulysses``, ``rank``, ``writer``)"
-        " from the generation's first call, `None` without one; only its ``writer`` (rank 0) holds the results.",
-    )
-
-    @property
-    def skipped(self) -> Skips:
-        """The selected ``(step, layer, role)`` whose attention did not run (a cache reused an earlier output), and
-        the cache (:class:`cogattn.runs.skips.Skips`); a step's known when the next starts, the last's at close."""
-        return self._capture.skips
-
     def keys(self) -> list[tuple[str, int, int]]:
         """Every recorded ``(kind, step, layer)``, sorted."""
         return self._store.keys()
 
     def __contains__(self, key) -> bool:
         return key in self.keys()
-
-    @property
-    def layout(self) -> TokenLayout | None:
-        """Token layout of the generation, `None` before its first transformer call."""
-        return None if self.plan is None else self.plan.layout
-
-    info = property(lambda self: self.options.info, doc="Facts kept with the maps (``info=``).")
-
-    @property
-    def source_heads(self) -> dict[str, tuple[int, ...] | None]:
-        """Source → the model head of each slot of the head axis of its attention's kinds (``"self"``: :attr:`head_ids`;
-        LTX-2's audio sources: the audio heads); `None` each when heads were averaged. :meth:`head_ids_of`: a kind's."""
-        heads, sources = self.options.heads, ["self", *self._sources.values()]
-        own = {s: heads if isinstance(heads, tuple) else tuple(range(self._shape.heads_of(s))) for s in sources}
-        return dict.fromkeys(own) if heads == "mean" else own
-
-    head_ids = property(lambda self: self.source_heads["self"], doc="The self-attention's :attr:`source_heads`.")
-
-    def head_ids_of(self, kind: str) -> tuple[int, ...] | None:
-        """The model head of each slot of ``kind``'s head axis: its attention's (:attr:`source_heads`)."""
-        return self.source_heads.get(self._sources.get(kind), self.head_ids)
-
-    block_size = property(lambda self: self.options.block_size, doc="Tokens per block of the ``block`` kind.")
-    topk = property(lambda self: self.options.topk, doc="How many of each row's largest probabilities ``topk`` keeps.")
-    tile_shape = property(lambda self: self.options.tile_shape, doc="Latent frames × patch rows × columns of a tile.")
-    queries = property(lambda self: tuple(self.options.queries or ()), doc="The ``query`` kind's queries as given.")
-    batch_items = property(  # a CapturePlan is truthy
-        lambda self: self.plan and self.plan.resolved.batch,
-        doc="Transformer batch items of the results' batch axis, `None` before the first transformer call.",
-    )
-    batch_roles = property(
-        lambda self: self.plan and self.plan.resolved.roles,
-        doc="""Per slot of the results' batch axis, ``"cond"`` (the prompt's item) or ``"uncond"`` (the negative
-        prompt's) under classifier-free guidance, `None` without it; `None` before the first transformer call.""",
-    )
-
-    chosen_methods = property(
-        lambda self: dict(self._capture.kernel.chosen),
-        doc='``method="auto"`` on CUDA, per shape: ``"triton"``, ``"sdpa"`` (failed to run) or ``"rows"`` (failed a check).',
-    )
-
-    # -- step tracking -----------------------------------------------------------------------------
-    timesteps = property(lambda self: self._steps.timesteps, doc="Timestep value of each step so far.")
-    step = property(lambda self: self._steps.step, doc="The step now running (or last run), `None` before the first.")
-
-    family = property(lambda self: self._spec.family, doc='The model family: ``"cogvideox"``, ``"wan"``, ...')
-
-    @property
-    def experts(self) -> list[str]:
-        """Per step, the pipeline attribute of the transformer that ran it (``"transformer"``, or Wan 2.2's
-        low-noise ``"transformer_2"``); each step's layers are that transformer's blocks."""
-        return [self._models.names[i] for i in self._steps.experts]
-
-    @property
-    def windows(self) -> list[int]:
-        """Per step, its window of the pipeline call: 0 but in a long video made in windows (SkyReels-V2)."""
-        return list(self._steps.windows)
 
     def _on_forward(self, module, args, kwargs):
         seen = self._steps.observe(module, self._models.index[id(module)], args, kwargs)
@@ -196,8 +127,15 @@ class Recording:
             self._capture.stopped = True  # its maps would not fit this generation's layout: none are mixed in
             warnings.warn(self._steps.went_on(), stacklevel=4)
 
-    def _after_forward(self, module, args, kwargs):
+    def _after_forward(self, module, args, kwargs, output=None):
         self._steps.returned()  # a block run after this is a recomputation (gradient checkpointing), not captured
+        if output is not None and self._capture.mesh is not None:  # a call every rank returned from
+            self._settle("could not write the run")
+
+    def _settle(self, what: str, error: Exception | None = None) -> None:
+        """Rank 0's store error (``error``, or one a call kept) raised on every rank of the mesh (`Mesh.settle`)."""
+        error, self._capture.latched = error or self._capture.latched, None
+        self._capture.mesh.settle(error, what)
 
     def _second_generation(self) -> None:
         """A new generation began: one recording holds one generation. Inside a ``with`` block that is an error; a
@@ -223,18 +161,22 @@ class Recording:
                 f"layer_output={self.options.layer_output!r} makes the layer's output in cogattn's own call, past "
                 f"diffusers' context-parallel dispatch (ring {mesh.ring} × ulysses {mesh.ulysses}): use 'stock'."
             )
+        failed = None  # under a mesh, what rank 0 alone met (its folder, its disk): raised on every rank (settle)
         if self._deferred or (mesh is not None and not mesh.writer):
             self._deferred = False
             writes = self.options.save_dir is not None and (mesh is None or mesh.writer)
-            self._store = self._capture.store = (
-                ElsewhereStore(mesh.rank)
-                if mesh is not None and not mesh.writer
-                else RunWriter.create(
-                    self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
+            try:
+                self._store = self._capture.store = (
+                    ElsewhereStore(mesh.rank)
+                    if mesh is not None and not mesh.writer
+                    else RunWriter.create(
+                        self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
+                    )
+                    if writes
+                    else self._store
                 )
-                if writes
-                else self._store
-            )
+            except Exception as err:
+                failed = _alone(err, mesh)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models, self._branches)
         num_steps, most_steps = self._steps.step_counts()
@@ -258,40 +200,19 @@ class Recording:
             self._capture.joint_indicator = indicator if indicator.shape[1] else None
         if isinstance(self._store, RunWriter):
             planned = records(plan, self._capture.layer_plans, self._shape.num_layers, most_steps)
-            self._store.check_space([(b, n) for _, _, b, n in planned])
-            self._store.write_meta(self._meta())
+            try:
+                self._store.check_space([(b, n) for _, _, b, n in planned])
+                self._store.write_meta(self._meta())
+            except Exception as err:
+                failed = _alone(err, mesh)
+        if mesh is not None:
+            mesh.settle(failed, "could not start the run")
 
     def _meta(self) -> dict:
         """What run.json says about this recording (:func:`cogattn.recorder.meta.run_meta`)."""
         return run_meta(self)
 
     # -- the processors' calls (cogattn.recorder.processor.MapSink), handed to the capture side ---------
-    @property
-    def plan(self) -> CapturePlan | None:
-        """The capture plan, made at the generation's first transformer call (`None` before)."""
-        return self._capture.plan
-
-    @property
-    def text_lengths(self) -> tuple[int, ...] | None:
-        """Per slot of the results' batch axis, its valid text tokens where a mask keeps fewer than T (`None`: all)."""
-        return self._capture.per_slot(self._capture.text_lengths, self.layout and self.layout.text_len)
-
-    query_lengths = property(
-        lambda self: self._capture.per_slot(self._capture.query_lengths, self.layout and self.layout.seq_len),
-        doc="Per slot of the batch axis, the query rows the model forms where it forms fewer than S (`None`: all).",
-    )
-
-    @property
-    def text_spans(self) -> tuple[dict[str, tuple[int, int]], ...] | None:
-        """Per slot of the results' batch axis, its text's parts where they differ per item (HunyuanVideo 1.5)."""
-        return self._capture.per_slot(self._capture.text_spans, self.layout and self.layout.spans())
-
-    @property
-    def checks(self) -> list[SpotCheck]:
-        """The spot checks made so far (:mod:`cogattn.exact.checks`): step, layer, method, device, dtype, rows,
-        largest error against exact rows, tolerance, passed."""
-        return self._capture.checks
-
     # the MapSink calls, cogattn.recorder.capture.Capture's (capture and capture_context are methods: the self-test
     # wraps them on the instance)
     layout_of = property(lambda self: self._capture.layout_of, doc="A layer's layout: its own or :attr:`layout`.")
@@ -343,11 +264,16 @@ class Recording:
         self._status = status
         if status == "finished" and self.step is not None:  # an interrupted last step is not a skipped one
             self._capture.end_step(self.step)
+        error = None
         try:
             self._store.close(self._meta())
+        except StoreError as err:
+            error = _alone(err, None if self._raising else self._capture.mesh)
         finally:
             if isinstance(self._store, RunWriter) and self._store.committed == 0 and self._status != "finished":
                 self._store.discard()  # nothing was captured (refused at the first step, say)
+        if self._capture.mesh is not None and not self._raising:  # every rank closes here, as it returned
+            self._settle("could not finish writing the run", error)
         if (why := self.skipped.unexplained()) is not None:  # a cache's skips are expected: rec.skipped lists them
             warnings.warn(why, stacklevel=3)
         steps = self.options.steps
@@ -367,7 +293,7 @@ class Recording:
         if exc_type is None:  # the pipeline returned: finished, or stopped by its interrupt flag
             self.close("interrupted" if self._steps.pipeline_attr("interrupt") else "finished")
             return
-        status = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed"
+        status, self._raising = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed", True
         try:  # an exception is on its way out: finish what can be finished, and never mask it
             self.close(status)
         except StoreError as err:
@@ -405,6 +331,14 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
         rec.close("failed")  # refused after all (processors changed since the check): the run is discarded
         raise
     return rec
+
+
+def _alone(error: Exception, mesh) -> Exception:
+    """``error``, met by rank 0 alone, kept to be raised on every rank of ``mesh`` (`Mesh.settle`); raised now without
+    one."""
+    if mesh is None:
+        raise error
+    return error
 
 
 def _abandon(hooks, store, models: Transformers, branches: Branches) -> None:

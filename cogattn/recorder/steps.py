@@ -36,10 +36,10 @@ class WeakHook:
     def __init__(self, method):
         self._method = weakref.WeakMethod(method)
 
-    def __call__(self, module, args, kwargs, *output):
+    def __call__(self, module, args, kwargs, *output):  # a forward hook's output: None where the forward raised
         method = self._method()
         if method is not None:
-            method(module, args, kwargs)
+            method(module, args, kwargs, *output)
 
 
 class StepTracker:
