@@ -16,6 +16,9 @@ import torch
 from .exact.checks import error_units  # the units of the documented bounds: the spot checks' own
 
 TOP_P_MARGIN = 1e-6  # how near p a row's cumulative share of its total may come and still count as either side
+# p = 1: a probability at least 2^-148 is nonzero in float32 however it is computed, one below 2^-152 is 0; between
+# (float32's least subnormal is 2^-149), float32 rounds P to 0 or computes it as nonzero by its rounding of q·k
+SUBNORMAL_EDGE = (-148, -152)
 
 __all__ = [
     "kind_error",
@@ -287,7 +290,8 @@ def kind_error(
     probabilities may come in either order); for ``frame_max`` the values, the probabilities at the returned
     key tokens, and 1 for a token outside its group; for ``top_p`` how many keys a count lies outside the
     counts for p ∓ :data:`TOP_P_MARGIN` (0 inside: float32 cannot tell p from a mass that close to it), and for
-    p = 1 from the count of nonzero float32 probabilities (no margin: that count is exact).
+    p = 1 from the count of probabilities that float32 keeps nonzero (at least 2⁻¹⁴⁸; one below 2⁻¹⁵² it rounds to
+    0, and one between is either, by float32's rounding: :data:`SUBNORMAL_EDGE`).
     ``mean_heads``: ``got`` is of ``heads="mean"``: ``P`` is then each head's (``top_p``: the mean of the
     heads' counts), or, for ``topk`` and ``frame_max``, the head-mean row's."""
     if kind == "top_p":
@@ -297,6 +301,8 @@ def kind_error(
             _top_p_counts(*sorted_mass, [p if p >= 1 else p + sign * TOP_P_MARGIN for p in ps]).to(P.dtype)
             for sign in (-1, 1)
         )
+        whole = [j for j, p in enumerate(ps) if p >= 1]  # a key near float32's least subnormal: counted or not
+        lo[..., whole], hi[..., whole] = ((P >= 2.0**e).sum(-1, keepdim=True).to(P.dtype) for e in SUBNORMAL_EDGE)
         if mean_heads:
             lo, hi = lo.mean(1, keepdim=True), hi.mean(1, keepdim=True)
         return worst(0.0, (lo - got.double()).max().item(), (got.double() - hi).max().item())

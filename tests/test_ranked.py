@@ -174,3 +174,30 @@ def test_top_p_counts_of_many_near_uniform_rows_stay_exact_and_equal_each_row_co
     assert torch.equal(got, alone)
     lo, hi = _sorted_counts(x, PS, -1e-9), _sorted_counts(x, PS, 1e-9)
     assert bool(((got >= lo) & (got <= hi)).all())
+
+
+def test_top_p_at_1_holds_rows_with_keys_at_float32_s_least_subnormal():
+    """Peaked rows (q and k ×6) whose tails reach float32's least subnormal, 2⁻¹⁴⁹: a key of float64 probability
+    6e-46 rounds to 0 in float32 and comes out of float32's softmax as 1.4e-45. p = 1 counts the keys float32
+    keeps nonzero; the reference leaves the keys between 2⁻¹⁵² and 2⁻¹⁴⁸ to either side, and no other."""
+    from cogattn.exact.engine import capture
+    from cogattn.exact.planner import plan_tiles
+    from cogattn.reference import kind_error, naive_probs
+
+    lay = TokenLayout(5, 3, 3, 4)
+    S, H, D = lay.seq_len, 3, 16
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(H, S, D, generator=g) * 6, torch.randn(H, S, D, generator=g) * 6
+    red = REDUCERS["top_p"](lay, H, False, top_p=(0.9, 1.0))
+    out = torch.zeros(red.shape(1)[1:])
+    capture(q, k, [red], [out], plan_tiles([red], S, H, D, 2**30, "rows", "cpu"))
+    P = naive_probs(q[None], k[None])
+    edge = (P >= 2.0**-152) & (P < 2.0**-148)
+    assert bool(edge.any()), "the case should reach the subnormal edge"
+    assert not torch.equal(out[..., 1], (P[0].float() > 0).sum(-1).float())  # float32's rounding of P64 differs
+    assert kind_error(out[None], P, "top_p", lay.text_len, lay.grid, top_p=(0.9, 1.0)) == 0
+    sure, maybe = (P[0] >= 2.0**-148).sum(-1), (P[0] >= 2.0**-152).sum(-1)
+    assert bool(((out[..., 1] >= sure) & (out[..., 1] <= maybe)).all())
+    wrong = out.clone()
+    wrong[0, 0, 1] = maybe[0, 0] + 1  # a count past the edge: held
+    assert kind_error(wrong[None], P, "top_p", lay.text_len, lay.grid, top_p=(0.9, 1.0)) == 1
