@@ -784,6 +784,122 @@ def test_one_number_in_run_json_does_not_make_the_summary_large(folder):
     assert len(labels) == MAX_LABELS and labels[:3] == ["pad 0", "pad 1", "prompt 0"]
 
 
+def test_the_frame_groups_and_the_tile_labels_are_not_made_for_a_layout_no_record_fits(folder, monkeypatch):
+    """``frames`` of 2**24 − 8 on a 1 × 1 grid (within MAX_TOKENS; every record line then skipped): the summary names
+    no group (the page numbers them), and a tile map compares its groups before it makes a label for each."""
+    from cogattn.view import sparse
+
+    _set_meta(folder, lambda meta: meta["layout"].update(frames=2**24 - 8, height=1, width=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        view = RunView(folder / "maps")
+        assert view.summary()["groups"] == []
+    made_labels, original = [], sparse.tile_labels
+    fake = type("View", (), {"run": type("Run", (), {"layout": view.run.layout, "tile_shape": (1, 1, 1)})})
+    fake.map = lambda self, *args, **kwargs: {"shape": [2, 2], "values": [0.0] * 4}  # a 2 × 2 tile record
+    monkeypatch.setattr(sparse, "options", lambda run: {"patterns": []})
+    monkeypatch.setattr(sparse, "tile_labels", lambda *a: made_labels.append(a) or original(*a))
+    assert "16777209 groups" in sparse.tile(fake(), 0, 0, "mean")["error"] and made_labels == []
+
+
+def test_a_lock_file_that_is_a_named_pipe_is_not_waited_on(folder):
+    """run.json says "running" and the lock is a named pipe (no recording makes one): the run opens, stopped."""
+    import threading
+
+    _set_meta(folder, lambda meta: meta.update(status="running", complete=False))
+    lock = folder / "maps" / ".lock"
+    lock.unlink(missing_ok=True)
+    os.mkfifo(lock)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(load(folder / "maps").status), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert got == ["stopped"]
+
+
+def test_skipped_calls_are_matched_once_each_not_over_every_step_and_layer():
+    """``skipped_pairs`` reads the steps and layers asked for once each and looks at the skipped calls alone (a
+    run.json of a million skipped calls made a summary over every step × layer pair, their square)."""
+    from cogattn.analysis.maps import skipped_pairs
+    from cogattn.runs.skips import Skips
+
+    class Counted(list):
+        reads = 0
+
+        def __iter__(self):
+            Counted.reads += 1
+            return super().__iter__()
+
+    source = type("Source", (), {"skipped": Skips(by="cache", calls={(3, 1, "self"), (4, 2, "self"), (9, 9, "self")})})
+    source.keys = lambda self: [("frame", 4, 2)]
+    assert skipped_pairs(source(), "frame", Counted(range(1000)), Counted(range(1000))) == {(3, 1), (9, 9)}
+    assert Counted.reads == 2
+    assert skipped_pairs(source(), "frame", [3, 4], [1, 2]) == {(3, 1)}
+
+
+def test_a_deeply_nested_json_file_costs_its_line_or_its_run_in_one_line(folder):
+    """Brackets nested past Python's recursion: a manifest line of them is a skipped line, a prompt.json of them
+    leaves the prompt's facts out, and a run.json nested past 64 levels is refused in one line (a reader recurses)."""
+    manifest = folder / "maps" / "manifest.jsonl"
+    manifest.write_bytes(b"[" * 100_000 + b"\n" + manifest.read_bytes())
+    (folder / "prompt.json").write_text("[" * 100_000)
+    with pytest.warns(UserWarning):
+        run = load(folder / "maps")
+    assert run.skipped_lines == ["manifest.jsonl:1: not a record line (ValueError: JSON nested deeper than 64 levels)"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert RunView(folder / "maps").files.prompt == {}
+    deep: list = []
+    for _ in range(200):
+        deep = [deep]
+    _set_meta(folder, lambda meta: meta.update(info={"notes": deep}))
+    with pytest.raises(StoreError, match=r"run\.json' cannot be read \(JSON nested deeper than 64 levels\)"):
+        load(folder / "maps")
+
+
+def test_a_run_json_that_links_out_of_the_run_is_not_read(folder, tmp_path):
+    outside = tmp_path / "outside.json"
+    outside.write_text((folder / "maps" / "run.json").read_text().replace("a red fox", "SECRET-OUTSIDE-THE-RUN"))
+    (folder / "maps" / "run.json").unlink()
+    (folder / "maps" / "run.json").symlink_to(outside)
+    with pytest.raises(StoreError, match="resolves outside the run's folder"):
+        load(folder / "maps")
+
+
+def test_a_layout_s_factors_are_bounded(folder):
+    """A patch or VAE factor of millions would have readers list millions of frame counts: refused in one line."""
+    _set_meta(folder, lambda meta: meta["layout"].update(patch_size_t=10**7))
+    with pytest.raises(StoreError, match=r"layout\.patch_size_t = 10000000; it is a whole number from 1 to 64"):
+        load(folder / "maps")
+
+
+def test_a_gif_of_more_pixels_than_the_page_overlays_is_shown_not_overlaid(folder):
+    """A 2 KB GIF of 1-pixel frames on a 9000 × 9000 screen: each frame would be composited at full size through
+    every frame before it. Shown as the video, with its note; no frame is decoded for the overlay."""
+    import struct
+
+    gif = bytearray(b"GIF89a" + struct.pack("<HH", 9000, 9000) + bytes([0x80, 0, 0, 0, 0, 0, 255, 255, 255]))
+    for k in range(9):
+        gif += b"\x21\xf9\x04\x00\x01\x00\x00\x00\x2c" + struct.pack("<HHHH", k, 0, 1, 1) + b"\x00\x02\x02\x44\x01\x00"
+    (folder / "video.gif").write_bytes(bytes(gif + b"\x3b"))
+    with _served(folder) as server:
+        summary = _strict_json(_get(f"{server.url}api/summary")[1])
+        assert summary["video_frames"] == 0 and "9 frames of 9000 × 9000 pixels" in summary["video_note"]
+        assert _get(f"{server.url}file/prompt/frame/8")[0] == 404
+
+
+def test_a_damaged_word_record_costs_its_maps_in_the_export_not_the_run(folder, tmp_path):
+    manifest = [json.loads(line) for line in (folder / "maps" / "manifest.jsonl").read_text().splitlines()]
+    line = next(m for m in manifest if m["kind"] == "video_to_text")
+    record = folder / "maps" / line["file"]
+    record.write_bytes(record.read_bytes()[:100])
+    data = _embedded(export(folder, tmp_path / "report.html"))
+    assert list(data["summaries"]) == ["prompt"] and data["left_out"] == []
+    damaged = [v for k, v in data["maps"].items() if k.startswith(f"prompt|video_to_text|{line['step']}|")]
+    assert damaged and all("error" in v and str(record) in v["error"] for v in damaged)
+    assert any(k.startswith("prompt|frame|") and "values" in v for k, v in data["maps"].items())
+
+
 def test_a_run_folder_whose_name_is_not_text_is_listed_and_served_with_the_others(made, tmp_path):
     """A folder name of Latin-1 bytes (b"caf\\xe9", from an archive) is not UTF-8: the run gets a name that is text
     (its byte written \\xe9), the page's URLs of it reach it, and the runs after it are listed too."""

@@ -258,8 +258,8 @@ def skipped_pairs(source: MapSource, kind: str, steps: Sequence[int], layers: Se
     that attention (``source.skipped``): averages leave them out, and figures say how many."""
     skips = getattr(source, "skipped", None)
     gone = {(s, layer) for s, layer, _ in skips.calls} if skips else set()
-    held = set(source.keys()) if gone else set()
-    return {(s, layer) for s in steps for layer in layers if (s, layer) in gone and (kind, s, layer) not in held}
+    held, steps, layers = (set(source.keys()) if gone else set()), set(steps), set(layers)
+    return {(s, n) for s, n in gone if s in steps and n in layers and (kind, s, n) not in held}  # ~ the skipped calls
 
 
 def aggregate(

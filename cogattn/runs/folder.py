@@ -6,7 +6,9 @@ refused and a reader can tell an open run from a finished or abandoned one."""
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 from pathlib import Path
 
 from ..errors import StoreError
@@ -67,15 +69,41 @@ class RunLock:
             self._file.close()  # closing the file releases the lock
 
 
+MAX_DEPTH = 64  # the deepest nesting a run folder's JSON may have (its own is a few levels; a reader recurses)
+
+
+def parse_json(text: str | bytes):
+    """A run folder's JSON text (run.json, a manifest line, prompt.json) parsed; `ValueError` where it is no JSON or
+    nests deeper than :data:`MAX_DEPTH` (a file of brackets would exhaust Python's recursion, here or in a reader)."""
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels") from None
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return obj
+
+
 def is_locked(folder: Path) -> bool:
-    """Whether a recording holds the lock of ``folder`` now."""
-    if fcntl is None or not (Path(folder) / LOCK).exists():
+    """Whether a recording holds the lock of ``folder`` now. A lock file that is not a plain file (a link, a named
+    pipe, whose open would wait for a writer) is none a recording made: not locked."""
+    try:
+        fd = os.open(Path(folder) / LOCK, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:  # none, a link, unreadable
         return False
-    with open(Path(folder) / LOCK) as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True
+    try:
+        if fcntl is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
     return False
 
 

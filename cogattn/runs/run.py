@@ -15,7 +15,6 @@ that cannot be read (a disk fault, a power loss's zero-filled tail) is skipped a
 from __future__ import annotations
 
 import functools
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from safetensors import safe_open
 from ..errors import StoreError
 from ..exact.reducers import REDUCERS
 from ..layout import TokenLayout
-from .folder import MANIFEST, META, is_locked
+from .folder import MANIFEST, META, is_locked, parse_json
 from .run_values import RecordShapes, checked_call_stats, checked_windows, line_problem, shape_problem
 from .schema import read_meta
 from .skips import Skips
@@ -134,8 +133,10 @@ class Run:
         for file in (self.path / MANIFEST, meta_file):  # a pipe or a device would block or never end a read
             if file.exists() and not file.is_file():
                 raise StoreError(f"{str(file)!r} is not a regular file; the run cannot be read.")
+            if file.exists() and not file.resolve().is_relative_to(self.path.resolve()):  # a link out of the run
+                raise StoreError(f"{str(file)!r} resolves outside the run's folder; the run cannot be read.")
         try:
-            self.meta: dict = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+            self.meta: dict = parse_json(meta_file.read_text()) if meta_file.exists() else {}
         except (OSError, ValueError) as err:
             raise StoreError(f"{str(meta_file)!r} cannot be read ({err}); the run's metadata is lost.") from None
         if not isinstance(self.meta, dict):
@@ -365,7 +366,7 @@ def _parse_line(raw: bytes, shapes: RecordShapes) -> RecordInfo | str:
     if not raw.strip(b" \t\r\x00"):
         return "empty" if b"\x00" not in raw else "zero bytes (a write cut short by a power loss)"
     try:
-        d = json.loads(raw)
+        d = parse_json(raw)
         info = RecordInfo(
             str(d["kind"]),
             int(d["step"]),

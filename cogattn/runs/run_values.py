@@ -45,6 +45,8 @@ MAX_TOKENS = 2**24  # a layout's sequence: no attention is longer, and readers a
 _MIN = {"text_len": 0, "frames": 1, "height": 1, "width": 1, "patch_size": 1, "patch_size_t": 1}
 _MIN.update(context_len=0, image_len=0, temporal_compression=1, history_len=0, prompt_crop=0, grids=1)
 _MIN.update(clip_latents=0)
+# at most: a token count, or (a patch's and the VAE's factors, by which readers list frame counts) far above any model's
+_MAX = {**dict.fromkeys(_MIN, MAX_TOKENS), "patch_size": 64, "patch_size_t": 64, "temporal_compression": 64}
 TEXT_PARTS = ("image", "glyph", "prompt")  # the parts a packed text may name (layout.text_parts, text_spans)
 
 
@@ -74,8 +76,10 @@ def checked_layout(lay, meta_file: Path) -> TokenLayout | None:
                 raise refuse(f"layout.{name} = {shown}; it is true or false")
         elif name in ("text_parts", "audio"):
             continue  # checked whole below
-        elif not (type(value) is int and value >= _MIN[name]) and not (name == "patch_size_t" and value is None):
-            raise refuse(f"layout.{name} = {shown}; it is a whole number, {_MIN[name]} or more")
+        elif not (type(value) is int and _MIN[name] <= value <= _MAX[name]) and not (
+            name == "patch_size_t" and value is None
+        ):
+            raise refuse(f"layout.{name} = {shown}; it is a whole number from {_MIN[name]} to {_MAX[name]}")
     for name in ("text_len", "frames", "height", "width"):
         if name not in lay:
             raise refuse(f"layout.{name} is missing")

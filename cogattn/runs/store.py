@@ -22,7 +22,7 @@ import torch
 from ..errors import NotRecordedError, StoreError
 from ..exact.reducers import REDUCERS
 from ..options import STORAGE_DTYPES
-from .folder import FORMAT, LOCK, MANIFEST, META, RECORDS, RunLock
+from .folder import FORMAT, LOCK, MANIFEST, META, RECORDS, RunLock, parse_json
 from .record_file import record_file_bytes, write_record
 from .run import Run, missing_message
 
@@ -73,7 +73,7 @@ def _is_run(path: Path) -> bool:
     a run's own files alone)."""
     try:
         if (path / META).is_file():
-            return json.loads((path / META).read_text()).get("format") == FORMAT
+            return parse_json((path / META).read_text()).get("format") == FORMAT
         names = {p.name for p in path.iterdir()}
         return MANIFEST in names and names <= {MANIFEST, META + ".tmp", RECORDS, LOCK}
     except (OSError, ValueError, AttributeError):

@@ -31,7 +31,7 @@ from ..items import item_label, pick_item
 from ..runs.folder import MANIFEST, find_runs
 from ..runs.run import Run
 from .files import PromptFiles, info
-from .labels import audio_seconds, one_line, run_names, token_labels
+from .labels import MAX_LABELS, audio_seconds, one_line, run_names, token_labels
 from .sparse import options as sparse_options
 
 __all__ = ["RunView", "colormap", "open_runs"]
@@ -404,8 +404,9 @@ def _payload(m: torch.Tensor) -> dict:
 
 
 def _group_names(layout) -> list[str]:
-    """The ``frame`` kind's group labels: the text's groups, then each latent frame."""
-    if layout is None:
+    """The ``frame`` kind's group labels: the text's groups, then each latent frame; none (the page numbers them)
+    past :data:`~cogattn.view.labels.MAX_LABELS` groups (no record holds a map so large: one number of run.json's)."""
+    if layout is None or layout.num_groups > MAX_LABELS:
         return []
     frames = [f"f{f}" for f in range(layout.num_groups - layout.text_groups)]
     return ["text"] * layout.text_groups + frames  # the text's group is first wherever the text sits

@@ -11,12 +11,12 @@ that is refused or does not decode costs the video alone, and :meth:`PromptFiles
 from __future__ import annotations
 
 import io
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..layout import TokenLayout
+from ..runs.folder import parse_json
 from ..runs.run import Run
 
 if TYPE_CHECKING:
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["VIDEOS", "PromptFiles", "finite", "info", "inside", "prompt_of"]
 
 VIDEOS = (".gif", ".mp4")  # what the batch tool writes and the page shows
+# a GIF's frames are decoded one at a time, each through those before it: at most this many pixels a frame and frames
+MAX_FRAME_PIXELS, MAX_FRAMES = 4096 * 4096, 4096
 
 
 def inside(folder: Path, name, source: str, field: str) -> Path:
@@ -88,7 +90,7 @@ class PromptFiles:
             return
         try:  # the batch tool's facts about the prompt; a damaged file costs the labels and the video only
             file = inside(parent, "prompt.json", "the prompt folder", "prompt.json")
-            prompt = json.loads(file.read_text()) if file.is_file() else {}  # a pipe would block the page
+            prompt = parse_json(file.read_text()) if file.is_file() else {}  # a pipe would block the page
             self.prompt = prompt if isinstance(prompt, dict) else {}
         except (OSError, ValueError):
             pass
@@ -159,7 +161,13 @@ def _count(path: Path) -> tuple[int, str | None]:
         from PIL import Image  # slow to import: only where a video is read
 
         with Image.open(path) as gif:
-            return gif.n_frames, None
+            (width, height), frames = gif.size, gif.n_frames
+        if width * height > MAX_FRAME_PIXELS or frames > MAX_FRAMES:
+            return 0, (
+                f"the GIF's {frames} frames of {width} × {height} pixels are more than the page overlays "
+                f"({MAX_FRAMES} frames of at most {MAX_FRAME_PIXELS:,} pixels)"
+            )
+        return frames, None
     try:
         import imageio.v3 as iio
 

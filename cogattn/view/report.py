@@ -30,6 +30,7 @@ import torch
 from ..analysis.head_stats import TABLE_KINDS
 from ..analysis.maps import aggregate
 from ..analysis.words import item_spans
+from ..errors import NotRecordedError, StoreError
 from ..exact.reducers.audio import AUDIO_KINDS
 from .data import HEAD_COLUMNS, MASKS, WORD_KINDS, RunView, open_runs
 from .files import finite, prompt_of
@@ -88,9 +89,12 @@ def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tup
             if not tokens:
                 continue
             rows = slice(tokens[0], tokens[-1] + 1)  # once per step, reading the kept tokens' rows only
-            m = aggregate(view.run, kind, steps=step, layers=view.layers_at(kind, step, "mean"), row=rows)
+            try:
+                m = aggregate(view.run, kind, steps=step, layers=view.layers_at(kind, step, "mean"), row=rows)
+            except (NotRecordedError, StoreError, ValueError) as err:  # a damaged record: its panel says so
+                m = [{"error": str(err)}] * len(tokens)
             for i, token in enumerate(tokens):
-                maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[i], side)
+                maps[f"{kind}|{step}|mean|mean|{token}"] = m[i] if isinstance(m, list) else _kept(m[i], side)
     for kind in AUDIO_KINDS:  # LTX-2's audio stream: the mean over layers at each step
         for step in summary["steps"].get(kind, []):
             maps[f"{kind}|{step}|mean|mean|"] = _rounded(view.map(kind, step, "mean"))

@@ -99,13 +99,13 @@ def tile(view, step: int, layer: int | str, head: int | str, pattern: str = "non
         if lay is None:
             raise StoreError("run.json has no layout, so the tile map's groups are not known")
         shape = run.tile_shape
-        labels = tile_labels(lay, shape)
-        if payload["shape"] != [len(labels)] * 2:
+        groups = lay.text_groups + math.prod(lay.tile_counts(shape))  # counted before any label is made
+        if payload["shape"] != [groups] * 2:
             raise StoreError(
                 f"the tile record holds a {payload['shape']} map, but tile_shape {list(shape)} on the grid "
-                f"{lay.grid} gives {len(labels)} groups: the run's files do not agree"
+                f"{lay.grid} gives {groups} groups: the run's files do not agree"
             )
-        payload = {**payload, "labels": labels, "tile_shape": list(shape)}
+        payload = {**payload, "labels": tile_labels(lay, shape), "tile_shape": list(shape)}
         if pattern == "none":
             return payload
         keep = _tile_mask(lay, shape, pattern)
