@@ -148,6 +148,17 @@ def test_top_p_density_is_the_full_maps_kept_mass_and_count(rec, kind):
     assert (table["density"] < 1).all() and (table["token_density"] < table["density"]).any()
     one = top_p_density(rec, 0.5, kind=kind, steps=1, layers=0, heads=rec.head_ids[1])
     assert len(one) == 1 and one["head"].item() == rec.head_ids[1] and one["p"].item() == 0.5
+    turned = top_p_density(rec, 0.9, kind=kind, steps=1, layers=0, heads=rec.head_ids[::-1])  # in the order asked
+    assert turned["head"].tolist() == list(rec.head_ids[::-1])
+    mean = top_p_density(rec, 0.9, kind=kind, heads="mean")  # one row per (step, layer, item): its heads' mean
+    assert len(mean) == len(table) // len(rec.head_ids) and set(mean["head"]) == {"mean"}
+    assert list(mean.columns) == list(table.columns)
+    for row in mean.to_dict("records"):
+        heads = table[
+            (table["step"] == row["step"]) & (table["layer"] == row["layer"]) & (table["item"] == row["item"])
+        ]
+        for column in ("recall", "density", "token_density"):
+            assert row[column] == pytest.approx(sum(heads[column]) / len(rec.head_ids), abs=1e-12)
 
 
 def test_density_and_recall_of_batched_masks(rec):

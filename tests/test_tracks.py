@@ -47,6 +47,10 @@ def test_track_is_the_argmax_of_each_frame_of_the_full_row(runs, heads, head):
         assert torch.allclose(t.confidence, best, rtol=1e-6, atol=1e-7)
     if head != "mean":  # a NumPy integer is the same head (it was refused as neither an index nor 'mean')
         assert torch.equal(track(run, point, step=1, layer=1, head=np.int64(head)).positions, t.positions)
+    numpy_point = tuple(np.int64(x) for x in point)  # a point and frames of NumPy integers too (from an argmax)
+    assert torch.equal(track(run, numpy_point, step=1, layer=1, head=head).positions, t.positions)
+    flow = motion_field(run, np.int64(0), np.int64(1), step=1, layer=1, head=head)
+    assert torch.allclose(flow, motion_field(run, 0, 1, step=1, layer=1, head=head), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("frames", [(0, 1), (2, 0), (1, 1)])
@@ -76,6 +80,11 @@ def test_matches_of_one_map_and_what_is_refused(runs):
         track(runs["mean"], (0, lay.height, 0), 1, 1)
     with pytest.raises(ValueError, match="frame_b=99"):
         motion_field(runs["mean"], 0, 99, 1, 1)
+    for bad in [(0, 0.0, 0), (True, 0, 0), (0, 0), "000"]:
+        with pytest.raises(ValueError, match="pass a video point"):
+            track(runs["mean"], bad, 1, 1)
+    with pytest.raises(ValueError, match="frame_a=1.0"):
+        motion_field(runs["mean"], 1.0, 0, 1, 1)
 
 
 def test_motion_field_is_nan_where_a_block_causal_mask_leaves_no_key_with_attention():

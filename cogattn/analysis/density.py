@@ -58,6 +58,9 @@ def kept_keys(source: MapSource, num_items: int) -> torch.Tensor:
     return torch.tensor([layout.seq_len - layout.text_len + t for t in text], dtype=torch.float64)
 
 
+NUMBERS = ["recall", "density", "token_density"]  # a density table's columns that a mean over heads averages
+
+
 def top_p_density(
     source: MapSource,
     p: float,
@@ -84,8 +87,9 @@ def top_p_density(
         kind (`"block" | "tile"`, defaults to ``"block"``): the pooled map the mask selects on.
         steps (`"all" | int | Sequence[int] | str`, defaults to ``"all"``): steps of ``kind``.
         layers (`"all" | int | Sequence[int]`, defaults to ``"all"``): layers of ``kind``.
-        heads (`"all" | int | Sequence[int]`, defaults to ``"all"``): the model heads kept (every slot for a
-            ``heads="mean"`` source, whose ``head`` is ``"mean"``).
+        heads (`"all" | "mean" | int | Sequence[int]`, defaults to ``"all"``): the model heads kept, in the order
+            given, or ``"mean"``: one row per item, the mean of its heads' rows (a ``heads="mean"`` source holds
+            that row alone, whose ``head`` is ``"mean"``).
 
     Returns:
         `pandas.DataFrame`: columns ``step, expert, layer, head, item, p, recall, density, token_density``.
@@ -120,9 +124,13 @@ def top_p_density(
                 formed = (counts > 0).sum(-1)  # rows the model never forms hold 0; a formed row needs a key
                 token = (counts / kept_keys(source, B)[:, None, None]).sum(-1) / formed.clamp(min=1)
             rows["token_density"] = token.T.reshape(-1).tolist()
-            slots = head_positions(source.head_ids, H, heads)
-            chosen = {"mean" if source.head_ids is None else int(source.head_ids[s]) for s in slots}
-            parts.append(rows[rows["head"].isin(chosen)])
+            if heads == "mean" and source.head_ids is not None:  # each item's row: the mean of its heads' rows
+                mean = rows.groupby(["step", "expert", "layer", "item"], sort=False, as_index=False, dropna=False)
+                parts.append(mean[NUMBERS].mean().assign(head="mean")[list(rows.columns)])
+                continue
+            slots = head_positions(source.head_ids, H, heads)  # in the order asked
+            chosen = ["mean" if source.head_ids is None else int(source.head_ids[s]) for s in slots]
+            parts.append(pd.concat([rows[rows["head"] == h] for h in chosen]))
     if not parts:
         raise NotRecordedError(
             f"{kind!r} was not recorded at any chosen (step, layer): steps {step_list} × layers {layer_list}."

@@ -90,10 +90,19 @@ def _grid_matches(source: MapSource, matches: FrameMax, query: int) -> tuple[tor
     return torch.where((tokens >= 0)[:, None], positions, -1), torch.where(tokens >= 0, values, 0.0)
 
 
+def _index(x) -> int | None:
+    """``x`` as an int where it is one (a NumPy or torch integer too; not a bool), else `None`."""
+    try:
+        return None if isinstance(x, bool) else operator.index(x)
+    except TypeError:
+        return None
+
+
 def _point(source: MapSource, point) -> int:
-    lay = source.layout
-    if not (isinstance(point, (tuple, list)) and len(point) == 3 and all(isinstance(x, int) for x in point)):
-        raise ValueError(f"point={point!r}; pass a video point (frame, row, col) on the latent grid {lay.grid}.")
+    lay, given = source.layout, point
+    point = [_index(x) for x in point] if isinstance(point, (tuple, list)) else None
+    if point is None or len(point) != 3 or None in point:
+        raise ValueError(f"point={given!r}; pass a video point (frame, row, col) on the latent grid {lay.grid}.")
     if not all(0 <= x < n for x, n in zip(point, lay.grid)):
         raise ValueError(f"point={tuple(point)} is outside the latent grid (frames, rows, cols) = {lay.grid}.")
     return lay.token_index(*point)
@@ -148,8 +157,9 @@ def motion_field(
     source = for_layers(source, "frame_max", layer)  # a layer of another layout: its own
     lay = source.layout
     for name, f in (("frame_a", frame_a), ("frame_b", frame_b)):
-        if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < lay.frames:
+        if (i := _index(f)) is None or not 0 <= i < lay.frames:
             raise ValueError(f"{name}={f!r}; pass a latent frame index in 0..{lay.frames - 1}.")
+    frame_a, frame_b = int(frame_a), int(frame_b)
     matches = frame_matches(source, step, layer, head, batch)
     queries = lay.grid_tokens.start + frame_a * lay.frame_tokens + torch.arange(lay.frame_tokens)
     tokens = matches.indices[queries, lay.text_groups + frame_b]
