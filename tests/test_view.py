@@ -602,6 +602,35 @@ def test_an_mp4_this_python_cannot_decode_shows_without_its_overlay_and_says_why
     assert "pip install 'cogattn[video]'" in summary["video_note"]
 
 
+@pytest.mark.parametrize("frames, side", [(10**6, 2), (3, 5000)], ids=["many frames", "large frames"])
+def test_an_mp4_of_more_than_the_page_overlays_is_decoded_no_further(runs, tmp_path, monkeypatch, frames, side):
+    """An MP4 (imageio's frames, made up here) of a million frames, or of 5000 × 5000 pixels: counted up to the
+    limit and no further, shown without the overlay, with its note."""
+    import sys
+    import types
+
+    import numpy as np
+
+    folder = shutil.copytree(_first(runs), tmp_path / "copy")
+    facts = json.loads((folder / "prompt.json").read_text())
+    (folder / "video.mp4").write_bytes(b"frames made up by the test")
+    (folder / "prompt.json").write_text(json.dumps({**facts, "video": "video.mp4"}))
+    decoded = []
+
+    def imiter(path):
+        for _ in range(frames):
+            decoded.append(1)
+            yield np.zeros((side, side, 3), dtype=np.uint8)
+
+    v3 = types.SimpleNamespace(imiter=imiter)
+    monkeypatch.setitem(sys.modules, "imageio", types.SimpleNamespace(v3=v3))
+    monkeypatch.setitem(sys.modules, "imageio.v3", v3)
+    summary = RunView(folder / "maps").summary()
+    assert summary["video"] == "mp4" and summary["video_frames"] == 0
+    assert "more than the page overlays (4096 frames of at most 16,777,216 pixels)" in summary["video_note"]
+    assert len(decoded) == (4097 if side == 2 else 1)
+
+
 @pytest.fixture(scope="module")
 def default_tiny(tmp_path_factory) -> Path:
     """One prompt of the tiny default as ``scripts/dump_maps.py`` records it (frame and the word kinds, the heads'

@@ -162,19 +162,30 @@ def _count(path: Path) -> tuple[int, str | None]:
 
         with Image.open(path) as gif:
             (width, height), frames = gif.size, gif.n_frames
-        if width * height > MAX_FRAME_PIXELS or frames > MAX_FRAMES:
-            return 0, (
-                f"the GIF's {frames} frames of {width} × {height} pixels are more than the page overlays "
-                f"({MAX_FRAMES} frames of at most {MAX_FRAME_PIXELS:,} pixels)"
-            )
-        return frames, None
+        note = _too_large("GIF", frames, width, height)
+        return (0, note) if note else (frames, None)
     try:
         import imageio.v3 as iio
 
-        return sum(1 for _ in iio.imiter(path)), None  # streamed: the ffmpeg plugin does not know the count
+        frames = 0
+        for frame in iio.imiter(path):  # streamed: the ffmpeg plugin does not know the count
+            frames += 1
+            if note := _too_large("MP4", frames, frame.shape[1], frame.shape[0]):  # decoded no further
+                return 0, note
+        return frames, None
     except Exception as err:  # the 'video' extra missing, or no plugin for MP4: the video shows, not overlaid
         why = f"{type(err).__name__}: {err}".splitlines()[0][:160]
         return 0, f"the maps are laid over an MP4's frames with imageio (pip install 'cogattn[video]'): {why}"
+
+
+def _too_large(what: str, frames: int, width: int, height: int) -> str | None:
+    """Why a video of ``frames`` of ``width`` × ``height`` pixels is not overlaid (`None`: it is small enough)."""
+    if width * height <= MAX_FRAME_PIXELS and frames <= MAX_FRAMES:
+        return None
+    return (
+        f"the {what}'s {frames} frames of {width} × {height} pixels are more than the page overlays ({MAX_FRAMES} "
+        f"frames of at most {MAX_FRAME_PIXELS:,} pixels)"
+    )
 
 
 def _frame(path: Path, i: int) -> Image.Image:
