@@ -1527,9 +1527,14 @@ def test_a_video_that_changes_part_way_keeps_the_steps_before_and_warns(monkeypa
     with pytest.warns(UserWarning, match="went on with another video after 1 steps of a 2×\\(4, 2, 3\\)"):
         with cogattn.record(pipe, kinds=("full",), batch="all", heads="all") as rec:
             got = run().frames
-    assert torch.equal(got, video) and len(rec.timesteps) == 1
+    assert torch.equal(got, video) and len(rec.timesteps) == 1 and rec.status == "finished"
     assert {step for _, step, _ in rec.keys()} == {0}
     for layer in range(len(rec.layer_names)):
         want = torch.cat(ref[(0, layer, "self")])
         got = rec.get("full", 0, layer).double()
         assert (got - want).abs().max() <= 1e-5
+    with pytest.warns(UserWarning, match="went on with another video"):  # closed by hand: finished too, not short
+        by_hand = cogattn.record(pipe, kinds=("frame",))
+        run()
+        by_hand.close()
+    assert by_hand.status == "finished" and len(by_hand.timesteps) == 1

@@ -185,6 +185,57 @@ def test_another_call_at_a_lower_timestep_is_another_generation(pipe):
     assert {step for _, step, _ in rec.keys()} == {0, 1}
 
 
+def _call(pipe, height=48, **kwargs):
+    emb = torch.randn(1, TINY_TEXT_LEN, 16, generator=torch.Generator().manual_seed(0))
+    call = dict(prompt_embeds=emb, negative_prompt_embeds=-emb, num_frames=9, height=height, width=80)
+    return pipe(**call, max_sequence_length=TINY_TEXT_LEN, output_type="latent", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "scheduler, options",
+    [("EulerDiscreteScheduler", dict(timesteps=[800, 500, 700, 200])), ("PNDMScheduler", dict(num_inference_steps=4))],
+    ids=["custom timesteps that rise", "PNDM's repeated timesteps"],
+)
+def test_a_schedule_that_rises_or_repeats_is_one_generation_step_by_step(pipe, scheduler, options):
+    """A pipeline's own schedule tells its steps: custom timesteps that rise mid-schedule (a step above the last was
+    taken for another generation, and the call refused), PNDM's repeated timesteps (its ``counter``, with no
+    ``step_index``: a repeat was refused as a second call at one timestep). Each call is a step, its maps exact."""
+    import diffusers
+
+    extra = dict(skip_prk_steps=False) if scheduler == "PNDMScheduler" else {}  # PNDM's Runge-Kutta steps too
+    pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config, **extra)
+    calls = []
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda m, a, kw: calls.append(float(kw["timestep"][0])), with_kwargs=True
+    )
+    spy = QKSpy(pipe.transformer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PNDM's config warns of CogVideoX's keys
+        with cogattn.record(pipe, kinds=("frame",), heads=[0, 1], batch="all") as rec:
+            _call(pipe, **options)
+    hook.remove()
+    assert rec.status == "finished" and rec.timesteps == calls and len(calls) >= 4
+    assert len(set(calls)) < len(calls) if scheduler == "PNDMScheduler" else calls == [800.0, 500.0, 700.0, 200.0]
+    assert_matches_naive(rec, spy, [0, 1], [0, 1], kinds=("frame",))
+
+
+def test_a_second_call_of_another_size_inside_one_recording_is_refused(pipe):
+    """The first call stopped by its callback after a step, then a call of another size starting below it: another
+    generation (its schedule set anew), refused inside a ``with``, not taken for the first one going on."""
+
+    def stop(p, i, t, kwargs):
+        p._interrupt = True
+        return kwargs
+
+    from diffusers import EulerDiscreteScheduler
+
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)  # it takes custom timesteps
+    with pytest.raises(RuntimeError, match="a second generation started"), cogattn.record(pipe) as rec:
+        _call(pipe, num_inference_steps=4, callback_on_step_end=stop)
+        _call(pipe, 64, timesteps=[200, 100])
+    assert rec.timesteps == [999.0] and rec.status == "failed"
+
+
 def test_another_pipeline_running_the_recorded_transformer_is_refused(pipe):
     """A pipeline made from the recorded one's components runs its transformer: its guidance and steps are not the
     recorded pipeline's (before, guidance read off gave the negative prompt's item as the prompt's); refused at its

@@ -259,7 +259,7 @@ class Recording(Facts):
         self._models.restore()
         self._branches.restore()
         if status is None:  # closed by hand: a generation short of the steps its pipeline said was cut short
-            short = 0 < len(self.timesteps) < (self._steps.told_steps or 0)
+            short = 0 < len(self.timesteps) < (self._steps.told_steps or 0) and not self._capture.stopped  # (went on)
             status = "interrupted" if short or self._steps.pipeline_attr("interrupt") else "finished"
         self._status = status
         if status == "finished" and self.step is not None:  # an interrupted last step is not a skipped one

@@ -162,8 +162,8 @@ class StepTracker:
             return "next"
         if self.off_grid and window is not None and window[0] == self.window:
             return "reshaped"  # a later call of the window of another grid
-        if same_call and self._renewed():  # another pipeline call, whatever its timestep (a lower strength's)
-            return "another"
+        if self._renewed() and (same_call or window is None):  # another pipeline call, whatever its timestep (a
+            return "another"  # lower strength's) or size; a windowed call's next stage sets its own (Helios' pyramid)
         same_time = time.same_step(self._time) if isinstance(time, StepTime) else t == float(self._time)
         num_steps = self.pipeline_attr("num_timesteps")  # of the running window, in a windowed call
         # the scheduler stepped since this step began: a call at its timestep is the next step's (Heun's second
@@ -175,7 +175,10 @@ class StepTracker:
         more_steps = num_steps is None or len(self.timesteps) - self._window_start < num_steps
         if not same_call and t < self.timesteps[-1] and more_steps and self.pipeline is not None:
             return "reshaped"  # the generation goes on with another video (ChronoEdit drops its reasoning frames)
-        if not same_call or t > self.timesteps[-1] or not more_steps:
+        # a timestep above the last is another generation's where no schedule tells (a bare transformer); a pipeline's
+        # own schedule may rise (custom timesteps or sigmas), its next call is told by the schedule set anew
+        rises = t > self.timesteps[-1] and (self._schedule is None or self._schedule() is None)
+        if not same_call or rises or not more_steps:
             return "another"
         if same_time and stepped:
             self._append(t, expert, time)
@@ -218,9 +221,12 @@ class StepTracker:
         return self._schedule is not None and timesteps is not None and timesteps is not self._schedule()
 
     def _scheduler_index(self) -> int | None:
-        """The pipeline's scheduler's ``step_index`` (how many of its steps have run), `None` where it keeps none."""
-        index = getattr(self.pipeline_attr("scheduler"), "step_index", None)
-        return index if isinstance(index, int) else None
+        """The pipeline's scheduler's ``step_index`` (how many of its steps have run; PNDM's ``counter``, whose
+        timesteps repeat), `None` where it keeps neither."""
+        scheduler = self.pipeline_attr("scheduler")
+        index = getattr(scheduler, "step_index", None)
+        index = getattr(scheduler, "counter", None) if index is None else index
+        return index if isinstance(index, int) and not isinstance(index, bool) else None
 
     def _append(self, t: float, expert: int, time: float) -> None:
         """A step begins: its timestep, expert and window kept; its first call running."""
