@@ -27,6 +27,7 @@ from ..exact.planner import CapturePlan, TilePlan, plan_tiles
 from ..runs.skips import Skips
 from ..runs.store import StoreError
 from .mesh import Mesh
+from .processor import kept_prefix
 
 __all__ = ["Capture"]
 
@@ -363,6 +364,9 @@ class Capture:
         if (whole := self._whole(query.shape[0])) is None:
             return
         items, slots = whole
+        if context == "text" and bias is not None and not self.text_lengths.keys() >= set(slots):  # read once a slot
+            kept = kept_prefix(bias)  # LTX-Video's text, padded at the end: each item's valid tokens
+            self.text_lengths.update({s: red.context_len if kept[b] is None else kept[b] for s, b in zip(slots, items)})
         if self.mesh is not None:
             h, tiles = len(parts[self.mesh.rank]), plan.context_tiles[red.source]
             outs = context_pass(query, key, items, reducers, None, tiles, bias) if h else None
@@ -385,21 +389,17 @@ class Capture:
         for slot, b in zip(slots, items):
             kept[slot] = [float(x) for x in values[b]]
 
-    def call_stats(self, as_json: bool = False) -> dict | list:
+    def call_stats(self) -> dict:
         """The per-call statistics kept (:meth:`capture_stat`), ``(step, layer, name)`` → float64 ``(B, H)`` over the
         results' batch slots and every head, NaN for a slot whose call was not captured (Kandinsky 5's
-        ``"nabla_recall"``: the mean over queries of the dense attention's mass its sparse mask keeps); with
-        ``as_json``, run.json's ``call_stats``: a list of ``{"step", "layer", "name", "values"}``, NaN as null."""
+        ``"nabla_recall"``: the mean over queries of the dense attention's mass its sparse mask keeps)."""
         num_slots, tables = len(self.plan.resolved.batch) if self.plan else 0, {}
         for key, slots in self.stats.items():
             table = torch.full((num_slots, len(next(iter(slots.values())))), float("nan"), dtype=torch.float64)
             for slot, values in slots.items():
                 table[slot] = torch.tensor(values, dtype=torch.float64)
             tables[key] = table
-        if not as_json:
-            return tables
-        nulls = [[[x if x == x else None for x in row] for row in t.tolist()] for t in tables.values()]
-        return [dict(step=k[0], layer=k[1], name=k[2], values=v) for k, v in zip(tables, nulls)]
+        return tables
 
     @property
     def wants_value(self) -> bool:

@@ -91,8 +91,9 @@ class Facts:
 
     @property
     def text_lengths(self) -> tuple[int, ...] | None:
-        """Per slot of the results' batch axis, its valid text tokens where a mask keeps fewer than T (`None`: all)."""
-        return self._capture.per_slot(self._capture.text_lengths, self.layout and self.layout.text_len)
+        """Per slot of the results' batch axis, its valid text tokens where a key mask keeps fewer than T, the text
+        of the sequence or of the cross-attention (LTX-Video's, where a mask is given: every slot's); `None`: all."""
+        return self._capture.per_slot(self._capture.text_lengths, self.layout and self.layout.prompt_len)
 
     query_lengths = property(
         lambda self: self._capture.per_slot(self._capture.query_lengths, self.layout and self.layout.seq_len),

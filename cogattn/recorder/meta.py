@@ -45,7 +45,10 @@ def run_meta(rec) -> dict:
             "pipeline": None if rec.pipeline is None else type(rec.pipeline).__name__,
         },
         "mesh": None if rec._capture.mesh is None else rec._capture.mesh.asdict(),
-        "call_stats": rec._capture.call_stats(as_json=True),
+        "call_stats": [  # NaN (a slot whose call was not captured) as null
+            dict(step=step, layer=layer, name=name, values=[[x if x == x else None for x in r] for r in t.tolist()])
+            for (step, layer, name), t in rec._capture.call_stats().items()
+        ],
         "sources": rec._sources,
         "layer_output": rec.options.layer_output,
         "storage_dtype": rec.options.storage_dtype,
