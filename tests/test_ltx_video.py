@@ -59,8 +59,8 @@ def test_the_cross_attention_mask_is_one_bias_per_item():
 def test_each_slot_s_valid_text_is_the_tokenizer_s_and_read_back_from_the_run(tmp_path):
     """Prompts and negative prompts of different lengths: the cross-attention's key mask keeps each item's own text,
     told per slot (``[uncond..., cond...]``) by ``text_lengths`` as the tokenizer's mask counts it, and in run.json;
-    a mask that keeps other keys than a text's first is no length (``kept_prefix``)."""
-    from cogattn.recorder.processor import kept_prefix
+    a text padded at the start counts its kept tokens as well (``kept_count``)."""
+    from cogattn.recorder.processor import kept_count
 
     pipe = ltx_video.tiny_pipeline()
     prompts, negatives = ["a red fox running in the snow", "a fox"], ["blue sky", "snow in the red"]
@@ -72,7 +72,7 @@ def test_each_slot_s_valid_text_is_the_tokenizer_s_and_read_back_from_the_run(tm
     assert rec.text_lengths == want and min(want) < 8 and cogattn.load(tmp_path).text_lengths == list(want)
     m = rec.get("video_to_text", 0, 0)  # (B, H, T, F, Hp, Wp): a padded token's column holds 0
     assert [int((m[b].flatten(2).sum(-1) > 0).any(0).sum()) for b in range(4)] == list(want)
-    assert kept_prefix(torch.tensor([[0.0, 0.0, -1e4], [0.0, -1e4, 0.0], [-torch.inf] * 3])) == [2, None, 0]
+    assert kept_count(torch.tensor([[0.0, 0.0, -1e4], [-1e4, 0.0, 0.0], [-torch.inf] * 3])) == [2, 2, 0]
 
 
 def test_a_condition_after_frame_0_is_recorded_off_the_grid_exactly(monkeypatch):

@@ -27,7 +27,7 @@ from ..exact.planner import CapturePlan, TilePlan, plan_tiles
 from ..runs.skips import Skips
 from ..runs.store import StoreError
 from .mesh import Mesh
-from .processor import kept_prefix
+from .processor import kept_count
 
 __all__ = ["Capture"]
 
@@ -365,8 +365,8 @@ class Capture:
             return
         items, slots = whole
         if context == "text" and bias is not None and not self.text_lengths.keys() >= set(slots):  # read once a slot
-            kept = kept_prefix(bias)  # LTX-Video's text, padded at the end: each item's valid tokens
-            self.text_lengths.update({s: red.context_len if kept[b] is None else kept[b] for s, b in zip(slots, items)})
+            kept = kept_count(bias)  # each item's valid text (LTX-Video's); a self-attention's mask tells it first
+            self.text_lengths.update({s: self.text_lengths.get(s, kept[b]) for s, b in zip(slots, items)})
         if self.mesh is not None:
             h, tiles = len(parts[self.mesh.rank]), plan.context_tiles[red.source]
             outs = context_pass(query, key, items, reducers, None, tiles, bias) if h else None

@@ -237,14 +237,10 @@ def context_bias(mask: torch.Tensor | None, batch: int, length: int) -> torch.Te
     return first.float()
 
 
-def kept_prefix(bias: torch.Tensor) -> list[int | None]:
-    """Per item of a key mask ``bias`` ``(B, C)`` (:func:`context_bias`'s), the keys it keeps where they are its
-    first ones (a text padded at the end; a key below −1000 has no probability in float32), `None` where it keeps
-    another set."""
-    kept = bias > -1000.0
-    count = kept.sum(-1)
-    prefix = (kept == (torch.arange(bias.shape[-1], device=bias.device) < count[:, None])).all(-1)
-    return [int(n) if ok else None for n, ok in zip(count.tolist(), prefix.tolist())]
+def kept_count(bias: torch.Tensor) -> list[int]:
+    """Per item of a key mask ``bias`` ``(B, C)`` (:func:`context_bias`'s), the keys it keeps (a key below −1000 has
+    no probability in float32), wherever they are: a text padded at the end or at the start."""
+    return (bias > -1000.0).sum(-1).tolist()
 
 
 def query_key_mask(mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
