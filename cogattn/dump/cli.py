@@ -88,7 +88,7 @@ def plan(cfg: DumpConfig, prompts: list[Prompt]) -> Estimate:
     key = cfg.output_key()
     for folder in (out / p.key() for p in prompts):
         meta = prompt_meta(folder)
-        if meta.get("complete") and meta.get("config_key") != key:
+        if meta.get("complete") and meta.get("config_key") not in (key, cfg.output_key(legacy=True)):
             raise ConfigError(
                 f"{str(folder)!r} was made with other settings (config key {meta.get('config_key')} ≠ {key}); "
                 "write to another save_dir, or delete it to redo it."
@@ -144,7 +144,7 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
         skipped = len(mine) - len(todo)
         if skipped:
             print(f"{process}{skipped} prompts already complete, skipped", flush=True)
-        finished_elsewhere, done = 0, 0  # by another process while this one worked; by this one
+        finished_elsewhere, done = 0, 0  # by another process (finished, or being written) while this one worked
         if todo:
             try:
                 pipe = load_pipeline(cfg, device)
@@ -156,13 +156,17 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
                 try:
                     writes, agree = (True, None) if mesh is None else (mesh.writer, mesh.agree)  # its first writes
                     folder = out / prompt.key()
-                    if run_prompt(pipe, cfg, prompt, folder, state.process_index, writes, mesh is None, agree):
-                        done += 1
-                    else:
-                        finished_elsewhere += 1
+                    written = run_prompt(pipe, cfg, prompt, folder, state.process_index, writes, mesh is None, agree)
+                    done, finished_elsewhere = done + bool(written), finished_elsewhere + (not written)
+                    if written is None:
+                        print(f"{process}prompt {prompt.index} is being written by another process; left to it")
                 except Exception as err:  # one prompt's failure must not stop the others
                     failures.append((prompt, err))
-                    print(f"prompt {prompt.index} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+                    print(
+                        f"{process}prompt {prompt.index} failed: {type(err).__name__}: {err}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     if os.environ.get("COGATTN_DEBUG"):
                         traceback.print_exc()
                     if mesh is not None and not isinstance(err, NotPrepared):  # failed while generating together
@@ -176,7 +180,10 @@ def _run(cfg: DumpConfig, prompts: list[Prompt]) -> int:
     skipped += finished_elsewhere
     print(f"{process}{done} prompts written, {skipped} skipped, {len(failures)} failed -> {out}", flush=True)
     for prompt, err in failures:
-        print(f"  failed: prompt {prompt.index} ({prompt.prompt[:40]!r}): {type(err).__name__}: {err}", file=sys.stderr)
+        print(
+            f"{process}  failed: prompt {prompt.index} ({prompt.prompt[:40]!r}): {type(err).__name__}: {err}",
+            file=sys.stderr,
+        )
     if state.is_main_process and any(is_complete(out / p.key()) for p in prompts):  # the last line: where to look
         print(f"see the maps in the browser: cogattn view {shlex.quote(str(out))}", flush=True)
     return 1 if failures else 0

@@ -208,11 +208,12 @@ class DumpConfig:
         data = {f: getattr(self, f) for f in _fields() if f != "capture"}
         return {**data, "capture": {k: _jsonable(getattr(self.capture, k)) for k in CAPTURE_KEYS}}
 
-    def output_key(self) -> str:
+    def output_key(self, legacy: bool = False) -> str:
         """A hash of every setting that changes what a prompt's folder holds; not ``device``, ``offload``,
         ``vae_tiling``, ``parallel``, ``capture.memory_budget``, ``capture.method``, ``capture.verify``, ``save_dir``
-        or ``prompts``, which
-        change only how or where it is computed."""
+        or ``prompts``, which change only how or where it is computed. One key however a setting is written: a
+        guidance scale of 6 or 6.0, the captured ``kinds``, ``steps`` and ``layers`` in any order (``legacy``: the
+        key of the raw values, which folders written before said)."""
         settings = self.to_dict()
         for key in ("device", "offload", "vae_tiling", "save_dir", "prompts", "parallel"):
             del settings[key]
@@ -221,6 +222,10 @@ class DumpConfig:
                 del settings[key]
         for key in ("memory_budget", "method", "verify"):
             del settings["capture"][key]
+        if not legacy:
+            settings.update({k: float(v) for k, v in settings.items() if k in _FLOATS and type(v) is int})
+            cap = settings["capture"]
+            cap.update({k: sorted(cap[k], key=str) for k in ("kinds", "steps", "layers") if isinstance(cap[k], list)})
         return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -248,6 +253,7 @@ _TYPES = {
     "save_dir": str,
     "device": str,
 }
+_FLOATS = ("guidance_scale", "guidance_scale_2", "true_cfg_scale")  # a whole number written is the same scale
 _OPTIONAL = ("guidance_scale_2", "true_cfg_scale", "max_sequence_length")  # None: the pipeline's or family's default
 
 
@@ -317,12 +323,16 @@ def _override(data: dict, item: str) -> None:
     except yaml.YAMLError:
         raise ConfigError(f"--set {item!r}: the value is not valid YAML.") from None
     head, dot, sub = key.strip().partition(".")
-    if not dot:
-        data[head] = parsed
+    if not dot:  # a prompts file named on the command line is where the command runs, as save_dir is
+        data[head] = (
+            str(Path(parsed).expanduser().absolute()) if head == "prompts" and isinstance(parsed, str) else parsed
+        )
         return
     if head != "capture" or not sub or "." in sub:
         raise ConfigError(f"--set {item!r}: only capture options have dotted keys (capture.KEY=VALUE).")
-    section = data.setdefault("capture", {})
+    if data.get("capture") is None:  # absent, or `capture:` with nothing under it
+        data["capture"] = {}
+    section = data["capture"]
     if not isinstance(section, dict):
         raise ConfigError(f"--set {item!r}: capture is {section!r}, not a mapping.")
     section[sub] = parsed

@@ -144,9 +144,10 @@ def run_prompt(
     writes: bool = True,
     alone: bool = True,
     agree=None,
-) -> bool:
-    """Generate one video with capture into ``folder`` (a fresh or incomplete one is (re)made); `False` where another
-    process completed it since this one chose its prompts (``alone``: no mesh waits on this process), left as it is.
+) -> bool | None:
+    """Generate one video with capture into ``folder`` (a fresh or incomplete one is (re)made): `True`; `False` where
+    another process completed it since this one chose its prompts, `None` where one is writing it now (``alone``: no
+    mesh waits on this process; another run over the same ``save_dir``), left as it is.
 
     Args:
         pipe: the pipeline from :func:`load_pipeline`.
@@ -172,6 +173,8 @@ def run_prompt(
         try:  # held until the prompt is complete: another process never deletes or mixes into it
             lock = RunLock(folder)
         except LockHeldError:  # (a folder it cannot write is RunLock's own StoreError, naming it)
+            if alone:  # another run over the same save_dir is writing it: its prompt, not a failure of this one
+                return None
             raise StoreError(f"{str(folder)!r} is being written by another process; it is left alone.") from None
         try:
             if alone and is_complete(folder):  # finished by another process since the list was made: kept

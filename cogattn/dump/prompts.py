@@ -67,6 +67,14 @@ def _read_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
         for key in ("negative_prompt", "image"):
             if obj.get(key) is not None and not isinstance(obj[key], str):
                 raise ConfigError(f"{path}:{n}: {key} is {obj[key]!r}; give a string.")
+        for key in ("prompt", "negative_prompt", "image"):  # a JSON escape of half a surrogate pair is no text
+            if isinstance(obj.get(key), str) and not obj[key].isascii():
+                try:
+                    obj[key].encode("utf-8")
+                except UnicodeEncodeError as err:
+                    raise ConfigError(
+                        f"{path}:{n}: {key} holds {err.object[err.start]!r}, half of a pair, no character."
+                    ) from None
         seed = obj.get("seed")
         if seed is not None and (type(seed) is not int or not 0 <= seed < 2**64):
             raise ConfigError(f"{path}:{n}: seed is {seed!r}; give a whole number from 0 to 2**64 - 1.")
