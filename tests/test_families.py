@@ -1463,6 +1463,11 @@ def test_refusals_and_estimates(pipes, family):
     assert est.layout == dataclasses.replace(rec.layout, **named)
     recorded = {(k, tuple(rec.get(k, 0, n).shape)) for k, step, n in rec.keys() if step == 0}  # every layout's
     assert recorded == {(k, tuple(shape)) for k, shape, _, _ in est.records}
+    # the plan: the same tiles (row tiles under a family's mask over token groups: Latte, Cosmos 3), where the
+    # layouts are the same
+    assert rec.plan.tiles.method == est.plan.tiles.method
+    if est.layout == rec.layout:
+        assert rec.plan.peak_extra_memory == est.plan.peak_extra_memory
 
 
 @pytest.mark.parametrize("family", list(CASES))

@@ -155,6 +155,20 @@ def test_the_refused_kinds_and_the_output_call_are_one_line_each(model):
         cogattn.Recording(model, kinds=("entropy",), layer_output="lse")
 
 
+def test_method_triton_where_its_kernels_cannot_run_is_refused_though_the_mask_takes_row_tiles(model):
+    """Latte's layers run under a mask over token groups, so row tiles serve every kind whatever the method; a method
+    that cannot run here is still refused, by the recording and by ``estimate`` alike (the estimate accepted it)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device runs the kernels")
+    size = dict(num_frames=F, height=32, width=48, num_inference_steps=1, text_len=5)
+    with pytest.raises(ValueError, match="method='triton' needs"):
+        cogattn.estimate(model, kinds=("frame",), method="triton", **size)
+    with pytest.raises(ValueError, match="method='triton' needs"):
+        with cogattn.record(model, kinds=("frame",), method="triton"):
+            model(**_call())
+    assert cogattn.estimate(model, kinds=("frame",), **size).plan.tiles.method == "rows"
+
+
 def test_the_batch_tool_takes_the_transformer_s_video_length_alone():
     """The transformer adds its temporal position table of ``video_length`` rows: the batch tool refuses another
     count in one line."""

@@ -523,6 +523,15 @@ def test_an_estimate_of_a_call_the_pipeline_refuses_is_one_line(kwargs, match):
     assert est.layout.grid == (48, 23, 40) and est.num_records == 2 * 36
 
 
+def test_an_estimate_takes_a_transformer_s_config_as_it_takes_the_transformer(pipe):
+    """``transformer.config`` or a dict of config.json's keys (it was taken for a path: an OSError, name too long)."""
+    call = dict(kinds=("frame",), num_frames=9, height=48, width=80, num_inference_steps=2)
+    want = cogattn.estimate(pipe, **call)
+    for config in (pipe.transformer.config, dict(pipe.transformer.config)):
+        got = cogattn.estimate(config, **call)
+        assert (got.layout, got.records, got.peak_extra_memory) == (want.layout, want.records, want.peak_extra_memory)
+
+
 def test_memory_budget_accepts_exponents_in_either_case():
     assert cogattn.CaptureOptions(memory_budget="1E9").memory_budget == 10**9
     assert cogattn.CaptureOptions(memory_budget="1.5e9").memory_budget == 1_500_000_000

@@ -370,7 +370,8 @@ def plan_capture(
     context, heads_of = context_reducers(options, res, sources, model.sources, sizes)
     copies = dtype != torch.float32 or res.heads != tuple(range(num_heads))
     method = "joint" if options.layer_output == "joint" else options.method
-    method = "rows" if any(mask_cost) else method  # the fused passes take no mask (capture.py does the same)
+    if any(mask_cost):  # the fused passes take no mask (capture.py does the same): row tiles, where the method runs
+        method = choose_method(method, [], layout.seq_len, device, head_dim)  # "rows" (no pooled kinds) or refused
     lse = options.layer_output == "lse"
     layers = model.num_layers if options.layers == "all" else len(options.layers)
     waiting = memory.waiting_bytes([*reducers, *context], res.batch, batch_size, calls_per_step, layers)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -204,8 +205,11 @@ def _module_config(transformer) -> dict:
 
 
 def transformer_config(model) -> dict:
-    """The transformer config of a pipeline, a transformer, ``"tiny"``, a local folder or a hub id
-    (from the hub cache or the hub: the config only, never the weights)."""
+    """The transformer config of a pipeline, a transformer, a config (``transformer.config``, a dict as config.json
+    holds it), ``"tiny"``, a local folder or a hub id (from the hub cache or the hub: the config only, never the
+    weights)."""
+    if isinstance(model, Mapping):
+        return dict(model)
     transformer = getattr(model, "transformer", model)
     if hasattr(transformer, "config") and not isinstance(model, (str, os.PathLike)):
         return _module_config(transformer)

@@ -183,6 +183,7 @@ class Recording(Facts):
 
         calls, common = self._steps.calls_per_step, dict(guidance=self._steps.guidance, num_steps=num_steps)
         common.update(device=device, sources=self._spec.context_kinds, calls_per_step=calls)
+        common.update(mask_cost=self._spec.mask_cost(self.transformer.config))  # row tiles under a family's mask
 
         def planned(options, lay=layout):  # Wan's guidance batch spans two calls
             return plan_capture(options, self._shape, lay, batch_size=batch_size * calls, **common)
