@@ -357,6 +357,7 @@ SURROGATE = '{"prompt": "a fox"}\n{"prompt": "a cat \\ud800"}\n'  # valid JSON, 
         ("save_dir_file", r"save_dir: .* is a file, not a folder"),
         ("flag_not_bool", r"previews: expected bool, got 'maybe'"),
         ("lone_surrogate", r"sur\.jsonl:2: prompt holds '\\ud800', half of a pair, no character"),
+        ("yaml_exponent", r"guidance_scale: expected a number, got '1e3' \(YAML reads 1e3 as text: write 1\.0e\+3\)"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case, message):
@@ -408,6 +409,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, dump, case
         "save_dir_file": ["--set", f"save_dir={_write(tmp_path / 'file', 'x') / 'runs'}"],
         "flag_not_bool": ["--set", "previews=maybe"],
         "lone_surrogate": ["--set", f"prompts={_write(tmp_path / 'sur.jsonl', SURROGATE)}"],
+        "yaml_exponent": ["--set", "guidance_scale=1e3"],
     }[case]
     if not str(args[0]).endswith(".yaml"):
         args = [TINY, *args]

@@ -257,6 +257,15 @@ _FLOATS = ("guidance_scale", "guidance_scale_2", "true_cfg_scale")  # a whole nu
 _OPTIONAL = ("guidance_scale_2", "true_cfg_scale", "max_sequence_length")  # None: the pipeline's or family's default
 
 
+def _number(text: str) -> bool:
+    """Whether ``text`` is a number that YAML 1.1 reads as a string (``1e3``: no dot, no exponent sign)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _fields() -> list[str]:
     return [f.name for f in dataclasses.fields(DumpConfig) if not f.metadata.get("internal")]
 
@@ -299,7 +308,8 @@ def _check(data: dict, config_dir: str) -> DumpConfig:
         if value is None and key in _OPTIONAL:
             continue
         if isinstance(value, bool) and types is not bool or not isinstance(value, types):
-            raise ConfigError(f"{key}: expected {getattr(types, '__name__', 'a number')}, got {value!r}.")
+            hint = " (YAML reads 1e3 as text: write 1.0e+3)" if isinstance(value, str) and _number(value) else ""
+            raise ConfigError(f"{key}: expected {getattr(types, '__name__', 'a number')}, got {value!r}{hint}.")
     for key, choices in _CHOICES.items():
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}: {getattr(cfg, key)!r} is not one of {list(choices)}.")
