@@ -115,6 +115,8 @@ class CaptureOptions:
             disk of the records of probabilities and masses; the 16-bit ones halve their size. Counts (``top_p``:
             int32) and key indices (``topk``, ``frame_max``: float32) stay exact, and float16 keeps ``received`` and
             ``pattern_error`` in float32 (past its 65,504); docs/streaming.md gives each kind's worst error.
+        durable (`bool`, defaults to `False`): with ``save_dir``, put every record and manifest line on the disk
+            (fsync) before the next: a run then survives a power loss or a machine's crash, not only its process's.
         info (`dict | None`): JSON-able facts to keep with the run (prompt, seed, ...).
         verify (`bool`, defaults to `True`): spot-check the fast methods against exact float32 rows at the
             first capture of each shape (and 1% of the later ones), and fall back to exact row tiles (or the
@@ -139,6 +141,7 @@ class CaptureOptions:
     save_dir: str | os.PathLike | None = None
     overwrite: bool = False
     storage_dtype: str = "float32"
+    durable: bool = False
     info: dict | None = None
     verify: bool = True
 
@@ -176,7 +179,7 @@ class CaptureOptions:
             )
         top_p = check_top_p(self.top_p)
         pattern_list = check_option(self.patterns, kinds, self.tile_shape)
-        for flag in ("overwrite", "verify"):
+        for flag in ("overwrite", "verify", "durable"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}.")
         if self.info is not None and not isinstance(self.info, dict):

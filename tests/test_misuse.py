@@ -459,6 +459,30 @@ def test_a_compiled_transformer_is_recorded_uncompiled_and_compiled_again(pipe, 
             cogattn.record(pipe.transformer)
 
 
+@pytest.mark.parametrize("durable", [False, True])
+def test_durable_puts_each_record_and_its_manifest_line_on_the_disk_before_the_next(
+    pipe, tmp_path, monkeypatch, durable
+):
+    """``durable=True``: every record file is flushed before it takes its name, and its manifest line before the next
+    record (a power loss then leaves no line naming bytes that never reached the disk); by default nothing is."""
+    synced, fsync = [], os.fsync
+
+    def counting(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else fd)
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    with cogattn.record(pipe, kinds=("frame", "entropy"), save_dir=tmp_path / "run", durable=durable) as rec:
+        generate(pipe, output_type="latent")
+    records = len(rec.keys())
+    assert records == 2 * 2 * len(rec.timesteps) and cogattn.load(tmp_path / "run").keys() == rec.keys()
+    files = [str(p) for p in synced if str(p).endswith(".safetensors.tmp")]
+    manifest = [p for p in synced if str(p).endswith("manifest.jsonl")]
+    assert (len(files), len(manifest)) == ((records, records) if durable else (0, 0))
+    with pytest.raises(TypeError, match="durable must be True or False"):
+        cogattn.CaptureOptions(durable="yes")
+
+
 def test_free_space_counts_whole_blocks(pipe, tmp_path, monkeypatch):
     """Many small records take a whole block each: 4 records of 1 KB need 4 blocks of 4 KiB, not 4 KB."""
     usage = namedtuple("usage", "total used free")

@@ -101,7 +101,7 @@ class DumpConfig:
         capture (`CaptureOptions`): the ``capture:`` mapping: ``kinds``, ``layers``, ``steps`` (the
             denoising steps captured, 0-based), ``batch``, ``heads``, ``queries``, ``block_size``,
             ``tile_shape``, ``topk``, ``top_p``, ``patterns``, ``memory_budget``, ``method``, ``layer_output``,
-            ``storage_dtype``, ``verify``, documented and checked by
+            ``storage_dtype``, ``verify``, ``durable``, documented and checked by
             :class:`cogattn.CaptureOptions` (a key left out takes its default there). Its ``save_dir``,
             ``overwrite`` and ``info`` are refused: the tool sets them for each prompt.
         save_dir (`str`): output root; each prompt gets ``<save_dir>/<index>-<hash>/``.
@@ -210,7 +210,7 @@ class DumpConfig:
 
     def output_key(self, legacy: bool = False) -> str:
         """A hash of every setting that changes what a prompt's folder holds; not ``device``, ``offload``,
-        ``vae_tiling``, ``parallel``, ``capture.memory_budget``, ``capture.method``, ``capture.verify``, ``save_dir``
+        ``vae_tiling``, ``parallel``, ``capture.memory_budget``, ``capture.method``, ``capture.verify``, ``capture.durable``, ``save_dir``
         or ``prompts``, which change only how or where it is computed. One key however a setting is written: a
         guidance scale of 6 or 6.0, the captured ``kinds``, ``steps`` and ``layers`` in any order (``legacy``: the
         key of the raw values, which folders written before said)."""
@@ -220,7 +220,7 @@ class DumpConfig:
         for key, default in _LATER.items():
             if settings[key] == default:
                 del settings[key]
-        for key in ("memory_budget", "method", "verify"):
+        for key in ("memory_budget", "method", "verify", "durable"):
             del settings["capture"][key]
         if not legacy:
             settings.update({k: float(v) for k, v in settings.items() if k in _FLOATS and type(v) is int})

@@ -82,9 +82,7 @@ class Recording(Facts):
         self._deferred = self.options.save_dir is not None and distributed()
         self._store: MemoryStore | RunWriter | ElsewhereStore = MemoryStore()
         if self.options.save_dir is not None and not self._deferred:
-            self._store = RunWriter.create(
-                self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
-            )
+            self._store = RunWriter.create(self.options, self._meta())
         self._capture.store = self._store
         # The hooks hold the recording weakly: a recording dropped without close() stops capturing and
         # its hooks go away with it, instead of outliving it in the transformer.
@@ -169,9 +167,7 @@ class Recording(Facts):
                 self._store = self._capture.store = (
                     ElsewhereStore(mesh.rank)
                     if mesh is not None and not mesh.writer
-                    else RunWriter.create(
-                        self.options.save_dir, self.options.overwrite, self.options.storage_dtype, self._meta()
-                    )
+                    else RunWriter.create(self.options, self._meta())
                     if writes
                     else self._store
                 )

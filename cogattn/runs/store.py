@@ -210,13 +210,14 @@ class RunWriter:
         self._thread.start()
 
     @classmethod
-    def create(cls, save_dir: Path, overwrite: bool, storage_dtype: str, meta: dict) -> RunWriter:
-        """A writer for a new run in ``save_dir`` (see :func:`prepare_folder`), its ``run.json`` written;
-        nothing is left behind when that fails."""
-        path = Path(save_dir).expanduser().absolute()
+    def create(cls, options, meta: dict) -> RunWriter:
+        """A writer for a new run in ``options.save_dir`` (a `CaptureOptions`'s: ``overwrite``, ``storage_dtype``,
+        ``durable``; see :func:`prepare_folder`), its ``run.json`` written; nothing is left behind when that fails."""
+        path = Path(options.save_dir).expanduser().absolute()
         missing = [p for p in (path, *path.parents) if not p.exists()]  # what prepare_folder will make
         mean_heads = (meta.get("selection") or {}).get("heads") == "mean"
-        writer = cls(prepare_folder(path, overwrite), storage_dtype, mean_heads=mean_heads)
+        folder = prepare_folder(path, options.overwrite)
+        writer = cls(folder, options.storage_dtype, durable=options.durable, mean_heads=mean_heads)
         writer.made_from = missing[-1] if missing else None
         try:
             writer.write_meta(meta)
