@@ -194,6 +194,35 @@ def test_frame_rows_sum_to_one_and_many_groups():
     assert torch.allclose(got["frame"].sum(-1), torch.ones(H, 21), atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["rows", "sdpa"])
+def test_a_pooled_fold_of_many_rows_and_groups_weighs_them_by_runs(path):
+    """1,290 query rows (the SDPA pass's sums of all, row tiles of 1,024), fine 3-D tiles (642 groups), blocks of 2:
+    the fold weighs its rows in runs of ``FOLD_ROWS`` (each run's weights and means a small share of the tile's,
+    where one matrix of every group met by every row held 3.3 MB here, 320 MB at CogVideoX-5b's size, kept for the
+    recording's life), the maps as the naive softmax's."""
+    from cogattn.exact.reducers.pooled import FOLD_ROWS
+
+    torch.manual_seed(3)
+    layout = TokenLayout(10, 4, 16, 20)  # S = 1,290
+    H, S, D = 2, layout.seq_len, 16
+    q, k = torch.randn(H, S, D) * 2, torch.randn(H, S, D) * 2
+    sizes = dict(SIZES, tile_shape=(1, 2, 2), block_size=2)
+    kinds = ["tile", "block", "frame", "query_frame"]
+    reducers = [REDUCERS[kd](layout, H, False, None, **sizes) for kd in kinds]
+    plan = plan_tiles(reducers, S, H, D, 2**30, path, q.device)
+    assert S > 2 * FOLD_ROWS and plan.method == path  # the sdpa pass folds every row's sums at once
+    assert plan.row_rows > FOLD_ROWS if path == "rows" else plan.pooled_heads  # rows: tiles of several runs
+    outs = [torch.zeros(r.shape(1)[1:]) for r in reducers]
+    capture(q, k, reducers, outs, plan)
+    P = naive_probs(q[None], k[None])
+    for kind, got in zip(kinds, outs):
+        ref = naive_kind(P, kind, layout.text_len, layout.grid, **sizes)[0]
+        assert (got.double() - ref).abs().max() <= 1e-5, kind
+    for red in reducers[:3]:  # the runs' weights: at most FOLD_ROWS groups met by each of its rows
+        held = sum(pool.numel() for _, pool in red._pools.values())
+        assert held <= S * FOLD_ROWS and all(pool.shape[1] <= FOLD_ROWS for _, pool in red._pools.values())
+
+
 def test_query_rows_in_any_order_even_all_of_them():
     """A query list of exactly S tokens, permuted, is not mistaken for the full rows in order."""
     torch.manual_seed(4)

@@ -12,6 +12,8 @@ from .base import Reducer
 
 __all__ = ["BlockReducer", "FrameReducer", "QueryFrameReducer", "TileReducer", "VideoToTextReducer"]
 
+FOLD_ROWS = 512  # query rows a pooled fold weighs at once (see FrameReducer.fold_pooled)
+
 
 class FrameReducer(Reducer):
     """``frame``: ``(B, H, G, G)``, mean over queries in group g of ``Σ_{j in group h} P[i, j]``; rows sum to 1."""
@@ -49,15 +51,17 @@ class FrameReducer(Reducer):
 
     def fold_pooled(self, out, h0, r0, pooled):
         # A weight matrix, not slices: a 3-D tile's rows are no run of tokens; deterministic, no (G, G) temporary.
+        # By runs of FOLD_ROWS rows: a run meets at most as many groups, so its weights (groups met × rows) and
+        # means (h × groups met × G) stay a small share of the tile's, however many groups (fine tiles, blocks).
         end = r0 + pooled.shape[1] if self.query_limit is None else min(r0 + pooled.shape[1], self.query_limit)
-        if end <= r0:
-            return
-        met, pool = self._pool(r0, end, pooled.device)
-        means = pool.to(pooled.dtype) @ pooled[:, : end - r0]  # (h, groups met, G)
-        if self.mean_heads:
-            out[0, met] += means.sum(0) / self.num_heads
-        else:
-            out[h0 : h0 + means.shape[0], met] += means
+        for a in range(r0, end, FOLD_ROWS):
+            b = min(end, a + FOLD_ROWS)
+            met, pool = self._pool(a, b, pooled.device)
+            means = pool.to(pooled.dtype) @ pooled[:, a - r0 : b - r0]  # (h, groups met, G)
+            if self.mean_heads:
+                out[0, met] += means.sum(0) / self.num_heads
+            else:
+                out[h0 : h0 + means.shape[0], met] += means
 
 
 class BlockReducer(FrameReducer):
