@@ -329,13 +329,20 @@ def exact_scores(q, k, kept: int, mask, scale: float):
     return scores
 
 
-def multi_key_indicator(reducers: list[Reducer], S: int, device=None, dtype=torch.float32) -> torch.Tensor:
+def multi_key_indicator(reducers: list[Reducer], S: int, device=None, dtype=torch.float32, out=None) -> torch.Tensor:
     """Indicator ``(S, ΣC)`` of the reducers' multi-key groups side by side, in reducer order (the columns
-    the SDPA pass, the Triton kernel and the joint output call compute)."""
+    the SDPA pass, the Triton kernel and the joint output call compute); written into the first ``ΣC`` columns and
+    ``S`` rows of ``out`` where given (zeros: the engine's padded indicator), with no copy of its own."""
     groups = [r.key_groups for r in reducers if r.key_groups is not None and not r.key_groups.single_keys]
-    if not groups:
-        return torch.zeros(S, 0, dtype=dtype, device=device)
-    return torch.cat([g.indicator(S, dtype, device) for g in groups], dim=1)
+    width = sum(g.num_groups for g in groups)
+    out = torch.zeros(S, width, dtype=dtype, device=device) if out is None else out
+    offset = 0
+    for g in groups:  # each group's ones in place: no per-reducer (S, C) indicator, no concatenated copy
+        kept = g.keys < out.shape[0]
+        keys, cols = g.keys[kept].to(out.device), g.groups[kept].to(out.device) + offset
+        out[keys, cols] = 1
+        offset += g.num_groups
+    return out
 
 
 def pooled_pass(
@@ -370,7 +377,7 @@ def pooled_pass(
     if needs_qk:
         indicator = torch.zeros(K, n_calls * D, dtype=torch.float32, device=q.device)  # zero values cost as any
         if n_cols:
-            indicator[:, :n_cols] = multi_key_indicator([r for r, _ in multi], S, q.device)[:K]
+            multi_key_indicator([r for r, _ in multi], S, out=indicator)  # the first K keys' rows
             ranges = passes.key_ranges([r.key_groups for r, _ in multi], K, D)  # local groups: runs of keys
     for h0 in range(0, H, plan.pooled_heads):
         h1 = min(H, h0 + plan.pooled_heads)
