@@ -50,6 +50,8 @@ PLANS = [
     dict(kinds=("entropy", "received", "query_frame", "block"), method="sdpa"),
     dict(kinds=("topk",), heads="mean"),
     dict(kinds=("topk",), heads=[0, 1, 2], storage_dtype="bfloat16"),
+    dict(kinds=("tile",), method="sdpa", tile_shape=(1, 2, 2)),  # 1,726 groups: the fold's runs and indicator
+    dict(kinds=("block",), method="sdpa", block_size=4),  # 1,744 groups
 ]
 
 
@@ -118,7 +120,8 @@ def main() -> None:
             written = sum(r.nbytes for r in cogattn.load(Path(tmp) / "run").records())
         name = " + ".join(opts["kinds"])
         heads = f"heads {opts['heads']}" if isinstance(opts["heads"], str) else f"{len(opts['heads'])} heads"
-        label = f"{name} ({pred.tiles.method}, {heads}, {str(dtype)[6:]})"
+        sizes = "".join(f", {k} {opts[k]}" for k in ("tile_shape", "block_size") if k in opts)
+        label = f"{name} ({pred.tiles.method}, {heads}, {str(dtype)[6:]}{sizes})"
         rows.append((label, pred.peak_extra_memory, max(peaks), pred.record_bytes, written))
         print(
             f"{label:>60}: memory predicted {pred.peak_extra_memory / MiB:8.1f} MiB, measured "
