@@ -12,7 +12,7 @@ from .base import Reducer
 
 __all__ = ["BlockReducer", "FrameReducer", "QueryFrameReducer", "TileReducer", "VideoToTextReducer"]
 
-FOLD_ROWS = 512  # query rows a pooled fold weighs at once (see FrameReducer.fold_pooled)
+FOLD_ROWS = 512  # query rows a pooled fold weighs at once, at least (see FrameReducer.fold_pooled)
 
 
 class FrameReducer(Reducer):
@@ -51,11 +51,13 @@ class FrameReducer(Reducer):
 
     def fold_pooled(self, out, h0, r0, pooled):
         # A weight matrix, not slices: a 3-D tile's rows are no run of tokens; deterministic, no (G, G) temporary.
-        # By runs of FOLD_ROWS rows: a run meets at most as many groups, so its weights (groups met × rows) and
-        # means (h × groups met × G) stay a small share of the tile's, however many groups (fine tiles, blocks).
+        # By runs of rows, of FOLD_ROWS at least and of FOLD_ROWS² weights at most: a run meets at most as many groups
+        # as it has rows, so its weights (groups met × rows) and means (h × groups met × G) stay a small share of the
+        # tile's however many groups (fine tiles, blocks), and a few groups (frames) take one run, one matmul.
         end = r0 + pooled.shape[1] if self.query_limit is None else min(r0 + pooled.shape[1], self.query_limit)
-        for a in range(r0, end, FOLD_ROWS):
-            b = min(end, a + FOLD_ROWS)
+        run = max(FOLD_ROWS, FOLD_ROWS * FOLD_ROWS // self.key_groups.num_groups)
+        for a in range(r0, end, run):
+            b = min(end, a + run)
             met, pool = self._pool(a, b, pooled.device)
             means = pool.to(pooled.dtype) @ pooled[:, a - r0 : b - r0]  # (h, groups met, G)
             if self.mean_heads:
