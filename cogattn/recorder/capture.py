@@ -19,13 +19,13 @@ from dataclasses import replace
 
 import torch
 
+from ..errors import StoreError
 from ..exact import engine, passes
 from ..exact.attention import attention_joint_for, attention_with_lse
 from ..exact.checks import Verifier, probe_rows
 from ..exact.context import context_pass
 from ..exact.planner import CapturePlan, TilePlan, plan_tiles
 from ..runs.skips import Skips
-from ..runs.store import StoreError
 from .mesh import Mesh
 from .processor import kept_count
 

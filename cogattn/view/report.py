@@ -91,10 +91,11 @@ def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tup
             rows = slice(tokens[0], tokens[-1] + 1)  # once per step, reading the kept tokens' rows only
             try:
                 m = aggregate(view.run, kind, steps=step, layers=view.layers_at(kind, step, "mean"), row=rows)
-            except (NotRecordedError, StoreError, ValueError) as err:  # a damaged record: its panel says so
-                m = [{"error": str(err)}] * len(tokens)
+            except (NotRecordedError, StoreError, ValueError) as err:  # a damaged record: its panels say so
+                maps.update({f"{kind}|{step}|mean|mean|{token}": {"error": str(err)} for token in tokens})
+                continue
             for i, token in enumerate(tokens):
-                maps[f"{kind}|{step}|mean|mean|{token}"] = m[i] if isinstance(m, list) else _kept(m[i], side)
+                maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[i], side)
     for kind in AUDIO_KINDS:  # LTX-2's audio stream: the mean over layers at each step
         for step in summary["steps"].get(kind, []):
             maps[f"{kind}|{step}|mean|mean|"] = _rounded(view.map(kind, step, "mean"))
