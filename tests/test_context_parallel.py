@@ -210,14 +210,34 @@ def test_chronoedit_records_under_ulysses(tmp_path):
     _ranks(_family_rank, 2, tmp_path, pipe, call, kinds)
 
 
-def _rank0_alone_rank(rank, world, out, pipe):
-    """What rank 0 alone meets under Ulysses 2, raised on both ranks at one point of the generation (else rank 1
-    waits in the next collective): its save_dir not empty at the first call, a record it cannot write (the
-    generation stops after that call), its run that cannot be closed."""
+def _alone_rank(rank, world, out, pipe):
+    """What one rank alone meets under Ulysses 2, raised on both ranks at one point of the generation (else the other
+    waits in the next collective): rank 1's plan refused (by its host's memory, say); rank 0's save_dir not empty at
+    the first call, a record it cannot write (the generation stops after that call), its run that cannot be closed."""
+    from cogattn.recorder import recording
     from cogattn.runs.store import RunWriter
 
     _enable(pipe.transformer, 1, 2)
     run = dict(kinds=("frame", "entropy"), batch="all")
+    plan = recording.plan_capture
+
+    def refused_on_rank_1(*args, **kwargs):
+        if rank == 1:
+            raise ValueError("no room on this host (a test)")
+        return plan(*args, **kwargs)
+
+    recording.plan_capture = refused_on_rank_1
+    try:
+        expected = (
+            (ValueError, "no room") if rank == 1 else (RuntimeError, "rank 1 of the context-parallel mesh could not "
+                                                       "start the run, so this rank stops too: ValueError: no room")
+        )  # fmt: skip
+        with pytest.raises(expected[0], match=expected[1]):
+            with cogattn.record(pipe, save_dir=out / "plan", **run):
+                pipe(**CALL, **_prompt())
+    finally:
+        recording.plan_capture = plan
+    assert rank == 1 or not (out / "plan").exists()  # rank 0's run, refused before any record: discarded
     rank1 = "rank 0 of the context-parallel mesh could not {}, so this rank stops too: StoreError: "
     if rank == 0:  # (rank 1's save_dir is not looked at: it writes nothing)
         (out / "full").mkdir()
@@ -269,8 +289,8 @@ def _rank0_alone_rank(rank, world, out, pipe):
     assert not [w for w in said if "did not run" in str(w.message)]  # rank 1 stores nothing: no call was skipped
 
 
-def test_what_rank_0_alone_meets_is_raised_on_every_rank(tmp_path):
-    _ranks(_rank0_alone_rank, 2, tmp_path, tmp_path, tiny_pipeline(num_heads=4))
+def test_what_one_rank_alone_meets_is_raised_on_every_rank(tmp_path):
+    _ranks(_alone_rank, 2, tmp_path, tmp_path, tiny_pipeline(num_heads=4))
     assert cogattn.load(tmp_path / "fine").keys() == [
         (k, s, i) for k in ("entropy", "frame") for s in (0, 1) for i in (0, 1)
     ]

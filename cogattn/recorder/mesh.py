@@ -141,16 +141,18 @@ class Mesh:
         return dataclasses.replace(options, memory_budget=options.memory_budget - held)
 
     def settle(self, error: BaseException | None, what: str) -> None:
-        """Rank 0's ``error`` (`None`: none), met by it alone (its run folder, its disk), raised on every rank: one
-        broadcast, so that no rank waits for rank 0 in the generation's next collective. Rank 0 raises ``error``, the
-        others a `RuntimeError` naming it; every rank calls this at the same point of the generation."""
-        box = [None if error is None else f"{type(error).__name__}: {error}"] if self.writer else [None]
-        dist.broadcast_object_list(box, src=self._root(), group=self.group)
-        if box[0] is None:
+        """The ``error`` this rank met alone (`None`: none; its run folder, its disk, its plan), and every other rank's,
+        raised on every rank: one gather, so that no rank waits in the generation's next collective for one that
+        stopped. A rank raises its own error, the others a `RuntimeError` naming the first rank that met one; every
+        rank calls this at the same point of the generation."""
+        said = [None] * self.size
+        dist.all_gather_object(said, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+        first = next((rank for rank, text in enumerate(said) if text is not None), None)
+        if first is None:
             return
-        if self.writer:
+        if error is not None:
             raise error
-        raise RuntimeError(f"rank 0 of the context-parallel mesh {what}, so this rank stops too: {box[0]}")
+        raise RuntimeError(f"rank {first} of the context-parallel mesh {what}, so this rank stops too: {said[first]}")
 
     def local(self, reducer, heads: int):
         """A copy of ``reducer`` for this rank's ``heads`` of its selection (kept for the recording's life)."""

@@ -159,7 +159,7 @@ class Recording(Facts):
                 f"layer_output={self.options.layer_output!r} makes the layer's output in cogattn's own call, past "
                 f"diffusers' context-parallel dispatch (ring {mesh.ring} × ulysses {mesh.ulysses}): use 'stock'."
             )
-        failed = None  # under a mesh, what rank 0 alone met (its folder, its disk): raised on every rank (settle)
+        failed = None  # under a mesh, what one rank alone met (its folder, disk, plan): raised on every rank (settle)
         if self._deferred or (mesh is not None and not mesh.writer):
             self._deferred = False
             writes = self.options.save_dir is not None and (mesh is None or mesh.writer)
@@ -175,6 +175,22 @@ class Recording(Facts):
                 failed = _alone(err, mesh)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _abandon, self._hooks, self._store, self._models, self._branches)
+        try:
+            plan, most_steps = self._plan(layout, batch_size, device, mesh)
+        except Exception as err:  # under a mesh a rank may refuse alone (its host's memory)
+            failed, plan = failed or _alone(err, mesh), None
+        if isinstance(self._store, RunWriter) and plan is not None:
+            planned = records(plan, self._capture.layer_plans, self._shape.num_layers, most_steps)
+            try:
+                self._store.check_space([(b, n) for _, _, b, n in planned])
+                self._store.write_meta(self._meta())
+            except Exception as err:
+                failed = _alone(err, mesh)
+        if mesh is not None:
+            mesh.settle(failed, "could not start the run")
+
+    def _plan(self, layout: TokenLayout, batch_size: int, device: torch.device, mesh):
+        """Plan the capture of this generation (its plan and its most steps); raises what refuses it."""
         num_steps, most_steps = self._steps.step_counts()
 
         calls, common = self._steps.calls_per_step, dict(guidance=self._steps.guidance, num_steps=num_steps)
@@ -195,15 +211,7 @@ class Recording(Facts):
             indicator = engine.multi_key_indicator(plan.reducers, layout.seq_len, device)
             # with no multi-key kinds there is nothing to widen the values with: the lse alone is reused
             self._capture.joint_indicator = indicator if indicator.shape[1] else None
-        if isinstance(self._store, RunWriter):
-            planned = records(plan, self._capture.layer_plans, self._shape.num_layers, most_steps)
-            try:
-                self._store.check_space([(b, n) for _, _, b, n in planned])
-                self._store.write_meta(self._meta())
-            except Exception as err:
-                failed = _alone(err, mesh)
-        if mesh is not None:
-            mesh.settle(failed, "could not start the run")
+        return plan, most_steps
 
     def _meta(self) -> dict:
         """What run.json says about this recording (:func:`cogattn.recorder.meta.run_meta`)."""
@@ -331,8 +339,8 @@ def record(target, options: CaptureOptions | None = None, **kwargs) -> Recording
 
 
 def _alone(error: Exception, mesh) -> Exception:
-    """``error``, met by rank 0 alone, kept to be raised on every rank of ``mesh`` (`Mesh.settle`); raised now without
-    one."""
+    """``error``, met by this rank alone, kept to be raised on every rank of ``mesh`` (`Mesh.settle`); raised now
+    without one."""
     if mesh is None:
         raise error
     return error
