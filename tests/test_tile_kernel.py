@@ -225,6 +225,28 @@ def test_a_recordings_kernel_tiles_that_agree_pass_their_check(monkeypatch, fres
     assert_matches_naive(rec, spy, [1], "all", kinds=kinds)
 
 
+@pytest.mark.parametrize(
+    "kinds, heads", [(("topk",), "mean"), (("frame_max",), "mean"), (("text_to_video",), "all"), (("topk",), "all")]
+)
+def test_a_check_of_triton_tiles_is_filed_only_where_the_kernels_formed_the_rows(kinds, heads, monkeypatch, fresh):
+    """The head-mean row's kinds and rows of chosen queries take torch's tiles (docs/design.md): no tile of the
+    kernels, and no check that says it compared them; every row's kinds of each head take the kernels' and are
+    checked."""
+    monkeypatch.setattr(checks, "ROWS_ONLY", set())
+    monkeypatch.setattr(kernels, "serves", lambda device, head_dim: kernels.available(device))
+    calls = []
+    real = tile_kernel.probs
+    monkeypatch.setattr(tile_kernel, "probs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    pipe = tiny_pipeline(num_heads=2).to(DEVICE)
+    with cogattn.record(pipe, kinds=kinds, batch="cond", heads=heads, method="auto") as rec:
+        generate(pipe, steps=1, output_type="latent")
+    by_kernel = heads == "all" and kinds == ("topk",)
+    assert bool(calls) == by_kernel
+    assert [(c.what, c.passed) for c in rec.checks] == ([("triton tiles", True)] if by_kernel else [])
+    if by_kernel:
+        assert 0 < rec.checks[0].max_error <= 1e-6  # rows compared, not a check of nothing
+
+
 def _flush_to_zero_exp2(monkeypatch):
     """Triton's interpreter computes ``tl.exp2`` with numpy, which keeps subnormal results; a GPU's ``ex2.approx.ftz``
     flushes them to 0 (and Triton lowers ``tl.exp2`` to it): the interpreter made to do the same."""

@@ -31,8 +31,8 @@ import torch
 from . import passes, tile_kernel
 from .checks import RowProbe
 from .kernel_pass import KernelChoice, kernel_pass
-from .passes import full_fp32_matmul
-from .planner import TilePlan, all_rows
+from .passes import all_rows, full_fp32_matmul, tiled
+from .planner import TilePlan
 from .reducers import Reducer
 
 __all__ = [
@@ -130,7 +130,7 @@ def capture(
     pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None or r.stat is not None]
     row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
 
-    every_row = [(r, o) for r, o in row_kinds if all_rows(r, S) and not r.mean_rows]
+    every_row = [(r, o) for r, o in row_kinds if r in tiled(reducers, S, "")]
     if every_row or (pooled and plan.method == "rows"):
         row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale, probe, keys, mask)
     mean_rows = [(r, o) for r, o in row_kinds if r.mean_rows]

@@ -19,6 +19,8 @@ from .reducers import Reducer
 
 __all__ = [
     "HeadView",
+    "all_rows",
+    "tiled",
     "fold",
     "query_rows",
     "single_key_columns",
@@ -377,3 +379,16 @@ def fold(red: Reducer, out: torch.Tensor, h0: int, r0: int, values: torch.Tensor
     if probe is not None:
         probe.take(red, h0, r0, values)
     red.fold_pooled(out, h0, r0, values)
+
+
+def all_rows(reducer: Reducer, S: int) -> bool:
+    """Whether a reducer asks for every query row in order (then one pass over all rows serves it)."""
+    rows = reducer.rows
+    return rows is not None and len(rows) == S and bool(torch.equal(rows.cpu(), torch.arange(S)))
+
+
+def tiled(reducers: list[Reducer], S: int, method: str) -> list[Reducer]:
+    """The reducers the pass over every row folds (its row tiles the kernels' where ``TilePlan.kernel_tiles``): the
+    row kinds of every row, not of the head-mean row or of chosen rows; with ``method`` ``"rows"`` the others too."""
+    pooled = [r for r in reducers if r.key_groups is not None or r.stat is not None] if method == "rows" else []
+    return [r for r in reducers if r in pooled or (r.rows is not None and all_rows(r, S) and not r.mean_rows)]

@@ -66,12 +66,6 @@ class TilePlan:
     kernel_tiles: bool = False
 
 
-def all_rows(reducer: Reducer, S: int) -> bool:
-    """Whether a reducer asks for every query row in order (then one pass over all rows serves it)."""
-    rows = reducer.rows
-    return rows is not None and len(rows) == S and bool(torch.equal(rows.cpu(), torch.arange(S)))
-
-
 def pooled_kinds(reducers: list[Reducer]) -> list[Reducer]:
     """The reducers a method serves: key-pooled kinds and row statistics (the others need rows)."""
     return [r for r in reducers if r.key_groups is not None or r.stat is not None]
@@ -113,7 +107,7 @@ def choose_method(
     if not pooled_kinds(reducers):
         return "rows"  # every kind is served by row tiles (the kernels' under ``triton``: ``tile_kernel.planned``)
     if method == "auto":
-        formed = any(all_rows(r, seq_len) and not r.mean_rows for r in reducers)  # head-mean rows serve no other kind
+        formed = bool(passes.tiled(reducers, seq_len, ""))  # head-mean rows serve no other kind
         if formed or not fused_lse_supported(device):
             return "rows"  # each head's rows are formed anyway (``full``, ``topk``), or there is no fused kernel
         if kernels.serves(device, head_dim):

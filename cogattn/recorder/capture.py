@@ -285,14 +285,14 @@ class Capture:
         method = "rows" if mask is not None else method  # the fused passes take no mask: row tiles apply it
         cost = passes.mask_cost(mask)  # the mask's rows of a tile count in the budget
         tiles = self._tiles_for(plan, S, len(chosen), D, query.device, copies, method, lse is not None, cost)
-        # the row tiles by the kernels as planned for the method asked (a shape back on row tiles: torch's)
-        tiles = replace(
-            tiles, kernel_tiles=plan.tiles.kernel_tiles and mask is None and shape not in self.verifier.rows_only
-        )
+        # the row tiles of every row by the kernels as planned for the method asked (a shape back on rows: torch's)
+        tiled = passes.tiled(reducers, S, tiles.method)
+        kernel_tiles = plan.tiles.kernel_tiles and bool(tiled) and mask is None and shape not in self.verifier.rows_only
+        tiles = replace(tiles, kernel_tiles=kernel_tiles)
         heads = None if all_heads else torch.tensor(chosen, device=query.device)
-        # checked: a fast method's kinds, and every kind where the kernels write the row tiles ("triton tiles")
-        what = "triton tiles" if tiles.method == "rows" and tiles.kernel_tiles else tiles.method
-        kinds = tuple(r.kind for r in reducers if tiles.kernel_tiles or r.key_groups is not None or r.stat is not None)
+        # checked: a fast method's kinds, and every kind folded from the kernels' row tiles ("triton tiles")
+        what = "triton tiles" if tiles.method == "rows" and kernel_tiles else tiles.method
+        kinds = tuple(r.kind for r in reducers if kernel_tiles and r in tiled or r.rows is None)  # the pooled, stats
         checked = what != "rows" and self.verifier.due((*shape[:2], what, shape[2:]), kinds)
         rows = probe_rows(res.layout) if checked else None
         counts = None if key_counts is None else [int(n) for n in key_counts]
