@@ -377,3 +377,28 @@ def test_a_gpu_launch_takes_the_configs_of_its_head_dim(monkeypatch):
     kernels.received(q[..., :64], q[..., :64], torch.zeros(2, 300), keys=290)
     assert seen == [("sweep ≤ 256", (3, 2), 128), ("received ≤ 64", (10, 2), 64)]
     assert all(d >= 64 for *_, d in kernels.CONFIGS) and any(d == 64 for *_, d in kernels.CONFIGS)
+
+
+LATE = """
+import os, torch
+from cogattn.exact import kernels, planner
+os.environ["TRITON_INTERPRET"] = "1"  # after the kernels were defined, compiled
+assert not kernels.interpreted() and not kernels.available(torch.device("cpu"))
+try:
+    planner.choose_method("triton", [], 8, "cpu", 16)
+except ValueError as err:
+    print(err)
+"""
+
+
+def test_the_interpreter_asked_for_after_the_kernels_were_defined_is_refused_saying_so():
+    """Triton reads ``TRITON_INTERPRET`` as it defines a kernel: set later, the kernels stay compiled for a GPU, so
+    ``method="triton"`` on a CPU is refused in one line that says why, not a failure inside Triton at the first call."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", LATE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TRITON_INTERPRET=1 was set after cogattn's kernels were defined" in done.stdout

@@ -49,7 +49,7 @@ def available(device: torch.device) -> bool:
     """Whether the kernels can run on ``device`` (CUDA with Triton, or any device under the interpreter)."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or interpreted()
 
 
 def serves(device: torch.device, head_dim: int) -> bool:
@@ -59,9 +59,17 @@ def serves(device: torch.device, head_dim: int) -> bool:
 
 
 def interpreted() -> bool:
-    """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1``): it has no fp16/bf16 matmul, so inputs are
-    upcast (exactly) and multiplied in IEEE fp32, the products tensor cores form with fp32 accumulation."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` when they were defined (Triton reads it
+    as it decorates a kernel, when this module is first imported: a process's first plan; set later, it changes
+    nothing). The
+    interpreter has no fp16/bf16 matmul, so inputs are upcast (exactly) and multiplied in IEEE fp32, the products
+    tensor cores form with fp32 accumulation."""
+    return triton is not None and type(_sweep_kernel).__name__ == "InterpretedFunction"
+
+
+def interpreter_set_late() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` is set now but the kernels were defined without it (compiled for a GPU)."""
+    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1" and not interpreted()
 
 
 if triton is not None:

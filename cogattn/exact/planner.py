@@ -96,9 +96,13 @@ def choose_method(
     (``triton`` where the kernels cannot, whatever the kinds: its row tiles are the kernels' too)."""
     device = torch.device(device)
     if method == "triton" and not kernels.available(device):
+        late = " TRITON_INTERPRET=1 was set after cogattn's kernels were defined (this process's first recording or "
+        late += "estimate): set it before, or in the shell."
         raise ValueError(
             f"method='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); device is {device}, Triton "
             f"{'is' if kernels.triton is not None else 'is not'} installed. Use method='auto'."
+            + late
+            * kernels.interpreter_set_late()
         )
     if method == "triton" and not kernels.takes_head_dim(head_dim):
         raise ValueError(
