@@ -179,11 +179,70 @@ def test_write_failure_mid_run_stops_with_clear_error_and_keeps_committed(pipe, 
         with cogattn.record(pipe, kinds=("frame", "video_to_text"), save_dir=tmp_path):
             generate(pipe, steps=4, output_type="latent")
     run = cogattn.load(tmp_path)
-    assert len(run) == 3 and not run.complete
+    assert len(run) == 3 and not run.complete and run.status == "failed"  # run.json says how it ended all the same
     for info in run.records():
         run.get(info.kind, info.step, info.layer)
     assert not list(tmp_path.rglob("*.tmp"))
     assert all(pipe.transformer.attn_processors[n] is originals[n] for n in originals)
+
+
+def test_a_ctrl_c_while_the_queue_drains_closes_the_run_as_interrupted(pipe, tmp_path, monkeypatch):
+    """The second Ctrl-C, while close() waits for a slow disk: the records still queued are dropped, the one being
+    written commits, and the run is closed (run.json says interrupted, the lock is released) before the interrupt goes
+    on; a second recording into the folder is not refused."""
+    import signal
+    import threading
+
+    from cogattn.runs.folder import is_locked
+
+    real, close = store.write_record, RunWriter.close
+
+    def slow(path, tensor):
+        time.sleep(0.25)
+        real(path, tensor)
+
+    def interrupted_close(self, meta=None):  # a real SIGINT: it wakes the wait as a Ctrl-C does
+        main = threading.main_thread().ident
+        threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
+        return close(self, meta)
+
+    monkeypatch.setattr(store, "write_record", slow)
+    monkeypatch.setattr(RunWriter, "close", interrupted_close)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever runs the tests
+    with pytest.raises(KeyboardInterrupt):
+        with cogattn.record(pipe, kinds=("frame", "video_to_text"), save_dir=tmp_path / "run") as rec:
+            generate(pipe, steps=2, output_type="latent")  # 8 records, queued faster than they are written
+    signal.signal(signal.SIGINT, handler)
+    monkeypatch.undo()
+    run = cogattn.load(tmp_path / "run")
+    assert rec.status == run.status == "interrupted" and not run.complete and not is_locked(tmp_path / "run")
+    assert 1 <= len(run) < 8 and not list((tmp_path / "run").rglob("*.tmp"))
+    for info in run.records():
+        run.get(info.kind, info.step, info.layer)
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path / "run", overwrite=True):
+        generate(pipe, steps=1, output_type="latent")
+    assert cogattn.load(tmp_path / "run").status == "finished"
+
+
+def test_an_overwrite_cut_short_leaves_a_run_that_overwrite_replaces(pipe, tmp_path, monkeypatch):
+    """A kill while overwrite=True deletes an old run's records (many files: seconds) leaves a folder that is still a
+    run, which the next overwrite=True replaces; it was refused as holding "no cogattn run"."""
+    from cogattn.runs import folder
+
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path):
+        generate(pipe, steps=1, output_type="latent")
+
+    def killed(path, **kw):
+        next(path.rglob("*.safetensors")).unlink()  # part of the records gone
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(folder.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        store.prepare_folder(tmp_path, overwrite=True)
+    monkeypatch.undo()
+    with cogattn.record(pipe, kinds="frame", save_dir=tmp_path, overwrite=True):
+        generate(pipe, steps=1, output_type="latent")
+    assert cogattn.load(tmp_path).status == "finished"
 
 
 def test_writer_memory_is_bounded_while_the_disk_is_slow(tmp_path, monkeypatch):

@@ -273,7 +273,11 @@ class Recording(Facts):
         try:
             self._store.close(self._meta())
         except StoreError as err:
+            self._status = "failed" if getattr(self._store, "failed", False) else self._status  # a record is missing
             error = _alone(err, None if self._raising else self._capture.mesh)
+        except KeyboardInterrupt:  # while the queue drained: what was queued is dropped, the run says interrupted
+            self._status = "interrupted"
+            raise
         finally:
             if isinstance(self._store, RunWriter) and self._store.committed == 0 and self._status != "finished":
                 self._store.discard()  # nothing was captured (refused at the first step, say)

@@ -1,4 +1,5 @@
-"""A run folder as files: the names in it, its lock, and the runs under a path. Nothing here reads a record, so
+"""A run folder as files: the names in it, its lock, the runs under a path, and making one ready for a recording
+(`prepare_folder`) or removing one (`remove_run`). Nothing here reads a record, so
 this module imports neither torch nor the rest of the package: ``cogattn view`` finds its runs before those load.
 
 The lock is the OS lock (``flock``) a recording holds on ``.lock`` while it writes the run, so a second writer is
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -18,7 +20,19 @@ try:
 except ImportError:  # not POSIX: runs are not locked
     fcntl = None
 
-__all__ = ["FORMAT", "LOCK", "MAX_INDEX", "MANIFEST", "META", "RECORDS", "RunLock", "find_runs", "is_locked"]
+__all__ = [
+    "FORMAT",
+    "LOCK",
+    "MAX_INDEX",
+    "MANIFEST",
+    "META",
+    "RECORDS",
+    "RunLock",
+    "find_runs",
+    "is_locked",
+    "prepare_folder",
+    "remove_run",
+]
 
 MANIFEST, META, RECORDS, LOCK = "manifest.jsonl", "run.json", "records", ".lock"
 MAX_INDEX = 2**20  # a step, layer, head or token: no generation has more, and a reader lists them all
@@ -126,3 +140,57 @@ def find_runs(path: str | os.PathLike) -> dict[str, Path]:
     if not runs:
         raise FileNotFoundError(f"{str(path)!r} holds no cogattn run (no {MANIFEST} in it or its subfolders).")
     return runs
+
+
+def _is_run(path: Path) -> bool:
+    """Whether ``path`` holds a cogattn run: its ``run.json``, or a run killed before it wrote one (a manifest among
+    a run's own files alone)."""
+    try:
+        if (path / META).is_file():
+            return parse_json((path / META).read_text()).get("format") == FORMAT
+        names = {p.name for p in path.iterdir()}
+        return MANIFEST in names and names <= {MANIFEST, META + ".tmp", RECORDS, LOCK}
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def remove_run(path: Path, lock_too: bool = False, folder_too: bool = False) -> None:
+    """Delete the files of a cogattn run (nothing else) from ``path``: with ``lock_too`` its lock file as
+    well (once no recording holds it), with ``folder_too`` also the folder when nothing else is in it."""
+    # the manifest last: a removal cut short (a kill) leaves a folder that is still a run (`_is_run`), which
+    # overwrite=True replaces, not one that holds "no cogattn run"
+    for name in (RECORDS, META + ".tmp", META, MANIFEST) + ((LOCK,) if lock_too else ()):
+        p = path / name
+        # a link (to a folder too) is removed, never followed: the run's own files only
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+    if folder_too and path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+
+
+def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
+    """Create ``path``, refusing a non-empty folder unless ``overwrite`` and it holds a cogattn run that no
+    recording is writing now (see :class:`cogattn.runs.folder.RunLock`)."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"output path {str(path)!r} exists and is not a folder.")
+    if path.is_dir() and any(p.name != LOCK for p in path.iterdir()):
+        if not overwrite:
+            raise StoreError(
+                f"output folder {str(path)!r} is not empty; choose another `save_dir`, or pass overwrite=True "
+                "to replace the cogattn run in it."
+            )
+        if not _is_run(path):
+            raise StoreError(
+                f"output folder {str(path)!r} is not empty and holds no cogattn run, so overwrite=True will "
+                "not delete it; choose another `save_dir`."
+            )
+        lock = RunLock(path)  # refuses a run another recording is writing
+        try:
+            remove_run(path)
+        finally:
+            lock.release()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StoreError(f"cannot create the output folder {str(path)!r}: {err.strerror or err}.") from err
+    return path

@@ -22,7 +22,7 @@ import torch
 from ..errors import NotRecordedError, StoreError
 from ..exact.reducers import REDUCERS
 from ..options import STORAGE_DTYPES
-from .folder import FORMAT, LOCK, MANIFEST, META, RECORDS, RunLock, parse_json
+from .folder import FORMAT, MANIFEST, META, RECORDS, RunLock, prepare_folder, remove_run
 from .record_file import record_file_bytes, write_record
 from .run import Run, missing_message
 
@@ -66,58 +66,6 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     except BaseException:  # Ctrl-C halfway: no temporary file left behind either
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _is_run(path: Path) -> bool:
-    """Whether ``path`` holds a cogattn run: its ``run.json``, or a run killed before it wrote one (a manifest among
-    a run's own files alone)."""
-    try:
-        if (path / META).is_file():
-            return parse_json((path / META).read_text()).get("format") == FORMAT
-        names = {p.name for p in path.iterdir()}
-        return MANIFEST in names and names <= {MANIFEST, META + ".tmp", RECORDS, LOCK}
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def remove_run(path: Path, lock_too: bool = False, folder_too: bool = False) -> None:
-    """Delete the files of a cogattn run (nothing else) from ``path``: with ``lock_too`` its lock file as
-    well (once no recording holds it), with ``folder_too`` also the folder when nothing else is in it."""
-    for name in (MANIFEST, META, META + ".tmp", RECORDS) + ((LOCK,) if lock_too else ()):
-        p = path / name
-        # a link (to a folder too) is removed, never followed: the run's own files only
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
-    if folder_too and path.is_dir() and not any(path.iterdir()):
-        path.rmdir()
-
-
-def prepare_folder(path: str | os.PathLike, overwrite: bool) -> Path:
-    """Create ``path``, refusing a non-empty folder unless ``overwrite`` and it holds a cogattn run that no
-    recording is writing now (see :class:`cogattn.runs.folder.RunLock`)."""
-    path = Path(path).expanduser()
-    if path.exists() and not path.is_dir():
-        raise StoreError(f"output path {str(path)!r} exists and is not a folder.")
-    if path.is_dir() and any(p.name != LOCK for p in path.iterdir()):
-        if not overwrite:
-            raise StoreError(
-                f"output folder {str(path)!r} is not empty; choose another `save_dir`, or pass overwrite=True "
-                "to replace the cogattn run in it."
-            )
-        if not _is_run(path):
-            raise StoreError(
-                f"output folder {str(path)!r} is not empty and holds no cogattn run, so overwrite=True will "
-                "not delete it; choose another `save_dir`."
-            )
-        lock = RunLock(path)  # refuses a run another recording is writing
-        try:
-            remove_run(path)
-        finally:
-            lock.release()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise StoreError(f"cannot create the output folder {str(path)!r}: {err.strerror or err}.") from err
-    return path
 
 
 class MemoryStore:
@@ -241,6 +189,11 @@ class RunWriter:
                 return
 
     @property
+    def failed(self) -> bool:
+        """Whether a record could not be written (the run misses it and those queued after it)."""
+        return self._error is not None
+
+    @property
     def pending_bytes(self) -> int:
         """Bytes queued for the disk and not yet committed (at most ``max_pending_bytes``, or one record)."""
         return self._pending_bytes
@@ -294,22 +247,52 @@ class RunWriter:
         self.raise_if_failed()
 
     def close(self, meta: dict | None = None) -> None:
-        """Finish writing, then write the final metadata; raises `StoreError` if a write failed."""
+        """Finish writing, then write the final metadata; raises `StoreError` if a write failed (run.json then says
+        how the recording ended all the same, where it can still be written). A Ctrl-C while the queue drains drops
+        the records still queued (the one being written commits), and the run is closed as ``"interrupted"`` before
+        the interrupt goes on: never left locked and "running"."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        interrupted = self._drain()
         self._pinned.clear()  # page-locked host memory goes back now, not when the object dies
         try:
             try:
                 os.close(self._manifest)
             except OSError as err:
                 raise StoreError(f"closing {str(self.path / MANIFEST)!r} failed: {err.strerror or err}.") from err
-            if meta is not None and self._error is None:
-                self.write_meta(meta)
+            if meta is not None:
+                ended = "failed" if self.failed else "interrupted" if interrupted is not None else None
+                meta = meta if ended is None else {**meta, "status": ended, "complete": False}  # records are missing
+                try:
+                    self.write_meta(meta)
+                except StoreError:
+                    if self._error is None:  # after a failed record (a full disk) that error is the one raised
+                        raise
         finally:
             self._lock.release()
+        if interrupted is not None:
+            raise interrupted
         self.raise_if_failed(again=False)
+
+    def _drain(self) -> BaseException | None:
+        """Wait for the writer thread to commit the queue; an interrupt of the wait (Ctrl-C) drops the records still
+        queued, waits for the one being written, and is returned. (Not by ``Thread.join``: Python 3.11's, interrupted,
+        marks a running thread stopped.)"""
+        interrupted = None
+        while True:
+            try:
+                with self._cond:
+                    while self._pending:  # the thread takes a record off the queue once it is committed
+                        self._cond.wait()
+                break
+            except BaseException as err:
+                interrupted = interrupted or err
+                with self._cond:
+                    while len(self._pending) > 1:  # the first is being written: it commits
+                        self._pending_bytes -= self._pending.pop()[-1]
+        self._thread.join()  # nothing queued and closing: it returns now
+        return interrupted
 
     def keys(self) -> list[tuple[str, int, int]]:
         """Every committed record (waits for the queue)."""
