@@ -471,6 +471,36 @@ def test_a_failing_prompt_does_not_stop_the_others(tmp_path, dump):
     assert [_meta(d)["complete"] for d in _prompt_dirs(out)] == [True, False, True]
 
 
+def test_what_fails_after_the_maps_names_its_file_and_previews_never_cost_the_generation(tmp_path, dump, monkeypatch):
+    """A full disk after the generation: the video's failure names the file and the folder (the prompt is redone, as
+    documented); a preview's is a warning, the prompt complete with its maps, video and head table, so that a rerun
+    does not generate it again."""
+    from matplotlib.figure import Figure
+
+    from cogattn.dump import generate
+
+    full = OSError(28, "No space left on device")
+
+    def no_room(*args, **kwargs):
+        raise full
+
+    one = tmp_path / "one.txt"
+    one.write_text("a red fox\n")
+    base = ["--set", "num_inference_steps=1", "--set", f"prompts={one}", "--set", "capture.kinds=[frame]"]
+    monkeypatch.setattr(generate, "_save_video", no_room)
+    proc = dump(*base, "--set", f"save_dir={tmp_path / 'video'}", "--set", "previews=false", check=1)
+    assert "prompt 0 failed: StoreError: its maps are written, but writing its video in" in proc.stderr
+    assert "No space left on device" in proc.stderr and not _meta(_prompt_dirs(tmp_path / "video")[0])["complete"]
+    monkeypatch.undo()
+    monkeypatch.setattr(Figure, "savefig", no_room)
+    with pytest.warns(UserWarning, match="prompt 0: its previews were not written .*frame.png failed: No space"):
+        dump(*base, "--set", f"save_dir={tmp_path / 'previews'}", check=0)
+    (folder,) = _prompt_dirs(tmp_path / "previews")
+    meta = _meta(folder)
+    assert meta["complete"] and "frame.png failed: No space left on device" in meta["previews_error"]
+    assert cogattn.load(folder / "maps").keys() and (folder / meta["video"]).is_file() and "previews" not in meta
+
+
 @pytest.mark.slow
 def test_accelerate_launch_two_processes_cover_every_prompt_once(tmp_path):
     out = tmp_path / "runs"

@@ -11,6 +11,7 @@ import inspect
 import json
 import shutil
 import time
+import warnings
 import wave
 from pathlib import Path
 
@@ -285,13 +286,27 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
             own = {**template, **own} if isinstance(own, dict) and isinstance(template, dict) else own  # Cosmos 3's
             negative_text = text if own is None else PromptFormat(pipe, own)
             meta["negative_tokens"] = text_tokens(negative_text, negative or "", lay.prompt_len, spans=spans)
-    meta["video"] = _save_video(frames, folder / "video", cfg).name
-    if sound is not None and sound[0] is not None:  # MiniMax-H3's stereo soundtrack, as 16-bit PCM
-        meta["audio"] = _save_audio(sound[0], int(sound[1]), folder / "audio.wav").name
-    if _write_head_table(folder / "maps", folder / "heads.csv"):
-        meta["head_table"] = "heads.csv"
+    what = "video"  # what a failure here names: the maps are written by now
+    try:
+        meta["video"] = _save_video(frames, folder / "video", cfg).name
+        if sound is not None and sound[0] is not None:  # MiniMax-H3's stereo soundtrack, as 16-bit PCM
+            what = "audio.wav"
+            meta["audio"] = _save_audio(sound[0], int(sound[1]), folder / "audio.wav").name
+        what = "heads.csv"
+        if _write_head_table(folder / "maps", folder / "heads.csv"):
+            meta["head_table"] = "heads.csv"
+    except OSError as err:
+        raise StoreError(f"its maps are written, but writing its {what} in {str(folder)!r} failed: {err}") from err
     if cfg.previews:
-        written = write_previews(folder / "maps", folder / "previews", frames, text, prompt.prompt)
-        meta["previews"] = [p.name for p in written]
+        try:
+            written = write_previews(folder / "maps", folder / "previews", frames, text, prompt.prompt)
+            meta["previews"] = [p.name for p in written]
+        except Exception as err:  # a figure is no reason to generate the prompt again: kept, and said
+            meta["previews_error"] = f"{type(err).__name__}: {err}"
+            warnings.warn(
+                f"prompt {prompt.index}: its previews were not written ({meta['previews_error']}); its maps, video "
+                "and head table are, and the prompt is complete.",
+                stacklevel=2,
+            )
     meta["complete"] = True
     write_json_atomic(folder / "prompt.json", meta)

@@ -127,6 +127,9 @@ def write_previews(run_path, folder, video, tokenizer=None, prompt: str | None =
     paths = []
     for name, fig in figures.items():
         path = folder / f"{name}.png"
-        fig.savefig(path, dpi=dpi)
+        try:
+            fig.savefig(path, dpi=dpi)
+        except OSError as err:  # a full disk's error names no file
+            raise OSError(err.errno, f"writing {path} failed: {err.strerror or err}") from err
         paths.append(path)
     return paths
