@@ -1,6 +1,7 @@
 """Plots show what they claim: image data equal to the maps, labels, limits, frame mapping, files."""
 
 import io
+import math
 
 import matplotlib
 
@@ -18,8 +19,10 @@ from cogattn.analysis import words
 from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import TINY_TEXT_LEN, tiny_pipeline
 from cogattn.plot import animation as plot_animation
+from cogattn.plot import style as plot_style
 from cogattn.plot import video as plot_video
 from cogattn.reference import naive_kind
+from cogattn.runs.skips import Skips
 
 PROMPT = "a red fox running in the snow"  # tiny tokenizer: a red fox running in the snow </s>
 KINDS = ("frame", "video_to_text", "text_to_video", "query", "full")
@@ -679,3 +682,87 @@ def test_a_grid_padded_to_whole_patches_is_placed_patch_by_patch_and_cut_at_the_
     assert torch.equal(
         upsample_to_video(grid, exact, 5, (480, 720))[0], grid[0].repeat_interleave(16, 0).repeat_interleave(16, 1)
     )
+
+
+# -- degenerate and damaged maps -------------------------------------------------------------------
+class _Maps:
+    """The MapSource members the figures use, over records given as a dict ``(kind, step, layer) -> tensor``."""
+
+    def __init__(self, layout, records, heads):
+        self.layout, self.records, self.head_ids = layout, records, tuple(range(heads))
+        self.timesteps, self.info, self.batch_roles, self.skipped = [999.0, 500.0], {}, (None,), Skips()
+        self.block_size, self.queries, self.text_spans = 8, (), None
+
+    def layout_of(self, layer):
+        return self.layout
+
+    def keys(self):
+        return sorted(self.records)
+
+    def get(self, kind, step, layer):
+        return self.records[(kind, step, layer)].clone()
+
+
+def _drawn(fig):
+    fig.savefig(io.BytesIO(), format="png")  # colour bars may change their norm when drawn
+    return [heat(ax) for ax in panels(fig)]
+
+
+def test_constant_maps_draw_one_colour_under_shared_limits():
+    """Wan at num_frames=1: one latent frame and no text, so the frame map is [[1.0]] for every head. A colour bar
+    widened the first panel's norm alone (to 0.9..1.1), drawing the same value mid-scale there and darkest elsewhere."""
+    lay = TokenLayout(text_len=0, frames=1, height=2, width=3)
+    src = _Maps(lay, {("frame", s, 0): torch.ones(1, 3, 1, 1) for s in (0, 1)}, heads=3)
+    for fig in (plot.frame_heatmap(src, heads="all"), plot.layer_step_grid(src, "frame", heads=1)):
+        images = _drawn(fig)
+        assert len(images) > 1
+        assert len({tuple(im.to_rgba(im.get_array())[0, 0]) for im in images}) == 1
+        for im in images:
+            assert im.get_clim() == pytest.approx((0.9, 1.1))  # widened by 10%, as a colour bar would
+    for scale in ("linear", "log"):
+        shared = plot_style.color_norms([np.full((2, 2), 0.25)] * 3, scale, "shared")
+        assert shared[0] is shared[1] is shared[2]  # one norm: a change to one is a change to all
+        for norm in (*shared, *plot_style.color_norms([np.full((2, 2), 0.25)], scale, "per-map")):
+            assert (norm.vmin, norm.vmax) == pytest.approx((0.225, 0.275))
+    (zero,) = plot_style.color_norms([np.zeros((2, 2))], "linear", "per-map")
+    assert (zero.vmin, zero.vmax) == pytest.approx((-0.1, 0.1))
+
+
+def test_non_finite_cells_are_drawn_bad_and_left_out_of_the_limits():
+    """A damaged run: one inf cell made the scale (-0.1, 0.1), every finite cell one colour, and a log scale raise."""
+    lay = TokenLayout(text_len=2, frames=2, height=2, width=2)  # 3 groups: text, f0, f1
+    frame = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.5, 0.3], [0.1, 0.2, 0.7]]).expand(1, 2, 3, 3).clone()
+    frame[0, 1] *= 0.5  # head 1 differs from head 0
+    frame[0, 1, 2, 2] = math.inf
+    offset = torch.rand(1, 2, 3, 3, 3, generator=torch.Generator().manual_seed(0)) + 0.1
+    offset[0, 0, 1, 1, 1] = math.inf
+    src = _Maps(lay, {("frame", 0, 0): frame, ("offset", 0, 0): offset}, heads=2)
+    values = frame[0].numpy()
+    finite = values[np.isfinite(values)]
+    magma = matplotlib.colormaps[plot_style.CMAP]
+    for scale in ("linear", "log"):
+        with pytest.warns(RuntimeWarning, match="non-finite values") as caught:
+            fig = plot.frame_heatmap(src, heads="all", scale=scale)
+        assert sum("non-finite" in str(w.message) for w in caught) == 1  # once a figure
+        images = _drawn(fig)
+        for h, im in enumerate(images):
+            assert im.get_clim() == pytest.approx((finite.min(), finite.max()))
+            rgba = im.to_rgba(im.get_array())
+            for (r, c), v in np.ndenumerate(values[h]):
+                if np.isfinite(v):  # the colour map at the value's place between the finite limits
+                    at = (v - finite.min()) / np.ptp(finite)
+                    if scale == "log":
+                        at = np.log(v / finite.min()) / np.log(finite.max() / finite.min())
+                    assert rgba[r, c] == pytest.approx(np.array(magma(at)), abs=1 / 255), (h, r, c)
+                else:
+                    assert tuple(rgba[r, c]) == pytest.approx(im.cmap.get_bad())
+        (bar,) = [a for a in fig.axes if a.get_label() == "<colorbar>"]
+        assert bar.get_ylim() == pytest.approx((finite.min(), finite.max()))
+    with pytest.warns(RuntimeWarning, match="non-finite values"):
+        grid = _drawn(plot.layer_step_grid(src, "frame", heads=1))
+    head1 = values[1][np.isfinite(values[1])]
+    assert grid[0].get_clim() == pytest.approx((head1.min(), head1.max()))  # head 1 without its inf
+    with pytest.warns(RuntimeWarning, match="non-finite values"):
+        images = _drawn(plot.offset_map(src))  # log scale by default: raised "Invalid vmin or vmax"
+    o = offset[0].mean(0).numpy()
+    assert images[0].get_clim() == pytest.approx((o.min(), o[np.isfinite(o)].max()))

@@ -21,6 +21,7 @@ from cogattn.exact import patterns
 from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.plot import animation as plot_animation
+from cogattn.runs.skips import Skips
 
 KINDS = ("frame", "query_frame", "entropy", "received", "block", "full")
 BLOCK = 6  # tokens per block: S = 53 gives N = 9 blocks, and neither the text (8) nor a frame (15) fills blocks
@@ -426,3 +427,76 @@ def test_a_loaded_run_plots_the_same(tiny, run):
                 assert np.array_equal(u.get_array(), v.get_array())
             for u, v in zip(x.lines, y.lines):
                 assert np.array_equal(u.get_xydata(), v.get_xydata())
+
+
+# -- damaged runs and uneven keys ------------------------------------------------------------------
+class _Maps:
+    """The MapSource members the figures use, over records given as a dict ``(kind, step, layer) -> tensor``."""
+
+    def __init__(self, layout, records, heads=1):
+        self.layout, self.records, self.head_ids = layout, records, tuple(range(heads))
+        self.timesteps, self.info, self.batch_roles, self.skipped = [999.0], {}, (None,), Skips()
+        self.block_size, self.queries, self.text_spans = 8, (), None
+
+    def layout_of(self, layer):
+        return self.layout
+
+    def keys(self):
+        return sorted(self.records)
+
+    def get(self, kind, step, layer):
+        return self.records[(kind, step, layer)].clone()
+
+
+def test_sinks_leave_out_non_finite_tokens_and_the_figure_warns():
+    """A damaged run's NaN and inf ranked first: the title read "#1 text 1: nan" and the marks were on them."""
+    lay = TokenLayout(text_len=2, frames=2, height=2, width=2)  # S = 10
+    received = torch.tensor([math.nan, 1.5, 0.2, math.inf, 0.9, 2.5, 0.1, 0.3, 1.2, 0.4])
+    src = _Maps(lay, {("received", 0, 0): received[None, None]})
+    with pytest.warns(RuntimeWarning, match="non-finite values") as caught:
+        fig = plot.token_stat(src, "received", sinks=3)
+    assert sum("non-finite" in str(w.message) for w in caught) == 1
+    finite = [t for t in range(10) if math.isfinite(received[t])]
+    top = sorted(finite, key=lambda t: -received[t])[:3]  # 5, 1, 8
+    title = fig.get_suptitle()
+    assert "top sinks (marked): #1 f0 (1, 1): 2.5, #2 text 1: 1.5, #3 f1 (1, 0): 1.2" in title
+    assert top == [5, 1, 8]
+    marks = [ln for ax in panels(fig) for ln in ax.lines if ln.get_gid() == "sink-token"]
+    assert len(marks) == 3
+    for im in [heat(ax) for ax in panels(fig)]:
+        assert im.get_clim() == pytest.approx((0.1, 2.5))  # the finite values' range
+    with pytest.warns(RuntimeWarning, match="non-finite values"):  # more sinks than finite tokens: those alone
+        many = plot.token_stat(src, "received", sinks=10)
+    assert len([ln for ax in panels(many) for ln in ax.lines if ln.get_gid() == "sink-token"]) == 8
+    (line,) = [t for t in many.get_suptitle().splitlines() if t.startswith("top sinks")]
+    assert [float(item.rsplit(": ", 1)[1]) for item in line.split(", #")] == [2.5, 1.5, 1.2, 0.9, 0.4, 0.3, 0.2, 0.1]
+
+
+def test_block_map_of_nan_alone_warns_that_the_run_is_damaged():
+    """color_norms takes a map of NaN alone for a skipped one; a block map is never one, so it says so."""
+    lay = TokenLayout(text_len=2, frames=2, height=2, width=2)  # S = 10: two blocks of 8
+    src = _Maps(lay, {("block", 0, 0): torch.full((1, 1, 2, 2), math.nan)})
+    with pytest.warns(RuntimeWarning, match="non-finite values"):
+        fig = plot.block_map(src)
+    assert np.isfinite(heat(panels(fig)[0]).get_clim()).all()
+
+
+def test_curves_under_a_colour_bar_take_its_colour_at_their_key():
+    """With more than 12 curves, curve k took the k-th of N evenly spaced colours, which the colour bar over uneven
+    keys (layers 0..12 and 41) gave to other layers."""
+    from matplotlib.figure import Figure
+
+    from cogattn.plot.heads import draw_curves
+
+    keys = [*range(13), 41]
+    ax = Figure().subplots()
+    draw_curves(ax, np.arange(3), keys, np.random.default_rng(0).random((len(keys), 3)), "layer", {}, "decay-curve")
+    (bar,) = [a for a in ax.figure.axes if a is not ax]
+    mappable = bar._colorbar.mappable
+    assert (mappable.norm.vmin, mappable.norm.vmax) == (0, 41)
+    lines = [ln for ln in ax.lines if ln.get_gid() == "decay-curve"]
+    assert [ln.get_label() for ln in lines] == [f"layer {k}" for k in keys]
+    for key, ln in zip(keys, lines):
+        assert to_rgba(ln.get_color()) == pytest.approx(mappable.cmap(mappable.norm(key)))
+    assert to_rgba(lines[-1].get_color()) == pytest.approx(mappable.cmap(1.0))  # layer 41: the bar's top
+    assert to_rgba(lines[12].get_color()) == pytest.approx(mappable.cmap(12 / 41))

@@ -290,7 +290,8 @@ def _record_rows(
         k = max(1, math.floor(sink_fraction * r.shape[-1] + 1e-9))
         top = r.topk(k, dim=-1)
         columns["sink_share"] = top.values.sum(-1) / r.sum(-1)
-        sink_tokens = [[" ".join(str(int(i)) for i in top.indices[b, h]) for h in range(H)] for b in range(B)]
+        indices = top.indices.tolist()  # once: indexing a tensor per element costs a Python call each
+        sink_tokens = [[" ".join(map(str, indices[b][h])) for h in range(H)] for b in range(B)]
     else:
         columns["sink_share"] = nan
     ps, kept = density

@@ -77,7 +77,8 @@ def animate(
             ``video``, for :func:`word_heatmap`).
         values (`Sequence[int] | None`, defaults to `None`): the steps/layers/frames, in order; `None`: all
             recorded (all frames of the video).
-        fps (`float`, defaults to 2.0): frames per second.
+        fps (`float`, defaults to 2.0): frames per second; a GIF's is rounded to whole centiseconds a
+            frame (fps=8 plays at 8.33; :func:`cogattn.plot.video.write_animation`).
         dpi (`int`, defaults to 80): resolution of the rendered frames.
         **kwargs: passed to ``plot`` (e.g. ``tokens=``, ``video=``, ``tokenizer=``, ``heads=``); a ``kind=``
             (``word_heatmap``'s ``"text_to_video"`` or ``"video_to_image"``, ``token_stat``'s

@@ -374,16 +374,20 @@ def title_curves(fig, ax, what: str, table, by: str, source, step_list, experts,
 def draw_curves(ax, x, keys: list, values, by: str, expert_of: dict, gid: str) -> None:
     """One line of ``values[k]`` against ``x`` per key (a head, layer or step, named by ``by``; a step's expert
     from ``expert_of``), coloured along viridis: a legend for up to 12 lines, else a colour bar over the keys."""
-    cmap = ListedColormap(colormaps["viridis"](np.linspace(0, 0.9, max(2, len(keys)))))
+    numbers = [k for k in keys if not isinstance(k, str)]
+    legend = len(keys) <= 12 or not numbers
+    cmap = ListedColormap(colormaps["viridis"](np.linspace(0, 0.9, max(2, len(keys)) if legend else 256)))
+    norm = None if legend else Normalize(min(numbers), max(numbers))
     for k, (key, row) in enumerate(zip(keys, values)):
         name = f"{by} {key}" if key != "mean" else "mean over heads"
         name += f" · {expert_of[key]}" if by == "step" and key in expert_of else ""
-        ax.plot(x, row, marker="o", markersize=3, color=cmap(k), label=name, gid=gid)
-    if len(keys) <= 12:
+        # under a colour bar a curve takes the bar's colour at its key (keys need not be evenly spaced);
+        # "mean" has no place on the bar: black
+        color = cmap(k) if legend else "black" if isinstance(key, str) else cmap(norm(key))
+        ax.plot(x, row, marker="o", markersize=3, color=color, label=name, gid=gid)
+    if legend:
         ax.legend(fontsize=7, ncol=2 if len(keys) > 6 else 1)
     else:
-        numbers = [k for k in keys if not isinstance(k, str)]
-        norm = Normalize(min(numbers), max(numbers))
         ax.figure.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.8).set_label(by, fontsize=8)
 
 

@@ -29,6 +29,7 @@ from .style import (
     set_title,
     single_head,
     token_name,
+    warn_nonfinite,
 )
 from .video import patch_pixels
 
@@ -110,7 +111,9 @@ def token_stat(
     fig, axes, text_ax, pixels, panels, (h, w) = token_figure(source, values, video, kind, labels, text, style)
     top = []
     if kind == "received" and sinks:
-        top = torch.topk(values, min(sinks, len(values))).indices.tolist()
+        finite = torch.isfinite(values)  # a damaged run's NaN or inf is no sink (color_norms warns of it)
+        ranked = values.masked_fill(~finite, -math.inf)
+        top = torch.topk(ranked, min(sinks, int(finite.sum()))).indices.tolist()
         for rank, token in enumerate(top, 1):
             point = layout.coordinates(token)
             if point is None:  # the text strip holds the text alone: a history token is named, not marked
@@ -233,6 +236,8 @@ def block_map(
     side = min(9.0, max(3.5, 0.12 * N + 2.0))
     fig = new_figure(fig, (side + 1.4, side + 0.9))
     ax = fig.subplots()
+    if np.isnan(m).all():  # color_norms takes a map of NaN alone for a skipped one: this one is damaged
+        warn_nonfinite([m], gaps=False)
     norm = color_norms([m], scale, limits)[0]
     im = ax.imshow(m, cmap=CMAP, norm=norm, interpolation="nearest", gid=MAP_GID)
     starts, labels = _group_starts(layout, size)

@@ -4,6 +4,7 @@ titles that say which steps, layers and heads a map averages, and the names of f
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,6 +39,7 @@ __all__ = [
     "single_head",
     "span_text",
     "token_name",
+    "warn_nonfinite",
 ]
 
 MAP_GID = "attention"  # gid of every image that shows attention (tests and animate() find them by it)
@@ -50,7 +52,9 @@ def color_norms(arrays: list[np.ndarray], scale: str, limits) -> list[Normalize]
     """One norm per array: shared limits over all of them, per-map limits, or fixed ``(vmin, vmax)``.
 
     A log scale starts at the smallest positive value, since attention is heavy-tailed: a few keys
-    take most of the mass and a linear scale shows the rest as one colour.
+    take most of the mass and a linear scale shows the rest as one colour. Limits are over finite values
+    (:func:`warn_nonfinite` warns of others), a constant map's widened by 10% (matplotlib's rule), and
+    shared limits are one norm object that every panel draws with.
 
     Args:
         arrays (`list[np.ndarray]`): the maps of a figure's panels.
@@ -73,20 +77,51 @@ def color_norms(arrays: list[np.ndarray], scale: str, limits) -> list[Normalize]
     def bounds(group: list[np.ndarray]) -> tuple[float, float]:
         if is_pair:
             return float(limits[0]), float(limits[1])
-        values = np.concatenate([a.ravel() for a in group])
-        values = values[~np.isnan(values)]  # a gap's panel (a skipped map) is NaN
+        values = np.concatenate([np.ravel(a) for a in group])
+        values = values[np.isfinite(values)]  # a gap's panel is NaN; a damaged run's ±inf would take the scale
         if not values.size:
             return (1e-12, 1.0) if scale == "log" else (0.0, 1.0)
         if scale == "log":
-            positive = values[values > 0]
-            return (float(positive.min()), float(positive.max())) if positive.size else (1e-12, 1.0)
-        return float(values.min()), float(values.max())
+            values = values[values > 0]
+            if not values.size:
+                return 1e-12, 1.0
+        lo, hi = float(values.min()), float(values.max())
+        if hi - lo <= 1e-15 * max(abs(lo), abs(hi)):  # constant: widen here (a colour bar widens its norm alone)
+            lo, hi = lo - (0.1 * abs(lo) or 0.1), hi + (0.1 * abs(hi) or 0.1)
+        return lo, hi
 
+    if not is_pair:
+        warn_nonfinite(arrays)
     cls = LogNorm if scale == "log" else Normalize
     if limits == "per-map":
         return [cls(*bounds([a])) for a in arrays]
-    shared = bounds(arrays)
-    return [cls(*shared) for _ in arrays]
+    shared = cls(*bounds(arrays))  # one object: a change to one panel's norm is a change to all
+    return [shared] * len(arrays)
+
+
+def warn_nonfinite(arrays: list[np.ndarray], gaps: bool = True) -> bool:
+    """Warn, once, when maps hold ±inf, or NaN beside finite values (a skipped map's panel is NaN throughout):
+    a damaged run. Such cells are drawn in the colour map's "bad" colour and left out of the colour limits.
+
+    Args:
+        arrays (`list[np.ndarray]`): the maps of a figure's panels.
+        gaps (`bool`, defaults to `True`): whether a map of NaN alone is a skipped map, not damage.
+
+    Returns:
+        `bool`: whether it warned.
+    """
+    for a in arrays:
+        a = np.asarray(a, dtype=float)
+        finite = np.isfinite(a)
+        if np.isinf(a).any() or (not finite.all() and (finite.any() or not gaps)):
+            warnings.warn(
+                "the map holds non-finite values (NaN or ±inf): the run is damaged; those cells are drawn blank "
+                "and left out of the colour limits.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return True
+    return False
 
 
 def add_colorbars(fig: Figure, images: list, axes: list, kind: str, limits) -> None:

@@ -125,7 +125,8 @@ def write_animation(frames: Sequence[np.ndarray], path: str | os.PathLike, fps: 
     Args:
         frames (`Sequence[np.ndarray]`): rendered frames, all the same size.
         path (`str | os.PathLike`): ending in ``.gif`` or ``.mp4``.
-        fps (`float`, defaults to 2.0): frames per second.
+        fps (`float`, defaults to 2.0): frames per second. A GIF stores each frame's time in whole
+            centiseconds (pillow cuts 125 ms to 12), so fps=8 plays at 8.33 there; an MP4 keeps ``fps``.
 
     Returns:
         `Path`: the file written.
