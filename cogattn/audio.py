@@ -4,7 +4,7 @@ An audio-video model runs a second sequence beside the video: one token per late
 bins of ``compression`` mel frames. LTX-2's audio VAE makes 25 bins a second (16 kHz, hop 160, 4 mel frames a
 bin) and shifts them by one mel frame (its causal offset): bin ``i`` covers mel frames ``[max(0, 4i − 3), 4i + 1)``,
 seconds ``[max(0, i − 3/4) / 25, (i + 1/4) / 25)``. The video's latent frame ``f`` covers pixel frames
-``[max(0, c·f − c + 1), c·f + 1)`` (``c`` the VAE's temporal factor), seconds that over the call's ``fps``.
+``[max(0, c·f − c + 1), c·f + 1)`` (``c`` the VAE's temporal factor), seconds that over the playback rate ``fps``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ class AudioAxis:
         tokens (`int`): audio tokens A (latent bins) of the call.
         rate (`float`, defaults to 25.0): latent bins per second (sampling rate / hop / ``compression``).
         compression (`int`, defaults to 4): mel frames per bin; the bins start one mel frame late (causal).
-        fps (`float`, defaults to 24.0): the video's frame rate in the call (the transformer's ``fps``), which
-            places the video's frames in seconds.
+        fps (`float`, defaults to 24.0): the video's playback frame rate (LTX-2's pipelines' ``frame_rate``; the
+            transformer's ``fps`` for a bare call), which places the video's frames in seconds.
     """
 
     tokens: int

@@ -99,6 +99,29 @@ def test_the_audio_axis_is_the_models_own_time(recorded):
     )
 
 
+def test_slow_motion_keeps_the_audio_axis_at_the_playback_rate(recorded):
+    """``motion_speed`` 0.2 conditions the transformer on 5 × ``frame_rate`` (its ``fps``), while the audio and the
+    frames heard with it follow ``frame_rate``: the axis' rate is the playback's, each latent frame's span and its
+    bins as at ``motion_speed`` 1 (the bins spread over the frames, not piled on the last)."""
+    pipe = recorded[0]
+    if recorded[3].layout is None or "motion_speed" not in _signature(pipe):
+        pytest.skip("this diffusers' LTX-2 pipeline takes no motion_speed")
+    seen, task = [], "image-to-video" if "Image" in type(pipe).__name__ else "text-to-video"
+    for speed in (1.0, 0.2):
+        with cogattn.record(pipe, kinds=("frame_audio",), steps=[0], layers=[0]) as rec:
+            _run(pipe, task=task, motion_speed=speed)
+        seen.append(rec.layout.audio)
+    assert seen[0] == seen[1] == cogattn.AudioAxis(18, 25.0, 4, 24.0)
+    bare = ltx2.audio_axis(pipe.transformer.config, 18, 24.0 / 0.2)  # the transformer's own fps, without a pipeline
+    assert bare.frame_of_bin(recorded[3].layout).tolist() != seen[1].frame_of_bin(recorded[3].layout).tolist()
+
+
+def _signature(pipe) -> set:
+    import inspect
+
+    return set(inspect.signature(pipe.__call__).parameters)
+
+
 def test_the_run_folder_keeps_the_audio_axis_and_reads_the_audio_kinds(recorded):
     rec, folder = recorded[3], recorded[5]
     meta = json.loads((folder / "run.json").read_text())

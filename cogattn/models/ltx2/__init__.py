@@ -23,6 +23,8 @@ refuse them. IC-LoRA's ``video_self_attention_mask`` is added as the model adds 
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 
 import torch
 
@@ -84,7 +86,7 @@ def _audio_of_call(config, args: tuple, kwargs: dict) -> AudioAxis:
     if audio is None:
         raise ValueError("cogattn reads LTX-2's audio bins from the call's audio_hidden_states (B, A, C); pass them.")
     fps = call_argument(args, kwargs, 13, "fps")
-    axis = audio_axis(config, audio.shape[1], 24.0 if fps is None else fps)
+    axis = audio_axis(config, audio.shape[1], _playback_fps(FPS if fps is None else float(fps)))
     coords = call_argument(args, kwargs, 16, "audio_coords")
     if coords is not None and not torch.allclose(coords[0, 0].double().cpu(), axis.seconds(), atol=1e-5):
         raise ValueError(
@@ -92,6 +94,23 @@ def _audio_of_call(config, args: tuple, kwargs: dict) -> AudioAxis:
             "frame); cogattn records calls whose audio starts at 0, as the pipelines make them."
         )
     return axis
+
+
+def _playback_fps(fps: float) -> float:
+    """The video's playback frame rate: the running pipeline call's ``frame_rate`` where the transformer's ``fps`` is
+    its ``conditioning_frame_rate`` (``frame_rate / motion_speed``: slow motion's positions; the audio's seconds and
+    the frames heard with it follow ``frame_rate``), else ``fps`` (a bare transformer call)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__call__" and {"frame_rate", "conditioning_frame_rate"} <= frame.f_locals.keys():
+            local = frame.f_locals
+            if isinstance(local["conditioning_frame_rate"], (int, float)) and math.isclose(
+                local["conditioning_frame_rate"], fps, rel_tol=1e-6
+            ):
+                return float(local["frame_rate"])
+            return fps
+        frame = frame.f_back
+    return fps
 
 
 def read_call(config, args: tuple, kwargs: dict):
