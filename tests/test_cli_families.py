@@ -491,3 +491,49 @@ def test_ltx2_s_audio_kinds_run_through_the_batch_tool_and_the_released_config_p
     for kind in kinds:
         for step, layer in ((0, 0), (1, 1)):
             torch.testing.assert_close(run.get(kind, step, layer), rec.get(kind, step, layer), rtol=0, atol=1e-6)
+
+
+def test_the_negative_prompt_s_labels_are_those_of_the_text_the_pipeline_encoded(tmp_path):
+    """Cosmos encodes its own DEFAULT_NEGATIVE_PROMPT where a call gives none: the unconditional item's labels are
+    that text's tokens as its text encoder read them (they were the empty prompt's)."""
+    from PIL import Image
+
+    from cogattn.dump.config import load_config
+    from cogattn.dump.generate import load_pipeline, run_prompt
+    from cogattn.dump.prompts import Prompt
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "image.png")
+    sets = ["capture.batch=all", "num_inference_steps=1", "previews=false"]
+    cfg = load_config(ROOT / "configs" / "tiny-cosmos.yaml", sets)
+    pipe = load_pipeline(cfg, "cpu")
+    seen, forward = [], pipe.text_encoder.forward
+
+    def spied(*args, **kwargs):
+        seen.append(kwargs.get("input_ids", args[0] if args else None)[0].tolist())
+        return forward(*args, **kwargs)
+
+    pipe.text_encoder.forward = spied
+    run_prompt(pipe, cfg, Prompt(0, "a red fox", None, image=str(tmp_path / "image.png")), tmp_path / "p", 0)
+    meta = json.loads((tmp_path / "p" / "prompt.json").read_text())
+    assert meta["negative_prompt"] is None and len(seen) == 2  # the prompt's text, then the negative's
+    assert meta["negative_tokens"] == pipe.tokenizer.convert_ids_to_tokens(seen[1]) != meta["tokens"]
+
+
+def test_a_prompt_whose_words_cannot_be_named_keeps_its_generation(tmp_path):
+    """Kandinsky 5 cuts a prompt past max_sequence_length by characters, whose tokens cogattn does not name: the batch
+    tool keeps the prompt's maps and video, complete, unlabelled with a warning (it failed after the generation, and
+    every rerun generated it again)."""
+    if cogattn.models.kandinsky5 is None:
+        pytest.skip("this diffusers lacks Kandinsky 5")
+    from cogattn.dump.config import load_config
+    from cogattn.dump.generate import load_pipeline, run_prompt
+    from cogattn.dump.prompts import Prompt
+
+    cfg = load_config(ROOT / "configs" / "tiny-kandinsky5.yaml", ["num_inference_steps=1", "previews=false"])
+    pipe = load_pipeline(cfg, "cpu")
+    long = " ".join(["a red fox runs through the snowy forest at dawn"] * 6)
+    with pytest.warns(UserWarning, match="prompt 0: its text tokens are not labelled: this prompt makes"):
+        assert run_prompt(pipe, cfg, Prompt(0, long, None), tmp_path / "p", 0)
+    meta = json.loads((tmp_path / "p" / "prompt.json").read_text())
+    assert meta["complete"] and "tokens" not in meta and "more than the 40" in meta["tokens_error"]
+    assert (tmp_path / "p" / meta["video"]).is_file() and cogattn.load(tmp_path / "p" / "maps").complete

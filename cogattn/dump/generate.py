@@ -7,8 +7,11 @@ table of :func:`cogattn.analysis.head_stats.head_table`, when a kind it reads wa
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import inspect
 import json
+import re
 import shutil
 import time
 import warnings
@@ -105,6 +108,23 @@ def _modular(pipe) -> bool:
 
     modular = getattr(diffusers, "ModularPipeline", None)  # diffusers ≥ 0.35
     return modular is not None and isinstance(pipe, modular)
+
+
+def encoded_negative(pipe, negative: str | None) -> str:
+    """The negative prompt ``pipe`` encodes for the one a call gives: its default where the call gives none (Cosmos'
+    module's ``DEFAULT_NEGATIVE_PROMPT``, Kandinsky 5's in its ``__call__``; Kandinsky 6's ``_DEFAULT_NEGATIVE_PROMPT``
+    for none or ``""``), else ``negative`` (``""`` for none)."""
+    if negative:
+        return negative
+    own = getattr(type(pipe), "_DEFAULT_NEGATIVE_PROMPT", None)
+    if negative is None and own is None:
+        own = getattr(inspect.getmodule(type(pipe)), "DEFAULT_NEGATIVE_PROMPT", None)
+    if negative is None and own is None:  # a literal in the call: `if negative_prompt is None: negative_prompt = "..."`
+        with contextlib.suppress(OSError, TypeError):
+            source = inspect.getsource(type(pipe).__call__)
+            found = re.search(r'if negative_prompt is None:\s*\n\s*negative_prompt = ("[^"\n]*")\n', source)
+            own = found and ast.literal_eval(found.group(1))
+    return own if isinstance(own, str) else ""
 
 
 def _save_audio(waveform: torch.Tensor, rate: int, path: Path) -> Path:
@@ -279,13 +299,18 @@ def _generate(pipe, cfg: DumpConfig, prompt: Prompt, folder: Path, process: int,
     text = PromptFormat(pipe, template) if tokenizer is not None else None
     if text is not None and rec.layout is not None:
         lay, roles = rec.layout, rec.batch_roles or ()
-        meta["tokens"] = text_tokens(text, prompt.prompt, lay.prompt_len, spans=item_spans(rec))
-        if "uncond" in roles:  # the unconditional item's text: the negative prompt ("" unset), at its own spans
-            spans = item_spans(rec, "uncond")
-            own = spec.negative_template  # the template of the negative prompt, where not the prompt's (SANA-Video)
-            own = {**template, **own} if isinstance(own, dict) and isinstance(template, dict) else own  # Cosmos 3's
-            negative_text = text if own is None else PromptFormat(pipe, own)
-            meta["negative_tokens"] = text_tokens(negative_text, negative or "", lay.prompt_len, spans=spans)
+        try:
+            meta["tokens"] = text_tokens(text, prompt.prompt, lay.prompt_len, spans=item_spans(rec))
+            if "uncond" in roles:  # the unconditional item's text: the negative prompt the pipeline encoded
+                spans = item_spans(rec, "uncond")
+                own = spec.negative_template  # the negative prompt's template, where not the prompt's (SANA-Video)
+                own = {**template, **own} if isinstance(own, dict) and isinstance(template, dict) else own  # Cosmos 3
+                negative_text = text if own is None else PromptFormat(pipe, own)
+                encoded = encoded_negative(pipe, negative)
+                meta["negative_tokens"] = text_tokens(negative_text, encoded, lay.prompt_len, spans=spans)
+        except ValueError as err:  # labels it cannot name (a prompt Kandinsky 5 cut): the maps are kept, unlabelled
+            meta["tokens_error"] = str(err)
+            warnings.warn(f"prompt {prompt.index}: its text tokens are not labelled: {err}", stacklevel=2)
     what = "video"  # what a failure here names: the maps are written by now
     try:
         meta["video"] = _save_video(frames, folder / "video", cfg).name
