@@ -688,7 +688,7 @@ def test_a_grid_padded_to_whole_patches_is_placed_patch_by_patch_and_cut_at_the_
 class _Maps:
     """The MapSource members the figures use, over records given as a dict ``(kind, step, layer) -> tensor``."""
 
-    def __init__(self, layout, records, heads):
+    def __init__(self, layout, records, heads=1):
         self.layout, self.records, self.head_ids = layout, records, tuple(range(heads))
         self.timesteps, self.info, self.batch_roles, self.skipped = [999.0, 500.0], {}, (None,), Skips()
         self.block_size, self.queries, self.text_spans = 8, (), None

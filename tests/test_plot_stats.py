@@ -13,6 +13,7 @@ import pytest
 import torch
 from matplotlib.colors import LogNorm, to_rgba
 from PIL import Image
+from test_plot import _Maps
 from tiny_calls import generate
 
 import cogattn
@@ -21,7 +22,6 @@ from cogattn.exact import patterns
 from cogattn.layout import TokenLayout
 from cogattn.models.cogvideox import tiny_pipeline
 from cogattn.plot import animation as plot_animation
-from cogattn.runs.skips import Skips
 
 KINDS = ("frame", "query_frame", "entropy", "received", "block", "full")
 BLOCK = 6  # tokens per block: S = 53 gives N = 9 blocks, and neither the text (8) nor a frame (15) fills blocks
@@ -430,24 +430,6 @@ def test_a_loaded_run_plots_the_same(tiny, run):
 
 
 # -- damaged runs and uneven keys ------------------------------------------------------------------
-class _Maps:
-    """The MapSource members the figures use, over records given as a dict ``(kind, step, layer) -> tensor``."""
-
-    def __init__(self, layout, records, heads=1):
-        self.layout, self.records, self.head_ids = layout, records, tuple(range(heads))
-        self.timesteps, self.info, self.batch_roles, self.skipped = [999.0], {}, (None,), Skips()
-        self.block_size, self.queries, self.text_spans = 8, (), None
-
-    def layout_of(self, layer):
-        return self.layout
-
-    def keys(self):
-        return sorted(self.records)
-
-    def get(self, kind, step, layer):
-        return self.records[(kind, step, layer)].clone()
-
-
 def test_sinks_leave_out_non_finite_tokens_and_the_figure_warns():
     """A damaged run's NaN and inf ranked first: the title read "#1 text 1: nan" and the marks were on them."""
     lay = TokenLayout(text_len=2, frames=2, height=2, width=2)  # S = 10
