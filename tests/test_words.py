@@ -319,3 +319,75 @@ def test_previews_pick_the_prompt_s_words():
     pipe = easyanimate.tiny_pipeline()
     pipe.tokenizer = _qwen()
     assert previews._words(run, pipe, PROMPT) == [14, 15, 16, 17]
+
+
+@pytest.mark.parametrize("family", ["ltx_video", "wan"])
+def test_a_bare_tokenizer_s_plot_labels_are_cleaned_only_where_the_family_s_pipeline_cleans(family):
+    """Both texts are a separate cross-attention (``text_len`` 0); Wan's pipeline cleans the prompt (``&amp;`` → ``&``),
+    LTX-Video's tokenizes it as it is. ``word_heatmap(..., tokenizer=pipe.tokenizer)`` names each token, and finds each
+    word, as the ids its text encoder was handed: LTX-Video's 6 tokens hold ``<unk>`` for ``&amp;`` and no "dog"."""
+    from cogattn import plot
+
+    spec = cogattn.models.family(family)
+    pipe, seen = spec.tiny_pipeline(), []
+    encode = pipe.text_encoder.forward
+    pipe.text_encoder.forward = lambda input_ids=None, *a, **kw: seen.append(input_ids) or encode(input_ids, *a, **kw)
+    call = spec.tiny_call(pipe, "text-to-video", torch.Generator().manual_seed(0), False)
+    messy = "red fox &amp; dog"
+    with cogattn.record(pipe, kinds=("video_to_text",), steps=[0]) as rec:
+        pipe(prompt=messy, num_inference_steps=1, **{k: v for k, v in call.items() if "prompt" not in k})
+    T = rec.layout.prompt_len
+    assert rec.layout.text_len == 0 and seen[0].shape[-1] == T
+    want = pipe.tokenizer.convert_ids_to_tokens(seen[0][0].tolist())  # the text the transformer read
+    assert (want[2], want[3]) == (("<unk>", "dog") if family == "wan" else ("<unk>", "<unk>"))
+    fig = plot.word_heatmap(rec, [2, 3, "fox"], tokenizer=pipe.tokenizer, prompt=messy)
+    labels = [ax.get_ylabel().split("\n")[0] for ax in fig.axes if ax.get_ylabel().startswith('"')]
+    assert labels == [f'"{want[2]}" (token 2)', f'"{want[3]}" (token 3)', f'"fox" (token {want.index("fox")})']
+    if "dog" in want:
+        assert words.word_positions("dog", pipe.tokenizer, messy, T, clean=True) == [want.index("dog")]
+    else:  # truncated away: refused, never another token's column
+        with pytest.raises(ValueError, match="word 'dog' is not among"):
+            plot.word_heatmap(rec, "dog", tokenizer=pipe.tokenizer, prompt=messy)
+
+
+def _sentencepiece(pieces):
+    """A fast T5-like sentencepiece tokenizer of ``pieces`` and the same read as a slow one (no offsets)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    model = Tokenizer(models.Unigram([(p, -1.0) for p in ["<pad>", "</s>", "<unk>", *pieces]], unk_id=2))
+    model.pre_tokenizer = pre_tokenizers.Metaspace()
+    model.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+    class Slow:  # transformers 4.x's slow T5Tokenizer: the same pieces, no character offsets
+        is_fast, pad_token, all_special_tokens = False, fast.pad_token, fast.all_special_tokens
+        __call__ = staticmethod(fast.__call__)
+        convert_ids_to_tokens = staticmethod(fast.convert_ids_to_tokens)
+
+    return fast, Slow()
+
+
+@pytest.mark.parametrize("reader", ["offsets", "pieces"])  # "slow" would be the slow-test marker's keyword
+def test_words_end_at_punctuation_and_a_word_cut_off_is_refused(reader):
+    """A word ends at punctuation as at a space, with offsets or without ("red-fox": "fox" is its own word; "fox,dog":
+    so is "dog"); a word of which only the first pieces are among the T tokens ("foxhound" → "▁fox" kept, "hound"
+    truncated away) is refused, never named by its first piece."""
+    fast, slow = _sentencepiece(["▁a", "▁red", "-", "fox", ",", "▁the", "▁fox", "hound", "dog"])
+    tok = fast if reader == "offsets" else slow
+    prompt = "a red-fox, the foxhound"
+    ids = fast(prompt, padding="max_length", max_length=8, truncation=True)["input_ids"]
+    ref = fast.convert_ids_to_tokens(ids)  # the pipelines' call: what the transformer reads
+    assert ref == ["▁a", "▁red", "-", "fox", ",", "▁the", "▁fox", "</s>"]
+    assert words.word_positions("fox", tok, prompt, 8) == [3]  # not the cut-off start of "foxhound"
+    assert words.word_positions("red-fox", tok, prompt, 8) == [1, 3]
+    with pytest.raises(ValueError, match="word 'foxhound' is cut off at the 8 prompt tokens: only its start 'fox'"):
+        words.word_positions("foxhound", tok, prompt, 8)
+    with pytest.raises(ValueError, match="word 'the foxhound' is cut off"):
+        words.word_positions("the foxhound", tok, prompt, 8)
+    assert words.word_positions("foxhound", tok, prompt, 9) == [6, 7]  # whole: both pieces
+    glued = "the fox,dog"
+    ref = fast.convert_ids_to_tokens(fast(glued, padding="max_length", max_length=8, truncation=True)["input_ids"])
+    assert ref[:5] == ["▁the", "▁fox", ",", "dog", "</s>"]
+    assert words.word_positions("fox", tok, glued, 8) == [1]
+    assert words.word_positions("dog", tok, glued, 8) == [3]

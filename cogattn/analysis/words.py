@@ -28,12 +28,15 @@ words at that item's spans (``Recording.text_spans``; :func:`item_spans` picks a
 named ``"<image>"``, the glyph tokens as the second tokenizer names them (ByT5's bytes of the quoted words;
 ``word_positions(..., glyph=True)`` finds a quoted word there), the prompt's tokens at the prompt span, and
 the padding after them named as the tokenizer's padding. A fast tokenizer's character offsets find a word
-exactly, in the prompt only (never in its template); pieces of a slow sentencepiece one (T5, UMT5) are
-grouped at their ``▁`` word-start marker.
+exactly, in the prompt only (never in its template); the pieces of a slow sentencepiece one (T5, UMT5) rebuild
+the text it read (``▁`` a space), where a word is found the same way. A word the text length cuts off (only its first
+tokens kept) is refused.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 
 from ..items import pick_item
@@ -47,6 +50,7 @@ __all__ = [
     "PromptFormat",
     "PromptText",
     "clean_prompt",
+    "cleans_prompt",
     "item_spans",
     "pad_name",
     "text_tokens",
@@ -55,6 +59,7 @@ __all__ = [
 
 IMAGE_TOKEN = "<image>"  # the name of an image token that leads the text (HunyuanVideo image-to-video)
 PAD_TOKEN = "<pad>"  # the name of a packed text's padding where the tokenizer has no padding token of its own
+_SEP = "\x01"  # a slow tokenizer's special (and unknown) tokens in its rebuilt text: no part of a word
 
 
 def clean_prompt(prompt: str) -> str:
@@ -63,6 +68,21 @@ def clean_prompt(prompt: str) -> str:
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
     return prompt_clean(prompt)
+
+
+def cleans_prompt(family: str | None) -> bool | None:
+    """Whether ``family``'s pipelines clean the prompt before tokenizing it, as Wan's do (their diffusers module has a
+    ``prompt_clean``: Wan, SkyReels-V2, ChronoEdit, AnyFlow, Helios, ...; not LTX-Video's or CogVideoX's): the ``clean``
+    of a tokenizer alone for a recording of that family. `None` for a family cogattn does not know."""
+    try:
+        spec = family_spec(family) if family in TABLE else None
+    except ValueError:  # a family this diffusers lacks
+        return None
+    if spec is None:
+        return None
+    diffusers = importlib.import_module("diffusers")
+    classes = [getattr(diffusers, name, None) for name in spec.pipelines.values()]
+    return any(hasattr(inspect.getmodule(cls), "prompt_clean") for cls in classes if cls is not None)
 
 
 class PromptFormat:
@@ -221,8 +241,16 @@ def _start(prompt_start: int, text_len: int) -> int:
     return int(prompt_start)
 
 
-def _norm_word(text: str) -> str:
-    return re.sub(r"[^\w]", "", text.replace("▁", "")).lower()
+def _piece_text(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """The text a slow sentencepiece tokenizer read, rebuilt from the pieces of ``ids`` (``▁`` a space), and each
+    piece's characters in it: a special token (the unknown one too) ends a word, as the pieces' grouping did."""
+    special = set(getattr(tokenizer, "all_special_tokens", []))
+    text, spans = "", []
+    for piece in map(str, tokenizer.convert_ids_to_tokens(ids)):
+        part = _SEP if piece in special else piece.replace("▁", " ")
+        spans.append((len(text), len(text) + len(part)))
+        text += part
+    return text, spans
 
 
 def word_positions(
@@ -240,8 +268,9 @@ def word_positions(
     """Text-token positions whose pieces form ``word`` in ``prompt``, for every occurrence of it.
 
     A word may be several sentencepiece pieces (``'▁fox', 'hound'``); all of them are returned. A fast
-    tokenizer's character offsets give the exact pieces of the prompt (never of its template);
-    otherwise pieces are grouped into words at the ``▁`` word-start marker.
+    tokenizer's character offsets give the exact pieces of the prompt (never of its template); a slow
+    sentencepiece tokenizer's pieces rebuild the text it read (``▁`` a space), searched the same way: a word
+    ends at a space or at punctuation (``red-fox``, ``fox,dog``).
 
     Args:
         word (`str`): one or more words of the prompt (case-insensitive).
@@ -264,8 +293,9 @@ def word_positions(
         `list[int]`: sorted token positions in ``0 .. text_len - 1``.
 
     Raises:
-        ValueError: the word is not in the prompt (or not quoted, with ``glyph``), or was cut off; a tokenizer alone
-            for a ``family`` whose pipeline makes its text its own way.
+        ValueError: the word is not in the prompt (or not quoted, with ``glyph``), or was cut off (an occurrence
+            whose first tokens are among the ``text_len`` but not its last); a tokenizer alone for a ``family`` whose
+            pipeline makes its text its own way.
     """
     core = re.sub(r"^\W+|\W+$", "", word)  # "Fox," means the word fox: punctuation is not part of a word
     if not core:
@@ -278,30 +308,27 @@ def word_positions(
     length = end - skip
     fast = bool(getattr(fmt.tokenizer, "is_fast", False))
     enc = fmt.encode(prompt, length, offsets=fast) if length > 0 else PromptText([], "", (0, 0), [])
-    positions: list[int] = []
     if fast:
-        text, (a0, b0) = enc.text, enc.prompt
-        for m in re.finditer(r"(?<!\w)" + re.escape(core) + r"(?!\w)", text[a0:b0], re.IGNORECASE):
-            a, b = a0 + m.start(), a0 + m.end()
-            positions += [
-                i for i, (s, e) in enumerate(enc.spans) if e > s and e > a and s < b and re.search(r"\w", text[s:e])
-            ]
-    else:
-        pieces = fmt.tokenizer.convert_ids_to_tokens(enc.ids)
-        special = set(getattr(fmt.tokenizer, "all_special_tokens", []))
-        words: list[list[int]] = []  # token positions of each word, in order
-        for i, piece in enumerate(pieces):
-            if piece in special:
-                continue
-            if not words or piece.startswith("▁") or (i > 0 and pieces[i - 1] in special):
-                words.append([])
-            words[-1].append(i)
-        texts = [_norm_word("".join(pieces[i] for i in w)) for w in words]
-        target = [_norm_word(w) for w in core.split()]
-        for k in range(len(words) - len(target) + 1):
-            if target and texts[k : k + len(target)] == target:
-                # punctuation glued to a word ("fox" ",") and lone "▁" pieces are not part of it
-                positions += [i for w in words[k : k + len(target)] for i in w if _norm_word(pieces[i])]
+        text, window, marks, count = enc.text, enc.prompt, enc.spans, len(enc.ids)
+    else:  # no offsets: the untruncated pieces rebuild the text, and the kept ones are those the two share
+        full = fmt.encode(prompt, length + 4 * len(prompt) + 16) if enc.ids else enc  # ≤ 4 pieces a character
+        count = next((i for i, (x, y) in enumerate(zip(enc.ids, full.ids)) if x != y), len(enc.ids))
+        text, marks = _piece_text(fmt.tokenizer, full.ids)
+        window = (0, len(text))
+    kept = max((e for s, e in marks[:count] if e > s), default=0)  # past this character the text was cut off
+    pattern = r"(?<!\w)" + r"\s+".join(map(re.escape, core.split())) + r"(?!\w)"  # whole words, any spacing
+    positions: list[int] = []
+    for m in re.finditer(pattern, text[window[0] : window[1]], re.IGNORECASE):
+        a, b = window[0] + m.start(), window[0] + m.end()
+        if a >= kept:  # cut away whole: not among the tokens
+            continue
+        if b > kept:  # its first tokens kept, not its last: the positions would name part of it
+            raise ValueError(
+                f"word {word!r} is cut off at the {length} prompt tokens: only its start {text[a:kept]!r} is among "
+                f"them (the text is truncated at max_sequence_length). Pass a word the text holds whole, or token "
+                f"indices 0..{text_len - 1}."
+            )
+        positions += [i for i, (s, e) in enumerate(marks) if e > s and e > a and s < b and re.search(r"\w", text[s:e])]
     if not positions:
         shown = text_tokens(fmt, prompt, length)
         pad, n = getattr(fmt.tokenizer, "pad_token", None), len(shown)

@@ -8,7 +8,7 @@ from pathlib import Path
 from .. import plot
 from ..analysis.layouts import of_generation
 from ..analysis.maps import aggregate, expert_steps, recorded
-from ..analysis.words import item_spans, word_positions
+from ..analysis.words import cleans_prompt, item_spans, word_positions
 from ..runs.run import load
 
 __all__ = ["write_previews"]
@@ -25,9 +25,11 @@ def _words(run, tokenizer, prompt: str | None, limit: int = 4) -> list[int]:
     if tokenizer is None or prompt is None:
         return list(range(min(limit, T)))
     found: set[int] = set()
+    clean = cleans_prompt(getattr(run, "family", None))  # a tokenizer alone: cleaned where the family's pipeline does
+    clean = lay.text_len == 0 if clean is None else clean
     for word in dict.fromkeys(re.findall(r"\w+", prompt)):
         try:
-            found.update(word_positions(word, tokenizer, prompt, T, clean=lay.text_len == 0, spans=spans))
+            found.update(word_positions(word, tokenizer, prompt, T, clean=clean, spans=spans))
         except ValueError:  # cut off at T tokens, or changed by the pipeline's cleaning
             continue
     return sorted(found)[:limit] or [0]

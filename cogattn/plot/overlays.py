@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 
 from ..analysis.layouts import for_layers
 from ..analysis.maps import aggregate, locate_query, recorded_kinds
-from ..analysis.words import item_spans, pad_name, text_tokens, word_positions
+from ..analysis.words import cleans_prompt, item_spans, pad_name, text_tokens, word_positions
 from ..layout import TokenLayout
 from ..runs.run import MapSource
 from .style import (
@@ -64,11 +64,12 @@ def _resolve_tokens(source: MapSource, kind: str, tokens, tokenizer, prompt, bat
     items = [tokens] if isinstance(tokens, (int, str)) else list(tokens)
     if not items:
         raise ValueError(f"tokens is empty; pass {what} indices{'' if image else ' or words of the prompt'}.")
-    clean = layout.text_len == 0  # the text is in a cross-attention: Wan, which cleans the prompt first
     spans = None if image else item_spans(source, batch)
     family = getattr(source, "family", None)  # a bare tokenizer is refused where the family templates the prompt
-    names = None
+    names = clean = None
     if not image and tokenizer is not None and prompt is not None:
+        clean = cleans_prompt(family)  # a bare tokenizer's prompt cleaned where the family's pipeline does (Wan's)
+        clean = layout.text_len == 0 if clean is None else clean  # a source of no known family: Wan's cross-attention
         names = text_tokens(tokenizer, prompt, T, clean=clean, spans=spans, family=family)
     out = []
     for item in items:
