@@ -257,7 +257,11 @@ def _alone_rank(rank, world, out, pipe):
 
     RunWriter.put = failing_put
     try:
-        expected = (StoreError, "the disk is full") if rank == 0 else (RuntimeError, rank1.format("write the run"))
+        expected = (
+            (StoreError, "the disk is full")
+            if rank == 0
+            else (RuntimeError, rank1.format("capture or write this call"))
+        )
         with pytest.raises(expected[0], match=expected[1]):
             with cogattn.record(pipe, save_dir=out / "put", **run) as rec:
                 pipe(**CALL, **_prompt())
@@ -265,6 +269,32 @@ def _alone_rank(rank, world, out, pipe):
         assert len(calls) == (4 if rank == 0 else 0)  # step 0: 2 layers × 2 kinds, all tried
     finally:
         RunWriter.put = put
+    from cogattn.recorder.capture import Capture
+
+    outs, seen = Capture._outs, []
+
+    def out_of_memory_on_rank_1(
+        self, *args
+    ):  # rank 1's own memory, at step 1's first capture (2 calls × 2 layers a step)
+        seen.append(1)
+        if rank == 1 and len(seen) == 5:
+            raise torch.OutOfMemoryError("out of memory (a test)")
+        return outs(self, *args)
+
+    Capture._outs = out_of_memory_on_rank_1
+    try:
+        expected = (
+            (torch.OutOfMemoryError, "a test") if rank == 1 else (RuntimeError, "rank 1 of the context-parallel mesh "
+             "could not capture or write this call, so this rank stops too: OutOfMemoryError: out of memory")
+        )  # fmt: skip
+        with pytest.raises(expected[0], match=expected[1]):
+            with cogattn.record(pipe, save_dir=out / "memory", **run) as rec:
+                pipe(**CALL, **_prompt())
+        assert len(rec.timesteps) == 2 and rec.status == "failed"  # stopped after step 1's first call
+    finally:
+        Capture._outs = outs
+    if rank == 0:  # step 0's records, none of step 1's
+        assert cogattn.load(out / "memory").keys() == [(k, 0, i) for k in ("entropy", "frame") for i in (0, 1)]
     close = RunWriter.close
 
     def failing_close(self, meta=None):

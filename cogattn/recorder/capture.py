@@ -26,7 +26,7 @@ from ..exact.checks import Verifier, probe_rows
 from ..exact.context import context_pass
 from ..exact.planner import CapturePlan, TilePlan, plan_tiles
 from ..runs.skips import Skips
-from .mesh import Mesh
+from .mesh import Mesh, no_context_heads, no_heads
 from .processor import kept_count
 
 __all__ = ["Capture"]
@@ -53,7 +53,9 @@ class Capture:
         self.tiles: dict[tuple, TilePlan] = {}  # per (S, D, device type, copies, method, lse) of the calls seen
         self.kernel = engine.KernelChoice()
         self.mesh: Mesh | None = None  # the context-parallel mesh, found at the generation's first call
-        self.latched: Exception | None = None  # rank 0's store error under a mesh, until every rank raises it
+        self.latched: Exception | None = (
+            None  # under a mesh, a rank's capture or store error until every rank raises it
+        )
         self.verifier = Verifier(options.verify)
         self.pending: dict[tuple, list] = {}  # (kind, layer) → [step, (slots, part)...] across a step's calls
         self.text_lengths: dict[int, int] = {}  # result slot → its valid text tokens, where a mask says
@@ -260,9 +262,11 @@ class Capture:
             h = len(parts[mesh.rank])
             local = [mesh.local(r, h) for r in group]
             args = (tuple(range(h)), None, None, key_counts, query_counts, None, v, items, slots)
-            outs = (
-                self._outs(plan, layer, q, k, local, *args) if h else [q.new_zeros(r.shape(len(items))) for r in local]
-            )
+            compute = self._outs if h else no_heads  # a rank of no heads sends zeros: it takes part all the same
+            outs, failed = mesh.guarded(q.device, compute, plan, layer, q, k, local, *args)
+            if outs is None:  # a rank's capture failed: no rank captures more, and every rank raises it (settle)
+                self.latched, self.stopped = self.latched or failed, True
+                return
             for red, out in zip(group, outs):
                 if (full := mesh.combine(out.float(), red, parts)) is not None:
                     self._put(red.kind, layer, full, slots, "self")
@@ -369,8 +373,11 @@ class Capture:
             self.text_lengths.update({s: self.text_lengths.get(s, kept[b]) for s, b in zip(slots, items)})
         if self.mesh is not None:
             h, tiles = len(parts[self.mesh.rank]), plan.context_tiles[red.source]
-            outs = context_pass(query, key, items, reducers, None, tiles, bias) if h else None
-            outs = outs or [query.new_zeros(r.shape(len(items))) for r in reducers]
+            compute = context_pass if h else no_context_heads
+            outs, failed = self.mesh.guarded(query.device, compute, query, key, items, reducers, None, tiles, bias)
+            if outs is None:  # a rank's capture failed (as above)
+                self.latched, self.stopped = self.latched or failed, True
+                return
             for red, out in zip(reducers, outs):  # the whole result on rank 0
                 if (full := self.mesh.combine(out.float(), red, parts)) is not None:
                     self._put(red.kind, layer, full, slots, "context")
@@ -383,23 +390,12 @@ class Capture:
     @torch.no_grad()
     def capture_stat(self, layer: int, name: str, values: torch.Tensor) -> None:
         """Keep a statistic of ``layer``'s captured call, ``values`` ``(B, H)`` per batch item of the call and head
-        (every head), for the selected items' slots (:class:`cogattn.recorder.processor.MapSink`)."""
+        (every head), for the selected items' slots (:class:`cogattn.recorder.processor.MapSink`; their tables:
+        :func:`cogattn.recorder.meta.call_stats`)."""
         items, slots = self._call_items(values.shape[0])
         kept = self.stats.setdefault((self.step, layer, name), {})
         for slot, b in zip(slots, items):
             kept[slot] = [float(x) for x in values[b]]
-
-    def call_stats(self) -> dict:
-        """The per-call statistics kept (:meth:`capture_stat`), ``(step, layer, name)`` → float64 ``(B, H)`` over the
-        results' batch slots and every head, NaN for a slot whose call was not captured (Kandinsky 5's
-        ``"nabla_recall"``: the mean over queries of the dense attention's mass its sparse mask keeps)."""
-        num_slots, tables = len(self.plan.resolved.batch) if self.plan else 0, {}
-        for key, slots in self.stats.items():
-            table = torch.full((num_slots, len(next(iter(slots.values())))), float("nan"), dtype=torch.float64)
-            for slot, values in slots.items():
-                table[slot] = torch.tensor(values, dtype=torch.float64)
-            tables[key] = table
-        return tables
 
     @property
     def wants_value(self) -> bool:

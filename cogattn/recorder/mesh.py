@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CHECKED_FAMILIES", "ElsewhereStore", "Mesh", "distributed", "exchange_bytes", "find_mesh"]
+__all__ = [
+    "CHECKED_FAMILIES",
+    "ElsewhereStore",
+    "Mesh",
+    "distributed",
+    "exchange_bytes",
+    "find_mesh",
+    "no_context_heads",
+    "no_heads",
+]
 
 # The families whose context-parallel runs are checked against the reference (tests/test_context_parallel.py). The
 # others with a plan stay refused, each for what diffusers' own CP run of its tiny model did, without cogattn
@@ -154,6 +163,18 @@ class Mesh:
             raise error
         raise RuntimeError(f"rank {first} of the context-parallel mesh {what}, so this rank stops too: {said[first]}")
 
+    def guarded(self, device, compute, *args) -> tuple[list | None, Exception | None]:
+        """``compute(*args)``'s results, `None` on every rank where it raised on any (its own memory, say): one small
+        all-reduce, so that no rank waits for one that stopped in the collectives of the call's results. Returns
+        ``(results or None, this rank's error or None)``."""
+        try:
+            results, error = compute(*args), None
+        except Exception as err:
+            results, error = None, err
+        failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        return (None if failed.item() else results), error
+
     def local(self, reducer, heads: int):
         """A copy of ``reducer`` for this rank's ``heads`` of its selection (kept for the recording's life)."""
         key = (id(reducer), heads)
@@ -242,3 +263,14 @@ class ElsewhereStore:
 
     def close(self, meta: dict | None = None) -> None:
         pass
+
+
+def no_heads(plan, layer, query, key, reducers, *args) -> list[torch.Tensor]:
+    """The results of a rank that holds none of the heads (``Capture._outs``' arguments, which :meth:`Mesh.guarded`
+    passes on): zeros, which it sends in the call's collectives as every rank does."""
+    return [query.new_zeros(r.shape(len(args[-2]))) for r in reducers]  # args[-2]: the items
+
+
+def no_context_heads(query, key, items, reducers, *args) -> list[torch.Tensor]:
+    """As :func:`no_heads`, for a cross-attention (``context_pass``' arguments)."""
+    return [query.new_zeros(r.shape(len(items))) for r in reducers]

@@ -8,7 +8,7 @@ import torch
 from ..runs.run_values import layout_json
 from ..version import __version__
 
-__all__ = ["run_meta"]
+__all__ = ["call_stats", "run_meta"]
 
 
 def run_meta(rec) -> dict:
@@ -47,7 +47,7 @@ def run_meta(rec) -> dict:
         "mesh": None if rec._capture.mesh is None else rec._capture.mesh.asdict(),
         "call_stats": [  # NaN (a slot whose call was not captured) as null
             dict(step=step, layer=layer, name=name, values=[[x if x == x else None for x in r] for r in t.tolist()])
-            for (step, layer, name), t in rec._capture.call_stats().items()
+            for (step, layer, name), t in call_stats(rec._capture).items()
         ],
         "sources": rec._sources,
         "layer_output": rec.options.layer_output,
@@ -57,3 +57,17 @@ def run_meta(rec) -> dict:
         "skipped": rec.skipped.asdict(),
         "versions": {"cogattn": __version__, "diffusers": diffusers.__version__, "torch": torch.__version__},
     }
+
+
+def call_stats(capture) -> dict:
+    """The per-call statistics a :class:`~cogattn.recorder.capture.Capture` kept (``capture_stat``), ``(step, layer,
+    name)`` → float64 ``(B, H)`` over the results' batch slots and every head, NaN for a slot whose call was not
+    captured (Kandinsky 5's ``"nabla_recall"``: the mean over queries of the dense attention's mass its sparse mask
+    keeps)."""
+    num_slots, tables = len(capture.plan.resolved.batch) if capture.plan else 0, {}
+    for key, slots in capture.stats.items():
+        table = torch.full((num_slots, len(next(iter(slots.values())))), float("nan"), dtype=torch.float64)
+        for slot, values in slots.items():
+            table[slot] = torch.tensor(values, dtype=torch.float64)
+        tables[key] = table
+    return tables

@@ -26,7 +26,7 @@ from .capture import Capture
 from .facts import Facts
 from .guiders import Branches
 from .mesh import ElsewhereStore, distributed
-from .meta import run_meta
+from .meta import call_stats, run_meta
 from .sites import SinkRef, Transformers, find_transformer
 from .steps import StepTracker, WeakHook
 
@@ -128,10 +128,11 @@ class Recording(Facts):
     def _after_forward(self, module, args, kwargs, output=None):
         self._steps.returned()  # a block run after this is a recomputation (gradient checkpointing), not captured
         if output is not None and self._capture.mesh is not None:  # a call every rank returned from
-            self._settle("could not write the run")
+            self._settle("could not capture or write this call")
 
     def _settle(self, what: str, error: Exception | None = None) -> None:
-        """Rank 0's store error (``error``, or one a call kept) raised on every rank of the mesh (`Mesh.settle`)."""
+        """A rank's error (``error``, or one a call kept: rank 0's store, a rank's capture) raised on every rank of the
+        mesh (`Mesh.settle`)."""
         error, self._capture.latched = error or self._capture.latched, None
         self._capture.mesh.settle(error, what)
 
@@ -225,7 +226,7 @@ class Recording(Facts):
     attention = property(lambda self: self._capture.attention, doc=":meth:`.capture.Capture.attention`.")
     wants_value = property(lambda self: self._capture.wants_value, doc=":attr:`.capture.Capture.wants_value`.")
     capture_stat = property(lambda self: self._capture.capture_stat, doc=":meth:`.capture.Capture.capture_stat`.")
-    call_stats = property(lambda self: self._capture.call_stats(), doc=":meth:`.capture.Capture.call_stats`.")
+    call_stats = property(lambda self: call_stats(self._capture), doc=":func:`cogattn.recorder.meta.call_stats`.")
 
     def capture(self, *args, **kwargs) -> None:
         self._capture.capture(*args, **kwargs)
