@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 from types import SimpleNamespace
 
-__all__ = ["item_label", "item_role", "pick_item", "table_source"]
+__all__ = ["as_index", "item_label", "item_role", "pick_item", "table_source"]
 
 
 def item_role(item: int, batch_size: int, guidance: bool | None) -> str | None:
@@ -26,6 +26,14 @@ def item_role(item: int, batch_size: int, guidance: bool | None) -> str | None:
     if not guidance or batch_size < 2 or batch_size % 2:
         return None
     return "uncond" if item < batch_size // 2 else "cond"
+
+
+def as_index(value):
+    """An index (a step, layer, head or batch slot) given as any integer (NumPy's, a 0-d tensor's, read from a table)
+    as an ``int``; a ``bool`` refused (`TypeError`: it is no index); anything else as it is."""
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is a bool, not an index: pass an integer, or a list of them.")
+    return operator.index(value) if hasattr(value, "__index__") and not isinstance(value, int) else value
 
 
 def pick_item(source, batch: int | str | None = None) -> int:
@@ -52,9 +60,7 @@ def pick_item(source, batch: int | str | None = None) -> int:
             )
         return roles.index(batch)
     try:
-        if isinstance(batch, bool):
-            raise TypeError
-        slot = operator.index(batch)
+        slot = operator.index(as_index(batch))
     except TypeError:
         raise TypeError(f"batch={batch!r}: pass a slot index, 'cond', 'uncond' or None.") from None
     slots = len(getattr(source, "batch_items", None) or roles or ())  # 0: the source does not say

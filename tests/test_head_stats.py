@@ -3,6 +3,7 @@ token): text mass, mass by latent-frame distance, entropy statistics, sinks; lab
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from tiny_calls import generate
@@ -233,6 +234,19 @@ def test_sinks(probs):
         head_table(source_of(probs), sink_fraction=0)
 
 
+def test_a_damaged_received_record_names_no_sink(probs):
+    """An inf in one head's received mass: its sink share is not finite and its sink tokens are empty (they named
+    the damaged token); the other heads are as before."""
+    source = source_of(probs, kinds=("received",))
+    clean = head_table(source, sink_fraction=0.1)
+    source.records[("received", 0, 0)][0, 1, 5] = math.inf
+    table = head_table(source, sink_fraction=0.1)
+    damaged = (table.step == 0) & (table.layer == 0) & (table["item"] == 0) & (table["head"] == HEAD_IDS[1])
+    assert damaged.sum() == 1 and not np.isfinite(table[damaged].sink_share).any()
+    assert table[damaged].sink_tokens.tolist() == [""]
+    assert table[~damaged].sink_tokens.tolist() == clean[~damaged].sink_tokens.tolist()
+
+
 def test_sink_tokens_are_read_from_one_list_not_element_by_element(probs, monkeypatch):
     """int() on each index tensor took 49 s of a 120 s head table at CogVideoX-5b's size; the text is unchanged."""
     source = source_of(probs, kinds=("received",))
@@ -314,3 +328,21 @@ def test_tiny_recording_against_its_full_map(tmp_path):
         for name in NUMBERS:
             assert row[name] == pytest.approx(ref[name], abs=1e-4), name
         assert row["timestep"] == rec.timesteps[row["step"]]
+
+
+def test_selectors_take_numpy_integers_and_refuse_booleans(probs):
+    """A step, layer or head read from a table is a NumPy integer (it raised "'numpy.int64' object is not iterable");
+    a bool is no index (heads=True read head 1)."""
+    from cogattn.analysis import aggregate
+
+    source = source_of(probs, kinds=("frame",))
+    want = aggregate(source, "frame", steps=1, layers=0, heads=HEAD_IDS[1])
+    got = aggregate(source, "frame", steps=np.int64(1), layers=[np.int32(0)], heads=np.int64(HEAD_IDS[1]))
+    assert got.shape == want.shape and torch.equal(got, want)
+    table = head_table(source, steps=np.int64(1))
+    assert set(table.step) == {1}
+    for bad in (dict(heads=True), dict(steps=True), dict(layers=[0, False])):
+        with pytest.raises(TypeError, match="is a bool, not an index"):
+            aggregate(source, "frame", **bad)
+    with pytest.raises(ValueError, match="steps=2.0; use 'all', an index, or a list of indices"):
+        aggregate(source, "frame", steps=2.0)

@@ -287,6 +287,28 @@ def test_fit_of_an_exact_exponential_and_of_too_few_points():
     assert all(math.isnan(v) for v in fit_decay([0, 1, 2], [0.5, 0.0, 0.0]))  # one positive point
 
 
+def test_a_curve_flat_within_float32_rounding_and_a_damaged_one_are_no_fits():
+    """Uniform attention in float32 keeps ~1e-8 of rounding in its curve: it was fitted as signal (R² 0.72, −2.0);
+    a NaN point left a fit of the others, R² 1.0; mean_decay left a damaged row out of one distance's mean only."""
+    import math
+
+    import pandas as pd
+
+    from cogattn.analysis.decay import fit_decay, mean_decay
+
+    third = torch.tensor(1 / 3, dtype=torch.float32).item()
+    scale, rate, r2 = fit_decay([0, 1, 2], [third, third, third * (1 + 2**-23)])
+    assert scale == pytest.approx(third) and rate == 0.0 and math.isnan(r2)
+    assert all(math.isnan(v) for v in fit_decay([0, 1, 2, 3], [1.0, 0.5, math.nan, 0.125]))
+    assert all(math.isnan(v) for v in fit_decay([0, 1, 2], [1.0, math.inf, 0.25]))
+    table = pd.DataFrame(
+        {"step": [0, 0], "layer": [0, 0], "head": [0, 1], "dt_0": [0.5, math.nan], "dt_1": [0.25, 0.2]}
+    )
+    table = table.assign(ds_0=[0.4, 0.3], ds_1=[0.2, 0.1])
+    by_layer = mean_decay(table, by="layer")
+    assert math.isnan(by_layer.loc[0, "dt_0"]) and math.isnan(by_layer.loc[0, "t_rate"])
+
+
 def test_mean_decay_averages_the_curves_then_fits(recording):
     import numpy as np
 

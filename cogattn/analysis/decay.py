@@ -93,9 +93,12 @@ def fit_decay(distance, values) -> tuple[float, float, float]:
 
     Returns:
         `tuple[float, float, float]`: ``(a, λ, R²)``; R² is of the line on ``ln m``. NaN where fewer than two
-        values are positive (R² also where the positive values are all equal: nothing to explain).
+        values are positive or one is not finite (a damaged record); R² NaN and λ 0 where the positive values are
+        equal within float32's rounding (uniform attention: nothing to explain).
     """
     d, m = np.asarray(distance, dtype=float), np.asarray(values, dtype=float)
+    if not np.isfinite(m).all():  # a damaged record's NaN or inf: a fit of the other points would look plausible
+        return math.nan, math.nan, math.nan
     keep = m > 0
     d, y = d[keep], np.log(m[keep])
     if len(d) < 2:
@@ -104,9 +107,10 @@ def fit_decay(distance, values) -> tuple[float, float, float]:
     slope = float((dc * (y - y.mean())).sum() / (dc * dc).sum())
     intercept = float(y.mean() - slope * d.mean())
     total = float(((y - y.mean()) ** 2).sum())
+    if total <= len(y) * 1e-12:  # ln m equal within float32's rounding (uniform attention): flat, nothing to explain
+        return math.exp(float(y.mean())), 0.0, math.nan
     residual = float(((y - (intercept + slope * d)) ** 2).sum())
-    r2 = 1.0 - residual / total if total > 0 else math.nan
-    return math.exp(intercept), -slope, r2
+    return math.exp(intercept), -slope, 1.0 - residual / total
 
 
 def _fits(frame: pd.DataFrame, prefix: str, columns: list[str]) -> dict[str, list[float]]:
@@ -222,4 +226,4 @@ def mean_decay(table: pd.DataFrame, by: str = "head") -> pd.DataFrame:
         groups = expert_steps_of(table)
         fix = " or ".join(f"table[table.expert == {name!r}]" for name in groups)
         check_one_expert(groups, f"mean_decay(table, by={by!r})", f"Pass {fix}, or by='step'.")
-    return _with_fits(table.groupby(by, sort=True)[curves].mean())
+    return _with_fits(table.groupby(by, sort=True)[curves].mean(skipna=False))  # a damaged row: NaN, not left out

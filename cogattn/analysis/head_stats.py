@@ -291,7 +291,8 @@ def _record_rows(
         top = r.topk(k, dim=-1)
         columns["sink_share"] = top.values.sum(-1) / r.sum(-1)
         indices = top.indices.tolist()  # once: indexing a tensor per element costs a Python call each
-        sink_tokens = [[" ".join(map(str, indices[b][h])) for h in range(H)] for b in range(B)]
+        finite = torch.isfinite(r).all(-1).tolist()  # a damaged record's NaN or inf names no sink
+        sink_tokens = [[" ".join(map(str, indices[b][h])) if finite[b][h] else "" for h in range(H)] for b in range(B)]
     else:
         columns["sink_share"] = nan
     ps, kept = density

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import NotRecordedError
 from ..exact.reducers import REDUCERS
-from ..items import pick_item
+from ..items import as_index, pick_item
 from ..runs.run import MapSource, Run
 from .layouts import check_one_layout, of_generation
 
@@ -208,7 +208,12 @@ def pick(have: list[int], what: str, value: str | int | Sequence[int], of: str) 
         if value != "all":
             raise ValueError(f"{what}s={value!r}; use 'all', an index, or a list of indices.")
         return have
-    wanted = [value] if isinstance(value, int) else list(value)
+    value = as_index(value)
+    try:
+        wanted = [value] if isinstance(value, int) else list(value)
+    except TypeError:  # a float, None: no index and no list of them
+        raise ValueError(f"{what}s={value!r}; use 'all', an index, or a list of indices.") from None
+    wanted = [as_index(v) for v in wanted]
     if not wanted:
         raise ValueError(f"{what}s is empty; recorded {what}s of {of} are {have}.")
     for v in wanted:
@@ -233,6 +238,7 @@ def head_positions(head_ids: Sequence[int] | None, num_slots: int, heads: str | 
         ValueError: ``heads`` is malformed.
         NotRecordedError: a chosen head was not recorded (or only their mean was).
     """
+    heads = as_index(heads) if isinstance(heads, (str, int)) or hasattr(heads, "__index__") else heads
     if heads in ("all", "mean"):
         return list(range(num_slots))
     if isinstance(heads, str) or (not isinstance(heads, int) and not heads):
@@ -246,7 +252,7 @@ def head_positions(head_ids: Sequence[int] | None, num_slots: int, heads: str | 
     if len(ids) != num_slots:  # heads="all" of an attention with heads of its own (LTX-2's audio): all of them
         ids = list(range(num_slots))
     positions = []
-    for h in [heads] if isinstance(heads, int) else list(heads):
+    for h in [heads] if isinstance(heads, int) else [as_index(h) for h in heads]:
         if h not in ids:
             raise NotRecordedError(f"head {h!r} was not recorded; recorded heads are {ids}.")
         positions.append(ids.index(h))
@@ -331,6 +337,7 @@ def aggregate(
     mean = (total / len(pairs)).float()
     ids = source.head_ids_of(kind) if hasattr(source, "head_ids_of") else source.head_ids  # LTX-2 audio: its own
     positions = head_positions(ids, mean.shape[0], heads)
+    heads = as_index(heads) if not isinstance(heads, (str, list, tuple)) else heads  # an int drops the axis
     if heads == "mean":
         return mean.mean(0)
     if isinstance(heads, int):
