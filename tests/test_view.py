@@ -675,3 +675,30 @@ def test_the_default_page_shows_no_error_and_says_what_to_record(default_tiny, b
         finally:
             server.stop()
     assert not problems, problems
+
+
+def test_a_run_of_heads_in_descending_order_has_its_atlas_live_and_in_the_export(tmp_path, capsys, monkeypatch):
+    """``heads=[1, 0]`` (the docs' own example of an order kept): the atlas' grid came out of pandas with a negative
+    stride, which torch refused, so the atlas panel said so and ``--export`` left the whole run out (exit 0); a
+    failure of one map now costs that map alone."""
+    from tiny_calls import generate
+
+    import cogattn
+    from cogattn.models.cogvideox import tiny_pipeline
+
+    pipe = tiny_pipeline(num_heads=2)
+    with cogattn.record(pipe, kinds=("frame", "entropy"), heads=[1, 0], save_dir=tmp_path / "run"):
+        generate(pipe, steps=1, output_type="latent")
+    atlas = RunView(tmp_path / "run").heads(0, "entropy_mean")
+    table = head_table(load(tmp_path / "run"), steps=0)
+    want = [[table[(table.layer == n) & (table["head"] == h)].entropy_mean.item() for h in (1, 0)] for n in (0, 1)]
+    assert atlas["heads"] == [1, 0] and _close(atlas["values"], torch.tensor(want), digits=6)
+    out = tmp_path / "page.html"
+    assert main([str(tmp_path / "run"), "--export", str(out)]) == 0
+    assert "not in the export" not in capsys.readouterr().err
+    monkeypatch.setattr(RunView, "heads", lambda *a, **k: 1 / 0)  # a reader failing as nothing checked
+    assert main([str(tmp_path / "run"), "--export", str(out)]) == 0
+    text = out.read_text()
+    data = json.loads(text[text.index("COGATTN_EMBEDDED = ") + 19 : text.index(";</script>")].replace("<\\/", "</"))
+    assert data["maps"]["run|heads|0|entropy_mean"] == {"error": "ZeroDivisionError: division by zero"}
+    assert data["maps"]["run|frame|0|mean|mean|"]["shape"]

@@ -220,7 +220,7 @@ class RunView:
         grid = table.pivot(index="layer", columns="head", values=column).reindex(index=layers, columns=heads)
         labels = table.pivot(index="layer", columns="head", values="label").reindex(index=layers, columns=heads)
         return {
-            **_payload(torch.tensor(grid.to_numpy(dtype=float))),
+            **_payload(torch.tensor(np.ascontiguousarray(grid.to_numpy(dtype=float)))),  # reindexed: any strides
             "layers": [int(x) for x in layers],
             "heads": [h if isinstance(h, str) else int(h) for h in heads],
             "labels": labels.fillna("").to_numpy().tolist(),

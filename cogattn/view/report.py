@@ -65,7 +65,13 @@ def _spread(values: list[int], most: int) -> list[int]:
     return sorted({values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)})
 
 
-def _rounded(payload: dict) -> dict:
+def _rounded(make, *args) -> dict:
+    """The map ``make(*args)`` answers, kept to the export's digits; an error (or a failure nothing checked) costs
+    this map alone, as its ``error``, not the run."""
+    try:
+        payload = make(*args)
+    except Exception as err:
+        return {"error": one_line(err)}
     if "error" in payload:
         return payload
     values = torch.tensor([math.nan if v is None else v for v in payload["values"]]).reshape(payload["shape"])
@@ -77,7 +83,7 @@ def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tup
     summary, maps = view.summary(), {}
     for step in summary["steps"].get("frame", []):
         for layer in ["mean", *summary["layers"]["frame"]]:
-            maps[f"frame|{step}|{layer}|mean|"] = _rounded(view.map("frame", step, layer))
+            maps[f"frame|{step}|{layer}|mean|"] = _rounded(view.map, "frame", step, layer)
     lay = view.run.layout
     # the exported item's text after its image tokens (HunyuanVideo image-to-video; 1.5: its own spans)
     start = 0 if lay is None else item_spans(view.run, summary["item"]).get("image", (0, 0))[1]
@@ -98,14 +104,14 @@ def _answers(view: RunView, most_tokens: int, most_steps: int, side: int) -> tup
                 maps[f"{kind}|{step}|mean|mean|{token}"] = _kept(m[i], side)
     for kind in AUDIO_KINDS:  # LTX-2's audio stream: the mean over layers at each step
         for step in summary["steps"].get(kind, []):
-            maps[f"{kind}|{step}|mean|mean|"] = _rounded(view.map(kind, step, "mean"))
+            maps[f"{kind}|{step}|mean|mean|"] = _rounded(view.map, kind, step, "mean")
     for step in summary["steps"].get("block", []):
         for mask in MASKS:
-            maps[f"block|{step}|mean|mean|{mask}"] = _rounded(view.block(step, "mean", "mean", mask))
+            maps[f"block|{step}|mean|mean|{mask}"] = _rounded(view.block, step, "mean", "mean", mask)
     if summary["head_atlas"]:
         for step in sorted({s for k in TABLE_KINDS for s in summary["steps"].get(k, [])}):
             for column in HEAD_COLUMNS:
-                maps[f"heads|{step}|{column}"] = _rounded(view.heads(step, column))
+                maps[f"heads|{step}|{column}"] = _rounded(view.heads, step, column)
     summary["items"] = [it for it in summary["items"] if it["slot"] == summary["item"]]  # the one exported
     summary["export"] = {
         "item": summary["items"][0]["label"] if summary["items"] else "batch item 0",
@@ -130,8 +136,10 @@ def _sparse(view: RunView, summary: dict) -> dict:
     for step in summary["steps"].get("tile", []):
         large = tile(view, step, "mean", "mean").get("shape", [0])[0] > MAX_TILE_GROUPS  # before any mask is made
         for pattern in ["none", *summary["sparse"]["patterns"]]:
-            payload = tile(view, step, "mean", "mean", pattern) if not large else {"error": summary["export"]["sparse"]}
-            maps[f"tile|{step}|mean|mean|{pattern}"] = _rounded(payload)
+            too_large = {"error": summary["export"]["sparse"]}
+            maps[f"tile|{step}|mean|mean|{pattern}"] = (
+                too_large if large else _rounded(tile, view, step, "mean", "mean", pattern)
+            )
     for name, answer in (("top_p", density), ("offset", decay)):
         for step in summary["steps"].get(name, []):
             for layer in ["mean", *summary["layers"][name]]:

@@ -39,7 +39,9 @@ function embedded(path, q) {
     return EMBEDDED.maps[key] || { hint: `not in this export (${EMBEDDED.summaries[q.run].export.sparse})` };
   }
   const key = [q.run, q.kind, q.step, q.layer, q.head, q.token ?? ""].join("|");
-  return EMBEDDED.maps[key] || { hint: `this export does not hold that map (${key}): ${JSON.stringify(EMBEDDED.summaries[q.run].export)}` };
+  const kept = EMBEDDED.summaries[q.run].export; // one sentence of what the file keeps, not its whole record
+  const asked = `${q.kind}, layer ${q.layer}, head ${q.head}`;
+  return EMBEDDED.maps[key] || { hint: `not in this export (${asked}): it keeps ${kept.layers}, ${kept.heads}; open the run with \`cogattn view\` for the rest.` };
 }
 
 function fileUrl(name, what) {
