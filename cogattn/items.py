@@ -33,7 +33,8 @@ def as_index(value):
     as an ``int``; a ``bool`` refused (`TypeError`: it is no index); anything else as it is."""
     if isinstance(value, bool):
         raise TypeError(f"{value!r} is a bool, not an index: pass an integer, or a list of them.")
-    return operator.index(value) if hasattr(value, "__index__") and not isinstance(value, int) else value
+    scalar = hasattr(value, "__index__") and getattr(value, "ndim", 0) == 0  # an array or tensor of several: a list
+    return operator.index(value) if scalar and not isinstance(value, int) else value
 
 
 def pick_item(source, batch: int | str | None = None) -> int:

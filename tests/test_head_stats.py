@@ -339,6 +339,9 @@ def test_selectors_take_numpy_integers_and_refuse_booleans(probs):
     want = aggregate(source, "frame", steps=1, layers=0, heads=HEAD_IDS[1])
     got = aggregate(source, "frame", steps=np.int64(1), layers=[np.int32(0)], heads=np.int64(HEAD_IDS[1]))
     assert got.shape == want.shape and torch.equal(got, want)
+    pair = aggregate(source, "frame", steps=[0, 1], layers=0)  # an array or tensor of several is a list, as before
+    assert torch.equal(aggregate(source, "frame", steps=np.arange(2), layers=0), pair)
+    assert torch.equal(aggregate(source, "frame", steps=torch.tensor([0, 1]), layers=0), pair)
     table = head_table(source, steps=np.int64(1))
     assert set(table.step) == {1}
     for bad in (dict(heads=True), dict(steps=True), dict(layers=[0, False])):

@@ -226,4 +226,5 @@ def mean_decay(table: pd.DataFrame, by: str = "head") -> pd.DataFrame:
         groups = expert_steps_of(table)
         fix = " or ".join(f"table[table.expert == {name!r}]" for name in groups)
         check_one_expert(groups, f"mean_decay(table, by={by!r})", f"Pass {fix}, or by='step'.")
-    return _with_fits(table.groupby(by, sort=True)[curves].mean(skipna=False))  # a damaged row: NaN, not left out
+    damaged = table[curves].isna().groupby(table[by], sort=True).any()  # a damaged row's NaN kept, not left out
+    return _with_fits(table.groupby(by, sort=True)[curves].mean().mask(damaged))
