@@ -130,7 +130,8 @@ def capture(
     pooled = [(r, o) for r, o in zip(reducers, outs) if r.key_groups is not None or r.stat is not None]
     row_kinds = [(r, o) for r, o in zip(reducers, outs) if r.rows is not None]
 
-    every_row = [(r, o) for r, o in row_kinds if r in tiled(reducers, S, "")]
+    formed = tiled(reducers, S, "")  # the row kinds of every row (not of the head-mean row, nor chosen rows)
+    every_row = [(r, o) for r, o in row_kinds if r in formed]
     if every_row or (pooled and plan.method == "rows"):
         row_pass(q, k, None, every_row, pooled if plan.method == "rows" else [], plan, scale, probe, keys, mask)
     mean_rows = [(r, o) for r, o in row_kinds if r.mean_rows]
